@@ -1,0 +1,232 @@
+"""PyTorch adapter: module hooks in, numpy views out. Imports torch; nothing else in layerdiff does."""
+from __future__ import annotations
+
+import platform
+import sys
+
+import numpy as np
+import torch
+
+from ..core.structure import replace_tensors, walk
+from .common import hyper_parameters
+
+FRAMEWORK = "torch"
+
+_DTYPE_NAMES = {
+    torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8",
+    torch.uint8: "uint8", torch.bool: "bool", torch.complex64: "complex64", torch.complex128: "complex128",
+}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPE_NAMES[getattr(torch, _name)] = _name
+
+
+def is_tensor(obj) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
+def to_stored(t: torch.Tensor):
+    """(numpy array of the tensor's bits, dtype name), or None for dtypes a trace cannot hold."""
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None or t.is_meta:
+        return None
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    if name == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16), name
+    if name.startswith("float8"):
+        return t.view(torch.uint8).numpy(), name
+    return t.numpy(), name
+
+
+def _stored_list(pairs):
+    out = []
+    for key, t in pairs:
+        stored = to_stored(t)
+        if stored is not None:
+            out.append((key, *stored))
+    return out
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity in forward; in backward, hands the incoming gradients to a callback.
+
+    Unlike ``register_full_backward_hook`` (whose outputs are views that forbid in-place ops on them),
+    the tap returns detached aliases, so models that modify activations in place trace unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback(grads)
+        return (None, *grads)
+
+
+def _differentiable(t) -> bool:
+    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+class Hooks:
+    """Registers forward hooks on every module (plus gradient taps and parameter-gradient hooks)."""
+
+    def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
+        self.model = model
+        self.session = session
+        self.backward = backward
+        self.path_filter = path_filter
+        self.record_params = params
+        self.handles = []
+        self.open_frames: dict[int, list] = {}
+        self.no_input_taps: set[str] = set()
+        self.param_versions: dict[str, int] = {}
+        self.params = [(name, p) for name, p in model.named_parameters()
+                       if path_filter(name.rpartition(".")[0])]
+
+    # -- installation --------------------------------------------------------------------------------------
+    def install(self):
+        for path, module in self.model.named_modules():
+            if module is not self.model and not self.path_filter(path):
+                continue
+            hparams = hyper_parameters(module, _safe_extra_repr(module))
+            self.handles.append(module.register_forward_pre_hook(
+                self._pre_hook(path, type(module).__name__, hparams), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(
+                self._post_hook(path), with_kwargs=True, always_call=True))
+        if self.backward and self.record_params:
+            for name, p in self.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(name)))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _pre_hook(self, path, type_name, hparams):
+        session = self.session
+
+        def hook(module, args, kwargs):
+            if not session.stack and self.record_params:
+                self._record_changed_params()
+            tensors, scalars = [], {}
+            walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            frame = session.begin_call(path, type_name, hparams, _stored_list(tensors), scalars)
+            self.open_frames.setdefault(id(module), []).append(frame)
+            if not self._taps_enabled() or getattr(module, "inplace", False) is True or path in self.no_input_taps:
+                return None
+            needs = [(k, t) for k, t in tensors if _differentiable(t)]
+            if not needs:
+                return None
+            frame.tapped_inputs = True
+            frame.versions = [(t, t._version) for _, t in needs]
+            keys = [k for k, _ in needs]
+            tapped = _GradTap.apply(lambda grads: self._on_grads(session.grad_inputs, frame, keys, grads),
+                                    *[t for _, t in needs])
+            swap = {id(t): new for (_, t), new in zip(needs, tapped)}
+            return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
+
+        return hook
+
+    def _post_hook(self, path):
+        session = self.session
+
+        def hook(module, args, kwargs, output):
+            stack = self.open_frames.get(id(module))
+            if not stack:
+                return None
+            frame = stack.pop()
+            error = sys.exc_info()[1]
+            if output is None and error is not None:
+                session.fail_call(frame, error)
+                return None
+            tensors, scalars = [], {}
+            walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            session.end_call(frame, _stored_list(tensors), scalars)
+            if any(t._version != v for t, v in frame.versions):
+                self.no_input_taps.add(path)
+                session.warn(f"{path} modifies its input in place: input gradients of its first call may be "
+                             "misattributed; its later calls record no grad_input")
+            if not self._taps_enabled():
+                return None
+            needs = [(k, t) for k, t in tensors if _differentiable(t)]
+            if not needs:
+                return None
+            keys = [k for k, _ in needs]
+            tapped = _GradTap.apply(lambda grads: self._on_grads(session.grad_outputs, frame, keys, grads),
+                                    *[t for _, t in needs])
+            return replace_tensors(output, is_tensor, {id(t): new for (_, t), new in zip(needs, tapped)})
+
+        return hook
+
+    def _taps_enabled(self) -> bool:
+        return self.backward and torch.is_grad_enabled()
+
+    @staticmethod
+    def _on_grads(sink, frame, keys, grads):
+        sink(frame, _stored_list((k, g) for k, g in zip(keys, grads) if g is not None))
+
+    def _param_grad_hook(self, name):
+        def hook(p):
+            if p.grad is not None:
+                stored = to_stored(p.grad)
+                if stored is not None:
+                    self.session.param("param_grad", name, name.rpartition(".")[0], *stored)
+
+        return hook
+
+    def _record_changed_params(self):
+        """Parameter values at the start of each step, when they changed since last recorded (optimizer)."""
+        for name, p in self.params:
+            version = p._version
+            if self.param_versions.get(name) == version:
+                continue
+            self.param_versions[name] = version
+            stored = to_stored(p)
+            if stored is not None:
+                self.session.param("param", name, name.rpartition(".")[0], *stored)
+
+
+def _safe_extra_repr(module) -> str:
+    try:
+        return module.extra_repr()
+    except Exception:  # a user's extra_repr must never break tracing
+        return ""
+
+
+def metadata(model) -> dict:
+    """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
+    params = list(model.parameters())
+    meta = {
+        "framework": FRAMEWORK,
+        "framework_version": torch.__version__,
+        "model_class": f"{type(model).__module__}.{type(model).__name__}",
+        "num_parameters": int(sum(p.numel() for p in params)),
+        "devices": sorted({str(p.device) for p in params}) or ["cpu"],
+        "param_dtypes": sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params}),
+        "seed": torch.initial_seed(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "num_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "cpu": platform.processor() or platform.machine(),
+        "training": bool(model.training),
+    }
+    if torch.cuda.is_available():
+        meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return meta

@@ -1,0 +1,203 @@
+"""The ``layerdiff`` command line.
+
+Exit codes: 0 aligned / success, 1 divergent (or the traced run raised), 2 bad input. Bad input is reported as
+one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import LayerdiffError
+
+EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_tolerance_flags(p):
+    g = p.add_argument_group("tolerances (default: per dtype; see README)")
+    g.add_argument("--atol", type=float, help="absolute tolerance for every floating dtype")
+    g.add_argument("--rtol", type=float, help="tolerance relative to the reference tensor's max |value|")
+    g.add_argument("--cos", type=float, help="minimum cosine similarity")
+    g.add_argument("--tol", action="append", default=[], metavar="REGEX:atol=..,rtol=..,cos=..",
+                   help="override for module paths matching REGEX (first matching rule wins; repeatable)")
+    p.add_argument("--json", metavar="FILE", help="write the full JSON report (refuses to overwrite; see --force)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar; print only the verdict line")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="layerdiff", description="Find where two runs of the same model start to differ.")
+    parser.add_argument("--version", action="version", version=f"layerdiff {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    t = sub.add_parser("trace", help="run a model step under the tracer and write an HDF5 trace")
+    t.add_argument("target", help="file.py:function, package.module:function, or a recipe name (e.g. torch_llama)")
+    t.add_argument("-o", "--output", required=True, help="trace file to write (.h5)")
+    t.add_argument("--mode", choices=["full", "stats"], default="full",
+                   help="full: statistics and tensor values (default); stats: statistics only")
+    t.add_argument("--no-backward", action="store_true", help="forward only (no gradient taps)")
+    t.add_argument("--include", action="append", metavar="REGEX", help="trace only module paths matching")
+    t.add_argument("--exclude", action="append", metavar="REGEX", help="skip module paths matching")
+    t.add_argument("--no-params", action="store_true", help="do not record parameter values and gradients")
+    t.add_argument("--compression", choices=["gzip", "lzf"], help="compress tensor data (slower to write)")
+    t.add_argument("--flush-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="flush to disk at most this often (0: after every record); a crash keeps what was flushed")
+    t.add_argument("--steps", type=int, default=1, help="call the step function this many times")
+    t.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target function")
+    t.add_argument("--force", action="store_true", help="overwrite an existing output file")
+
+    a = sub.add_parser("align", help="compare two traces and name where they start to differ")
+    a.add_argument("a", help="reference trace")
+    a.add_argument("b", help="candidate trace")
+    a.add_argument("--map", action="append", metavar="B_REGEX=A_NAME",
+                   help="rename B's module paths to A's (regex substitution; or a file of rules; repeatable)")
+    _add_tolerance_flags(a)
+
+    r = sub.add_parser("report", help="re-judge a saved JSON report under other tolerances (no traces needed)")
+    r.add_argument("report", help="JSON written by `layerdiff align --json`")
+    _add_tolerance_flags(r)
+
+    s = sub.add_parser("show", help="metadata, module tree, record counts and sizes of a trace")
+    s.add_argument("trace")
+    s.add_argument("--records", action="store_true", help="list every record")
+
+    d = sub.add_parser("demo", help="trace a small Llama twice (one with an injected defect) and align them")
+    d.add_argument("--defect", default="eps", help="which defect to inject (see recipes/torch_llama.py)")
+    d.add_argument("--keep", metavar="DIR", help="keep the traces and report in DIR (default: a temp dir)")
+    return parser
+
+
+def _policy(args):
+    from .core.tolerance import TolerancePolicy, parse_rule
+
+    try:
+        rules = [parse_rule(text) for text in args.tol]
+    except (ValueError, Exception) as exc:  # re.error subclasses Exception
+        raise LayerdiffError(str(exc)) from None
+    for name in ("atol", "rtol"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise LayerdiffError(f"--{name} must be >= 0")
+    if args.cos is not None and not -1 <= args.cos <= 1:
+        raise LayerdiffError("--cos must be between -1 and 1")
+    return TolerancePolicy(args.atol, args.rtol, args.cos, rules)
+
+
+def _finish_report(report, args) -> int:
+    from .core.report import make_console, render, write_json
+
+    if args.json:
+        write_json(report, args.json, overwrite=args.force)
+    if args.quiet:
+        f = report["forward"]["first_divergence"]
+        b = report["backward"]["first_divergence"]
+        print(f"{report['verdict']}: forward {f['description'] if f else 'aligned'}; "
+              f"backward {b['description'] if b else 'aligned'}")
+    else:
+        render(report, make_console())
+    return EXIT_OK if report["verdict"] == "aligned" else EXIT_DIVERGENT
+
+
+def cmd_align(args) -> int:
+    from .core.align import align
+    from .core.match import RenameRules
+    from .core.report import ByteProgress
+    from .core.traceformat import open_trace
+
+    policy = _policy(args)
+    rename = RenameRules.parse(args.map)
+    if args.json:
+        from pathlib import Path
+        if Path(args.json).exists() and not args.force:
+            raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
+    with open_trace(args.a) as ra, open_trace(args.b) as rb:
+        progress = ByteProgress("aligning", enabled=None if not args.quiet else False)
+        try:
+            report = align(ra, rb, rename=rename, policy=policy, progress=progress)
+        finally:
+            progress.close()
+    return _finish_report(report, args)
+
+
+def cmd_report(args) -> int:
+    from .core.align import evaluate
+    from .core.report import read_json
+
+    saved = read_json(args.report)
+    return _finish_report(evaluate(saved, _policy(args)), args)
+
+
+def cmd_trace(args) -> int:
+    from pathlib import Path
+
+    from . import runner
+    from .tracing import trace
+
+    if args.steps < 1:
+        raise LayerdiffError("--steps must be at least 1")
+    if args.flush_interval < 0:
+        raise LayerdiffError("--flush-interval must be >= 0")
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise LayerdiffError(f"{out} exists; pass --force to replace it")
+    model, step, meta = runner.build(args.target, runner.parse_args(args.arg))
+    meta = {"target": args.target, **(meta or {})}
+    tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
+                   exclude=args.exclude, overwrite=args.force, compression=args.compression,
+                   flush_interval=args.flush_interval, params=not args.no_params, meta=meta)
+    try:
+        with tracer:
+            for _ in range(args.steps):
+                step()
+    except Exception as exc:  # the user's model raised: the trace is closed and keeps what ran
+        failure = tracer.session.failure or {}
+        where = failure.get("module")
+        print(f"layerdiff: the traced run raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+              f"{f' in module {where!r}' if where else ''}; {out} holds every record before it", file=sys.stderr)
+        return EXIT_DIVERGENT
+    writer = tracer.session.writer
+    print(f"wrote {out}: {writer.records_written} records, {writer.tensor_bytes / 1e6:.1f} MB of tensors "
+          f"({args.mode} mode)")
+    return EXIT_OK
+
+
+def cmd_show(args) -> int:
+    from .show import show
+
+    show(args.trace, records=args.records)
+    return EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(defect=args.defect, keep=args.keep)
+
+
+COMMANDS = {"trace": cmd_trace, "align": cmd_align, "report": cmd_report, "show": cmd_show, "demo": cmd_demo}
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return COMMANDS[args.command](args)
+    except LayerdiffError as exc:
+        print(f"layerdiff: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("layerdiff: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""Alignment: measure every matched tensor pair, judge it, and name where the divergence originates.
+
+Three passes, each usable alone:
+1. ``measure``  - match records (match.py) and compute metrics for every tensor pair (the expensive part);
+2. ``evaluate`` - judge metrics against a tolerance policy and locate the origin, forward and backward.
+   It needs only the measurements, so a saved JSON report can be re-thresholded without the traces.
+
+The origin is the module call whose inputs agree but whose outputs don't. From there we descend into its
+children in execution order: the first child whose inputs already disagree means the divergence was born in
+the parent's own code, between the previous child and that one; the first child whose outputs disagree is
+descended into. Backward is the same with gradients: w.r.t. outputs (the inputs of backward) and w.r.t.
+inputs plus the module's own parameter gradients (the outputs of backward).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import LayerdiffError
+from .match import RenameRules, match_records, match_tensors
+from .metrics import CHUNK_ELEMS, compare_data, compare_stats
+from .tolerance import TolerancePolicy, judge
+
+REPORT_VERSION = 1
+IN_ROLES = {"forward": ("input",), "backward": ("grad_output",)}
+OUT_ROLES = {"forward": ("output",), "backward": ("grad_input", "param_grad")}
+HPARAM_ALIASES = {"epsilon": "eps", "variance_epsilon": "eps", "layer_norm_eps": "eps", "rms_norm_eps": "eps",
+                  "layer_norm_epsilon": "eps", "norm_eps": "eps", "dropout_p": "p", "attention_dropout": "p"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pass 1: measure
+# ---------------------------------------------------------------------------------------------------------
+def trace_summary(reader) -> dict:
+    meta = reader.meta
+    end = reader.end or {}
+    return {"path": str(reader.path), "framework": meta.get("framework"),
+            "framework_version": meta.get("framework_version"), "model_class": meta.get("model_class"),
+            "mode": meta.get("mode"), "records": len(reader.records), "complete": not reader.crashed,
+            "status": end.get("status", "interrupted"), "failure": end.get("failure"),
+            "warnings": end.get("warnings", []), "param_dtypes": meta.get("param_dtypes"),
+            "devices": meta.get("devices")}
+
+
+def _short(rec: dict) -> dict:
+    return {"kind": rec["kind"], "phase": rec.get("phase"), "path": rec["path"], "call": rec["call"]}
+
+
+def _compare_entries(reader_a, reader_b, ta: dict, tb: dict) -> dict:
+    shape_a, shape_b = ta["shape"], tb["shape"]
+    na, nb = math.prod(shape_a), math.prod(shape_b)
+    if na != nb:
+        return {"basis": "shape", "mismatch": f"shape {shape_a} vs {shape_b}", "numel": na}
+    if "offset" in ta and "offset" in tb:
+        metrics = compare_data(reader_a.tensor_chunks(ta, CHUNK_ELEMS), reader_b.tensor_chunks(tb, CHUNK_ELEMS),
+                               ta["dtype"], tb["dtype"])
+    else:
+        metrics = compare_stats(ta["stats"], tb["stats"])
+    if shape_a != shape_b:
+        metrics["note"] = f"shapes differ ({shape_a} vs {shape_b}); compared flattened"
+    return metrics
+
+
+def _tensor_row(ta: dict, tb: dict, metrics: dict) -> dict:
+    return {"role": ta["role"], "key": ta["key"], "dtype_a": ta["dtype"], "dtype_b": tb["dtype"],
+            "shape_a": ta["shape"], "shape_b": tb["shape"], "metrics": metrics,
+            "nonfinite_a": ta["stats"].get("nan", 0) + ta["stats"].get("inf", 0),
+            "nonfinite_b": tb["stats"].get("nan", 0) + tb["stats"].get("inf", 0)}
+
+
+def _data_bytes(rec: dict) -> int:
+    return sum(t.get("nbytes", 0) for t in rec.get("tensors", ()))
+
+
+def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None) -> dict:
+    """Match the two traces and compute metrics for every matched tensor pair."""
+    rename = rename or RenameRules()
+    matching = match_records(reader_a.records, reader_b.records, rename)
+    _check_related(matching, reader_a, reader_b)
+    if progress is not None:
+        progress.start(sum(_data_bytes(ra) + _data_bytes(rb) for ra, rb in matching.pairs))
+    records = []
+    for ra, rb in matching.pairs:
+        pairs, only_a, only_b = match_tensors(ra["tensors"], rb["tensors"])
+        row = {"kind": ra["kind"], "phase": ra.get("phase"), "path": ra["path"], "path_b": rb["path"],
+               "call": ra["call"], "step": ra.get("step", 0), "type_a": ra.get("type"), "type_b": rb.get("type"),
+               "begin": ra.get("begin", ra.get("seq", 0)), "end": ra.get("end", ra.get("seq", 0)),
+               "parent": ra.get("parent"),
+               "module": ra.get("module"), "hparams_a": ra.get("hparams"), "hparams_b": rb.get("hparams"),
+               "error_a": ra.get("error"), "error_b": rb.get("error"),
+               "tensors": [_tensor_row(ta, tb, _compare_entries(reader_a, reader_b, ta, tb)) for ta, tb in pairs],
+               "only_a": [t["role"] + ":" + t["key"] for t in only_a],
+               "only_b": [t["role"] + ":" + t["key"] for t in only_b]}
+        records.append(row)
+        if progress is not None:
+            progress.advance(_data_bytes(ra) + _data_bytes(rb))
+    bases = {t["metrics"]["basis"] for r in records for t in r["tensors"]} - {"shape"}
+    return {"report_version": REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
+            "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
+            "map": rename.as_list(), "records": records,
+            "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
+            "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)}}
+
+
+def _check_related(matching, reader_a, reader_b):
+    """Refuse to compare traces of unrelated models: nothing below the root matches, or types disagree."""
+    calls = [(ra, rb) for ra, rb in matching.pairs if ra["kind"] == "call" and ra["path"]]
+    if not calls:
+        a_paths = sorted({r["path"] for r in reader_a.records if r["kind"] == "call" and r["path"]})[:2]
+        b_paths = sorted({r["path"] for r in reader_b.records if r["kind"] == "call" and r["path"]})[:2]
+        raise LayerdiffError(f"the traces share no module paths (A: {', '.join(a_paths) or 'none'}; "
+                             f"B: {', '.join(b_paths) or 'none'}): different models? map names with "
+                             "--map 'B_PATTERN=A_NAME'")
+    same_type = sum(1 for ra, rb in calls if _type_family(ra.get("type")) == _type_family(rb.get("type")))
+    if same_type < 0.5 * len(calls):
+        raise LayerdiffError(f"only {same_type} of {len(calls)} matched module calls have the same type: the "
+                             "traces look like different models")
+
+
+def _type_family(name) -> str:
+    return (name or "").lower()
+
+
+def first_nonfinite(records) -> dict | None:
+    """The first module call (execution order) whose outputs hold NaN/Inf while its inputs are finite."""
+    def bad(t):
+        return t["stats"].get("nan", 0) + t["stats"].get("inf", 0)
+
+    calls = sorted((r for r in records if r["kind"] == "call"), key=lambda r: (r["phase"] != "forward", r["end"]))
+    for rec in calls:
+        ins = [t for t in rec["tensors"] if t["role"] in IN_ROLES[rec["phase"]]]
+        outs = [t for t in rec["tensors"] if t["role"] in OUT_ROLES[rec["phase"]]]
+        bad_outs = [t for t in outs if bad(t)]
+        if bad_outs and not any(bad(t) for t in ins):
+            t = bad_outs[0]
+            return {"module": rec["path"], "call": rec["call"], "phase": rec["phase"], "tensor": t["key"],
+                    "nan": t["stats"].get("nan", 0), "inf": t["stats"].get("inf", 0)}
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pass 2: evaluate
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Node:
+    row: dict
+    ins: list
+    outs: list
+    children: list = field(default_factory=list)
+
+    @property
+    def key(self):
+        return self.row["path"], self.row["call"]
+
+    @property
+    def inputs_ok(self) -> bool:
+        return all(t["passed"] for t in self.ins)
+
+    @property
+    def outputs_ok(self) -> bool:
+        return all(t["passed"] for t in self.outs) and not (self.row.get("error_a") or self.row.get("error_b"))
+
+    def subtree_ok(self) -> bool:
+        return self.inputs_ok and self.outputs_ok and all(c.subtree_ok() for c in self.children)
+
+
+def judge_rows(measurements: dict, policy: TolerancePolicy):
+    for row in measurements["records"]:
+        for t in row["tensors"]:
+            tol = policy.for_tensor(row["path"], t["dtype_a"], t["dtype_b"])
+            t["passed"], t["reason"] = judge(t["metrics"], tol)
+            t["tolerance"] = tol.as_dict()
+
+
+def _build_tree(rows: list, phase: str, param_grads: dict) -> list:
+    nodes = {}
+    for row in rows:
+        if row["kind"] != "call" or row["phase"] != phase:
+            continue
+        ins = [t for t in row["tensors"] if t["role"] in IN_ROLES[phase]]
+        outs = [t for t in row["tensors"] if t["role"] in OUT_ROLES[phase]]
+        nodes[(row["path"], row["call"])] = Node(row, ins, outs)
+    if phase == "backward":  # a module's parameter gradients belong to its first call of that step
+        for (module, step), tensors in param_grads.items():
+            owner = min((n for n in nodes.values() if n.row["path"] == module and n.row["step"] == step),
+                        key=lambda n: n.row["call"], default=None)
+            if owner is not None:
+                owner.outs.extend(tensors)
+    roots = []
+    for node in sorted(nodes.values(), key=lambda n: n.row["begin"]):
+        parent = nodes.get(tuple(node.row["parent"])) if node.row.get("parent") else None
+        (parent.children if parent else roots).append(node)
+    return roots
+
+
+def _first_failing(tensors) -> dict | None:
+    return next((t for t in tensors if not t["passed"]), None)
+
+
+def _locate(node: Node, chain: list):
+    """Descend from a call whose inputs agree but which diverges somewhere inside or at its outputs."""
+    chain = chain + [node]
+    previous = None
+    for child in node.children:
+        if not child.inputs_ok:
+            return node, "own_code", previous, child, chain
+        if not child.outputs_ok or not child.subtree_ok():
+            found = _locate(child, chain)
+            if found:
+                return found
+        previous = child
+    if not node.outputs_ok:
+        return node, ("own_code" if node.children else "module"), previous, None, chain
+    return None
+
+
+def _describe(node: Node, where: str, after, before) -> str:
+    path = node.row["path"] or "<root>"
+    if where != "own_code":
+        return path
+    short = lambda n: n.row["path"].rsplit(".", 1)[-1] if n else None  # noqa: E731
+    if after and before:
+        return f"{path}, own code between {short(after)} and {short(before)}"
+    if before:
+        return f"{path}, own code before {short(before)}"
+    if after:
+        return f"{path}, own code after {short(after)}"
+    return f"{path}, own code"
+
+
+def hparam_diff(a: dict | None, b: dict | None) -> dict:
+    def norm(h):
+        return {HPARAM_ALIASES.get(k, k): v for k, v in (h or {}).items()}
+
+    na, nb = norm(a), norm(b)
+    return {k: [na[k], nb[k]] for k in sorted(set(na) & set(nb)) if na[k] != nb[k]}
+
+
+def _origin_dict(node: Node, where: str, after, before, chain, phase: str, params: list) -> dict:
+    row = node.row
+    bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
+    diff = hparam_diff(row.get("hparams_a"), row.get("hparams_b"))
+    if row.get("type_a") != row.get("type_b"):
+        diff = {"type": [row.get("type_a"), row.get("type_b")], **diff}
+    own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
+    return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
+            "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
+            "description": _describe(node, where, after, before),
+            "tensor": bad and {"role": bad["role"], "key": bad["key"], "reason": bad["reason"],
+                               "metrics": bad["metrics"]},
+            "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
+            "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase}
+
+
+def _first_over_tolerance(rows, phase):
+    over = [r for r in rows if r["kind"] == "call" and r["phase"] == phase
+            and any(not t["passed"] for t in r["tensors"])]
+    if not over:
+        return None
+    first = min(over, key=lambda r: r["end"])  # completion order: the first result that was off
+    return {"module": first["path"], "call": first["call"]}
+
+
+def _param_rows(rows, kind):
+    out = []
+    for r in rows:
+        if r["kind"] == kind and r["tensors"]:
+            t = r["tensors"][0]
+            out.append({"name": r["path"], "module": r["module"], "step": r["step"], "passed": t["passed"],
+                        "reason": t["reason"], "metrics": t["metrics"], "role": t["role"], "key": r["path"].rsplit(".", 1)[-1]})
+    return out
+
+
+def _inherited(forward_origin: dict) -> dict:
+    return {**forward_origin, "where": "forward", "phase": "backward",
+            "description": f"{forward_origin['description']} (inherited from the forward divergence)"}
+
+
+def _forward_differs(node: Node, forward_bad: set) -> bool:
+    """Whether the module's forward, or the forward of anything inside it, already diverged in this step."""
+    path, step = node.row["path"], node.row["step"]
+    return any(s == step and (p == path or not path or p.startswith(path + ".")) for p, s in forward_bad)
+
+
+def _phase_result(rows, phase, roots, params, forward_origin, forward_bad=frozenset()) -> dict:
+    present = any(r["kind"] == "call" and r["phase"] == phase for r in rows)
+    failing = [t for r in rows if r["kind"] == "call" and r["phase"] == phase for t in r["tensors"]
+               if not t["passed"]]
+    if phase == "backward":
+        failing += [p for p in params.get("param_grad", []) if not p["passed"]]
+    result = {"present": present, "status": "aligned" if present and not failing else
+              ("divergent" if failing else "absent"), "failing_tensors": len(failing),
+              "first_divergence": None, "first_over_tolerance": _first_over_tolerance(rows, phase)}
+    if not failing:
+        return result
+    for root in roots:
+        if not root.inputs_ok:
+            if phase == "backward" and forward_origin is not None:
+                result["first_divergence"] = _inherited(forward_origin)
+            else:
+                what = "inputs" if phase == "forward" else "gradient of the loss w.r.t. the outputs"
+                origin = _origin_dict(root, "inputs", None, None, [root], phase, [])
+                origin["description"] = f"{root.row['path'] or '<root>'}: the runs were given different {what}"
+                result["first_divergence"] = origin
+            return result
+        found = _locate(root, [])
+        if found:
+            node, where, after, before, chain = found
+            if phase == "backward" and forward_origin is not None and _forward_differs(node, forward_bad):
+                result["first_divergence"] = _inherited(forward_origin)  # its forward already differs
+                return result
+            own_params = params.get("param" if phase == "forward" else "param_grad", [])
+            result["first_divergence"] = _origin_dict(node, where, after, before, chain, phase, own_params)
+            return result
+    bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)
+    if bad_param is not None:  # parameter gradients differ though no module call shows it
+        result["first_divergence"] = {"module": bad_param["module"], "where": "param_grad",
+                                      "description": f"{bad_param['name']} gradient", "tensor": bad_param,
+                                      "hparam_diff": {}, "param_diffs": [bad_param], "chain": [], "phase": phase}
+    return result
+
+
+def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
+    """Judge every tensor and locate the origin, forward and backward. Returns the full report dict."""
+    judge_rows(measurements, policy)
+    rows = measurements["records"]
+    params = {kind: _param_rows(rows, kind) for kind in ("param", "param_grad")}
+    grads_by_module = {}
+    for p in params["param_grad"]:
+        grads_by_module.setdefault((p["module"], p["step"]), []).append(p)
+    forward = _phase_result(rows, "forward", _build_tree(rows, "forward", {}), params, None)
+    forward_bad = {(r["path"], r["step"]) for r in rows if r["kind"] == "call" and r["phase"] == "forward"
+                   and not all(t["passed"] for t in r["tensors"])}
+    backward = _phase_result(rows, "backward", _build_tree(rows, "backward", grads_by_module), params,
+                             forward["first_divergence"], forward_bad)
+    for key, side in (("failure", "b"), ("failure_a", "a")):  # a run that raised: where, and what
+        failure = measurements[side].get("failure")
+        forward[key] = failure and {"module": failure.get("module"), "error": failure.get("error")}
+    param_values = params["param"]
+    report = dict(measurements)
+    report.update(
+        tolerances=policy.describe(), forward=forward, backward=backward,
+        params={"compared": len(param_values), "differ": [p["name"] for p in param_values if not p["passed"]],
+                "grads_compared": len(params["param_grad"]),
+                "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]]},
+        growth=growth_table(rows, forward["first_divergence"]),
+        verdict="divergent" if "divergent" in (forward["status"], backward["status"]) else "aligned")
+    return report
+
+
+def growth_table(rows: list, origin: dict | None, max_rows: int = 16) -> list:
+    """Forward calls at the coarsest depth that still shows the model's blocks, plus the origin's ancestors
+    and siblings: how the error grows, block by block, and where it starts."""
+    step = origin["step"] if origin and "step" in origin else 0
+    calls = sorted((r for r in rows if r["kind"] == "call" and r["phase"] == "forward" and r["step"] == step),
+                   key=lambda r: r["begin"])
+    depth = lambda r: 0 if not r["path"] else r["path"].count(".") + 1  # noqa: E731
+    chosen = 1
+    for d in range(1, 12):
+        if sum(1 for r in calls if depth(r) <= d) > max_rows:
+            break
+        chosen = d
+    near = set()
+    if origin and origin.get("chain"):
+        chain = [p if p != "<root>" else "" for p in origin["chain"]]
+        near.update(chain)
+        parent = chain[-2] if len(chain) > 1 else None
+        near.update(r["path"] for r in calls if parent is not None and r.get("parent") and r["parent"][0] == parent)
+        near.update(r["path"] for r in calls if r.get("parent") and r["parent"][0] == chain[-1])
+    tree_depth = {}
+    for r in calls:  # depth in the call tree (a never-called ModuleList adds no level)
+        parent = tuple(r["parent"]) if r.get("parent") else None
+        tree_depth[(r["path"], r["call"])] = tree_depth.get(parent, -1) + 1
+    table = []
+    for r in calls:
+        if depth(r) > chosen and r["path"] not in near:
+            continue
+        outs = [t for t in r["tensors"] if t["role"] == "output"]
+        worst = max(outs, key=lambda t: _rel_error(t["metrics"]), default=None)
+        table.append({"module": r["path"], "call": r["call"], "type": r["type_a"],
+                      "depth": tree_depth[(r["path"], r["call"])],
+                      "passed": all(t["passed"] for t in r["tensors"]) and not r.get("error_b"),
+                      "max_abs": worst and worst["metrics"].get("max_abs"),
+                      "rel": worst and _rel_error(worst["metrics"]),
+                      "cosine": worst and worst["metrics"].get("cosine"),
+                      "origin": bool(origin and r["path"] == origin["module"] and r["call"] == origin.get("call"))})
+    return table
+
+
+def _rel_error(m: dict) -> float:
+    if m.get("mismatch"):
+        return math.inf
+    ref = m.get("ref_max_abs") or 0.0
+    mx = m.get("max_abs") or 0.0
+    return mx / ref if ref else (0.0 if mx == 0 else math.inf)
+
+
+def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
+          progress=None) -> dict:
+    return evaluate(measure(reader_a, reader_b, rename, progress), policy or TolerancePolicy())

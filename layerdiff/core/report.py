@@ -1,0 +1,245 @@
+"""Rendering of an alignment report: a terminal view a person reads in ten seconds, and JSON for tools.
+
+The JSON holds every measured metric, so ``layerdiff report`` can re-judge it under other tolerances.
+Non-finite floats are written as the strings "inf", "-inf" and "nan" to keep the file standard JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import LayerdiffError
+
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _from_json(obj):
+    if isinstance(obj, str) and obj in _NONFINITE:
+        return _NONFINITE[obj]
+    if isinstance(obj, dict):
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj
+
+
+def write_json(report: dict, path, *, overwrite: bool = False):
+    """Write atomically (temp file + rename) and never over an existing file unless asked."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise LayerdiffError(f"{path} exists; pass --force to replace it")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(_json_safe(report), indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise LayerdiffError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def read_json(path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LayerdiffError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise LayerdiffError(f"{path}: not a JSON report ({type(exc).__name__})") from None
+    if not isinstance(data, dict) or "records" not in data or "report_version" not in data:
+        raise LayerdiffError(f"{path}: JSON, but not a layerdiff align report")
+    return _from_json(data)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# terminal rendering
+# ---------------------------------------------------------------------------------------------------------
+def _fmt(x, digits=3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if math.isinf(x):
+            return "inf"
+        if x == 0:
+            return "0"
+        if 1e-3 <= abs(x) < 1e4:
+            return f"{x:.{digits}g}"
+        return f"{x:.{digits - 1}e}"
+    return str(x)
+
+
+def _fmt_cos(x) -> str:
+    if x is None:
+        return "-"
+    if x == 1.0:
+        return "1"
+    if 0 < 1.0 - x < 1e-5:
+        return f"1-{1.0 - x:.1e}"
+    return f"{x:.6f}"
+
+
+def _trace_line(side: dict) -> str:
+    parts = [side.get("framework") or "?", side.get("framework_version") or "",
+             (side.get("model_class") or "").rsplit(".", 1)[-1], f"mode={side.get('mode')}"]
+    state = "" if side.get("complete") else " [yellow](incomplete: run did not finish)[/]"
+    return f"{side['path']}  ({' '.join(p for p in parts if p)}){state}"
+
+
+def _origin_lines(origin: dict) -> list[str]:
+    lines = [f"[bold red]{origin['description']}[/]" + (f"  [dim]({origin['type']})[/]" if origin.get("type") else "")]
+    where = origin.get("where")
+    tensor = origin.get("tensor")
+    if where == "inputs":
+        lines.append("the two runs start from different inputs: check data, seeds and preprocessing first")
+    elif where == "forward":
+        lines.append("backward differs because forward already does; fix the forward origin first")
+    elif tensor:
+        if origin["phase"] == "forward":
+            lead = "inputs agree; " if where == "module" else "its children agree up to here; "
+        else:
+            lead = "gradient w.r.t. outputs agrees; " if where == "module" else "children agree up to here; "
+        lines.append(f"{lead}{tensor['role']} [cyan]{tensor['key']}[/] differs: {tensor['reason']}")
+        m = tensor.get("metrics") or {}
+        if m.get("basis") == "data":
+            lines.append(f"max abs {_fmt(m.get('max_abs'))}  mean abs {_fmt(m.get('mean_abs'))}  "
+                         f"max rel {_fmt(m.get('max_rel'))}  cosine {_fmt_cos(m.get('cosine'))}")
+    if origin.get("error"):
+        lines.append(f"[red]raised:[/] {origin['error']}")
+    for key, (a, b) in (origin.get("hparam_diff") or {}).items():
+        lines.append(f"[yellow]{key}: {a!r} (A) vs {b!r} (B)[/]")
+    for p in (origin.get("param_diffs") or [])[:4]:
+        lines.append(f"[yellow]parameter {p['name']} differs: {p['reason']}[/]")
+    if origin.get("chain") and len(origin["chain"]) > 1:
+        lines.append("[dim]chain: " + " > ".join(origin["chain"]) + "[/]")
+    return lines
+
+
+def make_console(**kwargs) -> Console:
+    """Wide enough for module paths when piped (rich would default to 80 columns)."""
+    probe = Console(**kwargs)
+    return probe if probe.is_terminal else Console(width=max(probe.width, 140), **kwargs)
+
+
+def render(report: dict, console: Console | None = None):
+    console = console or make_console()
+    console.print(f"[bold]A[/] {_trace_line(report['a'])}")
+    console.print(f"[bold]B[/] {_trace_line(report['b'])}")
+    basis = report.get("basis")
+    n_tensors = sum(len(r["tensors"]) for r in report["records"])
+    note = ("[yellow]statistics only (a 'stats' trace): min/max/mean/RMS compared, values were not; a defect "
+            "that keeps the statistics can hide[/]" if basis in ("stats", "mixed") else "stored tensor values")
+    console.print(f"compared {n_tensors} tensor pairs in {len(report['records'])} records from {note}")
+    for phase in ("forward", "backward"):
+        res = report[phase]
+        if res["status"] == "absent":
+            console.print(f"[bold]{phase.upper():9}[/][dim]not in both traces[/]")
+            continue
+        ok = res["status"] == "aligned"
+        mark = "[bold green]aligned[/]" if ok else f"[bold red]divergent[/] ({res['failing_tensors']} tensors over tolerance)"
+        console.print(f"[bold]{phase.upper():9}[/]{mark}")
+        origin = res.get("first_divergence")
+        if origin:
+            lines = _origin_lines(origin)
+            console.print("  origin: " + lines[0])
+            for line in lines[1:]:
+                console.print("          " + line)
+            first = res.get("first_over_tolerance")
+            if first and first["module"] != origin["module"] and origin.get("where") not in ("forward",):
+                console.print(f"          [dim](first over tolerance in execution order: {first['module'] or '<root>'};"
+                              " the origin is where inputs still agree)[/]")
+        failure = res.get("failure")
+        if failure:
+            console.print(f"  [red]run B raised in {failure['module'] or '<root>'}: {failure['error']}[/]")
+    for side in ("a", "b"):
+        nf = report.get("first_nonfinite", {}).get(side)
+        if nf:
+            console.print(f"[red]first NaN/Inf in {side.upper()}:[/] {nf['module'] or '<root>'} ({nf['phase']}) "
+                          f"{nf['tensor']}: {nf['nan']} NaN, {nf['inf']} Inf")
+    _render_growth(report, console)
+    _render_footer(report, console)
+
+
+def _render_growth(report: dict, console: Console):
+    rows = report.get("growth") or []
+    if not rows or report["forward"]["status"] == "aligned":
+        return
+    table = Table(title="forward, block by block: how the error grows", title_justify="left", box=None,
+                  header_style="bold", pad_edge=False)
+    for col, kw in (("module", {"no_wrap": True}), ("type", {"style": "dim"}), ("max abs", {"justify": "right"}),
+                    ("rel", {"justify": "right"}), ("cosine", {"justify": "right"}), ("", {})):
+        table.add_column(col, **kw)
+    for r in rows:
+        indent = "  " * r["depth"]
+        name = (r["module"] or "<root>") + (f" #{r['call']}" if r["call"] else "")
+        style = "bold red" if r["origin"] else ("" if r["passed"] else "red")
+        mark = Text("<- origin", style="bold red") if r["origin"] else Text("ok" if r["passed"] else "x",
+                                                                            style="green" if r["passed"] else "red")
+        table.add_row(Text(indent + name, style=style), r["type"] or "", _fmt(r["max_abs"]), _fmt(r["rel"]),
+                      _fmt_cos(r["cosine"]), mark)
+    console.print(table)
+
+
+def _render_footer(report: dict, console: Console):
+    notes = []
+    p = report.get("params", {})
+    if p.get("compared"):
+        notes.append(f"parameters: {len(p['differ'])} of {p['compared']} differ"
+                     + (f" (first: {p['differ'][0]})" if p["differ"] else ""))
+    if report.get("only_a") or report.get("only_b"):
+        def names(rs):
+            return ", ".join(sorted({r["path"] or "<root>" for r in rs})[:3])
+        notes.append(f"unmatched records: {len(report['only_a'])} only in A ({names(report['only_a'])}), "
+                     f"{len(report['only_b'])} only in B ({names(report['only_b'])})")
+    for side in ("a", "b"):
+        for w in report[side].get("warnings", []):
+            notes.append(f"warning ({side.upper()}): {w}")
+    for n in notes:
+        console.print(f"[dim]{n}[/]")
+    verdict = report["verdict"]
+    console.print(f"verdict: [bold {'green' if verdict == 'aligned' else 'red'}]{verdict}[/]")
+
+
+class ByteProgress:
+    """A rich progress bar over bytes, shown only on a terminal and when not quiet."""
+
+    def __init__(self, description: str, enabled: bool | None = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.description = description
+        self._bar = None
+        self._task = None
+
+    def start(self, total: int):
+        if not self.enabled or total <= 0:
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        self._bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                             TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                             transient=True)
+        self._bar.start()
+        self._task = self._bar.add_task(self.description, total=total)
+
+    def advance(self, n: int):
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,193 @@
+"""The framework-neutral half of tracing: call stack, call indices, records and backward pairing.
+
+An adapter installs the framework's hooks and hands this session numpy views of tensors; the session decides
+what a record is and writes it. Keeping this here is what makes the three adapters small and their traces
+identical in shape.
+"""
+from __future__ import annotations
+
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from .traceformat import TraceWriter
+
+MODES = ("full", "stats")
+
+
+@dataclass
+class CallFrame:
+    """One module call in flight (between its forward pre-hook and post-hook)."""
+
+    path: str
+    call: int
+    type: str
+    step: int
+    begin: int
+    parent: tuple | None
+    hparams: dict
+    inputs: list = field(default_factory=list)
+    scalars: dict = field(default_factory=dict)
+    tapped_inputs: bool = False
+    versions: list = field(default_factory=list)  # adapter's in-place detection: (tensor, version)
+
+
+@dataclass
+class PendingBackward:
+    frame: CallFrame
+    begin: int
+    grad_outputs: list
+
+
+class PathFilter:
+    """Include/exclude module paths by regular expression (``re.search``)."""
+
+    def __init__(self, include=None, exclude=None):
+        self.include = [re.compile(p) for p in _as_list(include)]
+        self.exclude = [re.compile(p) for p in _as_list(exclude)]
+
+    def __call__(self, path: str) -> bool:
+        if self.include and not any(p.search(path) for p in self.include):
+            return False
+        return not any(p.search(path) for p in self.exclude)
+
+
+def _as_list(x):
+    if x is None:
+        return []
+    return [x] if isinstance(x, str) else list(x)
+
+
+class TraceSession:
+    """Turns hook callbacks into trace records. One session per trace; no state outside it."""
+
+    def __init__(self, writer: TraceWriter, mode: str = "full"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.writer = writer
+        self.store_data = mode == "full"
+        self.stack: list[CallFrame] = []
+        self.call_counts: dict[str, int] = {}
+        self.param_counts: dict[tuple, int] = {}
+        self.pending_backward: dict[int, PendingBackward] = {}
+        self.seq = 0
+        self.step = -1
+        self.failure: dict | None = None
+        self.warnings: list[str] = []
+        self.started = time.time()
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _entries(self, role: str, tensors) -> list[dict]:
+        out = []
+        for key, stored, dtype in tensors:
+            entry = self.writer.write_tensor(stored, dtype, store_data=self.store_data)
+            entry["role"], entry["key"] = role, key
+            out.append(entry)
+        return out
+
+    def warn(self, message: str):
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict) -> CallFrame:
+        """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them."""
+        if not self.stack:
+            self.step += 1
+        call = self.call_counts.get(path, 0)
+        self.call_counts[path] = call + 1
+        parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
+        frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
+                          scalars=scalars)
+        frame.inputs = self._entries("input", inputs)
+        self.stack.append(frame)
+        return frame
+
+    def _pop(self, frame: CallFrame):
+        if self.stack and self.stack[-1] is frame:
+            self.stack.pop()
+        elif frame in self.stack:  # a hook of an inner module did not run; drop it with this one
+            del self.stack[self.stack.index(frame):]
+
+    def _call_record(self, frame: CallFrame, phase: str, begin: int, tensors: list, **extra) -> dict:
+        rec = {"kind": "call", "phase": phase, "path": frame.path, "call": frame.call, "step": frame.step,
+               "type": frame.type, "begin": begin, "end": self._next_seq(),
+               "parent": list(frame.parent) if frame.parent else None, "tensors": tensors}
+        rec.update(extra)
+        return rec
+
+    def end_call(self, frame: CallFrame, outputs, scalars: dict):
+        self._pop(frame)
+        tensors = frame.inputs + self._entries("output", outputs)
+        self.writer.write_record(self._call_record(
+            frame, "forward", frame.begin, tensors, hparams=frame.hparams,
+            scalars={**frame.scalars, **scalars}))
+
+    def fail_call(self, frame: CallFrame, exc: BaseException):
+        """The module raised: keep its inputs and the error; the innermost failing call is the failure."""
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+        if self.failure is None:
+            self.failure = {"module": frame.path, "call": frame.call, "error": message,
+                            "module_stack": [f.path for f in self.stack],
+                            "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:]}
+        self._pop(frame)
+        self.writer.write_record(self._call_record(
+            frame, "forward", frame.begin, frame.inputs, hparams=frame.hparams, scalars=frame.scalars,
+            incomplete=True, error=message))
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def grad_outputs(self, frame: CallFrame, grads):
+        """Gradient w.r.t. the call's outputs: arrives first; waits for the input side when there is one."""
+        begin = self._next_seq()
+        entries = self._entries("grad_output", grads)
+        if not frame.tapped_inputs:
+            self.writer.write_record(self._call_record(frame, "backward", begin, entries))
+            return
+        earlier = self.pending_backward.pop(id(frame), None)
+        if earlier is not None:  # a second backward through the same call before the first finished
+            self._emit_pending(earlier)
+        self.pending_backward[id(frame)] = PendingBackward(frame, begin, entries)
+
+    def grad_inputs(self, frame: CallFrame, grads):
+        pending = self.pending_backward.pop(id(frame), None)
+        entries = self._entries("grad_input", grads)
+        if pending is None:  # outputs carried no gradient (unused); inputs still did
+            self.writer.write_record(self._call_record(frame, "backward", self._next_seq(), entries))
+            return
+        self.writer.write_record(self._call_record(frame, "backward", pending.begin,
+                                                   pending.grad_outputs + entries))
+
+    def _emit_pending(self, pending: PendingBackward):
+        self.writer.write_record(self._call_record(pending.frame, "backward", pending.begin,
+                                                   pending.grad_outputs))
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    def param(self, kind: str, name: str, module_path: str, stored, dtype: str):
+        """kind is "param" (value) or "param_grad" (gradient after accumulation)."""
+        count = self.param_counts.get((kind, name), 0)
+        self.param_counts[(kind, name)] = count + 1
+        entry = self.writer.write_tensor(stored, dtype, store_data=self.store_data)
+        entry["role"], entry["key"] = kind, "value"
+        self.writer.write_record({"kind": kind, "path": name, "module": module_path, "call": count,
+                                  "step": max(self.step, 0), "seq": self._next_seq(), "tensors": [entry]})
+
+    # -- end -----------------------------------------------------------------------------------------------
+    def close(self, exc: BaseException | None = None):
+        for pending in list(self.pending_backward.values()):
+            self._emit_pending(pending)
+        self.pending_backward.clear()
+        if exc is not None and self.failure is None:
+            message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+            self.failure = {"module": self.stack[-1].path if self.stack else None, "call": None,
+                            "error": message, "module_stack": [f.path for f in self.stack]}
+        end = {"kind": "end", "status": "error" if exc is not None else "complete",
+               "failure": self.failure if exc is not None else None,
+               "records": self.writer.records_written, "tensor_bytes": self.writer.tensor_bytes,
+               "steps": self.step + 1, "seconds": round(time.time() - self.started, 3),
+               "warnings": self.warnings}
+        self.writer.close(end)

@@ -1,0 +1,96 @@
+"""Dtype names and summary statistics for tensors handed over as numpy arrays.
+
+Adapters convert framework tensors to numpy *storage* arrays plus a logical dtype name. Dtypes numpy lacks
+(bfloat16, float8) travel as unsigned-integer views of their bits and are decoded here, so the core stays
+framework-free and a trace made by one framework reads the same in any other environment.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# Logical dtype name -> numpy dtype of the stored bits.
+STORAGE_DTYPES = {
+    "float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+    "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8,
+    "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
+    "bool": np.bool_, "complex64": np.complex64, "complex128": np.complex128,
+}
+FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+# Lower rank = less precise; a pair of tensors is judged by its less precise side.
+PRECISION_RANK = {"float8_e4m3fn": 0, "float8_e5m2": 0, "bfloat16": 1, "float16": 2, "float32": 3, "float64": 4}
+
+
+def storage_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(STORAGE_DTYPES[name])
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}") from None
+
+
+def _decode_float8(bits: np.ndarray, exp_bits: int, man_bits: int, bias: int, ieee_inf: bool) -> np.ndarray:
+    b = bits.astype(np.int32)
+    sign = np.where(b >> 7, -1.0, 1.0).astype(np.float32)
+    exp = (b >> man_bits) & ((1 << exp_bits) - 1)
+    man = (b & ((1 << man_bits) - 1)).astype(np.float32)
+    normal = (1.0 + man / (1 << man_bits)) * np.exp2(exp.astype(np.float32) - bias)
+    subnormal = (man / (1 << man_bits)) * np.float32(2.0 ** (1 - bias))
+    out = sign * np.where(exp == 0, subnormal, normal)
+    max_exp = (1 << exp_bits) - 1
+    if ieee_inf:  # e5m2: IEEE-like inf/nan
+        out = np.where((exp == max_exp) & (man == 0), sign * np.inf, out)
+        out = np.where((exp == max_exp) & (man != 0), np.nan, out)
+    else:  # e4m3fn: only S.1111.111 is nan
+        out = np.where((exp == max_exp) & (man == (1 << man_bits) - 1), np.nan, out)
+    return out.astype(np.float32)
+
+
+def as_float(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """The values of a stored tensor as a numpy float array (float32 or wider); ints and bools as float64."""
+    if dtype == "bfloat16":
+        return (stored.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float8_e4m3fn":
+        return _decode_float8(stored, 4, 3, 7, ieee_inf=False)
+    if dtype == "float8_e5m2":
+        return _decode_float8(stored, 5, 2, 15, ieee_inf=True)
+    if dtype in ("float16",):
+        return stored.astype(np.float32)
+    if dtype in ("float32", "float64"):
+        return stored
+    if dtype.startswith("complex"):
+        return np.abs(stored)
+    return stored.astype(np.float64)
+
+
+def summarize(stored: np.ndarray, dtype: str) -> dict:
+    """min, max, mean, l2 norm and NaN/Inf counts: kept for every tensor in every mode.
+
+    NaN/Inf are counted only when min or max is non-finite, which keeps the common all-finite case at
+    four cheap reductions.
+    """
+    n = int(stored.size)
+    stats = {"numel": n, "min": None, "max": None, "mean": None, "l2": None, "nan": 0, "inf": 0}
+    if n == 0:
+        return stats
+    x = as_float(stored, dtype)
+    if x.dtype == np.bool_:
+        x = x.astype(np.float32)
+    lo, hi = float(np.min(x)), float(np.max(x))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        nan = np.isnan(x)
+        inf = np.isinf(x)
+        stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
+        finite = x[~(nan | inf)]
+        if finite.size == 0:
+            return stats
+        x = finite
+        lo, hi = float(np.min(x)), float(np.max(x))
+    flat = x.reshape(-1)
+    total = float(np.add.reduce(flat, dtype=np.float64)) if flat.dtype != np.float64 else float(flat.sum())
+    if flat.dtype in (np.float32, np.float64):
+        sq = float(np.dot(flat, flat)) if flat.flags.c_contiguous else float(np.einsum("i,i->", flat, flat))
+    else:
+        sq = float(np.dot(flat.astype(np.float64), flat.astype(np.float64)))
+    stats.update(min=lo, max=hi, mean=total / flat.size, l2=math.sqrt(max(sq, 0.0)))
+    return stats

@@ -1,0 +1,56 @@
+"""``layerdiff demo``: the whole job on an embedded example, offline.
+
+Builds the torch_llama recipe twice (the second with one injected defect), traces both, aligns them and
+shows the report, then says whether layerdiff named the module where the defect was injected.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import LayerdiffError
+
+
+def run_demo(defect: str = "eps", keep: str | None = None) -> int:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise LayerdiffError("the demo needs torch and transformers: pip install 'layerdiff[demo]'") from None
+    from .core.align import align
+    from .core.report import make_console, render, write_json
+    from .core.traceformat import open_trace
+    from .recipes import torch_llama
+    from .tracing import trace
+
+    if defect not in torch_llama.DEFECTS:
+        raise LayerdiffError(f"unknown defect {defect!r}; choose from {', '.join(torch_llama.DEFECTS)}")
+    console = make_console()
+    workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="layerdiff-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = {"reference": workdir / "reference.h5", "candidate": workdir / f"candidate_{defect}.h5"}
+    for p in list(paths.values()) + [workdir / "report.json"]:
+        if p.exists():
+            raise LayerdiffError(f"{p} exists; choose an empty --keep directory")
+    direction, expected = torch_llama.DEFECTS[defect]
+    console.print(f"[bold]layerdiff demo[/]: a 2-layer Llama (transformers, built from a config) traced twice; "
+                  f"the candidate has one injected defect ([cyan]{defect}[/], {direction}).")
+    start = time.perf_counter()
+    for role, d in (("reference", None), ("candidate", defect)):
+        built = torch_llama.build(d)
+        with trace(built["model"], paths[role]):
+            built["step"]()
+        console.print(f"  traced {role:9} -> {paths[role]}")
+    with open_trace(paths["reference"]) as a, open_trace(paths["candidate"]) as b:
+        report = align(a, b)
+    write_json(report, workdir / "report.json")
+    console.print(f"  aligned in {time.perf_counter() - start:.1f} s total; JSON report: {workdir / 'report.json'}\n")
+    render(report, console)
+    found = report[direction]["first_divergence"]
+    hit = found is not None and found["module"] == expected
+    console.print(f"\ninjected at [bold]{expected}[/] ({direction}); layerdiff named "
+                  f"[bold]{found['module'] if found else 'nothing'}[/]: "
+                  + ("[bold green]correct[/]" if hit else "[bold red]WRONG[/]"))
+    console.print(f"[dim]try: layerdiff demo --defect backward   (defects: {', '.join(torch_llama.DEFECTS)})[/]")
+    return 0 if hit else 1

@@ -1,0 +1,89 @@
+"""``layerdiff show``: what a trace holds, without reading tensor data."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from rich.table import Table
+from rich.tree import Tree
+
+from .core.report import make_console
+from .core.traceformat import open_trace
+
+_META_KEYS = ("framework", "framework_version", "model_class", "mode", "num_parameters", "devices", "param_dtypes",
+              "seed", "deterministic_algorithms", "float32_matmul_precision", "tf32_matmul", "num_threads",
+              "layerdiff_version", "python", "started", "argv")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def module_tree(records) -> Tree:
+    """Module paths as a tree, each with its type and how many forward calls it recorded."""
+    calls = Counter()
+    types = {}
+    for r in records:
+        if r["kind"] == "call" and r["phase"] == "forward":
+            calls[r["path"]] += 1
+            types[r["path"]] = r["type"]
+    root = Tree(f"<root> [dim]{types.get('', '')}[/] x{calls.get('', 0)}")
+    nodes = {"": root}
+    for path in sorted(p for p in calls if p):
+        parts = path.split(".")
+        parent = ""
+        for i in range(1, len(parts) + 1):
+            sub = ".".join(parts[:i])
+            if sub not in nodes:
+                label = parts[i - 1] + (f" [dim]{types[sub]}[/] x{calls[sub]}" if sub in calls else "")
+                nodes[sub] = nodes[parent].add(label)
+            parent = sub
+    return root
+
+
+def show(path, records: bool = False):
+    console = make_console()
+    with open_trace(path) as reader:
+        meta, end = reader.meta, reader.end or {}
+        console.print(f"[bold]{reader.path}[/]  {_mb(reader.size_bytes())} on disk")
+        status = end.get("status", "interrupted (the writing process died; records up to its last flush)")
+        console.print(f"status: {status}")
+        if end.get("failure"):
+            f = end["failure"]
+            console.print(f"[red]failed in {f.get('module') or '<root>'}: {f.get('error')}[/]")
+            if f.get("module_stack"):
+                console.print(f"[red]modules active: {' > '.join(p or '<root>' for p in f['module_stack'])}[/]")
+        for key in _META_KEYS:
+            if key in meta:
+                console.print(f"[dim]{key}:[/] {meta[key]}")
+        kinds = Counter((r["kind"], r.get("phase")) for r in reader.records)
+        tensors = sum(len(r.get("tensors", ())) for r in reader.records)
+        data = sum(t.get("nbytes", 0) for r in reader.records for t in r.get("tensors", ()))
+        console.print(f"records: {len(reader.records)} ("
+                      + ", ".join(f"{n} {k}{'/' + p if p else ''}" for (k, p), n in sorted(kinds.items(), key=str))
+                      + f"), {tensors} tensors, {_mb(data)} of tensor data, steps: {end.get('steps', '?')}")
+        nan = [r for r in reader.records for t in r.get("tensors", ()) if t["stats"].get("nan") or t["stats"].get("inf")]
+        if nan:
+            first = min(nan, key=lambda r: r.get("end", r.get("seq", 0)))
+            console.print(f"[red]{len(nan)} records hold NaN/Inf; first: {first['path']} ({first.get('phase') or first['kind']})[/]")
+        for w in end.get("warnings", []):
+            console.print(f"[yellow]warning: {w}[/]")
+        console.print(module_tree(reader.records))
+        by_module = defaultdict(int)
+        for r in reader.records:
+            by_module[r["path"]] += sum(t.get("nbytes", 0) for t in r.get("tensors", ()))
+        if data:
+            table = Table(title="largest modules by stored bytes", title_justify="left", box=None)
+            table.add_column("module")
+            table.add_column("bytes", justify="right")
+            for p, n in sorted(by_module.items(), key=lambda kv: -kv[1])[:8]:
+                table.add_row(p or "<root>", _mb(n))
+            console.print(table)
+        if records:
+            table = Table(box=None)
+            for col in ("#", "kind", "phase", "module", "call", "step", "tensors"):
+                table.add_column(col)
+            for i, r in enumerate(reader.records):
+                table.add_row(str(i), r["kind"], r.get("phase") or "", r["path"] or "<root>", str(r["call"]),
+                              str(r.get("step", "")), ", ".join(f"{t['role']}:{t['key']}{t['shape']}"
+                                                               for t in r.get("tensors", ())))
+            console.print(table)

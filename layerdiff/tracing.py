@@ -1,0 +1,82 @@
+"""The public tracing entry point: ``with layerdiff.trace(model, "run.h5"): ...``."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+
+from . import __version__
+from .adapters import detect_framework, load_adapter
+from .core.session import MODES, PathFilter, TraceSession
+from .core.traceformat import TraceWriter
+from .errors import LayerdiffError
+
+
+class Tracer:
+    """Context manager that hooks every module of ``model`` and streams a trace to ``path``.
+
+    The framework is detected from the model. Hooks are removed and the file is closed on exit, also when
+    the body raises; the exception and the modules active when it was raised are recorded, then re-raised.
+    """
+
+    def __init__(self, model, path, *, mode: str = "full", backward: bool = True, include=None, exclude=None,
+                 overwrite: bool = False, compression: str | None = None, flush_interval: float = 1.0,
+                 params: bool = True, meta: dict | None = None):
+        if mode not in MODES:
+            raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.model = model
+        self.path = os.fspath(path)
+        self.framework = detect_framework(model)
+        self.options = dict(mode=mode, backward=backward, include=include, exclude=exclude,
+                            compression=compression, flush_interval=flush_interval, params=params)
+        self.overwrite = overwrite
+        self.user_meta = meta or {}
+        self.session: TraceSession | None = None
+        self._hooks = None
+
+    def __enter__(self):
+        adapter = load_adapter(self.framework)
+        meta = run_metadata()
+        meta.update(adapter.metadata(self.model))
+        meta.update(mode=self.options["mode"], options=self.options, user=self.user_meta)
+        writer = TraceWriter(self.path, meta, overwrite=self.overwrite, compression=self.options["compression"],
+                             flush_interval=self.options["flush_interval"])
+        self.session = TraceSession(writer, self.options["mode"])
+        self._hooks = adapter.Hooks(self.model, self.session, backward=self.options["backward"],
+                                    path_filter=PathFilter(self.options["include"], self.options["exclude"]),
+                                    params=self.options["params"])
+        self._hooks.install()
+        return self
+
+    def flush(self):
+        self.session.writer.flush()
+
+    def __exit__(self, exc_type, exc, tb):
+        self._hooks.remove()
+        self.session.close(exc)
+        return False
+
+
+def trace(model, path, **options) -> Tracer:
+    """Trace every module call of ``model`` (forward and, by default, backward) into the HDF5 file ``path``.
+
+    Options: mode="full"|"stats", backward=True, include/exclude (module-path regexes), overwrite=False,
+    compression=None|"gzip"|"lzf", flush_interval=1.0 (seconds; 0 flushes after every record),
+    params=True (parameter values and gradients), meta={...} (your own notes, stored in the trace).
+    """
+    return Tracer(model, path, **options)
+
+
+def run_metadata() -> dict:
+    return {
+        "layerdiff_version": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "argv": list(sys.argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("CUBLAS_", "CUDA_", "NVIDIA_TF32", "OMP_", "MKL_", "PYTHONHASHSEED", "FLAGS_"))},
+    }

@@ -1,0 +1,122 @@
+"""Recipe: a small Llama-style decoder (transformers, built from a config: nothing is downloaded).
+
+    layerdiff trace torch_llama -o ref.h5
+    layerdiff trace torch_llama -o bad.h5 --arg defect=eps
+    layerdiff align ref.h5 bad.h5
+
+``build`` follows the ``layerdiff trace`` TARGET contract: keyword arguments in, ``{"model", "step"}`` out.
+The ``defect`` argument injects one known bug, so the recipe doubles as test material; ``DEFECTS`` says
+where each one lives (the module ``layerdiff align`` must name).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+# defect -> (direction, module path where it originates)
+DEFECTS = {
+    "eps": ("forward", "model.layers.1.post_attention_layernorm"),   # RMSNorm eps 1e-6 -> 1e-5
+    "act": ("forward", "model.layers.0.mlp.act_fn"),                 # SiLU swapped for GELU
+    "weight": ("forward", "model.layers.1.self_attn.k_proj"),        # weight scaled by (1 + 1e-4)
+    "owncode": ("forward", "model.layers.1.self_attn"),              # attention scaling x1.25 (own code)
+    "residual": ("forward", "model.layers.1"),                       # decoder layer output x(1 + 1e-3)
+    "backward": ("backward", "model.layers.0.mlp.down_proj"),        # wrong grad w.r.t. input (x1.01)
+    "fp16": ("forward", "model.layers.1.mlp.up_proj"),               # fp16 round-trip inside one Linear
+    "nan": ("forward", "model.layers.1.mlp.gate_proj"),              # NaN in one output element
+}
+
+
+class _WrongInputGrad(torch.autograd.Function):
+    """A linear layer whose backward scales the gradient w.r.t. its input by 1.01: a backward-only bug."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return (grad @ weight) * 1.01, grad_w, None
+
+
+def _rmsnorm_by_division(self, hidden_states):
+    """An honest reimplementation of LlamaRMSNorm with a different op order (division instead of rsqrt)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states / torch.sqrt(variance + self.variance_epsilon))
+
+
+def _inject(model, defect: str):
+    layers = model.model.layers
+    if defect == "eps":
+        layers[1].post_attention_layernorm.variance_epsilon = 1e-5
+    elif defect == "act":
+        layers[0].mlp.act_fn = torch.nn.GELU()
+    elif defect == "weight":
+        with torch.no_grad():
+            layers[1].self_attn.k_proj.weight.mul_(1 + 1e-4)
+    elif defect == "owncode":
+        layers[1].self_attn.scaling *= 1.25
+    elif defect == "residual":
+        forward = layers[1].forward
+        layers[1].forward = lambda *a, **k: forward(*a, **k) * (1 + 1e-3)
+    elif defect == "backward":
+        down = layers[0].mlp.down_proj
+        down.forward = lambda x: _WrongInputGrad.apply(x, down.weight, down.bias)
+    elif defect == "fp16":
+        up = layers[1].mlp.up_proj
+        up.forward = lambda x: F.linear(x.half().float(), up.weight).half().float()
+    elif defect == "nan":
+        gate = layers[1].mlp.gate_proj
+
+        def forward_with_nan(x):
+            out = F.linear(x, gate.weight)
+            out[0, 0, 0] = float("nan")
+            return out
+
+        gate.forward = forward_with_nan
+    elif defect == "reimpl":  # not a bug: eager attention and a division-based RMSNorm
+        for module in model.modules():
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.forward = types.MethodType(_rmsnorm_by_division, module)
+    elif defect is not None:
+        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)} or reimpl")
+
+
+def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
+                intermediate: int | None = None, seed: int = 0, attn: str = "sdpa", dtype: str = "float32"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return model.to(getattr(torch, dtype))
+
+
+def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+          vocab: int = 256, intermediate: int | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
+          dtype: str = "float32", backward: bool = True):
+    attn = "eager" if defect == "reimpl" else "sdpa"
+    model = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                        intermediate=intermediate, seed=seed, attn=attn, dtype=dtype)
+    _inject(model, defect)
+    generator = torch.Generator().manual_seed(seed + 1)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+
+    def step():
+        if backward:
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+        else:
+            with torch.no_grad():
+                loss = model(input_ids=input_ids).logits.float().mean()
+        return loss
+
+    return {"model": model, "step": step, "meta": {"recipe": "torch_llama", "defect": defect}}
