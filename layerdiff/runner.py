@@ -85,10 +85,9 @@ def build(target: str, kwargs: dict):
     func = resolve(target)
     try:
         built = func(**kwargs)
-    except TypeError as exc:
-        if "argument" in str(exc):
-            raise LayerdiffError(f"{target}: {exc}") from None
-        raise
+    except Exception as exc:  # the target could not even build its model: report it as bad input
+        raise LayerdiffError(f"{target} raised {type(exc).__name__} while building: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if isinstance(built, dict):
         model, step, meta = built.get("model"), built.get("step"), built.get("meta", {})
     elif isinstance(built, (tuple, list)) and len(built) == 2:

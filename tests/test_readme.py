@@ -1,0 +1,45 @@
+"""The README's first screen and CI stay true to each other."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _first_screen_commands():
+    text = (ROOT / "README.md").read_text().splitlines()[:40]
+    return [line.strip() for line in text if line.startswith("    pip install")]
+
+
+def test_readme_first_screen_has_the_two_commands():
+    commands = _first_screen_commands()
+    assert len(commands) == 2
+    demo, tests = commands
+    assert demo.endswith("layerdiff demo") and "-c constraints.txt" in demo
+    assert tests.endswith("python -m pytest") and "-c constraints.txt" in tests
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1].strip() == _first_screen_commands()[1]
+
+
+def test_constraints_pin_the_local_torch_wheel_and_numpy_below_2():
+    pins = (ROOT / "constraints.txt").read_text()
+    assert re.search(r"^torch==2\.13\.0$", pins, re.M) and re.search(r"^numpy<2$", pins, re.M)
+
+
+def test_framework_extras_do_not_pull_each_other():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(dep.startswith(("paddle", "mindspore")) for dep in extras["torch"])
+    assert not any(dep.startswith(("torch", "mindspore")) for dep in extras["paddle"])
+    assert not any(dep.startswith(("torch", "paddle")) for dep in extras["mindspore"])
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(d.split(">")[0] for d in core) == ["h5py", "numpy", "rich"]
+
+
+def test_core_never_imports_a_framework():
+    for path in (ROOT / "layerdiff" / "core").glob("*.py"):
+        source = path.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(torch|paddle|mindspore)\b", source, re.M), path
