@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=1, help="call the step function this many times")
     t.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target function")
     t.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress display")
 
     a = sub.add_parser("align", help="compare two traces and name where they start to differ")
     a.add_argument("a", help="reference trace")
@@ -151,16 +152,22 @@ def cmd_trace(args) -> int:
     tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
                    exclude=args.exclude, overwrite=args.force, compression=args.compression,
                    flush_interval=args.flush_interval, params=not args.no_params, meta=meta)
+    from .core.report import StepProgress
+
+    progress = StepProgress(args.steps, enabled=None if not args.quiet else False)
     try:
         with tracer:
             for _ in range(args.steps):
                 step()
+                progress.advance(tracer.session.writer)
     except Exception as exc:  # the user's model raised: the trace is closed and keeps what ran
         failure = tracer.session.failure or {}
         where = failure.get("module")
         print(f"layerdiff: the traced run raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
               f"{f' in module {where!r}' if where else ''}; {out} holds every record before it", file=sys.stderr)
         return EXIT_DIVERGENT
+    finally:
+        progress.close()
     writer = tracer.session.writer
     print(f"wrote {out}: {writer.records_written} records, {writer.tensor_bytes / 1e6:.1f} MB of tensors "
           f"({args.mode} mode)")

@@ -33,8 +33,6 @@ def build():
 '''
 
 WRONG_TARGETS = '''
-import torch
-
 def returns_int():
     return 42
 
@@ -42,9 +40,11 @@ def returns_none_model():
     return {"model": None, "step": lambda: None}
 
 def returns_three():
+    import torch
     return (torch.nn.Linear(2, 2), lambda: None, "extra")
 
 def step_not_callable():
+    import torch
     return {"model": torch.nn.Linear(2, 2), "step": 5}
 
 def model_not_a_module():
@@ -139,7 +139,8 @@ def work(tmp_path, bad_input_traces):
     """A fresh working directory with a private copy of the recipe trace, and the dirs to watch."""
     trace = tmp_path / "trace.h5"
     shutil.copy2(bad_input_traces["llama"], trace)
-    return {"dir": tmp_path, "trace": trace, "watch": [tmp_path, bad_input_traces["dir"]], **bad_input_traces}
+    return {"dir": tmp_path, "trace": trace, "llama": bad_input_traces["llama"], "mlp": bad_input_traces["mlp"],
+            "watch": [tmp_path, bad_input_traces["dir"]]}
 
 
 # ---------------------------------------------------------------------------------------------------------

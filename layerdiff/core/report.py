@@ -243,3 +243,28 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class StepProgress:
+    """Steps done, records and bytes written, while ``layerdiff trace`` runs (terminal only)."""
+
+    def __init__(self, steps: int, enabled: bool | None = None):
+        enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress("tracing", BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[written]}"),
+                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("steps", total=steps, written="")
+
+    def advance(self, writer):
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1,
+                             written=f"{writer.records_written} records, {writer.tensor_bytes / 1e6:.1f} MB")
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -177,11 +177,11 @@ class TraceReader:
         self.crashed = False
         try:
             self._file = h5py.File(self.path, "r")
-        except OSError:
+        except Exception:  # h5py raises OSError, RuntimeError, ... for damaged files
             try:  # a writer that died leaves the "open for writing" flag; SWMR read mode accepts it
                 self._file = h5py.File(self.path, "r", swmr=True, libver="latest")
                 self.crashed = True
-            except OSError as exc:
+            except Exception as exc:
                 raise TraceFormatError(f"{self.path}: damaged HDF5 file ({_first_line(exc)})") from None
         try:
             attrs = self._file.attrs
@@ -197,7 +197,7 @@ class TraceReader:
         except TraceFormatError:
             self._file.close()
             raise
-        except (OSError, KeyError, ValueError) as exc:
+        except Exception as exc:
             self._file.close()
             raise TraceFormatError(f"{self.path}: damaged trace ({_first_line(exc)})") from None
         self.records, self.end = _parse_index(raw, self._data.shape[0])
@@ -215,7 +215,7 @@ class TraceReader:
         start, n = entry["offset"], entry["nbytes"]
         try:
             raw = self._data[start:start + n]
-        except OSError as exc:
+        except Exception as exc:
             raise TraceFormatError(f"{self.path}: damaged tensor data ({_first_line(exc)})") from None
         return raw.view(storage_dtype(entry["dtype"])).reshape(entry["shape"])
 
@@ -227,7 +227,7 @@ class TraceReader:
         for pos in range(start, start + n, step):
             try:
                 raw = self._data[pos:min(pos + step, start + n)]
-            except OSError as exc:
+            except Exception as exc:
                 raise TraceFormatError(f"{self.path}: damaged tensor data ({_first_line(exc)})") from None
             yield raw.view(dt)
 
@@ -254,6 +254,8 @@ def _parse_index(raw: bytes, data_size: int):
             rec = json.loads(line)
         except ValueError:
             break
+        if not _valid_record(rec):
+            break
         if any(t.get("offset", 0) + t.get("nbytes", 0) > data_size for t in rec.get("tensors", ())):
             break
         if rec.get("kind") == "end":
@@ -261,6 +263,22 @@ def _parse_index(raw: bytes, data_size: int):
             continue
         records.append(rec)
     return records, end
+
+
+_RECORD_FIELDS = {"call": ("phase", "path", "call", "tensors"), "param": ("path", "call", "tensors"),
+                  "param_grad": ("path", "call", "tensors"), "end": ()}
+_TENSOR_FIELDS = ("role", "key", "dtype", "shape", "stats")
+
+
+def _valid_record(rec) -> bool:
+    """A structural check, so a damaged line ends the readable part instead of crashing a later pass."""
+    if not isinstance(rec, dict) or rec.get("kind") not in _RECORD_FIELDS:
+        return False
+    if any(k not in rec for k in _RECORD_FIELDS[rec["kind"]]):
+        return False
+    tensors = rec.get("tensors", [])
+    return isinstance(tensors, list) and all(isinstance(t, dict) and all(k in t for k in _TENSOR_FIELDS)
+                                             for t in tensors)
 
 
 def _first_line(exc: BaseException) -> str:
