@@ -48,10 +48,11 @@ class _Accumulator:
             self._block(a[i:i + BLOCK_ELEMS], b[i:i + BLOCK_ELEMS])
 
     def _block(self, a, b):
-        d = a - b
-        s = a + b
-        dd, ds = float(np.dot(d, d)), float(np.dot(d, s))
-        aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
+        with np.errstate(all="ignore"):  # inf - inf: such blocks are redone on the non-finite path
+            d = a - b
+            s = a + b
+            dd, ds = float(np.dot(d, d)), float(np.dot(d, s))
+            aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
         if not (math.isfinite(dd) and math.isfinite(ds) and math.isfinite(aa) and math.isfinite(bb)):
             self._block_nonfinite(a.astype(np.float64), b.astype(np.float64))
             return

@@ -1,0 +1,87 @@
+"""Metrics against float64 references, tolerance judgement, dtype decoding."""
+import math
+
+import numpy as np
+import pytest
+
+from layerdiff.core.metrics import compare_arrays, compare_data, compare_stats
+from layerdiff.core.tensors import as_float, summarize
+from layerdiff.core.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule
+
+
+def _reference(a, b):
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    d = np.abs(a64 - b64)
+    return d.max(), d.mean(), a64 @ b64 / math.sqrt((a64 @ a64) * (b64 @ b64))
+
+
+@pytest.mark.parametrize("noise", [1e-7, 1e-4, 1e-1])
+def test_data_metrics_match_float64_reference(noise):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(300_001).astype(np.float32)  # not a multiple of any block size
+    b = (a + rng.standard_normal(a.size) * noise).astype(np.float32)
+    m = compare_arrays(a, b, "float32", "float32")
+    max_abs, mean_abs, cos = _reference(a, b)
+    assert m["max_abs"] == max_abs
+    assert m["mean_abs"] == pytest.approx(mean_abs, rel=1e-9)
+    assert 1 - m["cosine"] == pytest.approx(1 - cos, rel=1e-5)  # precise even where cos rounds to 1 in fp32
+    assert m["ref_max_abs"] == np.abs(a).max() and not m["identical"]
+
+
+def test_identical_and_all_zero_tensors():
+    a = np.linspace(-1, 1, 1000, dtype=np.float32)
+    m = compare_arrays(a, a.copy(), "float32", "float32")
+    assert m["identical"] and m["cosine"] == 1.0 and m["max_abs"] == 0.0
+    z = np.zeros(10, np.float32)
+    assert compare_arrays(z, z, "float32", "float32")["cosine"] == 1.0
+    assert compare_arrays(z, np.ones(10, np.float32), "float32", "float32")["cosine"] == 0.0
+
+
+def test_nonfinite_values_are_matched_not_propagated():
+    a = np.array([1, np.nan, np.inf, 2, 0], np.float32)
+    same = compare_arrays(a, a.copy(), "float32", "float32")
+    assert same["nonfinite_mismatch"] == 0 and same["identical"]
+    b = np.array([1, np.nan, 5, 2.5, 0], np.float32)
+    m = compare_arrays(a, b, "float32", "float32")
+    assert m["nonfinite_mismatch"] == 1 and m["max_abs"] == 0.5
+    assert judge(m, DEFAULTS["float32"]) == (False, "1 NaN/Inf values differ")
+
+
+def test_bfloat16_decoding_and_mixed_dtype_comparison():
+    x = np.array([1.0, -2.5, 3.140625, 0.0], np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # exact in bf16
+    assert np.array_equal(as_float(bits, "bfloat16"), x)
+    m = compare_arrays(bits, x, "bfloat16", "float32")
+    assert m["identical"]
+    assert TolerancePolicy().for_tensor("m", "bfloat16", "float32") == DEFAULTS["bfloat16"]
+
+
+def test_streams_with_different_chunking_pair_up():
+    a = np.arange(100, dtype=np.float32)
+    b = a.copy()
+    b[77] += 1
+    m = compare_data([a[:10], a[10:100]], [b[:33], b[33:66], b[66:]], "float32", "float32")
+    assert m["max_abs"] == 1.0 and m["numel"] == 100
+
+
+def test_tolerance_judgement_and_overrides():
+    metrics = {"basis": "data", "identical": False, "max_abs": 1e-4, "ref_max_abs": 1.0, "cosine": 0.999999999,
+               "nonfinite_mismatch": 0}
+    assert judge(metrics, DEFAULTS["float32"])[0] is False  # 1e-4 relative: caught in fp32
+    assert judge(metrics, DEFAULTS["bfloat16"])[0] is True
+    policy = TolerancePolicy(rtol=1e-3, rules=[parse_rule(r"lm_head:atol=0,rtol=0")])
+    assert judge(metrics, policy.for_tensor("model.x", "float32", "float32"))[0] is True
+    assert policy.for_tensor("lm_head", "float32", "float32").rtol == 0
+    assert policy.for_tensor("model.x", "int64", "int64") == DEFAULTS["exact"]
+    with pytest.raises(ValueError):
+        parse_rule("no-colon")
+
+
+def test_stats_comparison():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(1000).astype(np.float32)
+    sa, sb = summarize(a, "float32"), summarize(a * 1.01, "float32")
+    m = compare_stats(sa, sb)
+    assert m["basis"] == "stats" and m["cosine"] is None and m["max_abs"] > 0
+    assert judge(m, DEFAULTS["float32"])[0] is False
+    assert compare_stats(sa, dict(sa))["identical"]
