@@ -75,18 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy(args):
-    from .core.tolerance import TolerancePolicy, parse_rule
+    import re
+
+    from .core.tolerance import TolerancePolicy, check_value, parse_rule
 
     try:
         rules = [parse_rule(text) for text in args.tol]
-    except (ValueError, Exception) as exc:  # re.error subclasses Exception
-        raise LayerdiffError(str(exc)) from None
-    for name in ("atol", "rtol"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise LayerdiffError(f"--{name} must be >= 0")
-    if args.cos is not None and not -1 <= args.cos <= 1:
-        raise LayerdiffError("--cos must be between -1 and 1")
+        for name in ("atol", "rtol", "cos"):
+            if getattr(args, name) is not None:
+                check_value(name, getattr(args, name))
+    except (ValueError, re.error) as exc:
+        raise LayerdiffError(f"bad tolerance: {exc}") from None
     return TolerancePolicy(args.atol, args.rtol, args.cos, rules)
 
 
@@ -147,6 +146,8 @@ def cmd_trace(args) -> int:
     out = Path(args.output)
     if out.exists() and not args.force:
         raise LayerdiffError(f"{out} exists; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise LayerdiffError(f"directory {out.parent} does not exist")
     model, step, meta = runner.build(args.target, runner.parse_args(args.arg))
     meta = {"target": args.target, **(meta or {})}
     tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
@@ -155,17 +156,20 @@ def cmd_trace(args) -> int:
     from .core.report import StepProgress
 
     progress = StepProgress(args.steps, enabled=None if not args.quiet else False)
+    tracer.__enter__()  # opening the file can fail (bad input); only the user's step is guarded below
     try:
-        with tracer:
-            for _ in range(args.steps):
-                step()
-                progress.advance(tracer.session.writer)
-    except Exception as exc:  # the user's model raised: the trace is closed and keeps what ran
+        for _ in range(args.steps):
+            step()
+            progress.advance(tracer.session.writer)
+    except Exception as exc:
+        tracer.__exit__(type(exc), exc, exc.__traceback__)  # the user's model raised: the trace is closed and keeps what ran
         failure = tracer.session.failure or {}
         where = failure.get("module")
         print(f"layerdiff: the traced run raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
               f"{f' in module {where!r}' if where else ''}; {out} holds every record before it", file=sys.stderr)
         return EXIT_DIVERGENT
+    else:
+        tracer.__exit__(None, None, None)
     finally:
         progress.close()
     writer = tracer.session.writer

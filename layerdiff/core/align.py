@@ -75,6 +75,10 @@ def _data_bytes(rec: dict) -> int:
 def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None) -> dict:
     """Match the two traces and compute metrics for every matched tensor pair."""
     rename = rename or RenameRules()
+    for reader in (reader_a, reader_b):
+        if not any(r["kind"] == "call" for r in reader.records):
+            raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
+                                 "or damaged)")
     matching = match_records(reader_a.records, reader_b.records, rename)
     _check_related(matching, reader_a, reader_b)
     if progress is not None:

@@ -40,19 +40,19 @@ class _Accumulator:
         self.nonfinite = 0
 
     def add(self, a_raw, b_raw, dtype_a, dtype_b):
-        a, b = as_float(a_raw, dtype_a).reshape(-1), as_float(b_raw, dtype_b).reshape(-1)
-        if a.dtype != b.dtype:
-            a, b = a.astype(np.float64), b.astype(np.float64)
-        self.n += a.size
-        for i in range(0, a.size, BLOCK_ELEMS):
-            self._block(a[i:i + BLOCK_ELEMS], b[i:i + BLOCK_ELEMS])
+        with np.errstate(all="ignore"):  # overflow/NaN are counted, not warned about
+            a, b = as_float(a_raw, dtype_a).reshape(-1), as_float(b_raw, dtype_b).reshape(-1)
+            if a.dtype != b.dtype:
+                a, b = a.astype(np.float64), b.astype(np.float64)
+            self.n += a.size
+            for i in range(0, a.size, BLOCK_ELEMS):
+                self._block(a[i:i + BLOCK_ELEMS], b[i:i + BLOCK_ELEMS])
 
     def _block(self, a, b):
-        with np.errstate(all="ignore"):  # inf - inf: such blocks are redone on the non-finite path
-            d = a - b
-            s = a + b
-            dd, ds = float(np.dot(d, d)), float(np.dot(d, s))
-            aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
+        d = a - b
+        s = a + b
+        dd, ds = float(np.dot(d, d)), float(np.dot(d, s))
+        aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
         if not (math.isfinite(dd) and math.isfinite(ds) and math.isfinite(aa) and math.isfinite(bb)):
             self._block_nonfinite(a.astype(np.float64), b.astype(np.float64))
             return

@@ -62,9 +62,29 @@ def read_json(path) -> dict:
         raise LayerdiffError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise LayerdiffError(f"{path}: not a JSON report ({type(exc).__name__})") from None
-    if not isinstance(data, dict) or "records" not in data or "report_version" not in data:
+    if not _valid_report(data):
         raise LayerdiffError(f"{path}: JSON, but not a layerdiff align report")
     return _from_json(data)
+
+
+_REPORT_KEYS = ("report_version", "a", "b", "records", "only_a", "only_b", "first_nonfinite")
+_ROW_KEYS = ("kind", "phase", "path", "call", "step", "begin", "end", "parent", "tensors")
+_TENSOR_KEYS = ("role", "key", "dtype_a", "dtype_b", "metrics")
+
+
+def _valid_report(data) -> bool:
+    """The structure ``evaluate`` needs, checked up front so a foreign JSON file is one clear error."""
+    if not isinstance(data, dict) or any(k not in data for k in _REPORT_KEYS):
+        return False
+    if not (isinstance(data["a"], dict) and isinstance(data["b"], dict) and isinstance(data["records"], list)):
+        return False
+    for row in data["records"]:
+        if not isinstance(row, dict) or any(k not in row for k in _ROW_KEYS) or not isinstance(row["tensors"], list):
+            return False
+        for t in row["tensors"]:
+            if not isinstance(t, dict) or any(k not in t for k in _TENSOR_KEYS) or not isinstance(t["metrics"], dict):
+                return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ reimplementations (different op order: ~1e-6 relative). The less precise side of
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -80,9 +81,18 @@ def parse_rule(text: str):
         key = key.strip()
         if not eq or key not in ("atol", "rtol", "cos"):
             raise ValueError(f"tolerance rule {text!r}: expected atol=, rtol= or cos=, got {item!r}")
-        values[key] = float(val)
+        values[key] = check_value(key, float(val))
     re.compile(pattern)
     return pattern, values
+
+
+def check_value(name: str, value: float) -> float:
+    """Tolerances must be real numbers in range: a NaN would silently pass everything."""
+    if math.isnan(value) or (name != "cos" and (value < 0 or math.isinf(value))) or \
+            (name == "cos" and not -1 <= value <= 1):
+        raise ValueError(f"{name} must be {'between -1 and 1' if name == 'cos' else 'a finite number >= 0'}, "
+                         f"not {value}")
+    return value
 
 
 def judge(metrics: dict, tol: Tolerance) -> tuple[bool, str]:
