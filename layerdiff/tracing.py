@@ -43,7 +43,7 @@ class Tracer:
         meta.update(mode=self.options["mode"], options=self.options, user=self.user_meta)
         writer = TraceWriter(self.path, meta, overwrite=self.overwrite, compression=self.options["compression"],
                              flush_interval=self.options["flush_interval"])
-        self.session = TraceSession(writer, self.options["mode"])
+        self.session = TraceSession(writer, adapter.TENSORS, self.options["mode"])
         self._hooks = adapter.Hooks(self.model, self.session, backward=self.options["backward"],
                                     path_filter=PathFilter(self.options["include"], self.options["exclude"]),
                                     params=self.options["params"])

@@ -1,12 +1,14 @@
 """PyTorch adapter: module hooks in, numpy views out. Imports torch; nothing else in layerdiff does."""
 from __future__ import annotations
 
+import math
 import platform
 import sys
 
 import numpy as np
 import torch
 
+from ..core.session import TensorAdapter
 from ..core.structure import replace_tensors, walk
 from .common import hyper_parameters
 
@@ -44,13 +46,29 @@ def to_stored(t: torch.Tensor):
     return t.numpy(), name
 
 
-def _stored_list(pairs):
-    out = []
-    for key, t in pairs:
-        stored = to_stored(t)
-        if stored is not None:
-            out.append((key, *stored))
-    return out
+def identify(t: torch.Tensor):
+    """Equal for two tensors only while they show the same bytes (in-place ops bump ``_version``)."""
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
+
+
+_FAST_STATS_MIN = 1 << 18
+
+
+def fast_stats(t: torch.Tensor):
+    """Statistics of a large finite float32 tensor by torch's own (multi-threaded) reductions; else None."""
+    if t.dtype != torch.float32 or t.numel() < _FAST_STATS_MIN or t.layout != torch.strided:
+        return None
+    x = t.detach().reshape(-1)
+    lo, hi = (v.item() for v in torch.aminmax(x))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None  # NaN/Inf present: the numpy path counts them
+    return {"numel": x.numel(), "min": lo, "max": hi, "mean": x.sum().item() / x.numel(),
+            "l2": math.sqrt(max(torch.dot(x, x).item(), 0.0)), "nan": 0, "inf": 0}
+
+
+TENSORS = TensorAdapter(to_stored, identify, fast_stats)
 
 
 class _GradTap(torch.autograd.Function):
@@ -122,7 +140,7 @@ class Hooks:
             tensors, scalars = [], {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, hparams, _stored_list(tensors), scalars)
+            frame = session.begin_call(path, type_name, hparams, tensors, scalars)
             self.open_frames.setdefault(id(module), []).append(frame)
             if not self._taps_enabled() or getattr(module, "inplace", False) is True or path in self.no_input_taps:
                 return None
@@ -131,10 +149,7 @@ class Hooks:
                 return None
             frame.tapped_inputs = True
             frame.versions = [(t, t._version) for _, t in needs]
-            keys = [k for k, _ in needs]
-            tapped = _GradTap.apply(lambda grads: self._on_grads(session.grad_inputs, frame, keys, grads),
-                                    *[t for _, t in needs])
-            swap = {id(t): new for (_, t), new in zip(needs, tapped)}
+            swap = self._tap(needs, session.grad_inputs, frame)
             return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
 
         return hook
@@ -153,7 +168,7 @@ class Hooks:
                 return None
             tensors, scalars = [], {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            session.end_call(frame, _stored_list(tensors), scalars)
+            session.end_call(frame, tensors, scalars)
             if any(t._version != v for t, v in frame.versions):
                 self.no_input_taps.add(path)
                 session.warn(f"{path} modifies its input in place: input gradients of its first call may be "
@@ -163,26 +178,28 @@ class Hooks:
             needs = [(k, t) for k, t in tensors if _differentiable(t)]
             if not needs:
                 return None
-            keys = [k for k, _ in needs]
-            tapped = _GradTap.apply(lambda grads: self._on_grads(session.grad_outputs, frame, keys, grads),
-                                    *[t for _, t in needs])
-            return replace_tensors(output, is_tensor, {id(t): new for (_, t), new in zip(needs, tapped)})
+            return replace_tensors(output, is_tensor, self._tap(needs, session.grad_outputs, frame))
 
         return hook
 
     def _taps_enabled(self) -> bool:
         return self.backward and torch.is_grad_enabled()
 
-    @staticmethod
-    def _on_grads(sink, frame, keys, grads):
-        sink(frame, _stored_list((k, g) for k, g in zip(keys, grads) if g is not None))
+    def _tap(self, needs, sink, frame) -> dict:
+        """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): alias} to swap them in."""
+        keys = [k for k, _ in needs]
+        tapped = _GradTap.apply(lambda grads: sink(frame, [(k, g) for k, g in zip(keys, grads) if g is not None]),
+                                *[t for _, t in needs])
+        swap = {}
+        for (_, t), alias in zip(needs, tapped):
+            self.session.remember_alias(t, alias)
+            swap[id(t)] = alias
+        return swap
 
     def _param_grad_hook(self, name):
         def hook(p):
             if p.grad is not None:
-                stored = to_stored(p.grad)
-                if stored is not None:
-                    self.session.param("param_grad", name, name.rpartition(".")[0], *stored)
+                self.session.param("param_grad", name, name.rpartition(".")[0], p.grad)
 
         return hook
 
@@ -193,9 +210,7 @@ class Hooks:
             if self.param_versions.get(name) == version:
                 continue
             self.param_versions[name] = version
-            stored = to_stored(p)
-            if stored is not None:
-                self.session.param("param", name, name.rpartition(".")[0], *stored)
+            self.session.param("param", name, name.rpartition(".")[0], p)
 
 
 def _safe_extra_repr(module) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 from .traceformat import TraceWriter
@@ -59,13 +60,34 @@ def _as_list(x):
     return [x] if isinstance(x, str) else list(x)
 
 
-class TraceSession:
-    """Turns hook callbacks into trace records. One session per trace; no state outside it."""
+class TensorAdapter:
+    """What the session needs to know about a framework's tensors (provided by each adapter).
 
-    def __init__(self, writer: TraceWriter, mode: str = "full"):
+    ``to_stored(t)`` -> (numpy array of the tensor's bits, dtype name) or None if it cannot be stored;
+    ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes
+    (storage address, shape, strides, dtype, in-place version), or None;
+    ``fast_stats(t)`` -> the ``summarize`` dict computed by the framework itself, or None to use numpy.
+    """
+
+    def __init__(self, to_stored, identify=None, fast_stats=None):
+        self.to_stored = to_stored
+        self.identify = identify or (lambda t: None)
+        self.fast_stats = fast_stats or (lambda t: None)
+
+
+class TraceSession:
+    """Turns hook callbacks into trace records. One session per trace; no state outside it.
+
+    A tensor seen again within a step (a layer's output is the next layer's input; a head's output is the
+    model's) is summarized and stored once: later records point at the same bytes.
+    """
+
+    def __init__(self, writer: TraceWriter, tensors: TensorAdapter, mode: str = "full"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.writer = writer
+        self.tensors = tensors
+        self.seen: dict = {}  # identity -> ([weakrefs to tensors with that identity], entry); per step
         self.store_data = mode == "full"
         self.stack: list[CallFrame] = []
         self.call_counts: dict[str, int] = {}
@@ -83,12 +105,38 @@ class TraceSession:
         return self.seq
 
     def _entries(self, role: str, tensors) -> list[dict]:
+        """Entries for (key, framework tensor) pairs; tensors that cannot be stored are skipped."""
         out = []
-        for key, stored, dtype in tensors:
-            entry = self.writer.write_tensor(stored, dtype, store_data=self.store_data)
-            entry["role"], entry["key"] = role, key
-            out.append(entry)
+        for key, t in tensors:
+            entry = self._tensor_entry(t)
+            if entry is not None:
+                out.append({**entry, "role": role, "key": key})
         return out
+
+    def _tensor_entry(self, t) -> dict | None:
+        identity = self.tensors.identify(t)
+        if identity is not None:
+            hit = self.seen.get(identity)
+            if hit is not None and any(self._same(ref(), identity) for ref in hit[0]):
+                hit[0].append(weakref.ref(t))
+                return hit[1]
+        stored = self.tensors.to_stored(t)
+        if stored is None:
+            return None
+        entry = self.writer.write_tensor(*stored, store_data=self.store_data, stats=self.tensors.fast_stats(t))
+        if identity is not None:
+            self.seen[identity] = ([weakref.ref(t)], entry)
+        return entry
+
+    def _same(self, obj, identity) -> bool:
+        """A remembered tensor still alive with the same identity: its bytes cannot have been reused."""
+        return obj is not None and self.tensors.identify(obj) == identity
+
+    def remember_alias(self, original, alias):
+        """``alias`` shows the same bytes as ``original`` (a gradient tap's output): keep dedup working."""
+        hit = self.seen.get(self.tensors.identify(original))
+        if hit is not None:
+            hit[0].append(weakref.ref(alias))
 
     def warn(self, message: str):
         if message not in self.warnings:
@@ -99,6 +147,7 @@ class TraceSession:
         """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them."""
         if not self.stack:
             self.step += 1
+            self.seen.clear()
         call = self.call_counts.get(path, 0)
         self.call_counts[path] = call + 1
         parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
@@ -167,14 +216,15 @@ class TraceSession:
                                                    pending.grad_outputs))
 
     # -- parameters ----------------------------------------------------------------------------------------
-    def param(self, kind: str, name: str, module_path: str, stored, dtype: str):
+    def param(self, kind: str, name: str, module_path: str, tensor):
         """kind is "param" (value) or "param_grad" (gradient after accumulation)."""
+        entries = self._entries(kind, [("value", tensor)])
+        if not entries:
+            return
         count = self.param_counts.get((kind, name), 0)
         self.param_counts[(kind, name)] = count + 1
-        entry = self.writer.write_tensor(stored, dtype, store_data=self.store_data)
-        entry["role"], entry["key"] = kind, "value"
         self.writer.write_record({"kind": kind, "path": name, "module": module_path, "call": count,
-                                  "step": max(self.step, 0), "seq": self._next_seq(), "tensors": [entry]})
+                                  "step": max(self.step, 0), "seq": self._next_seq(), "tensors": entries})
 
     # -- end -----------------------------------------------------------------------------------------------
     def close(self, exc: BaseException | None = None):

@@ -115,9 +115,9 @@ class TraceWriter:
         self.tensor_bytes = 0
         self.closed = False
 
-    def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool) -> dict:
+    def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool, stats: dict | None = None) -> dict:
         """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
-        stats = summarize(stored, dtype)
+        stats = stats or summarize(stored, dtype)
         entry = {"dtype": dtype, "shape": list(stored.shape), "stats": stats}
         if store_data:
             contiguous = np.ascontiguousarray(stored)
