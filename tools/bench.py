@@ -404,9 +404,9 @@ def collect_step_tensors(model, step, path):
         writer = tracer.session.writer
         original = writer.write_tensor
 
-        def collecting(stored, dtype, *, store_data):
+        def collecting(stored, dtype, *, store_data, stats=None):
             collected.append((np.array(stored, copy=True, order="K"), dtype))
-            return original(stored, dtype, store_data=store_data)
+            return original(stored, dtype, store_data=store_data, stats=stats)
 
         writer.write_tensor = collecting
         step()

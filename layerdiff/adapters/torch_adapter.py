@@ -53,19 +53,34 @@ def identify(t: torch.Tensor):
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
 
 
-_FAST_STATS_MIN = 1 << 18
+_FAST_STATS_MIN = 1 << 17  # below this numpy is as fast
+_STATS_CHUNK = 1 << 18  # 1 MB of fp32: each piece is reduced three ways while it sits in cache
 
 
 def fast_stats(t: torch.Tensor):
-    """Statistics of a large finite float32 tensor by torch's own (multi-threaded) reductions; else None."""
+    """Statistics of a large finite float32 tensor by torch's own (multi-threaded) reductions; else None.
+
+    One pass over memory instead of three: min/max, sum and sum of squares are taken piece by piece.
+    """
     if t.dtype != torch.float32 or t.numel() < _FAST_STATS_MIN or t.layout != torch.strided:
         return None
-    x = t.detach().reshape(-1)
-    lo, hi = (v.item() for v in torch.aminmax(x))
+    lows, highs, sums, squares = [], [], [], []
+    for part in t.detach().reshape(-1).split(_STATS_CHUNK):
+        lo, hi = torch.aminmax(part)
+        lows.append(lo)
+        highs.append(hi)
+        sums.append(part.sum())
+        squares.append(torch.dot(part, part))
+    lo, hi = torch.stack(lows).min().item(), torch.stack(highs).max().item()
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return None  # NaN/Inf present: the numpy path counts them
-    return {"numel": x.numel(), "min": lo, "max": hi, "mean": x.sum().item() / x.numel(),
-            "l2": math.sqrt(max(torch.dot(x, x).item(), 0.0)), "nan": 0, "inf": 0}
+    n = t.numel()
+    total = torch.stack(sums).double().sum().item()
+    square = torch.stack(squares).double().sum().item()
+    if not math.isfinite(square):
+        return None
+    return {"numel": n, "min": lo, "max": hi, "mean": total / n, "l2": math.sqrt(max(square, 0.0)),
+            "nan": 0, "inf": 0}
 
 
 TENSORS = TensorAdapter(to_stored, identify, fast_stats)
