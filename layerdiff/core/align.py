@@ -46,7 +46,25 @@ def _short(rec: dict) -> dict:
     return {"kind": rec["kind"], "phase": rec.get("phase"), "path": rec["path"], "call": rec["call"]}
 
 
-def _compare_entries(reader_a, reader_b, ta: dict, tb: dict) -> dict:
+def _region(t: dict):
+    return t.get("offset"), t.get("nbytes"), t["dtype"]
+
+
+def _compare_entries(reader_a, reader_b, ta: dict, tb: dict, memo: dict) -> dict:
+    """Metrics for one tensor pair; a pair of byte regions already compared (records share deduplicated
+    tensors, e.g. a layer's output and the next layer's input) is not read again."""
+    key = (_region(ta), _region(tb), math.prod(ta["shape"]), math.prod(tb["shape"]))
+    if "offset" in ta and "offset" in tb and key in memo:
+        metrics = dict(memo[key])
+    else:
+        metrics = memo[key] = _compute_metrics(reader_a, reader_b, ta, tb)
+        metrics = dict(metrics)
+    if ta["shape"] != tb["shape"] and not metrics.get("mismatch"):
+        metrics["note"] = f"shapes differ ({ta['shape']} vs {tb['shape']}); compared flattened"
+    return metrics
+
+
+def _compute_metrics(reader_a, reader_b, ta: dict, tb: dict) -> dict:
     shape_a, shape_b = ta["shape"], tb["shape"]
     na, nb = math.prod(shape_a), math.prod(shape_b)
     if na != nb:
@@ -56,8 +74,6 @@ def _compare_entries(reader_a, reader_b, ta: dict, tb: dict) -> dict:
                                ta["dtype"], tb["dtype"])
     else:
         metrics = compare_stats(ta["stats"], tb["stats"])
-    if shape_a != shape_b:
-        metrics["note"] = f"shapes differ ({shape_a} vs {shape_b}); compared flattened"
     return metrics
 
 
@@ -72,6 +88,7 @@ def _data_bytes(rec: dict) -> int:
     return sum(t.get("nbytes", 0) for t in rec.get("tensors", ()))
 
 
+
 def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None) -> dict:
     """Match the two traces and compute metrics for every matched tensor pair."""
     rename = rename or RenameRules()
@@ -83,7 +100,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
     _check_related(matching, reader_a, reader_b)
     if progress is not None:
         progress.start(sum(_data_bytes(ra) + _data_bytes(rb) for ra, rb in matching.pairs))
-    records = []
+    records, memo = [], {}
     for ra, rb in matching.pairs:
         pairs, only_a, only_b = match_tensors(ra["tensors"], rb["tensors"])
         row = {"kind": ra["kind"], "phase": ra.get("phase"), "path": ra["path"], "path_b": rb["path"],
@@ -92,7 +109,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
                "parent": ra.get("parent"),
                "module": ra.get("module"), "hparams_a": ra.get("hparams"), "hparams_b": rb.get("hparams"),
                "error_a": ra.get("error"), "error_b": rb.get("error"),
-               "tensors": [_tensor_row(ta, tb, _compare_entries(reader_a, reader_b, ta, tb)) for ta, tb in pairs],
+               "tensors": [_tensor_row(ta, tb, _compare_entries(reader_a, reader_b, ta, tb, memo)) for ta, tb in pairs],
                "only_a": [t["role"] + ":" + t["key"] for t in only_a],
                "only_b": [t["role"] + ":" + t["key"] for t in only_b]}
         records.append(row)

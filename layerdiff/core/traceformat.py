@@ -203,20 +203,27 @@ class TraceReader:
         self.records, self.end = _parse_index(raw, self._data.shape[0])
         if self.end is None:
             self.crashed = True
+        self._raw = _RawChunkReader.open(self.path, self._data)
 
     @property
     def mode(self) -> str:
         return self.meta.get("mode", "full")
 
+    def _read(self, start: int, length: int) -> np.ndarray:
+        try:
+            if self._raw is not None:
+                return self._raw.read(start, length)
+            return self._data[start:start + length]
+        except TraceFormatError:
+            raise
+        except Exception as exc:
+            raise TraceFormatError(f"{self.path}: damaged tensor data ({_first_line(exc)})") from None
+
     def tensor(self, entry: dict) -> np.ndarray:
         """The stored bits of a tensor (decode with ``tensors.as_float``)."""
         if "offset" not in entry:
             raise LayerdiffError(f"{self.path}: tensor data not stored (trace made in 'stats' mode)")
-        start, n = entry["offset"], entry["nbytes"]
-        try:
-            raw = self._data[start:start + n]
-        except Exception as exc:
-            raise TraceFormatError(f"{self.path}: damaged tensor data ({_first_line(exc)})") from None
+        raw = self._read(entry["offset"], entry["nbytes"])
         return raw.view(storage_dtype(entry["dtype"])).reshape(entry["shape"])
 
     def tensor_chunks(self, entry: dict, chunk_elems: int):
@@ -225,16 +232,14 @@ class TraceReader:
         start, n = entry["offset"], entry["nbytes"]
         step = chunk_elems * dt.itemsize
         for pos in range(start, start + n, step):
-            try:
-                raw = self._data[pos:min(pos + step, start + n)]
-            except Exception as exc:
-                raise TraceFormatError(f"{self.path}: damaged tensor data ({_first_line(exc)})") from None
-            yield raw.view(dt)
+            yield self._read(pos, min(step, start + n - pos)).view(dt)
 
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)
 
     def close(self):
+        if self._raw is not None:
+            self._raw.close()
         self._file.close()
 
     def __enter__(self):
@@ -242,6 +247,58 @@ class TraceReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _RawChunkReader:
+    """Reads /data straight from the file with ``os.preadv``, chunk by chunk.
+
+    For an unfiltered chunked dataset HDF5 stores each chunk's bytes as they are, at an address HDF5 itself
+    reports (``get_chunk_info_by_coord``); reading them directly skips h5py's per-read selection machinery
+    (~2x faster). Compressed data, or a chunk HDF5 does not report, goes through h5py.
+    """
+
+    def __init__(self, path, dataset, fd):
+        self.dataset = dataset
+        self.chunk = dataset.chunks[0]
+        self.fd = fd
+        self.addresses: dict[int, int | None] = {}
+
+    @classmethod
+    def open(cls, path, dataset):
+        try:
+            if dataset.chunks is None or dataset.id.get_create_plist().get_nfilters() != 0:
+                return None
+            return cls(path, dataset, os.open(path, os.O_RDONLY))
+        except (OSError, AttributeError, ValueError):
+            return None
+
+    def _address(self, index: int):
+        if index not in self.addresses:
+            try:
+                info = self.dataset.id.get_chunk_info_by_coord((index * self.chunk,))
+                ok = info.byte_offset is not None and info.size == self.chunk and info.filter_mask == 0
+                self.addresses[index] = info.byte_offset if ok else None
+            except Exception:
+                self.addresses[index] = None
+        return self.addresses[index]
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        out = np.empty(length, dtype=np.uint8)
+        view = memoryview(out)
+        done = 0
+        while done < length:
+            index, inner = divmod(start + done, self.chunk)
+            take = min(self.chunk - inner, length - done)
+            address = self._address(index)
+            if address is None:
+                out[done:done + take] = self.dataset[start + done:start + done + take]
+            elif os.preadv(self.fd, [view[done:done + take]], address + inner) != take:
+                raise TraceFormatError("tensor data ends early (truncated file)")
+            done += take
+        return out
+
+    def close(self):
+        os.close(self.fd)
 
 
 def _parse_index(raw: bytes, data_size: int):
