@@ -26,7 +26,7 @@ def test_every_tensor_reads_the_same_through_layerdiff_and_plain_h5py(tmp_path, 
             ours = reader.tensor(t).reshape(-1).view(np.uint8)
             plain = f["data"][t["offset"]:t["offset"] + t["nbytes"]]
             assert np.array_equal(ours, plain)
-            pieces = np.concatenate([c.view(np.uint8) for c in reader.tensor_chunks(t, 1000)]) if t["nbytes"] else ours
+            pieces = np.concatenate([c.view(np.uint8).copy() for c in reader.tensor_chunks(t, 1000)]) if t["nbytes"] else ours
             assert np.array_equal(pieces, plain)
 
 

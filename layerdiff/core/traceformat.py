@@ -209,10 +209,10 @@ class TraceReader:
     def mode(self) -> str:
         return self.meta.get("mode", "full")
 
-    def _read(self, start: int, length: int) -> np.ndarray:
+    def _read(self, start: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
         try:
             if self._raw is not None:
-                return self._raw.read(start, length)
+                return self._raw.read(start, length, out)
             return self._data[start:start + length]
         except TraceFormatError:
             raise
@@ -227,12 +227,17 @@ class TraceReader:
         return raw.view(storage_dtype(entry["dtype"])).reshape(entry["shape"])
 
     def tensor_chunks(self, entry: dict, chunk_elems: int):
-        """The stored bits of a tensor, flattened, in pieces of ``chunk_elems`` (bounded memory)."""
+        """The stored bits of a tensor, flattened, in pieces of ``chunk_elems`` (bounded memory).
+
+        Pieces share one buffer (no fresh pages to fault in per read): each is valid until the next one.
+        """
         dt = storage_dtype(entry["dtype"])
         start, n = entry["offset"], entry["nbytes"]
         step = chunk_elems * dt.itemsize
+        scratch = np.empty(min(step, n), dtype=np.uint8)
         for pos in range(start, start + n, step):
-            yield self._read(pos, min(step, start + n - pos)).view(dt)
+            length = min(step, start + n - pos)
+            yield self._read(pos, length, scratch[:length]).view(dt)
 
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)
@@ -282,8 +287,8 @@ class _RawChunkReader:
                 self.addresses[index] = None
         return self.addresses[index]
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        out = np.empty(length, dtype=np.uint8)
+    def read(self, start: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(length, dtype=np.uint8) if out is None else out
         view = memoryview(out)
         done = 0
         while done < length:
