@@ -204,6 +204,7 @@ class TraceReader:
         if self.end is None:
             self.crashed = True
         self._raw = _RawChunkReader.open(self.path, self._data)
+        self._executor = None
 
     @property
     def mode(self) -> str:
@@ -234,15 +235,35 @@ class TraceReader:
         dt = storage_dtype(entry["dtype"])
         start, n = entry["offset"], entry["nbytes"]
         step = chunk_elems * dt.itemsize
-        scratch = np.empty(min(step, n), dtype=np.uint8)
-        for pos in range(start, start + n, step):
-            length = min(step, start + n - pos)
-            yield self._read(pos, length, scratch[:length]).view(dt)
+        pieces = [(pos, min(step, start + n - pos)) for pos in range(start, start + n, step)]
+        if len(pieces) < 2 or self._raw is None:
+            scratch = np.empty(min(step, n), dtype=np.uint8)
+            for pos, length in pieces:
+                yield self._read(pos, length, scratch[:length]).view(dt)
+            return
+        # double buffering: the next piece is read (preadv releases the GIL) while this one is compared
+        buffers = (np.empty(step, dtype=np.uint8), np.empty(step, dtype=np.uint8))
+        pending = self._prefetcher().submit(self._read, *pieces[0], buffers[0][:pieces[0][1]])
+        for i in range(len(pieces)):
+            current = pending.result()
+            if i + 1 < len(pieces):
+                pos, length = pieces[i + 1]
+                pending = self._prefetcher().submit(self._read, pos, length, buffers[(i + 1) % 2][:length])
+            yield current.view(dt)
+
+    def _prefetcher(self):
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerdiff-read")
+        return self._executor
 
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)
 
     def close(self):
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         if self._raw is not None:
             self._raw.close()
         self._file.close()
