@@ -15,6 +15,11 @@ import types
 import torch
 import torch.nn.functional as F
 
+try:
+    from . import llama_shared as shared
+except ImportError:  # loaded as a file: layerdiff trace recipes/torch_llama.py:build
+    import llama_shared as shared
+
 # defect -> (direction, module path where it originates)
 DEFECTS = {
     "eps": ("forward", "model.layers.1.post_attention_layernorm"),   # RMSNorm eps 1e-6 -> 1e-5
@@ -88,26 +93,30 @@ def _inject(model, defect: str):
 
 def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
                 intermediate: int | None = None, seed: int = 0, attn: str = "sdpa", dtype: str = "float32"):
+    """transformers' LlamaForCausalLM from a config, with the weights every recipe shares."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg = shared.config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                        intermediate=intermediate)
+    config = LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                         num_key_value_heads=cfg["kv_heads"], max_position_embeddings=4096,
+                         rms_norm_eps=cfg["eps"], rope_theta=cfg["rope_theta"], tie_word_embeddings=False)
     config._attn_implementation = attn
-    torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    return model.to(getattr(torch, dtype))
+    state = {k: torch.from_numpy(v) for k, v in shared.weights(cfg, seed).items()}
+    model.load_state_dict(state, strict=True)
+    return model.to(getattr(torch, dtype)), cfg
 
 
 def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
           vocab: int = 256, intermediate: int | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
           dtype: str = "float32", backward: bool = True):
     attn = "eager" if defect == "reimpl" else "sdpa"
-    model = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
-                        intermediate=intermediate, seed=seed, attn=attn, dtype=dtype)
+    model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                             intermediate=intermediate, seed=seed, attn=attn, dtype=dtype)
     _inject(model, defect)
-    generator = torch.Generator().manual_seed(seed + 1)
-    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
 
     def step():
         if backward:

@@ -292,18 +292,7 @@ def _param_rows(rows, kind):
     return out
 
 
-def _inherited(forward_origin: dict) -> dict:
-    return {**forward_origin, "where": "forward", "phase": "backward",
-            "description": f"{forward_origin['description']} (inherited from the forward divergence)"}
-
-
-def _forward_differs(node: Node, forward_bad: set) -> bool:
-    """Whether the module's forward, or the forward of anything inside it, already diverged in this step."""
-    path, step = node.row["path"], node.row["step"]
-    return any(s == step and (p == path or not path or p.startswith(path + ".")) for p, s in forward_bad)
-
-
-def _phase_result(rows, phase, roots, params, forward_origin, forward_bad=frozenset()) -> dict:
+def _phase_result(rows, phase, roots, params, forward_origin) -> dict:
     present = any(r["kind"] == "call" and r["phase"] == phase for r in rows)
     failing = [t for r in rows if r["kind"] == "call" and r["phase"] == phase for t in r["tensors"]
                if not t["passed"]]
@@ -312,33 +301,38 @@ def _phase_result(rows, phase, roots, params, forward_origin, forward_bad=frozen
     result = {"present": present, "status": "aligned" if present and not failing else
               ("divergent" if failing else "absent"), "failing_tensors": len(failing),
               "first_divergence": None, "first_over_tolerance": _first_over_tolerance(rows, phase)}
-    if not failing:
-        return result
+    if failing:
+        origin = _origin(roots, phase, params)
+        if phase == "backward" and forward_origin is not None:
+            # Once forward differs, every gradient is computed from differing activations, and small
+            # differences grow through sums (weight gradients): backward is attributed to the forward origin;
+            # what the backward descent alone would name is kept to look at after the forward fix.
+            inherited = {**forward_origin, "where": "forward", "phase": "backward",
+                         "description": f"{forward_origin['description']} (inherited from the forward divergence)"}
+            if origin is not None and origin["where"] != "inputs":
+                inherited["backward_candidate"] = origin["description"]
+            origin = inherited
+        result["first_divergence"] = origin
+    return result
+
+
+def _origin(roots, phase, params) -> dict | None:
     for root in roots:
         if not root.inputs_ok:
-            if phase == "backward" and forward_origin is not None:
-                result["first_divergence"] = _inherited(forward_origin)
-            else:
-                what = "inputs" if phase == "forward" else "gradient of the loss w.r.t. the outputs"
-                origin = _origin_dict(root, "inputs", None, None, [root], phase, [])
-                origin["description"] = f"{root.row['path'] or '<root>'}: the runs were given different {what}"
-                result["first_divergence"] = origin
-            return result
+            what = "inputs" if phase == "forward" else "gradient of the loss w.r.t. the outputs"
+            origin = _origin_dict(root, "inputs", None, None, [root], phase, [])
+            origin["description"] = f"{root.row['path'] or '<root>'}: the runs were given different {what}"
+            return origin
         found = _locate(root, [])
         if found:
             node, where, after, before, chain = found
-            if phase == "backward" and forward_origin is not None and _forward_differs(node, forward_bad):
-                result["first_divergence"] = _inherited(forward_origin)  # its forward already differs
-                return result
             own_params = params.get("param" if phase == "forward" else "param_grad", [])
-            result["first_divergence"] = _origin_dict(node, where, after, before, chain, phase, own_params)
-            return result
+            return _origin_dict(node, where, after, before, chain, phase, own_params)
     bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)
-    if bad_param is not None:  # parameter gradients differ though no module call shows it
-        result["first_divergence"] = {"module": bad_param["module"], "where": "param_grad",
-                                      "description": f"{bad_param['name']} gradient", "tensor": bad_param,
-                                      "hparam_diff": {}, "param_diffs": [bad_param], "chain": [], "phase": phase}
-    return result
+    if phase == "backward" and bad_param is not None:  # parameter gradients differ though no call shows it
+        return {"module": bad_param["module"], "where": "param_grad", "description": f"{bad_param['name']} gradient",
+                "tensor": bad_param, "hparam_diff": {}, "param_diffs": [bad_param], "chain": [], "phase": phase}
+    return None
 
 
 def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
@@ -350,10 +344,8 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
     for p in params["param_grad"]:
         grads_by_module.setdefault((p["module"], p["step"]), []).append(p)
     forward = _phase_result(rows, "forward", _build_tree(rows, "forward", {}), params, None)
-    forward_bad = {(r["path"], r["step"]) for r in rows if r["kind"] == "call" and r["phase"] == "forward"
-                   and not all(t["passed"] for t in r["tensors"])}
     backward = _phase_result(rows, "backward", _build_tree(rows, "backward", grads_by_module), params,
-                             forward["first_divergence"], forward_bad)
+                             forward["first_divergence"])
     for key, side in (("failure", "b"), ("failure_a", "a")):  # a run that raised: where, and what
         failure = measurements[side].get("failure")
         forward[key] = failure and {"module": failure.get("module"), "error": failure.get("error")}

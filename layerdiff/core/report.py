@@ -129,6 +129,8 @@ def _origin_lines(origin: dict) -> list[str]:
         lines.append("the two runs start from different inputs: check data, seeds and preprocessing first")
     elif where == "forward":
         lines.append("backward differs because forward already does; fix the forward origin first")
+        if origin.get("backward_candidate"):
+            lines.append(f"[dim]then check the backward of {origin['backward_candidate']}[/]")
     elif tensor:
         if origin["phase"] == "forward":
             lead = "inputs agree; " if where == "module" else "its children agree up to here; "

@@ -1,0 +1,52 @@
+"""What the three Llama recipes share: the configuration, the weights and the input ids (numpy only).
+
+Weights use the Hugging Face / PyTorch names and layouts (``nn.Linear.weight`` is [out, in]); a recipe in
+another framework converts them the way a real port would (Paddle ``nn.Linear.weight`` is [in, out]).
+Because every framework starts from these same numbers, ``layerdiff align`` on any pair of recipe traces
+compares like with like.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_CONFIG = {"vocab": 256, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2,
+                  "eps": 1e-6, "rope_theta": 10000.0}
+
+
+def config(**overrides) -> dict:
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    if cfg["intermediate"] is None:
+        cfg["intermediate"] = 2 * cfg["hidden"]
+    return cfg
+
+
+def weights(cfg: dict, seed: int = 0) -> dict:
+    """name -> float32 array, HF LlamaForCausalLM names, torch layouts. Linear/Embedding ~ N(0, 0.02) like HF's
+    init; norm weights 1 + N(0, 0.1) so that a port that forgets to load them is caught."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, head_dim = cfg["hidden"], cfg["intermediate"], cfg["hidden"] // cfg["heads"]
+    kv = cfg["kv_heads"] * head_dim
+
+    def normal(*shape, std=0.02):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": normal(cfg["vocab"], hidden)}
+    for i in range(cfg["layers"]):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = normal(hidden, hidden)
+        out[p + "self_attn.k_proj.weight"] = normal(kv, hidden)
+        out[p + "self_attn.v_proj.weight"] = normal(kv, hidden)
+        out[p + "self_attn.o_proj.weight"] = normal(hidden, hidden)
+        out[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
+        out[p + "mlp.up_proj.weight"] = normal(inter, hidden)
+        out[p + "mlp.down_proj.weight"] = normal(hidden, inter)
+        out[p + "input_layernorm.weight"] = 1 + normal(hidden, std=0.1)
+        out[p + "post_attention_layernorm.weight"] = 1 + normal(hidden, std=0.1)
+    out["model.norm.weight"] = 1 + normal(hidden, std=0.1)
+    out["lm_head.weight"] = normal(cfg["vocab"], hidden)
+    return out
+
+
+def input_ids(cfg: dict, batch: int = 2, seq: int = 16, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed + 1).integers(0, cfg["vocab"], size=(batch, seq), dtype=np.int64)
