@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target function")
     t.add_argument("--force", action="store_true", help="overwrite an existing output file")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    t.add_argument("--weights", metavar="FILE.safetensors",
+                   help="load these weights (from `layerdiff weights export`, any framework) before tracing")
+    t.add_argument("--map", action="append", metavar="MODEL_REGEX=FILE_NAME",
+                   help="rename the model's parameter names to the file's (with --weights)")
 
     a = sub.add_parser("align", help="compare two traces and name where they start to differ")
     a.add_argument("a", help="reference trace")
@@ -67,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="metadata, module tree, record counts and sizes of a trace")
     s.add_argument("trace")
     s.add_argument("--records", action="store_true", help="list every record")
+
+    w = sub.add_parser("weights", help="weights in a framework-neutral file (safetensors, PyTorch layout)")
+    wsub = w.add_subparsers(dest="weights_command", metavar="ACTION", parser_class=_Parser, required=True)
+    we = wsub.add_parser("export", help="build a TARGET's model and write its weights")
+    we.add_argument("target", help="as for `layerdiff trace`")
+    we.add_argument("-o", "--output", required=True, help=".safetensors file to write")
+    we.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target")
+    we.add_argument("--force", action="store_true", help="overwrite an existing output file")
 
     d = sub.add_parser("demo", help="trace a small Llama twice (one with an injected defect) and align them")
     d.add_argument("--defect", default="eps", help="which defect to inject (see recipes/torch_llama.py)")
@@ -150,6 +162,14 @@ def cmd_trace(args) -> int:
         raise LayerdiffError(f"directory {out.parent} does not exist")
     model, step, meta = runner.build(args.target, runner.parse_args(args.arg))
     meta = {"target": args.target, **(meta or {})}
+    if args.weights:
+        from .core.match import RenameRules
+        from .weights import import_weights
+
+        count = import_weights(model, args.weights, RenameRules.parse(args.map))
+        meta["weights"] = {"file": args.weights, "parameters": count}
+    elif args.map:
+        raise LayerdiffError("--map goes with --weights")
     tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
                    exclude=args.exclude, overwrite=args.force, compression=args.compression,
                    flush_interval=args.flush_interval, params=not args.no_params, meta=meta)
@@ -178,6 +198,21 @@ def cmd_trace(args) -> int:
     return EXIT_OK
 
 
+def cmd_weights(args) -> int:
+    from pathlib import Path
+
+    from . import runner
+    from .weights import export_weights
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise LayerdiffError(f"{out} exists; pass --force to replace it")
+    model, _, _ = runner.build(args.target, runner.parse_args(args.arg))
+    export_weights(model, out, overwrite=args.force)
+    print(f"wrote {out}")
+    return EXIT_OK
+
+
 def cmd_show(args) -> int:
     from .show import show
 
@@ -191,7 +226,8 @@ def cmd_demo(args) -> int:
     return run_demo(defect=args.defect, keep=args.keep)
 
 
-COMMANDS = {"trace": cmd_trace, "align": cmd_align, "report": cmd_report, "show": cmd_show, "demo": cmd_demo}
+COMMANDS = {"trace": cmd_trace, "align": cmd_align, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,
+            "weights": cmd_weights}
 
 
 def main(argv=None) -> int:

@@ -86,6 +86,28 @@ def fast_stats(t: torch.Tensor):
 TENSORS = TensorAdapter(to_stored, identify, fast_stats)
 
 
+def parameters(model):
+    """(name, parameter, type name of its module) for weight transfer."""
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    return [(name, p, types.get(name.rpartition(".")[0])) for name, p in model.named_parameters()]
+
+
+def shape(t) -> list:
+    return list(t.shape)
+
+
+def assign(param, array: np.ndarray, dtype: str):
+    """Copy stored bits into a parameter (cast to the parameter's dtype if they differ)."""
+    if dtype == "bfloat16":
+        value = torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    elif dtype.startswith("float8"):
+        value = torch.from_numpy(array.copy()).view(getattr(torch, dtype))
+    else:
+        value = torch.from_numpy(array.copy())
+    with torch.no_grad():
+        param.copy_(value)
+
+
 class _GradTap(torch.autograd.Function):
     """Identity in forward; in backward, hands the incoming gradients to a callback.
 

@@ -16,9 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import LayerdiffError
+from .layouts import is_transposed, type_family
 from .match import RenameRules, match_records, match_tensors
-from .metrics import CHUNK_ELEMS, compare_data, compare_stats
+from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
+from .tensors import as_float
 from .tolerance import TolerancePolicy, judge
 
 REPORT_VERSION = 1
@@ -50,34 +54,80 @@ def _region(t: dict):
     return t.get("offset"), t.get("nbytes"), t["dtype"]
 
 
-def _compare_entries(reader_a, reader_b, ta: dict, tb: dict, memo: dict) -> dict:
+@dataclass
+class _Side:
+    """One trace as the comparison needs it: its reader, framework, and the type of each module path."""
+
+    reader: object
+    framework: str | None
+    types: dict
+
+    @classmethod
+    def of(cls, reader):
+        types = {r["path"]: r.get("type") for r in reader.records if r["kind"] == "call"}
+        return cls(reader, reader.meta.get("framework"), types)
+
+    def transposed(self, rec: dict, t: dict) -> bool:
+        """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
+        return (rec["kind"] in ("param", "param_grad") and len(t["shape"]) == 2
+                and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"]))
+
+
+def _compare_entries(a: _Side, b: _Side, ra: dict, rb: dict, ta: dict, tb: dict, memo: dict) -> dict:
     """Metrics for one tensor pair; a pair of byte regions already compared (records share deduplicated
     tensors, e.g. a layer's output and the next layer's input) is not read again."""
-    key = (_region(ta), _region(tb), math.prod(ta["shape"]), math.prod(tb["shape"]))
+    flip_a, flip_b = a.transposed(ra, ta), b.transposed(rb, tb)
+    key = (_region(ta), _region(tb), tuple(ta["shape"]), tuple(tb["shape"]), flip_a, flip_b)
     if "offset" in ta and "offset" in tb and key in memo:
         metrics = dict(memo[key])
     else:
-        metrics = memo[key] = _compute_metrics(reader_a, reader_b, ta, tb)
+        metrics = memo[key] = _compute_metrics(a.reader, b.reader, ta, tb, flip_a != flip_b)
         metrics = dict(metrics)
-    if ta["shape"] != tb["shape"] and not metrics.get("mismatch"):
-        metrics["note"] = f"shapes differ ({ta['shape']} vs {tb['shape']}); compared flattened"
+    if flip_a != flip_b:
+        metrics["note"] = f"compared transposed ({'B' if flip_b else 'A'} stores this weight as [in, out])"
+    elif ta["shape"] != tb["shape"] and not metrics.get("mismatch"):
+        how = "flattened" if math.prod(ta["shape"]) == math.prod(tb["shape"]) else "after broadcasting"
+        metrics["note"] = f"shapes differ ({ta['shape']} vs {tb['shape']}); compared {how}"
     return metrics
 
 
-def _compute_metrics(reader_a, reader_b, ta: dict, tb: dict) -> dict:
+def _values(reader, t: dict) -> np.ndarray:
+    """Decoded values: float32 (for fp32/fp16/bf16) or float64 (fp64, integers)."""
+    values = as_float(reader.tensor(t), t["dtype"])
+    return values if values.dtype in (np.float32, np.float64) else values.astype(np.float64)
+
+
+def _compare_values(a: np.ndarray, b: np.ndarray) -> dict:
+    return compare_arrays(np.ascontiguousarray(a), np.ascontiguousarray(b), str(a.dtype), str(b.dtype))
+
+
+def _compute_metrics(reader_a, reader_b, ta: dict, tb: dict, transpose: bool) -> dict:
     shape_a, shape_b = ta["shape"], tb["shape"]
     na, nb = math.prod(shape_a), math.prod(shape_b)
-    if na != nb:
+    data = "offset" in ta and "offset" in tb
+    if transpose:
+        if list(shape_a) != list(shape_b)[::-1]:
+            return {"basis": "shape", "mismatch": f"shape {shape_a} vs transposed {shape_b}", "numel": na}
+        if not data:
+            return compare_stats(ta["stats"], tb["stats"])  # statistics do not change under transposition
+        return _compare_values(_values(reader_a, ta), _values(reader_b, tb).T)
+    if na == nb:
+        if data:
+            return compare_data(reader_a.tensor_chunks(ta, CHUNK_ELEMS), reader_b.tensor_chunks(tb, CHUNK_ELEMS),
+                                ta["dtype"], tb["dtype"])
+        return compare_stats(ta["stats"], tb["stats"])
+    try:
+        shape = np.broadcast_shapes(tuple(shape_a), tuple(shape_b))
+    except ValueError:
         return {"basis": "shape", "mismatch": f"shape {shape_a} vs {shape_b}", "numel": na}
-    if "offset" in ta and "offset" in tb:
-        metrics = compare_data(reader_a.tensor_chunks(ta, CHUNK_ELEMS), reader_b.tensor_chunks(tb, CHUNK_ELEMS),
-                               ta["dtype"], tb["dtype"])
-    else:
-        metrics = compare_stats(ta["stats"], tb["stats"])
-    return metrics
+    if not data:
+        return compare_stats(ta["stats"], tb["stats"])  # min/max/mean/RMS survive broadcasting
+    return _compare_values(np.broadcast_to(_values(reader_a, ta), shape), np.broadcast_to(_values(reader_b, tb), shape))
 
 
 def _tensor_row(ta: dict, tb: dict, metrics: dict) -> dict:
+    if ta["key"] != tb["key"]:
+        metrics["matched_by"] = f"position and shape (B's key: {tb['key']})"
     return {"role": ta["role"], "key": ta["key"], "dtype_a": ta["dtype"], "dtype_b": tb["dtype"],
             "shape_a": ta["shape"], "shape_b": tb["shape"], "metrics": metrics,
             "nonfinite_a": ta["stats"].get("nan", 0) + ta["stats"].get("inf", 0),
@@ -101,6 +151,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
     if progress is not None:
         progress.start(sum(_data_bytes(ra) + _data_bytes(rb) for ra, rb in matching.pairs))
     records, memo = [], {}
+    side_a, side_b = _Side.of(reader_a), _Side.of(reader_b)
     for ra, rb in matching.pairs:
         pairs, only_a, only_b = match_tensors(ra["tensors"], rb["tensors"])
         row = {"kind": ra["kind"], "phase": ra.get("phase"), "path": ra["path"], "path_b": rb["path"],
@@ -109,7 +160,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
                "parent": ra.get("parent"),
                "module": ra.get("module"), "hparams_a": ra.get("hparams"), "hparams_b": rb.get("hparams"),
                "error_a": ra.get("error"), "error_b": rb.get("error"),
-               "tensors": [_tensor_row(ta, tb, _compare_entries(reader_a, reader_b, ta, tb, memo)) for ta, tb in pairs],
+               "tensors": [_tensor_row(ta, tb, _compare_entries(side_a, side_b, ra, rb, ta, tb, memo)) for ta, tb in pairs],
                "only_a": [t["role"] + ":" + t["key"] for t in only_a],
                "only_b": [t["role"] + ":" + t["key"] for t in only_b]}
         records.append(row)
@@ -132,14 +183,10 @@ def _check_related(matching, reader_a, reader_b):
         raise LayerdiffError(f"the traces share no module paths (A: {', '.join(a_paths) or 'none'}; "
                              f"B: {', '.join(b_paths) or 'none'}): different models? map names with "
                              "--map 'B_PATTERN=A_NAME'")
-    same_type = sum(1 for ra, rb in calls if _type_family(ra.get("type")) == _type_family(rb.get("type")))
+    same_type = sum(1 for ra, rb in calls if type_family(ra.get("type")) == type_family(rb.get("type")))
     if same_type < 0.5 * len(calls):
         raise LayerdiffError(f"only {same_type} of {len(calls)} matched module calls have the same type: the "
                              "traces look like different models")
-
-
-def _type_family(name) -> str:
-    return (name or "").lower()
 
 
 def first_nonfinite(records) -> dict | None:
@@ -261,7 +308,7 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
     row = node.row
     bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
     diff = hparam_diff(row.get("hparams_a"), row.get("hparams_b"))
-    if row.get("type_a") != row.get("type_b"):
+    if type_family(row.get("type_a")) != type_family(row.get("type_b")):  # Linear vs Dense is no difference
         diff = {"type": [row.get("type_a"), row.get("type_b")], **diff}
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),

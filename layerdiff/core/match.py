@@ -5,11 +5,13 @@ report speaks in trace A's names. Records present on one side only are returned,
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LayerdiffError
+from .layouts import canonical_param_name
 
 
 class RenameRules:
@@ -52,7 +54,10 @@ class RenameRules:
 
 
 def record_key(rec: dict, path: str | None = None) -> tuple:
-    return rec["kind"], rec.get("phase"), rec["path"] if path is None else path, rec["call"]
+    path = rec["path"] if path is None else path
+    if rec["kind"] in ("param", "param_grad"):  # norm.gamma is norm.weight
+        path = canonical_param_name(path)
+    return rec["kind"], rec.get("phase"), path, rec["call"]
 
 
 @dataclass
@@ -80,17 +85,44 @@ def match_records(records_a, records_b, rename: RenameRules) -> Matching:
     return result
 
 
+def _float_kind(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+def shapes_compatible(a: list, b: list) -> bool:
+    """Same number of elements, or one broadcasts to the other (rotary cos/sin [1, S, D] vs [B, S, D])."""
+    if math.prod(a) == math.prod(b):
+        return True
+    ra, rb = a[::-1], b[::-1]
+    for i in range(max(len(ra), len(rb))):
+        x = ra[i] if i < len(ra) else 1
+        y = rb[i] if i < len(rb) else 1
+        if x != y and 1 not in (x, y):
+            return False
+    return True
+
+
 def match_tensors(tensors_a, tensors_b):
-    """Pair tensor entries by (role, key); return (pairs, only_a, only_b)."""
+    """Pair tensor entries by (role, key); the rest by role, order and shape (one framework's ``out.logits``
+    is another's ``out.1``). Return (pairs, only_a, only_b); a pair matched by position has different keys."""
     index_b = {(t["role"], t["key"]): t for t in tensors_b}
-    pairs, only_a, seen = [], [], set()
+    pairs, left_a, seen = [], [], set()
     for ta in tensors_a:
         k = (ta["role"], ta["key"])
         tb = index_b.get(k)
         if tb is None:
-            only_a.append(ta)
+            left_a.append(ta)
         else:
             seen.add(k)
             pairs.append((ta, tb))
-    only_b = [t for t in tensors_b if (t["role"], t["key"]) not in seen]
-    return pairs, only_a, only_b
+    left_b = [t for t in tensors_b if (t["role"], t["key"]) not in seen]
+    only_b = []
+    for tb in left_b:
+        ta = next((t for t in left_a if t["role"] == tb["role"] and _float_kind(t["dtype"]) == _float_kind(tb["dtype"])
+                   and shapes_compatible(t["shape"], tb["shape"])), None)
+        if ta is None:
+            only_b.append(tb)
+        else:
+            left_a.remove(ta)
+            pairs.append((ta, tb))
+    return pairs, left_a, only_b

@@ -1,0 +1,326 @@
+"""PaddlePaddle adapter (dygraph): layer hooks in, numpy views out. Imports paddle; nothing else in layerdiff does.
+
+Paddle APIs used, and why:
+
+* forward: ``Layer.register_forward_pre_hook(hook, with_kwargs=True)`` and
+  ``Layer.register_forward_post_hook(hook, with_kwargs=True, always_call=True)`` (Paddle >= 3.0). With
+  ``always_call`` Paddle calls the post hook from inside its ``except`` block when ``forward`` raises, with
+  ``outputs=None``; ``sys.exc_info()`` then holds the error and the call is recorded with ``fail_call``.
+* backward: a ``paddle.autograd.PyLayer`` gradient tap on layer inputs and outputs. Paddle's PyLayer refuses
+  outputs that share storage with its inputs (``detach()`` or ``mark_not_inplace``: "Leaf Var ... can't use
+  inplace strategy" as soon as the model modifies the output in place), so the tap returns *copies*
+  (``Tensor.clone()`` inside the PyLayer, which is outside the graph there). Copies are bit-identical and keep
+  in-place ops on layer outputs working; the price is memory and that a layer's in-place change of a tapped
+  *input* is not seen by its caller (layers with ``inplace=True`` are never input-tapped; others that are caught
+  doing it get a warning and no further input taps).
+* parameter gradients: ``Tensor._register_backward_hook(hook)``, Paddle's "reduce hook" that runs once the
+  gradient of a leaf has been accumulated into ``.grad`` (what DataParallel uses); it takes no arguments and
+  reads ``param.grad``. ``register_hook`` would give the gradient *before* accumulation. The reduce hook cannot
+  be removed, so each hook checks that its ``Hooks`` is still installed.
+* parameter values: recorded at the start of each step when they changed. Paddle's optimizers and
+  ``set_value`` do not bump ``Tensor.inplace_version``, so a CRC32 of the bytes decides (with the version and
+  ``data_ptr()``).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import weakref
+import zlib
+
+import numpy as np
+import paddle
+
+from ..core.session import TensorAdapter
+from ..core.structure import replace_tensors, walk
+from .common import hyper_parameters
+
+FRAMEWORK = "paddle"
+
+_DTYPE_NAMES = {name: name for name in (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")}
+
+
+def is_tensor(obj) -> bool:
+    return isinstance(obj, paddle.Tensor)
+
+
+def _dtype_name(t):
+    return _DTYPE_NAMES.get(str(t.dtype).rpartition(".")[2])
+
+
+def to_stored(t):
+    """(numpy array of the tensor's bits, dtype name), or None for dtypes a trace cannot hold."""
+    name = _dtype_name(t)
+    if name is None:
+        return None
+    try:
+        if not t._is_initialized():
+            return None
+    except AttributeError:
+        pass
+    arr = np.asarray(t.numpy())  # copies to host; works for any place and layout
+    if name == "bfloat16":
+        return arr.view(np.uint16), name
+    if name.startswith("float8"):
+        return arr.view(np.uint8), name
+    return arr, name
+
+
+_ORIGIN = "_layerdiff_origin"  # on a tap's copy: (original's identity, copy's inplace version, weakref to original)
+
+
+def _own_identity(t):
+    try:
+        ptr = t.data_ptr()
+    except Exception:  # uninitialized or not a dense tensor
+        return None
+    strides = getattr(t, "strides", None)
+    return ptr, tuple(t.shape), tuple(strides) if strides is not None else None, str(t.dtype), \
+        t.inplace_version, str(t.place)
+
+
+def identify(t):
+    """Equal for two tensors only while they show the same bytes (in-place ops bump ``inplace_version``).
+
+    A gradient tap's copy answers with its original's identity while it is not modified itself and the original
+    is alive (so that the original's address cannot have been reused by another tensor): it shows the bytes that
+    were recorded for the original.
+    """
+    origin = getattr(t, _ORIGIN, None)
+    if origin is not None and origin[1] == t.inplace_version and origin[2]() is not None:
+        return origin[0]
+    return _own_identity(t)
+
+
+TENSORS = TensorAdapter(to_stored, identify, None)
+
+
+class _GradTap(paddle.autograd.PyLayer):
+    """Identity in forward (returns copies); in backward, hands the incoming gradients to a callback."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        ctx.count = len(tensors)
+        copies = tuple(t.clone() for t in tensors)
+        return copies if len(copies) > 1 else copies[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback(grads)
+        return grads if len(grads) > 1 else grads[0]
+
+
+def _differentiable(t) -> bool:
+    return not t.stop_gradient and (paddle.is_floating_point(t) or paddle.is_complex(t))
+
+
+class Hooks:
+    """Registers forward hooks on every sublayer (plus gradient taps and parameter-gradient hooks)."""
+
+    def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
+        self.model = model
+        self.session = session
+        self.backward = backward
+        self.path_filter = path_filter
+        self.record_params = params
+        self.handles = []
+        self.active = False
+        self.open_frames: dict[int, list] = {}
+        self.no_input_taps: set[str] = set()
+        self.param_versions: dict[str, tuple] = {}
+        self.params = [(name, p) for name, p in model.named_parameters()
+                       if path_filter(name.rpartition(".")[0])]
+
+    # -- installation --------------------------------------------------------------------------------------
+    def install(self):
+        self.active = True
+        for path, layer in self.model.named_sublayers(include_self=True):
+            if layer is not self.model and not self.path_filter(path):
+                continue
+            hparams = hyper_parameters(layer, _safe_extra_repr(layer))
+            self.handles.append(layer.register_forward_pre_hook(
+                self._pre_hook(path, type(layer).__name__, hparams), with_kwargs=True))
+            self.handles.append(layer.register_forward_post_hook(
+                self._post_hook(path), with_kwargs=True, always_call=True))
+        if self.backward and self.record_params:
+            me = weakref.ref(self)
+            for name, p in self.params:
+                if not p.stop_gradient:
+                    p._register_backward_hook(_param_grad_hook(me, name, weakref.ref(p)))
+
+    def remove(self):
+        self.active = False  # the parameter reduce hooks cannot be removed: they check this
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _pre_hook(self, path, type_name, hparams):
+        session = self.session
+
+        def hook(layer, args, kwargs):
+            if not session.stack and self.record_params:
+                self._record_changed_params()
+            tensors, scalars = [], {}
+            walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            frame = session.begin_call(path, type_name, hparams, tensors, scalars)
+            self.open_frames.setdefault(id(layer), []).append(frame)
+            if not self._taps_enabled() or getattr(layer, "inplace", False) is True or path in self.no_input_taps:
+                return None
+            needs = [(k, t) for k, t in tensors if _differentiable(t)]
+            if not needs:
+                return None
+            frame.tapped_inputs = True
+            swap = self._tap(needs, session.grad_inputs, frame)
+            frame.versions = [(swap[id(t)], swap[id(t)].inplace_version) for _, t in needs]
+            return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
+
+        return hook
+
+    def _post_hook(self, path):
+        session = self.session
+
+        def hook(layer, args, kwargs, output):
+            stack = self.open_frames.get(id(layer))
+            if not stack:
+                return None
+            frame = stack.pop()
+            error = sys.exc_info()[1]
+            if output is None and error is not None:
+                session.fail_call(frame, error)
+                return None
+            tensors, scalars = [], {}
+            walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            session.end_call(frame, tensors, scalars)
+            if any(t.inplace_version != v for t, v in frame.versions):
+                self.no_input_taps.add(path)
+                session.warn(f"{path} modifies its input in place: under the gradient tap its first call changed a "
+                             "copy, not the caller's tensor; its later calls are not input-tapped")
+            frame.versions = []
+            if not self._taps_enabled():
+                return None
+            needs = [(k, t) for k, t in tensors if _differentiable(t)]
+            if not needs:
+                return None
+            return replace_tensors(output, is_tensor, self._tap(needs, session.grad_outputs, frame))
+
+        return hook
+
+    def _taps_enabled(self) -> bool:
+        return self.backward and paddle.is_grad_enabled()
+
+    def _tap(self, needs, sink, frame) -> dict:
+        """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): copy} to swap them in."""
+        keys = [k for k, _ in needs]
+        tapped = _GradTap.apply(lambda grads: sink(frame, [(k, g) for k, g in zip(keys, grads) if g is not None]),
+                                *[t for _, t in needs])
+        if is_tensor(tapped):
+            tapped = (tapped,)
+        swap = {}
+        for (_, t), alias in zip(needs, tapped):
+            identity = identify(t)
+            if identity is not None:
+                try:
+                    setattr(alias, _ORIGIN, (identity, alias.inplace_version, weakref.ref(t)))
+                except Exception:
+                    pass
+            self.session.remember_alias(t, alias)
+            swap[id(t)] = alias
+        return swap
+
+    def _record_changed_params(self):
+        """Parameter values at the start of each step, when they changed since last recorded (optimizer).
+
+        Paddle's optimizers (``sgd_``, ``adamw_``, ...) and ``set_value`` update parameters in place without
+        bumping ``inplace_version``, so a change is detected from a CRC32 of the bytes (one host copy per
+        parameter per step), together with the version and the data pointer.
+        """
+        for name, p in self.params:
+            try:
+                stored = to_stored(p)
+                checksum = zlib.crc32(np.ascontiguousarray(stored[0]).view(np.uint8)) if stored else None
+                version = (p.inplace_version, p.data_ptr(), checksum)
+            except Exception:
+                version = None
+            if version is not None and self.param_versions.get(name) == version:
+                continue
+            self.param_versions[name] = version
+            self.session.param("param", name, name.rpartition(".")[0], p)
+
+
+def _param_grad_hook(hooks_ref, name, param_ref):
+    module_path = name.rpartition(".")[0]
+
+    def hook():
+        hooks, p = hooks_ref(), param_ref()
+        if hooks is None or not hooks.active or p is None:
+            return
+        grad = p.grad
+        if grad is not None:
+            hooks.session.param("param_grad", name, module_path, grad)
+
+    return hook
+
+
+def _safe_extra_repr(layer) -> str:
+    try:
+        return layer.extra_repr()
+    except Exception:  # a user's extra_repr must never break tracing
+        return ""
+
+
+_FLAGS = ("FLAGS_cudnn_deterministic", "FLAGS_embedding_deterministic", "FLAGS_cpu_deterministic",
+          "FLAGS_cudnn_exhaustive_search", "FLAGS_cudnn_batchnorm_spatial_persistent", "FLAGS_use_mkldnn",
+          "FLAGS_paddle_num_threads", "FLAGS_enable_pir_api")
+
+
+def _flags() -> dict:
+    """Determinism-related flags: from paddle.get_flags when this build registers them, else the environment."""
+    out = {}
+    for flag in _FLAGS:
+        try:
+            value = paddle.get_flags([flag])[flag]
+        except Exception:
+            value = os.environ.get(flag)
+        if value is not None:
+            out[flag] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return out
+
+
+def metadata(model) -> dict:
+    """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
+    params = list(model.parameters())
+    meta = {
+        "framework": FRAMEWORK,
+        "framework_version": paddle.__version__,
+        "model_class": f"{type(model).__module__}.{type(model).__name__}",
+        "num_parameters": int(sum(int(np.prod(p.shape)) for p in params)),
+        "devices": sorted({str(p.place) for p in params}) or [str(paddle.get_device())],
+        "param_dtypes": sorted({_dtype_name(p) or str(p.dtype) for p in params}),
+        "default_dtype": str(paddle.get_default_dtype()),
+        "device": str(paddle.get_device()),
+        "cuda": paddle.version.cuda() if hasattr(paddle, "version") else None,
+        "cpu": platform.processor() or platform.machine(),
+        "training": bool(model.training),
+    }
+    try:
+        meta["seed"] = int(paddle.get_rng_state()[0].current_seed())
+    except Exception:
+        pass
+    flags = _flags()
+    meta["flags"] = flags
+    for flag in ("FLAGS_cudnn_deterministic", "FLAGS_embedding_deterministic"):
+        if flag in flags:
+            meta[flag[len("FLAGS_"):]] = flags[flag]
+    threads = flags.get("FLAGS_paddle_num_threads")
+    if threads is not None:
+        try:
+            meta["num_threads"] = int(threads)
+        except (TypeError, ValueError):
+            pass
+    return meta
