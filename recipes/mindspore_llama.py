@@ -258,6 +258,7 @@ def build_model(*, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, intermed
     target = _DTYPES[dtype]
     for name, value in shared.weights(cfg, seed).items():
         ms_name = "model.embed_tokens.embedding_table" if name == "model.embed_tokens.weight" else name
+        params[ms_name].set_dtype(target)
         params[ms_name].set_data(ms.Tensor(value).astype(target))
     if len(params) != len(shared.weights(cfg, seed)):
         raise RuntimeError(f"parameter count mismatch: {sorted(params)}")
@@ -268,6 +269,9 @@ def build_model(*, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, intermed
 def build(defect=None, *, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, intermediate=None, batch=2,
           seq=16, seed=0, dtype="float32", backward=True):
     ms.set_context(mode=ms.PYNATIVE_MODE)
+    if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
+        raise ValueError("MindSpore's CPU kernels have no bfloat16 Gather (embedding lookup): use dtype='float16' "
+                         "or a GPU/Ascend device")
     model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                              intermediate=intermediate, seed=seed, dtype=dtype)
     _inject(model, defect)

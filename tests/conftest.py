@@ -6,6 +6,11 @@ import sys
 
 import pytest
 
+try:  # in one process mindspore must be imported before paddle (their oneDNN builds clash the other way)
+    import mindspore  # noqa: F401
+except ImportError:
+    pass
+
 import layerdiff
 from layerdiff.core.traceformat import open_trace
 

@@ -155,6 +155,7 @@ class Hooks:
         session = self.session
 
         def hook(cell, args, kwargs):
+            _sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             if not session.stack:
                 self.flush_pending()
                 if self.record_params:
@@ -187,6 +188,11 @@ class Hooks:
             if output is None and error is not None:
                 session.fail_call(frame, error)
                 return None
+            try:
+                _sync()  # PyNative runs ops asynchronously: make this cell's own errors surface in its frame
+            except Exception as exc:
+                session.fail_call(frame, exc)
+                raise
             tensors, scalars = [], {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             session.end_call(frame, tensors, scalars)
@@ -262,11 +268,22 @@ def _differentiable(t) -> bool:
     return bool(getattr(t, "_requires_grad", True))
 
 
+def _sync():
+    """Wait for PyNative's queued ops; raises the error of a failed one (the adapter reads every output anyway)."""
+    if _executor is not None:
+        _executor.sync()
+
+
+try:
+    from mindspore.common.api import _pynative_executor as _executor
+except ImportError:  # pragma: no cover - private API moved; errors then surface at the next read
+    _executor = None
+
+
 def _recording_grad() -> bool:
     """True while PyNative records the forward for ``ms.grad`` / ``ms.value_and_grad``."""
     try:
-        from mindspore.common.api import _pynative_executor
-        return bool(_pynative_executor.requires_grad())
+        return bool(_executor.requires_grad())
     except Exception:  # pragma: no cover - API moved: tap anyway (identity taps are harmless without grad)
         return True
 

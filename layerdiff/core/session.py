@@ -223,8 +223,10 @@ class TraceSession:
             return
         count = self.param_counts.get((kind, name), 0)
         self.param_counts[(kind, name)] = count + 1
+        # values are taken just before the root call opens a step: they belong to that step
+        step = self.step + 1 if kind == "param" and not self.stack else max(self.step, 0)
         self.writer.write_record({"kind": kind, "path": name, "module": module_path, "call": count,
-                                  "step": max(self.step, 0), "seq": self._next_seq(), "tensors": entries})
+                                  "step": step, "seq": self._next_seq(), "tensors": entries})
 
     # -- end -----------------------------------------------------------------------------------------------
     def close(self, exc: BaseException | None = None):
