@@ -74,15 +74,22 @@ class Block(nn.Layer):
         return self.out(self.act(h))
 
 
+class Sneaky(nn.Layer):
+    def forward(self, x):  # modifies its input in place without saying so
+        x.scale_(3.0)
+        return x * 0.5
+
+
 class Net(nn.Layer):
     def __init__(self):
         super().__init__()
-        self.b1, self.b2, self.head = Block(), Block(), nn.Linear(8, 3)
+        self.b1, self.b2, self.head, self.sneaky = Block(), Block(), nn.Linear(8, 3), Sneaky()
 
     def forward(self, x):
         h = self.b1(x)
         h.add_(paddle.full_like(h, 0.5))  # in place on a sublayer's output, in the parent
-        return self.head(self.b2(h))
+        y = self.sneaky(h)                # the caller must see h changed
+        return self.head(self.b2(h + y))
 
 
 def run(model, x0):
@@ -98,10 +105,12 @@ x0 = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
 y_plain, gx_plain, gp_plain = run(net, x0)
 with layerdiff.trace(net, out / "paddle_inplace.h5"):
     y_traced, gx_traced, gp_traced = run(net, x0)
+    y_again, gx_again, _ = run(net, x0)  # second call: Sneaky no longer input-tapped
 y_after, _, _ = run(net, x0)  # hooks removed: plain again
 results["inplace"] = {
     "forward_identical": bool(np.array_equal(y_plain, y_traced)),
     "forward_identical_after": bool(np.array_equal(y_plain, y_after)),
+    "forward_identical_again": bool(np.array_equal(y_plain, y_again) and np.array_equal(gx_plain, gx_again)),
     "grad_x_max_rel": float(np.abs(gx_plain - gx_traced).max() / np.abs(gx_plain).max()),
     "grad_param_max_rel": max(float(np.abs(gp_plain[n] - gp_traced[n]).max() / max(np.abs(gp_plain[n]).max(), 1e-30))
                               for n in gp_plain),
@@ -248,10 +257,11 @@ def test_paddle_nan_is_found(traces):
 
 def test_tracing_keeps_results_with_in_place_ops(traces):
     res = traces[1]["inplace"]
-    assert res["forward_identical"] and res["forward_identical_after"]
+    assert res["forward_identical"] and res["forward_identical_after"] and res["forward_identical_again"]
     assert res["grad_x_max_rel"] < 1e-6 and res["grad_param_max_rel"] < 1e-6
     with open_trace(_path(traces, "paddle_inplace")) as reader:
         assert reader.end["status"] == "complete"
+        assert any("sneaky modifies its input in place" in w for w in reader.end["warnings"])
         calls = [r for r in reader.records if r["kind"] == "call"]
         fwd = {(r["path"], r["phase"]): r for r in calls}
         # the recorded output is what the layer returned, before the caller modified it in place
@@ -285,6 +295,7 @@ def test_parameters_recorded_when_changed(traces):
         # before steps 0, 1 and 2; not before step 3, which follows no update
         assert len(values) == 3 * n
         assert sorted({r["call"] for r in values}) == [0, 1, 2]
+        assert sorted({r["step"] for r in values}) == [0, 1, 2]
         assert len(grads) == 4 * n  # one accumulated gradient per parameter per backward
 
 

@@ -61,6 +61,27 @@ def identify(t):
 TENSORS = TensorAdapter(to_stored, identify, None)
 
 
+def parameters(model):
+    """(name, parameter, type name of its cell) for weight transfer."""
+    types = {name: type(cell).__name__ for name, cell in model.cells_and_names()}
+    return [(name, p, types.get(name.rpartition(".")[0])) for name, p in model.parameters_and_names()]
+
+
+def shape(t) -> list:
+    return list(t.shape)
+
+
+def assign(param, array: np.ndarray, dtype: str):
+    """Copy stored bits into a parameter (cast to the parameter's dtype if they differ)."""
+    if dtype == "bfloat16":
+        value = ms.Tensor(array.view(np.int16).copy()).view(ms.bfloat16)
+    else:
+        value = ms.Tensor(array.copy())
+    if value.dtype != param.dtype:
+        value = value.astype(param.dtype)
+    param.set_data(value)
+
+
 class _GradTap(nn.Cell):
     """Identity in forward; a custom bprop passes the gradients through unchanged.
 

@@ -10,9 +10,10 @@ Paddle APIs used, and why:
   outputs that share storage with its inputs (``detach()`` or ``mark_not_inplace``: "Leaf Var ... can't use
   inplace strategy" as soon as the model modifies the output in place), so the tap returns *copies*
   (``Tensor.clone()`` inside the PyLayer, which is outside the graph there). Copies are bit-identical and keep
-  in-place ops on layer outputs working; the price is memory and that a layer's in-place change of a tapped
-  *input* is not seen by its caller (layers with ``inplace=True`` are never input-tapped; others that are caught
-  doing it get a warning and no further input taps).
+  in-place ops on layer outputs working; the price is memory. Layers with ``inplace=True`` are never
+  input-tapped; a layer caught modifying its (tapped) input in place has the change written back into the
+  caller's tensor with ``paddle.assign(copy, output=original)`` (recorded by autograd, so forward values and
+  gradients stay those of the untraced model), gets a warning and no further input taps.
 * parameter gradients: ``Tensor._register_backward_hook(hook)``, Paddle's "reduce hook" that runs once the
   gradient of a leaf has been accumulated into ``.grad`` (what DataParallel uses); it takes no arguments and
   reads ``param.grad``. ``register_hook`` would give the gradient *before* accumulation. The reduce hook cannot
@@ -99,18 +100,24 @@ TENSORS = TensorAdapter(to_stored, identify, None)
 
 
 class _GradTap(paddle.autograd.PyLayer):
-    """Identity in forward (returns copies); in backward, hands the incoming gradients to a callback."""
+    """Identity in forward (returns copies); in backward, hands the incoming gradients to a callback.
+
+    Gradients are not materialized, so an output that received none is reported as None (not as zeros), like
+    the torch tap; Paddle crashes on a PyLayer backward returning None, so zeros are passed on in its place.
+    """
 
     @staticmethod
     def forward(ctx, callback, *tensors):
         ctx.callback = callback
-        ctx.count = len(tensors)
+        ctx.set_materialize_grads(False)
+        ctx.like = [(list(t.shape), t.dtype) for t in tensors]
         copies = tuple(t.clone() for t in tensors)
         return copies if len(copies) > 1 else copies[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.callback(grads)
+        grads = tuple(paddle.zeros(shape, dtype) if g is None else g for g, (shape, dtype) in zip(grads, ctx.like))
         return grads if len(grads) > 1 else grads[0]
 
 
@@ -177,7 +184,7 @@ class Hooks:
                 return None
             frame.tapped_inputs = True
             swap = self._tap(needs, session.grad_inputs, frame)
-            frame.versions = [(swap[id(t)], swap[id(t)].inplace_version) for _, t in needs]
+            frame.versions = [(swap[id(t)], swap[id(t)].inplace_version, t) for _, t in needs]
             return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
 
         return hook
@@ -197,10 +204,14 @@ class Hooks:
             tensors, scalars = [], {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             session.end_call(frame, tensors, scalars)
-            if any(t.inplace_version != v for t, v in frame.versions):
+            changed = [(alias, original) for alias, v, original in frame.versions if alias.inplace_version != v]
+            if changed:
+                # the layer changed the tap's copy: write it back into the caller's tensor, with autograd, so
+                # the caller sees (and differentiates through) the change as it would without the tap
+                for alias, original in changed:
+                    paddle.assign(alias, output=original)
                 self.no_input_taps.add(path)
-                session.warn(f"{path} modifies its input in place: under the gradient tap its first call changed a "
-                             "copy, not the caller's tensor; its later calls are not input-tapped")
+                session.warn(f"{path} modifies its input in place: its later calls record no grad_input")
             frame.versions = []
             if not self._taps_enabled():
                 return None

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import LayerdiffError
 from .layouts import is_transposed, type_family
+from .mapping import infer_mapping
 from .match import RenameRules, match_records, match_tensors
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from .tensors import as_float
@@ -139,13 +140,24 @@ def _data_bytes(rec: dict) -> int:
 
 
 
-def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None) -> dict:
-    """Match the two traces and compute metrics for every matched tensor pair."""
+def _infer_renames(reader_a, reader_b, rename: RenameRules, auto_map: bool):
+    """Mapping entries for B's modules whose names (after the user's rules) are not in A."""
+    paths_a = {r["path"] for r in reader_a.records if r["kind"] == "call"}
+    unknown = [r for r in reader_b.records if r["kind"] == "call" and rename(r["path"]) not in paths_a]
+    if not auto_map or not unknown:
+        return []
+    return infer_mapping(reader_a.records, reader_b.records, known=rename)
+
+
+def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True) -> dict:
+    """Match the two traces (inferring renamed modules) and compute metrics for every matched tensor pair."""
     rename = rename or RenameRules()
     for reader in (reader_a, reader_b):
         if not any(r["kind"] == "call" for r in reader.records):
             raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
                                  "or damaged)")
+    inferred = _infer_renames(reader_a, reader_b, rename, auto_map)
+    rename = rename.with_exact({e.b_path: e.a_path for e in inferred})
     matching = match_records(reader_a.records, reader_b.records, rename)
     _check_related(matching, reader_a, reader_b)
     if progress is not None:
@@ -170,6 +182,8 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
     return {"report_version": REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
             "map": rename.as_list(), "records": records,
+            "mapping": [{"b": e.b_path, "a": e.a_path, "confidence": e.confidence, "reason": e.reason}
+                        for e in inferred],
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
             "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)}}
 
@@ -456,5 +470,5 @@ def _rel_error(m: dict) -> float:
 
 
 def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
-          progress=None) -> dict:
-    return evaluate(measure(reader_a, reader_b, rename, progress), policy or TolerancePolicy())
+          progress=None, auto_map: bool = True) -> dict:
+    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map), policy or TolerancePolicy())

@@ -17,7 +17,8 @@ from .layouts import canonical_param_name
 class RenameRules:
     """Ordered ``PATTERN=REPLACEMENT`` regex substitutions turning B's module paths into A's."""
 
-    def __init__(self, rules=()):
+    def __init__(self, rules=(), exact=None):
+        self.exact = dict(exact or {})  # inferred module renames: B module path -> A module path
         self.rules = []
         for pattern, repl in rules:
             try:
@@ -45,12 +46,23 @@ class RenameRules:
         return cls(pairs)
 
     def __call__(self, path: str) -> str:
+        if path in self.exact:
+            return self.exact[path]
+        module, dot, leaf = path.rpartition(".")
+        if dot and module in self.exact:  # a parameter of a renamed module
+            return f"{self.exact[module]}.{leaf}"
         for pattern, repl in self.rules:
             path = pattern.sub(repl, path)
         return path
 
+    def with_exact(self, exact: dict) -> "RenameRules":
+        """These rules plus exact module renames (checked first)."""
+        combined = RenameRules()
+        combined.rules, combined.exact = list(self.rules), {**self.exact, **exact}
+        return combined
+
     def as_list(self):
-        return [[p.pattern, r] for p, r in self.rules]
+        return [[p.pattern, r] for p, r in self.rules] + [[k, v] for k, v in self.exact.items()]
 
 
 def record_key(rec: dict, path: str | None = None) -> tuple:
