@@ -99,6 +99,27 @@ def identify(t):
 TENSORS = TensorAdapter(to_stored, identify, None)
 
 
+def parameters(model):
+    """(name, parameter, type name of its layer) for weight transfer."""
+    types = {name: type(layer).__name__ for name, layer in model.named_sublayers(include_self=True)}
+    return [(name, p, types.get(name.rpartition(".")[0])) for name, p in model.named_parameters()]
+
+
+def shape(t) -> list:
+    return list(t.shape)
+
+
+def assign(param, array: np.ndarray, dtype: str):
+    """Copy stored bits into a parameter (cast to the parameter's dtype if they differ)."""
+    if dtype == "bfloat16":
+        value = paddle.to_tensor(array.view(np.uint16).copy()).view(paddle.bfloat16)
+    else:
+        value = paddle.to_tensor(array.copy())
+    if value.dtype != param.dtype:
+        value = value.astype(param.dtype)
+    param.set_value(value)
+
+
 class _GradTap(paddle.autograd.PyLayer):
     """Identity in forward (returns copies); in backward, hands the incoming gradients to a callback.
 
