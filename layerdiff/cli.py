@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("b", help="candidate trace")
     a.add_argument("--map", action="append", metavar="B_REGEX=A_NAME",
                    help="rename B's module paths to A's (regex substitution; or a file of rules; repeatable)")
+    a.add_argument("--save-map", metavar="FILE",
+                   help="write the module mapping inferred for renamed modules as an editable --map file")
+    a.add_argument("--no-auto-map", action="store_true",
+                   help="do not infer renamed modules from structure (names must match, or --map them)")
     _add_tolerance_flags(a)
 
     r = sub.add_parser("report", help="re-judge a saved JSON report under other tolerances (no traces needed)")
@@ -124,16 +128,22 @@ def cmd_align(args) -> int:
 
     policy = _policy(args)
     rename = RenameRules.parse(args.map)
-    if args.json:
-        from pathlib import Path
-        if Path(args.json).exists() and not args.force:
-            raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
+    from pathlib import Path
+
+    for out in (args.json, args.save_map):
+        if out and Path(out).exists() and not args.force:
+            raise LayerdiffError(f"{out} exists; pass --force to replace it")
     with open_trace(args.a) as ra, open_trace(args.b) as rb:
         progress = ByteProgress("aligning", enabled=None if not args.quiet else False)
         try:
-            report = align(ra, rb, rename=rename, policy=policy, progress=progress)
+            report = align(ra, rb, rename=rename, policy=policy, progress=progress, auto_map=not args.no_auto_map)
         finally:
             progress.close()
+    if args.save_map:
+        from .core.mapping import MappingEntry, rules_text
+
+        entries = [MappingEntry(m["b"], m["a"], m["confidence"], m["reason"]) for m in report.get("mapping", [])]
+        Path(args.save_map).write_text(rules_text(entries))
     return _finish_report(report, args)
 
 

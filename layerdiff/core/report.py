@@ -167,6 +167,7 @@ def render(report: dict, console: Console | None = None):
     note = ("[yellow]statistics only (a 'stats' trace): min/max/mean/RMS compared, values were not; a defect "
             "that keeps the statistics can hide[/]" if basis in ("stats", "mixed") else "stored tensor values")
     console.print(f"compared {n_tensors} tensor pairs in {len(report['records'])} records from {note}")
+    _render_mapping(report, console)
     for phase in ("forward", "backward"):
         res = report[phase]
         if res["status"] == "absent":
@@ -195,6 +196,19 @@ def render(report: dict, console: Console | None = None):
                           f"{nf['tensor']}: {nf['nan']} NaN, {nf['inf']} Inf")
     _render_growth(report, console)
     _render_footer(report, console)
+
+
+def _render_mapping(report: dict, console: Console, shown: int = 8):
+    mapping = report.get("mapping") or []
+    if not mapping:
+        return
+    low = min(m["confidence"] for m in mapping)
+    console.print(f"[yellow]module names differ: matched {len(mapping)} B modules to A by structure "
+                  f"(lowest confidence {low:.2f}); save with --save-map, edit, pass back with --map[/]")
+    for m in sorted(mapping, key=lambda m: m["confidence"])[:shown]:
+        console.print(f"  [dim]{m['b']} -> {m['a']}  ({m['confidence']:.2f}: {m['reason']})[/]")
+    if len(mapping) > shown:
+        console.print(f"  [dim]... {len(mapping) - shown} more[/]")
 
 
 def _render_growth(report: dict, console: Console):
