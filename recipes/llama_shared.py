@@ -9,6 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
+# defect -> (direction, module path where it originates); each recipe injects them the same way
+DEFECTS = {
+    "eps": ("forward", "model.layers.1.post_attention_layernorm"),   # RMSNorm eps 1e-6 -> 1e-5
+    "act": ("forward", "model.layers.0.mlp.act_fn"),                 # SiLU swapped for GELU
+    "weight": ("forward", "model.layers.1.self_attn.k_proj"),        # weight scaled by (1 + 1e-4)
+    "owncode": ("forward", "model.layers.1.self_attn"),              # attention scaling x1.25 (own code)
+    "residual": ("forward", "model.layers.1"),                       # decoder layer output x(1 + 1e-3)
+    "backward": ("backward", "model.layers.0.mlp.down_proj"),        # wrong grad w.r.t. input (x1.01)
+    "fp16": ("forward", "model.layers.1.mlp.up_proj"),               # fp16 round-trip inside one Linear
+    "nan": ("forward", "model.layers.1.mlp.gate_proj"),              # NaN in one output element
+}
+
 DEFAULT_CONFIG = {"vocab": 256, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2,
                   "eps": 1e-6, "rope_theta": 10000.0}
 

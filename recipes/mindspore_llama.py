@@ -24,16 +24,7 @@ except ImportError:  # loaded as a file: layerdiff trace recipes/mindspore_llama
 ms.set_context(mode=ms.PYNATIVE_MODE)
 
 # defect -> (direction, module path where it originates); same names and paths as torch_llama.DEFECTS
-DEFECTS = {
-    "eps": ("forward", "model.layers.1.post_attention_layernorm"),   # RMSNorm eps 1e-6 -> 1e-5
-    "act": ("forward", "model.layers.0.mlp.act_fn"),                 # SiLU swapped for GELU
-    "weight": ("forward", "model.layers.1.self_attn.k_proj"),        # weight scaled by (1 + 1e-4)
-    "owncode": ("forward", "model.layers.1.self_attn"),              # attention scaling x1.25 (own code)
-    "residual": ("forward", "model.layers.1"),                       # decoder layer output x(1 + 1e-3)
-    "backward": ("backward", "model.layers.0.mlp.down_proj"),        # wrong grad w.r.t. input (x1.01)
-    "fp16": ("forward", "model.layers.1.mlp.up_proj"),               # fp16 round-trip inside one Dense
-    "nan": ("forward", "model.layers.1.mlp.gate_proj"),              # NaN in one output element
-}
+DEFECTS = shared.DEFECTS  # defect -> (direction, module path where it originates)
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 

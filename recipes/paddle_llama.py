@@ -20,17 +20,7 @@ try:
 except ImportError:  # loaded as a file: layerdiff trace recipes/paddle_llama.py:build
     import llama_shared as shared
 
-# defect -> (direction, module path where it originates)
-DEFECTS = {
-    "eps": ("forward", "model.layers.1.post_attention_layernorm"),   # RMSNorm eps 1e-6 -> 1e-5
-    "act": ("forward", "model.layers.0.mlp.act_fn"),                 # Silu swapped for GELU
-    "weight": ("forward", "model.layers.1.self_attn.k_proj"),        # weight scaled by (1 + 1e-4)
-    "owncode": ("forward", "model.layers.1.self_attn"),              # attention scaling x1.25 (own code)
-    "residual": ("forward", "model.layers.1"),                       # decoder layer output x(1 + 1e-3)
-    "backward": ("backward", "model.layers.0.mlp.down_proj"),        # wrong grad w.r.t. input (x1.01)
-    "fp16": ("forward", "model.layers.1.mlp.up_proj"),               # fp16 round-trip inside one Linear
-    "nan": ("forward", "model.layers.1.mlp.gate_proj"),              # NaN in one output element
-}
+DEFECTS = shared.DEFECTS  # defect -> (direction, module path where it originates)
 
 
 class LlamaRMSNorm(nn.Layer):

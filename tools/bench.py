@@ -6,6 +6,8 @@
     python tools/bench.py --json out.json # also save every number as JSON
     python tools/bench.py --profile       # additionally print cProfile hot spots (traced step and align)
     python tools/bench.py --threads 1     # torch.set_num_threads(1) (default: torch's default)
+    python tools/bench.py --frameworks torch,paddle,mindspore  # only the step-time overhead, per framework,
+                                          # each in its own interpreter (tools/bench_frameworks.py; ~4 min)
 
 It only prints numbers, next to the targets of the spec; it never asserts or judges.
 
@@ -737,6 +739,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="also save the results as JSON")
     p.add_argument("--profile", action="store_true", help="also print cProfile hot spots (traced step, align)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: torch's own default)")
+    p.add_argument("--frameworks", metavar="LIST",
+                   help="instead of the torch bench: step overhead (untraced/stats/full) for a comma-separated "
+                        "subset of torch,paddle,mindspore, one subprocess each (see tools/bench_frameworks.py)")
     p.add_argument("--_align-child", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
     p.add_argument("--_spawner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -746,6 +751,13 @@ def main(argv=None) -> int:
     if args._align_child:
         align_child(*args._align_child, profile=args.profile)
         return 0
+
+    if args.frameworks:
+        sys.path.insert(0, str(Path(SELF).parent))
+        import bench_frameworks
+
+        return bench_frameworks.main(["--frameworks", args.frameworks] + (["--profile"] if args.profile else [])
+                                     + (["--json", args.json] if args.json else []))
 
     spawner = Spawner()  # before anything big is imported: its children inherit its (small) ru_maxrss
     try:

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import re
+import sys
+
+from ..core.structure import replace_tensors, walk
 
 _KV = re.compile(r"(\w+)=([^,=()\[\]]+|\([^)]*\)|\[[^\]]*\])(?=,|$)")
 _MAX_STR = 100
@@ -43,3 +46,201 @@ def hyper_parameters(module, extra_repr: str = "") -> dict:
     for key, text in _KV.findall(extra_repr or ""):
         out.setdefault(key, _parse_literal(text))
     return out
+
+
+def safe_extra_repr(module) -> str:
+    try:
+        return module.extra_repr()
+    except Exception:  # a user's extra_repr must never break tracing
+        return ""
+
+
+class ModuleHooks:
+    """The framework-independent half of an adapter's ``Hooks``: what a traced module call records, and when.
+
+    Every framework calls a pre-hook and a post-hook around each module call; both walk the arguments / outputs,
+    open and close the session's frame, and (when gradients are recorded) route differentiable tensors through a
+    gradient tap whose aliases are swapped into the call. Subclasses supply only what differs per framework: how
+    to list modules and parameters, register hooks, recognise tensors, apply the tap, detect in-place changes and
+    parameter changes.
+    """
+
+    #: what the in-place warning says happens next (the torch and paddle taps have different consequences)
+    in_place_consequence = "its later calls record no grad_input"
+
+    def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
+        self.model = model
+        self.session = session
+        self.backward = backward
+        self.path_filter = path_filter
+        self.record_params = params
+        self.handles = []
+        self.active = False  # hooks that cannot be removed (Paddle's parameter reduce hooks) check this
+        self.open_frames: dict[int, list] = {}  # id(module) -> frames of its calls in progress (recursion)
+        self.no_input_taps: set[str] = set()  # paths caught modifying a tapped input in place
+        self.param_versions: dict[str, object] = {}
+        self.params = [(name, p) for name, p in self.named_parameters()
+                       if path_filter(name.rpartition(".")[0])]
+
+    # -- framework-specific: subclasses override these -------------------------------------------------------
+    @staticmethod
+    def is_tensor(obj) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def differentiable(t) -> bool:
+        """Whether a gradient can reach ``t`` (worth tapping)."""
+        raise NotImplementedError
+
+    def named_modules(self):
+        """(path, module) for the model and all its submodules; the model itself has path ''."""
+        raise NotImplementedError
+
+    def named_parameters(self):
+        raise NotImplementedError
+
+    def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
+        """Register ``pre_hook(module, args, kwargs)`` and ``post_hook(module, args, kwargs, output)`` (the latter
+        also when forward raises, with ``output=None``); return the removable handles."""
+        raise NotImplementedError
+
+    def register_param_grad_hooks(self):
+        """Hooks that report each parameter's gradient (see ``record_param_grad``)."""
+        raise NotImplementedError
+
+    def grad_enabled(self) -> bool:
+        """True while the framework records the forward for a backward pass."""
+        raise NotImplementedError
+
+    def apply_tap(self, tensors, report, frame, outputs: bool):
+        """Route ``tensors`` through the framework's gradient tap (identity forward); return their aliases, one per
+        tensor (None for one that could not be tapped: it is then left in place). ``report(grads)`` must be
+        called in backward with the gradients, aligned with ``tensors`` (None where none arrived). ``frame`` and
+        ``outputs`` are for frameworks that gather per-tensor hooks themselves (MindSpore)."""
+        raise NotImplementedError
+
+    def sync(self):
+        """Wait for asynchronously queued ops so that their errors surface now; eager frameworks have none."""
+
+    def watch_inputs(self, frame, needs, swap):
+        """Before the call runs: note what ``check_in_place`` needs to see whether it modified tapped inputs."""
+
+    def check_in_place(self, frame) -> bool:
+        """After the call: True if it modified a tapped input in place (after any framework-specific repair)."""
+        return False
+
+    def param_version(self, p):
+        """A value that changes whenever ``p``'s bytes change, or None if there is no such test (record always)."""
+        return None
+
+    def start_step(self):
+        """Runs before the outermost call of each step."""
+        if self.record_params:
+            self._record_changed_params()
+
+    # -- installation --------------------------------------------------------------------------------------
+    def install(self):
+        self.active = True
+        for path, module in self.named_modules():
+            if module is not self.model and not self.path_filter(path):
+                continue
+            hparams = hyper_parameters(module, safe_extra_repr(module))
+            self.handles.extend(self.register_forward_hooks(
+                module, self._pre_hook(path, type(module).__name__, hparams), self._post_hook(path)))
+        if self.backward and self.record_params:
+            self.register_param_grad_hooks()
+
+    def remove(self):
+        self.active = False
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _pre_hook(self, path, type_name, hparams):
+        session = self.session
+        is_tensor = self.is_tensor
+
+        def hook(module, args, kwargs):
+            self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
+            if not session.stack:
+                self.start_step()
+            tensors, scalars = [], {}
+            walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            frame = session.begin_call(path, type_name, hparams, tensors, scalars)
+            self.open_frames.setdefault(id(module), []).append(frame)
+            if not self._taps_enabled() or getattr(module, "inplace", False) is True or path in self.no_input_taps:
+                return None
+            needs = [(k, t) for k, t in tensors if self.differentiable(t)]
+            if not needs:
+                return None
+            frame.tapped_inputs = True
+            swap = self._tap(needs, session.grad_inputs, frame, outputs=False)
+            self.watch_inputs(frame, needs, swap)
+            return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
+
+        return hook
+
+    def _post_hook(self, path):
+        session = self.session
+        is_tensor = self.is_tensor
+
+        def hook(module, args, kwargs, output):
+            stack = self.open_frames.get(id(module))
+            if not stack:
+                return None
+            frame = stack.pop()
+            error = sys.exc_info()[1]
+            if output is None and error is not None:
+                session.fail_call(frame, error)
+                return None
+            try:
+                self.sync()  # asynchronous frameworks: make this module's own errors surface in its frame
+            except Exception as exc:
+                session.fail_call(frame, exc)
+                raise
+            tensors, scalars = [], {}
+            walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            session.end_call(frame, tensors, scalars)
+            if self.check_in_place(frame):
+                self.no_input_taps.add(path)
+                session.warn(f"{path} modifies its input in place: {self.in_place_consequence}")
+            if not self._taps_enabled():
+                return None
+            needs = [(k, t) for k, t in tensors if self.differentiable(t)]
+            if not needs:
+                return None
+            return replace_tensors(output, is_tensor, self._tap(needs, session.grad_outputs, frame, outputs=True))
+
+        return hook
+
+    def _taps_enabled(self) -> bool:
+        return self.backward and self.grad_enabled()
+
+    def _tap(self, needs, sink, frame, outputs: bool) -> dict:
+        """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): alias} to swap them in."""
+        keys = [k for k, _ in needs]
+        aliases = self.apply_tap([t for _, t in needs],
+                                 lambda grads: sink(frame, [(k, g) for k, g in zip(keys, grads) if g is not None]),
+                                 frame, outputs)
+        swap = {}
+        for (_, t), alias in zip(needs, aliases):
+            if alias is None:
+                continue
+            self.session.remember_alias(t, alias)
+            swap[id(t)] = alias
+        return swap
+
+    def record_param_grad(self, name, grad):
+        if grad is not None:
+            self.session.param("param_grad", name, name.rpartition(".")[0], grad)
+
+    def _record_changed_params(self):
+        """Parameter values at the start of each step, when they changed since last recorded (optimizer)."""
+        for name, p in self.params:
+            version = self.param_version(p)
+            if version is not None and self.param_versions.get(name) == version:
+                continue
+            self.param_versions[name] = version
+            self.session.param("param", name, name.rpartition(".")[0], p)

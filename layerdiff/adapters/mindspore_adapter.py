@@ -15,15 +15,13 @@ Parameter gradients: ``Parameter.register_hook`` fires once per backward with th
 from __future__ import annotations
 
 import platform
-import sys
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
 from ..core.session import TensorAdapter
-from ..core.structure import replace_tensors, walk
-from .common import hyper_parameters
+from .common import ModuleHooks
 
 FRAMEWORK = "mindspore"
 
@@ -102,17 +100,19 @@ _TAP = _GradTap()
 class _Collector:
     """Gathers the per-tensor hook calls of one call's inputs (or outputs) and reports them together."""
 
-    def __init__(self, hooks, frame, keys, sink):
-        self.hooks, self.frame, self.keys, self.sink = hooks, frame, keys, sink
+    def __init__(self, hooks, frame, size, report):
+        self.hooks, self.frame, self.report = hooks, frame, report
+        self.size = size
+        self.hooked = size  # tensors whose alias took a hook: the ones to wait for
         self.grads: dict = {}
         self.done = False
 
-    def hook_for(self, key):
+    def hook_for(self, index):
         def hook(grad):
             if self.done:
                 return None
-            self.grads[key] = grad
-            if len(self.grads) == len(self.keys):
+            self.grads[index] = grad
+            if len(self.grads) == self.hooked:
                 self.flush()
             return None
 
@@ -123,47 +123,56 @@ class _Collector:
             return
         self.done = True
         self.hooks.pending.discard(self)
-        grads = [(k, self.grads[k]) for k in self.keys if self.grads.get(k) is not None]
-        if grads:
-            self.sink(self.frame, grads)
+        grads = [self.grads.get(i) for i in range(self.size)]
+        if any(g is not None for g in grads):
+            self.report(grads)
 
 
-class Hooks:
+class Hooks(ModuleHooks):
     """Registers forward hooks on every cell (plus gradient taps and parameter-gradient hooks)."""
 
+    is_tensor = staticmethod(is_tensor)
+
     def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
-        self.model = model
-        self.session = session
-        self.backward = backward
-        self.path_filter = path_filter
-        self.record_params = params
-        self.handles = []
-        self.open_frames: dict[int, list] = {}
+        super().__init__(model, session, backward=backward, path_filter=path_filter, params=params)
         self.out_collectors: dict[int, _Collector] = {}  # id(frame) -> output-side collector
         self.pending: set = set()
-        self.params = [(name, p) for name, p in model.parameters_and_names()
-                       if path_filter(name.rpartition(".")[0])]
 
-    # -- installation --------------------------------------------------------------------------------------
-    def install(self):
-        for path, cell in self.model.cells_and_names():
-            if cell is not self.model and not self.path_filter(path):
-                continue
-            hparams = hyper_parameters(cell, _safe_extra_repr(cell))
-            self.handles.append(cell.register_forward_pre_hook(
-                self._pre_hook(path, type(cell).__name__, hparams), with_kwargs=True))
-            self.handles.append(cell.register_forward_hook(
-                self._post_hook(path), with_kwargs=True, always_call=True))
-        if self.backward and self.record_params:
-            for name, p in self.params:
-                if p.requires_grad:
-                    self.handles.append(p.register_hook(self._param_grad_hook(name)))
+    @staticmethod
+    def differentiable(t) -> bool:
+        return _differentiable(t)
+
+    def named_modules(self):
+        return self.model.cells_and_names()
+
+    def named_parameters(self):
+        return self.model.parameters_and_names()
+
+    def register_forward_hooks(self, cell, pre_hook, post_hook) -> list:
+        return [cell.register_forward_pre_hook(pre_hook, with_kwargs=True),
+                cell.register_forward_hook(post_hook, with_kwargs=True, always_call=True)]
+
+    def register_param_grad_hooks(self):
+        for name, p in self.params:
+            if p.requires_grad:
+                self.handles.append(p.register_hook(self._param_grad_hook(name)))
+
+    def _param_grad_hook(self, name):
+        def hook(grad):
+            self.record_param_grad(name, grad)
+            return None
+
+        return hook
 
     def remove(self):
         self.flush_pending()
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        super().remove()
+
+    def start_step(self):
+        """Parameter values are recorded every step: MindSpore's optimizers update parameters without bumping
+        ``_version``, so there is no cheap change test (``param_version`` stays None)."""
+        self.flush_pending()
+        super().start_step()
 
     def flush_pending(self):
         """Collectors some of whose tensors never received a hook call (not connected to the loss)."""
@@ -171,115 +180,38 @@ class Hooks:
             collector.flush()
         self.out_collectors.clear()
 
-    # -- hooks ---------------------------------------------------------------------------------------------
-    def _pre_hook(self, path, type_name, hparams):
-        session = self.session
+    def sync(self):
+        _sync()
 
-        def hook(cell, args, kwargs):
-            _sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
-            if not session.stack:
-                self.flush_pending()
-                if self.record_params:
-                    self._record_params()
-            tensors, scalars = [], {}
-            walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, hparams, tensors, scalars)
-            self.open_frames.setdefault(id(cell), []).append(frame)
-            if not self._taps_enabled() or getattr(cell, "inplace", False) is True:
-                return None
-            needs = [(k, t) for k, t in tensors if _differentiable(t)]
-            if not needs:
-                return None
-            frame.tapped_inputs = True
-            swap = self._tap(needs, self._inputs_sink, frame)
-            return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
+    def grad_enabled(self) -> bool:
+        return _recording_grad()
 
-        return hook
-
-    def _post_hook(self, path):
-        session = self.session
-
-        def hook(cell, args, kwargs, output):
-            stack = self.open_frames.get(id(cell))
-            if not stack:
-                return None
-            frame = stack.pop()
-            error = sys.exc_info()[1]
-            if output is None and error is not None:
-                session.fail_call(frame, error)
-                return None
-            try:
-                _sync()  # PyNative runs ops asynchronously: make this cell's own errors surface in its frame
-            except Exception as exc:
-                session.fail_call(frame, exc)
-                raise
-            tensors, scalars = [], {}
-            walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            session.end_call(frame, tensors, scalars)
-            if not self._taps_enabled():
-                return None
-            needs = [(k, t) for k, t in tensors if _differentiable(t)]
-            if not needs:
-                return None
-            return replace_tensors(output, is_tensor, self._tap(needs, self._outputs_sink, frame, outputs=True))
-
-        return hook
-
-    def _outputs_sink(self, frame, grads):
-        self.session.grad_outputs(frame, grads)
-
-    def _inputs_sink(self, frame, grads):
-        self.session.grad_inputs(frame, grads)
-
-    def _taps_enabled(self) -> bool:
-        return self.backward and _recording_grad()
-
-    def _tap(self, needs, sink, frame, outputs=False) -> dict:
-        """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): alias} to swap them in."""
-        keys = [k for k, _ in needs]
+    def apply_tap(self, tensors, report, frame, outputs):
+        """One ``_TAP`` call; ``Tensor.register_hook`` on each alias, gathered by a ``_Collector``."""
         if not outputs:
             # the output side of this call reports first; it must not wait for an unconnected output's hook
-            sink = self._after_outputs(sink)
-        collector = _Collector(self, frame, keys, sink)
+            report = self._after_outputs(frame, report)
+        collector = _Collector(self, frame, len(tensors), report)
         self.pending.add(collector)
         if outputs:
             self.out_collectors[id(frame)] = collector
-        aliases = _TAP(*[t for _, t in needs])
-        swap = {}
-        collector.keys = list(keys)
-        for (key, t), alias in zip(needs, aliases):
+        aliases = list(_TAP(*tensors))
+        for i, alias in enumerate(aliases):
             try:
-                alias.register_hook(collector.hook_for(key))
+                alias.register_hook(collector.hook_for(i))
             except RuntimeError:  # not part of the recorded graph after all: no gradient will reach it
-                collector.keys.remove(key)
-                continue
-            self.session.remember_alias(t, alias)
-            swap[id(t)] = alias
-        return swap
+                collector.hooked -= 1
+                aliases[i] = None
+        return aliases
 
-    def _after_outputs(self, sink):
-        def run(frame, grads):
+    def _after_outputs(self, frame, report):
+        def run(grads):
             out = self.out_collectors.pop(id(frame), None)
             if out is not None:
                 out.flush()
-            sink(frame, grads)
+            report(grads)
 
         return run
-
-    def _param_grad_hook(self, name):
-        def hook(grad):
-            if grad is not None:
-                self.session.param("param_grad", name, name.rpartition(".")[0], grad)
-            return None
-
-        return hook
-
-    def _record_params(self):
-        """Parameter values at the start of each step. MindSpore's optimizers update parameters without bumping
-        ``_version``, so there is no cheap change test: every step records them."""
-        for name, p in self.params:
-            self.session.param("param", name, name.rpartition(".")[0], p)
 
 
 def _differentiable(t) -> bool:
@@ -307,13 +239,6 @@ def _recording_grad() -> bool:
         return bool(_executor.requires_grad())
     except Exception:  # pragma: no cover - API moved: tap anyway (identity taps are harmless without grad)
         return True
-
-
-def _safe_extra_repr(cell) -> str:
-    try:
-        return cell.extra_repr()
-    except Exception:  # a user's extra_repr must never break tracing
-        return ""
 
 
 def metadata(model) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 import weakref
 import zlib
 
@@ -34,8 +33,7 @@ import numpy as np
 import paddle
 
 from ..core.session import TensorAdapter
-from ..core.structure import replace_tensors, walk
-from .common import hyper_parameters
+from .common import ModuleHooks
 
 FRAMEWORK = "paddle"
 
@@ -146,164 +144,80 @@ def _differentiable(t) -> bool:
     return not t.stop_gradient and (paddle.is_floating_point(t) or paddle.is_complex(t))
 
 
-class Hooks:
+class Hooks(ModuleHooks):
     """Registers forward hooks on every sublayer (plus gradient taps and parameter-gradient hooks)."""
 
-    def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
-        self.model = model
-        self.session = session
-        self.backward = backward
-        self.path_filter = path_filter
-        self.record_params = params
-        self.handles = []
-        self.active = False
-        self.open_frames: dict[int, list] = {}
-        self.no_input_taps: set[str] = set()
-        self.param_versions: dict[str, tuple] = {}
-        self.params = [(name, p) for name, p in model.named_parameters()
-                       if path_filter(name.rpartition(".")[0])]
+    is_tensor = staticmethod(is_tensor)
+    differentiable = staticmethod(_differentiable)
 
-    # -- installation --------------------------------------------------------------------------------------
-    def install(self):
-        self.active = True
-        for path, layer in self.model.named_sublayers(include_self=True):
-            if layer is not self.model and not self.path_filter(path):
-                continue
-            hparams = hyper_parameters(layer, _safe_extra_repr(layer))
-            self.handles.append(layer.register_forward_pre_hook(
-                self._pre_hook(path, type(layer).__name__, hparams), with_kwargs=True))
-            self.handles.append(layer.register_forward_post_hook(
-                self._post_hook(path), with_kwargs=True, always_call=True))
-        if self.backward and self.record_params:
-            me = weakref.ref(self)
-            for name, p in self.params:
-                if not p.stop_gradient:
-                    p._register_backward_hook(_param_grad_hook(me, name, weakref.ref(p)))
+    def named_modules(self):
+        return self.model.named_sublayers(include_self=True)
 
-    def remove(self):
-        self.active = False  # the parameter reduce hooks cannot be removed: they check this
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+    def named_parameters(self):
+        return self.model.named_parameters()
 
-    # -- hooks ---------------------------------------------------------------------------------------------
-    def _pre_hook(self, path, type_name, hparams):
-        session = self.session
+    def register_forward_hooks(self, layer, pre_hook, post_hook) -> list:
+        return [layer.register_forward_pre_hook(pre_hook, with_kwargs=True),
+                layer.register_forward_post_hook(post_hook, with_kwargs=True, always_call=True)]
 
-        def hook(layer, args, kwargs):
-            if not session.stack and self.record_params:
-                self._record_changed_params()
-            tensors, scalars = [], {}
-            walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, hparams, tensors, scalars)
-            self.open_frames.setdefault(id(layer), []).append(frame)
-            if not self._taps_enabled() or getattr(layer, "inplace", False) is True or path in self.no_input_taps:
-                return None
-            needs = [(k, t) for k, t in tensors if _differentiable(t)]
-            if not needs:
-                return None
-            frame.tapped_inputs = True
-            swap = self._tap(needs, session.grad_inputs, frame)
-            frame.versions = [(swap[id(t)], swap[id(t)].inplace_version, t) for _, t in needs]
-            return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
+    def register_param_grad_hooks(self):
+        """The reduce hooks cannot be removed (``remove`` only clears ``active``), so they hold weak references."""
+        me = weakref.ref(self)
+        for name, p in self.params:
+            if not p.stop_gradient:
+                p._register_backward_hook(_param_grad_hook(me, name, weakref.ref(p)))
 
-        return hook
+    def grad_enabled(self) -> bool:
+        return paddle.is_grad_enabled()
 
-    def _post_hook(self, path):
-        session = self.session
-
-        def hook(layer, args, kwargs, output):
-            stack = self.open_frames.get(id(layer))
-            if not stack:
-                return None
-            frame = stack.pop()
-            error = sys.exc_info()[1]
-            if output is None and error is not None:
-                session.fail_call(frame, error)
-                return None
-            tensors, scalars = [], {}
-            walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            session.end_call(frame, tensors, scalars)
-            changed = [(alias, original) for alias, v, original in frame.versions if alias.inplace_version != v]
-            if changed:
-                # the layer changed the tap's copy: write it back into the caller's tensor, with autograd, so
-                # the caller sees (and differentiates through) the change as it would without the tap
-                for alias, original in changed:
-                    paddle.assign(alias, output=original)
-                self.no_input_taps.add(path)
-                session.warn(f"{path} modifies its input in place: its later calls record no grad_input")
-            frame.versions = []
-            if not self._taps_enabled():
-                return None
-            needs = [(k, t) for k, t in tensors if _differentiable(t)]
-            if not needs:
-                return None
-            return replace_tensors(output, is_tensor, self._tap(needs, session.grad_outputs, frame))
-
-        return hook
-
-    def _taps_enabled(self) -> bool:
-        return self.backward and paddle.is_grad_enabled()
-
-    def _tap(self, needs, sink, frame) -> dict:
-        """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): copy} to swap them in."""
-        keys = [k for k, _ in needs]
-        tapped = _GradTap.apply(lambda grads: sink(frame, [(k, g) for k, g in zip(keys, grads) if g is not None]),
-                                *[t for _, t in needs])
-        if is_tensor(tapped):
-            tapped = (tapped,)
-        swap = {}
-        for (_, t), alias in zip(needs, tapped):
+    def apply_tap(self, tensors, report, frame, outputs):
+        """Copies (see the module docstring); each answers with its original's identity while unmodified."""
+        copies = _GradTap.apply(report, *tensors)
+        if is_tensor(copies):
+            copies = (copies,)
+        for t, copy in zip(tensors, copies):
             identity = identify(t)
             if identity is not None:
                 try:
-                    setattr(alias, _ORIGIN, (identity, alias.inplace_version, weakref.ref(t)))
+                    setattr(copy, _ORIGIN, (identity, copy.inplace_version, weakref.ref(t)))
                 except Exception:
                     pass
-            self.session.remember_alias(t, alias)
-            swap[id(t)] = alias
-        return swap
+        return copies
 
-    def _record_changed_params(self):
-        """Parameter values at the start of each step, when they changed since last recorded (optimizer).
+    def watch_inputs(self, frame, needs, swap):
+        """The layer sees the tap's copies: watch those, and remember the caller's tensor to write back into."""
+        frame.versions = [(swap[id(t)], swap[id(t)].inplace_version, t) for _, t in needs]
 
-        Paddle's optimizers (``sgd_``, ``adamw_``, ...) and ``set_value`` update parameters in place without
+    def check_in_place(self, frame) -> bool:
+        changed = [(alias, original) for alias, v, original in frame.versions if alias.inplace_version != v]
+        # the layer changed the tap's copy: write it back into the caller's tensor, with autograd, so
+        # the caller sees (and differentiates through) the change as it would without the tap
+        for alias, original in changed:
+            paddle.assign(alias, output=original)
+        frame.versions = []
+        return bool(changed)
+
+    def param_version(self, p):
+        """Paddle's optimizers (``sgd_``, ``adamw_``, ...) and ``set_value`` update parameters in place without
         bumping ``inplace_version``, so a change is detected from a CRC32 of the bytes (one host copy per
         parameter per step), together with the version and the data pointer.
         """
-        for name, p in self.params:
-            try:
-                stored = to_stored(p)
-                checksum = zlib.crc32(np.ascontiguousarray(stored[0]).view(np.uint8)) if stored else None
-                version = (p.inplace_version, p.data_ptr(), checksum)
-            except Exception:
-                version = None
-            if version is not None and self.param_versions.get(name) == version:
-                continue
-            self.param_versions[name] = version
-            self.session.param("param", name, name.rpartition(".")[0], p)
+        try:
+            stored = to_stored(p)
+            checksum = zlib.crc32(np.ascontiguousarray(stored[0]).view(np.uint8)) if stored else None
+            return p.inplace_version, p.data_ptr(), checksum
+        except Exception:
+            return None
 
 
 def _param_grad_hook(hooks_ref, name, param_ref):
-    module_path = name.rpartition(".")[0]
-
     def hook():
         hooks, p = hooks_ref(), param_ref()
         if hooks is None or not hooks.active or p is None:
             return
-        grad = p.grad
-        if grad is not None:
-            hooks.session.param("param_grad", name, module_path, grad)
+        hooks.record_param_grad(name, p.grad)
 
     return hook
-
-
-def _safe_extra_repr(layer) -> str:
-    try:
-        return layer.extra_repr()
-    except Exception:  # a user's extra_repr must never break tracing
-        return ""
 
 
 _FLAGS = ("FLAGS_cudnn_deterministic", "FLAGS_embedding_deterministic", "FLAGS_cpu_deterministic",

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import math
 import platform
-import sys
 
 import numpy as np
 import torch
 
 from ..core.session import TensorAdapter
-from ..core.structure import replace_tensors, walk
-from .common import hyper_parameters
+from .common import ModuleHooks
 
 FRAMEWORK = "torch"
 
@@ -131,130 +129,47 @@ def _differentiable(t) -> bool:
     return t.requires_grad and (t.is_floating_point() or t.is_complex())
 
 
-class Hooks:
+class Hooks(ModuleHooks):
     """Registers forward hooks on every module (plus gradient taps and parameter-gradient hooks)."""
 
-    def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
-        self.model = model
-        self.session = session
-        self.backward = backward
-        self.path_filter = path_filter
-        self.record_params = params
-        self.handles = []
-        self.open_frames: dict[int, list] = {}
-        self.no_input_taps: set[str] = set()
-        self.param_versions: dict[str, int] = {}
-        self.params = [(name, p) for name, p in model.named_parameters()
-                       if path_filter(name.rpartition(".")[0])]
+    in_place_consequence = ("input gradients of its first call may be misattributed; its later calls record no "
+                            "grad_input")
+    is_tensor = staticmethod(is_tensor)
+    differentiable = staticmethod(_differentiable)
 
-    # -- installation --------------------------------------------------------------------------------------
-    def install(self):
-        for path, module in self.model.named_modules():
-            if module is not self.model and not self.path_filter(path):
-                continue
-            hparams = hyper_parameters(module, _safe_extra_repr(module))
-            self.handles.append(module.register_forward_pre_hook(
-                self._pre_hook(path, type(module).__name__, hparams), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(
-                self._post_hook(path), with_kwargs=True, always_call=True))
-        if self.backward and self.record_params:
-            for name, p in self.params:
-                if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(name)))
+    def named_modules(self):
+        return self.model.named_modules()
 
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+    def named_parameters(self):
+        return self.model.named_parameters()
 
-    # -- hooks ---------------------------------------------------------------------------------------------
-    def _pre_hook(self, path, type_name, hparams):
-        session = self.session
+    def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
+        return [module.register_forward_pre_hook(pre_hook, with_kwargs=True),
+                module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)]
 
-        def hook(module, args, kwargs):
-            if not session.stack and self.record_params:
-                self._record_changed_params()
-            tensors, scalars = [], {}
-            walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, hparams, tensors, scalars)
-            self.open_frames.setdefault(id(module), []).append(frame)
-            if not self._taps_enabled() or getattr(module, "inplace", False) is True or path in self.no_input_taps:
-                return None
-            needs = [(k, t) for k, t in tensors if _differentiable(t)]
-            if not needs:
-                return None
-            frame.tapped_inputs = True
-            frame.versions = [(t, t._version) for _, t in needs]
-            swap = self._tap(needs, session.grad_inputs, frame)
-            return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
-
-        return hook
-
-    def _post_hook(self, path):
-        session = self.session
-
-        def hook(module, args, kwargs, output):
-            stack = self.open_frames.get(id(module))
-            if not stack:
-                return None
-            frame = stack.pop()
-            error = sys.exc_info()[1]
-            if output is None and error is not None:
-                session.fail_call(frame, error)
-                return None
-            tensors, scalars = [], {}
-            walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            session.end_call(frame, tensors, scalars)
-            if any(t._version != v for t, v in frame.versions):
-                self.no_input_taps.add(path)
-                session.warn(f"{path} modifies its input in place: input gradients of its first call may be "
-                             "misattributed; its later calls record no grad_input")
-            if not self._taps_enabled():
-                return None
-            needs = [(k, t) for k, t in tensors if _differentiable(t)]
-            if not needs:
-                return None
-            return replace_tensors(output, is_tensor, self._tap(needs, session.grad_outputs, frame))
-
-        return hook
-
-    def _taps_enabled(self) -> bool:
-        return self.backward and torch.is_grad_enabled()
-
-    def _tap(self, needs, sink, frame) -> dict:
-        """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): alias} to swap them in."""
-        keys = [k for k, _ in needs]
-        tapped = _GradTap.apply(lambda grads: sink(frame, [(k, g) for k, g in zip(keys, grads) if g is not None]),
-                                *[t for _, t in needs])
-        swap = {}
-        for (_, t), alias in zip(needs, tapped):
-            self.session.remember_alias(t, alias)
-            swap[id(t)] = alias
-        return swap
+    def register_param_grad_hooks(self):
+        for name, p in self.params:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(name)))
 
     def _param_grad_hook(self, name):
-        def hook(p):
-            if p.grad is not None:
-                self.session.param("param_grad", name, name.rpartition(".")[0], p.grad)
+        return lambda p: self.record_param_grad(name, p.grad)
 
-        return hook
+    def grad_enabled(self) -> bool:
+        return torch.is_grad_enabled()
 
-    def _record_changed_params(self):
-        """Parameter values at the start of each step, when they changed since last recorded (optimizer)."""
-        for name, p in self.params:
-            version = p._version
-            if self.param_versions.get(name) == version:
-                continue
-            self.param_versions[name] = version
-            self.session.param("param", name, name.rpartition(".")[0], p)
+    def apply_tap(self, tensors, report, frame, outputs):
+        return _GradTap.apply(report, *tensors)
 
+    def watch_inputs(self, frame, needs, swap):
+        """In-place ops bump ``_version`` (shared with the tap's detached alias)."""
+        frame.versions = [(t, t._version) for _, t in needs]
 
-def _safe_extra_repr(module) -> str:
-    try:
-        return module.extra_repr()
-    except Exception:  # a user's extra_repr must never break tracing
-        return ""
+    def check_in_place(self, frame) -> bool:
+        return any(t._version != v for t, v in frame.versions)
+
+    def param_version(self, p):
+        return p._version
 
 
 def metadata(model) -> dict:

@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""layerdiff benchmark, per framework: step time untraced vs traced ("stats" and "full" modes).
+
+    python tools/bench_frameworks.py                                  # torch, paddle, mindspore (~3-4 min)
+    python tools/bench_frameworks.py --frameworks paddle,mindspore    # a subset
+    python tools/bench_frameworks.py --profile                        # + cProfile of traced stats steps
+    python tools/bench_frameworks.py --json out.json                  # also save every number as JSON
+    python tools/bench.py --frameworks torch,paddle,mindspore         # the same, from the main bench
+
+Model: the same Llama in each framework (``recipes/{torch,paddle,mindspore}_llama.py``, ``build(...)`` ->
+{"model", "step"}) at the size of tools/bench.py: layers=4, hidden=256, heads=8, kv_heads=8, vocab=32000,
+intermediate=688, batch=2, seq=128; one step = forward with labels + backward (torch: zero_grad + backward;
+paddle: clear_gradients + backward; mindspore: ms.value_and_grad in PyNative mode), on CPU.
+
+Every framework runs in its own fresh interpreter (paddle and mindspore are never imported in one process),
+one after the other. Inside it, as in tools/bench.py section 1: warm-up steps, then interleaved rounds of
+[untraced, stats, full] blocks (order rotated each round); a traced block opens a fresh trace with
+``layerdiff.trace(model, path, mode=..., overwrite=True)``, runs one untimed traced step (the first step also
+records parameter values), then times K steps. ``os.sync()`` and a wait for idle CPUs (small budget) precede
+every block; "others" = CPU cores other processes kept busy. A framework stops adding rounds once its time
+budget is spent (at least 2 rounds). Medians over all timed steps are the headline; ratios are vs untraced.
+"MB per full step" = tensor bytes the writer stored per steady-state step (not the first step).
+
+It only prints numbers next to the targets (stats <= 1.3x); it never asserts or judges.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+ROOT = TOOLS.parent
+for p in (str(ROOT), str(TOOLS)):
+    if p not in sys.path:
+        sys.path.insert(0, p)  # `recipes` and `bench` (stdlib-only at import time)
+
+import bench  # noqa: E402  (helpers: run_block, timed_steps, Load, QuietWaiter, hot_functions, ...)
+
+SELF = str(Path(__file__).resolve())
+FRAMEWORKS = ("torch", "paddle", "mindspore")
+CONFIGS = [("untraced", None), ("stats", dict(mode="stats")), ("full", dict(mode="full"))]
+# per framework: warm-up steps, timed steps per block, max rounds, time budget (s) after which no new round starts
+PLAN = {"torch": dict(warmup=3, k=3, rounds=4, budget=30.0),
+        "paddle": dict(warmup=2, k=2, rounds=4, budget=45.0),
+        "mindspore": dict(warmup=2, k=2, rounds=3, budget=75.0)}
+RESULT = "@@RESULT "
+log = bench.log
+
+
+# ---------------------------------------------------------------------------------------------------------
+# child: one framework
+# ---------------------------------------------------------------------------------------------------------
+def framework_env(fw: str) -> dict:
+    if fw == "torch":
+        import torch
+        return {"version": torch.__version__, "threads": torch.get_num_threads()}
+    if fw == "paddle":
+        import paddle
+        return {"version": paddle.__version__, "device": paddle.get_device()}
+    import mindspore as ms
+    env = {"version": ms.__version__, "device": ms.get_context("device_target"), "mode": ms.get_context("mode")}
+    try:
+        env["runtime_num_threads"] = ms.get_context("runtime_num_threads")
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+def child(fw: str, profile: bool, quiet_budget: float, rounds_override: int | None) -> int:
+    import importlib
+
+    t0 = time.perf_counter()
+    recipe = importlib.import_module(f"recipes.{fw}_llama")
+    import layerdiff
+
+    env = framework_env(fw)
+    t_import = time.perf_counter() - t0
+    b = recipe.build(None, **bench.MODEL_KW)
+    model, step = b["model"], b["step"]
+    t_build = time.perf_counter() - t0 - t_import
+    plan = dict(PLAN[fw])
+    if rounds_override:
+        plan["rounds"] = rounds_override
+    bench.WAITER.budget = quiet_budget
+    log(f"  {fw} {env}: import {t_import:.1f} s, build {t_build:.1f} s; warm-up {plan['warmup']} steps, up to "
+        f"{plan['rounds']} rounds x {plan['k']} timed steps per configuration (budget {plan['budget']:.0f} s)")
+    warm, _ = bench.timed_steps(step, plan["warmup"])
+    tmp = Path(tempfile.mkdtemp(prefix=f"layerdiff-bench-{fw}-", dir="/tmp"))
+    blocks = {name: [] for name, _ in CONFIGS}
+    t_rounds = time.perf_counter()
+    try:
+        for r in range(plan["rounds"]):
+            if r >= 2 and time.perf_counter() - t_rounds > plan["budget"]:
+                break
+            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+            for name, opts in order:
+                blk = bench.run_block(model, step, opts, plan["k"], tmp / f"{fw}_{name}.h5")
+                blocks[name].append(blk)
+                log(f"    round {r + 1} {name:8} walls {bench.fmt_list(blk['walls'])}  others {blk['others']:.2f} cores"
+                    + (f"  first traced step {blk['first_step']:.3f}s, close {blk['close_s']:.3f}s"
+                       if opts else ""))
+        prof_rows = None
+        if profile:
+            import cProfile
+
+            bench.quiet_disk()
+            with layerdiff.trace(model, tmp / f"{fw}_profile.h5", mode="stats", overwrite=True):
+                step()  # first traced step (parameter values) not profiled
+                prof = cProfile.Profile()
+                prof.enable()
+                step()
+                prof.disable()
+            prof_rows = bench.hot_functions(prof, top=12)
+            # the same step untraced, for the framework's own share
+            uprof = cProfile.Profile()
+            uprof.enable()
+            step()
+            uprof.disable()
+            prof_rows_untraced = bench.hot_functions(uprof, top=12)
+    finally:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    agg = {}
+    for name, _ in CONFIGS:
+        bl = blocks[name]
+        walls = [w for x in bl for w in x["walls"]]
+        cpus = [c for x in bl for c in x["cpus"]]
+        quiet = [w for x in bl if x["others"] < bench.QUIET_CORES for w in x["walls"]]
+        agg[name] = {"walls": walls, "median": bench.med(walls), "min": min(walls), "cpu_median": bench.med(cpus),
+                     "quiet_median": bench.med(quiet) if quiet else None, "n_quiet": len(quiet),
+                     "others": [x["others"] for x in bl]}
+        if name != "untraced":
+            agg[name]["first_step_median"] = bench.med([x["first_step"] for x in bl])
+            agg[name]["close_median"] = bench.med([x["close_s"] for x in bl])
+            agg[name]["bytes_per_step"] = bench.med([x["tensor_bytes_per_step"] for x in bl])
+            agg[name]["records_per_step"] = bench.med([x["records_per_step"] for x in bl])
+    u = agg["untraced"]
+    for name in ("stats", "full"):
+        a = agg[name]
+        a["ratio_median"] = a["median"] / u["median"]
+        a["ratio_min"] = a["min"] / u["min"]
+        a["ratio_quiet"] = (a["quiet_median"] / u["quiet_median"]
+                            if a["quiet_median"] and u["quiet_median"] else None)
+    out = {"framework": fw, "env": env, "plan": plan, "import_s": t_import, "build_s": t_build, "warmup": warm,
+           "steps": agg, "rounds": len(blocks["untraced"]), "seconds": time.perf_counter() - t0}
+    if profile:
+        out["profile_stats_step"] = prof_rows
+        out["profile_untraced_step"] = prof_rows_untraced
+    print(RESULT + json.dumps(out), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parent: one subprocess per framework, then the summary table
+# ---------------------------------------------------------------------------------------------------------
+def run_child(fw: str, args) -> dict:
+    cmd = [sys.executable, SELF, "--_child", fw, "--quiet-budget", str(args.quiet_budget)]
+    if args.profile:
+        cmd.append("--profile")
+    if args.rounds:
+        cmd += ["--rounds", str(args.rounds)]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1, cwd=str(ROOT))
+        result = None
+        for line in proc.stdout:
+            if line.startswith(RESULT):
+                result = json.loads(line[len(RESULT):])
+            elif line.startswith("  "):  # our own progress lines; frameworks' chatter is dropped
+                log(line.rstrip("\n"))
+        rc = proc.wait()
+        err.seek(0)
+        stderr = err.read()
+    if rc != 0 or result is None:
+        return {"framework": fw, "error": f"exit {rc}: {stderr.strip()[-3000:]}", "seconds": time.perf_counter() - t0}
+    result["wall_incl_startup_s"] = time.perf_counter() - t0
+    return result
+
+
+def summary(results: list[dict]):
+    log("\n" + "=" * 112)
+    log("SUMMARY: step time, median over all timed steps (quiet median / best in brackets); ratio = traced / untraced "
+        "median; target: stats <= 1.3x")
+    hdr = (f"{'framework':10} {'untraced ms':>24} {'stats ms (ratio)':>32} {'full ms (ratio)':>32} "
+           f"{'MB/full step':>12}")
+    log(hdr)
+    log("-" * len(hdr))
+
+    def cell(a, ratio=None):
+        q = f"{a['quiet_median'] * 1e3:.0f}" if a["quiet_median"] else "n/a"
+        s = f"{a['median'] * 1e3:.0f} ({q}/{a['min'] * 1e3:.0f})"
+        return s if ratio is None else f"{s} {ratio:.2f}x"
+
+    for r in results:
+        if "error" in r:
+            log(f"{r['framework']:10} FAILED: {r['error'].splitlines()[-1] if r['error'] else ''}")
+            continue
+        s = r["steps"]
+        log(f"{r['framework']:10} {cell(s['untraced']):>24} {cell(s['stats'], s['stats']['ratio_median']):>32} "
+            f"{cell(s['full'], s['full']['ratio_median']):>32} {s['full']['bytes_per_step'] / bench.MB:12.1f}")
+    log("-" * len(hdr))
+    log(f"{'framework':10} {'stats x (med/quiet/best)':>26} {'full x (med/quiet/best)':>26} {'cpu ms u/s/f':>20} "
+        f"{'rec/step s/f':>13} {'rounds':>6} {'others max':>10}")
+    for r in results:
+        if "error" in r:
+            continue
+        s = r["steps"]
+
+        def rat(a):
+            q = f"{a['ratio_quiet']:.2f}" if a["ratio_quiet"] else "n/a"
+            return f"{a['ratio_median']:.2f}/{q}/{a['ratio_min']:.2f}"
+
+        cpu = "/".join(f"{s[n]['cpu_median'] * 1e3:.0f}" for n in ("untraced", "stats", "full"))
+        recs = f"{s['stats']['records_per_step']:.0f}/{s['full']['records_per_step']:.0f}"
+        others = max(o for n in s for o in s[n]["others"])
+        log(f"{r['framework']:10} {rat(s['stats']):>26} {rat(s['full']):>26} {cpu:>20} {recs:>13} "
+            f"{r['rounds']:>6} {others:10.2f}")
+    log("=" * 112)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--frameworks", default=",".join(FRAMEWORKS),
+                   help="comma-separated subset of torch,paddle,mindspore (default: all three)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print a cProfile (top 12 by tottime) of one traced stats step and one untraced step")
+    p.add_argument("--json", metavar="FILE", help="also save the results as JSON")
+    p.add_argument("--rounds", type=int, help="override the number of rounds per framework")
+    p.add_argument("--quiet-budget", type=float, default=5.0,
+                   help="seconds per framework to wait, in total, for other processes to leave the CPUs idle")
+    p.add_argument("--_child", metavar="FW", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._child:
+        return child(args._child, args.profile, args.quiet_budget, args.rounds)
+
+    fws = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    bad = [f for f in fws if f not in FRAMEWORKS]
+    if bad:
+        p.error(f"unknown framework(s) {bad}; choose from {','.join(FRAMEWORKS)}")
+    t0 = time.perf_counter()
+    with open("/proc/loadavg") as f:
+        la = " ".join(f.read().split()[:3])
+    log(f"layerdiff framework bench: model {bench.MODEL_KW}, CPU ({os.cpu_count()} cpus), forward+backward; "
+        f"python {sys.version.split()[0]}; load average at start {la}")
+    log("each framework runs in its own interpreter, one after the other")
+    results = []
+    for fw in fws:
+        log(f"\n[{fw}]")
+        r = run_child(fw, args)
+        results.append(r)
+        if "error" in r:
+            log(f"  FAILED after {r['seconds']:.0f} s:\n{r['error']}")
+            continue
+        log(f"  {fw}: {r['rounds']} rounds, {r['wall_incl_startup_s']:.0f} s incl. interpreter start")
+        if args.profile:
+            bench.print_hot(f"{fw}: one traced step, stats mode (cProfile)", r["profile_stats_step"])
+            bench.print_hot(f"{fw}: the same step untraced (cProfile)", r["profile_untraced_step"])
+    summary(results)
+    with open("/proc/loadavg") as f:
+        log(f"total {time.perf_counter() - t0:.0f} s; load average at end {' '.join(f.read().split()[:3])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        log(f"results saved to {args.json}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
