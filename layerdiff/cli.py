@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("b", help="candidate trace")
     a.add_argument("--map", action="append", metavar="B_REGEX=A_NAME",
                    help="rename B's module paths to A's (regex substitution; or a file of rules; repeatable)")
+    a.add_argument("--layout", action="append", metavar="REGEX=TRANSFORM",
+                   help="compare B's tensors of records whose (A) path matches REGEX after transpose, "
+                        "permute(3,2,0,1) or reshape(-1,64) (repeatable)")
     a.add_argument("--save-map", metavar="FILE",
                    help="write the module mapping inferred for renamed modules as an editable --map file")
     a.add_argument("--no-auto-map", action="store_true",
@@ -113,8 +116,10 @@ def _finish_report(report, args) -> int:
     if args.quiet:
         f = report["forward"]["first_divergence"]
         b = report["backward"]["first_divergence"]
+        differ = report.get("params", {}).get("differ", [])
         print(f"{report['verdict']}: forward {f['description'] if f else 'aligned'}; "
-              f"backward {b['description'] if b else 'aligned'}")
+              f"backward {b['description'] if b else 'aligned'}"
+              + (f"; {len(differ)} parameter values differ (first: {differ[0]})" if differ else ""))
     else:
         render(report, make_console())
     return EXIT_OK if report["verdict"] == "aligned" else EXIT_DIVERGENT
@@ -126,8 +131,14 @@ def cmd_align(args) -> int:
     from .core.report import ByteProgress
     from .core.traceformat import open_trace
 
+    from .core.layouts import LayoutRules
+
     policy = _policy(args)
     rename = RenameRules.parse(args.map)
+    try:
+        layouts = LayoutRules(args.layout)
+    except ValueError as exc:
+        raise LayerdiffError(str(exc)) from None
     from pathlib import Path
 
     for out in (args.json, args.save_map):
@@ -136,7 +147,8 @@ def cmd_align(args) -> int:
     with open_trace(args.a) as ra, open_trace(args.b) as rb:
         progress = ByteProgress("aligning", enabled=None if not args.quiet else False)
         try:
-            report = align(ra, rb, rename=rename, policy=policy, progress=progress, auto_map=not args.no_auto_map)
+            report = align(ra, rb, rename=rename, policy=policy, progress=progress, auto_map=not args.no_auto_map,
+                           layouts=layouts)
         finally:
             progress.close()
     if args.save_map:

@@ -93,3 +93,31 @@ def test_save_map_refuses_to_overwrite(tmp_path):
     (tmp_path / "map.txt").write_text("keep")
     code, _, err = run_cli("align", ref, ref, "--save-map", tmp_path / "map.txt")
     assert code == 2 and (tmp_path / "map.txt").read_text() == "keep"
+
+
+class Conv(nn.Module):
+    """A conv whose weight a port keeps as [kh, kw, in, out] (a real TF/JAX-style layout)."""
+
+    def __init__(self, hwio=False):
+        super().__init__()
+        w = torch.randn(6, 3, 2, 2, generator=torch.Generator().manual_seed(0))
+        self.weight = nn.Parameter(w.permute(2, 3, 1, 0).contiguous() if hwio else w)
+        self.hwio = hwio
+
+    def forward(self, x):
+        w = self.weight.permute(3, 2, 0, 1) if self.hwio else self.weight
+        return torch.nn.functional.conv2d(x, w)
+
+
+def test_declared_layout_rule_compares_permuted_weights(tmp_path):
+    for name, hwio in (("oihw.h5", False), ("hwio.h5", True)):
+        model = nn.Sequential(Conv(hwio))
+        with layerdiff.trace(model, tmp_path / name):
+            model(torch.ones(1, 3, 4, 4)).sum().backward()
+    code, out, _ = run_cli("align", tmp_path / "oihw.h5", tmp_path / "hwio.h5", "-q")
+    assert code == 1  # same numbers, different layout: weights and their gradients differ as stored
+    code, out, err = run_cli("align", tmp_path / "oihw.h5", tmp_path / "hwio.h5", "-q",
+                             "--layout", r"0\.weight$=permute(3,2,0,1)")
+    assert code == 0, out + err
+    code, _, err = run_cli("align", tmp_path / "oihw.h5", tmp_path / "hwio.h5", "--layout", "x=spin(1)")
+    assert code == 2 and err.count("\n") == 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import LayerdiffError
-from .layouts import is_transposed, type_family
+from .layouts import LayoutRules, is_transposed, type_family
 from .mapping import infer_mapping
 from .match import RenameRules, match_records, match_tensors
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
@@ -74,9 +74,13 @@ class _Side:
                 and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"]))
 
 
-def _compare_entries(a: _Side, b: _Side, ra: dict, rb: dict, ta: dict, tb: dict, memo: dict) -> dict:
+def _compare_entries(a: _Side, b: _Side, ra: dict, rb: dict, ta: dict, tb: dict, memo: dict,
+                     layouts: LayoutRules) -> dict:
     """Metrics for one tensor pair; a pair of byte regions already compared (records share deduplicated
     tensors, e.g. a layer's output and the next layer's input) is not read again."""
+    rule = layouts.find(ra["path"])
+    if rule is not None:
+        return _compare_declared(a.reader, b.reader, ta, tb, rule)
     flip_a, flip_b = a.transposed(ra, ta), b.transposed(rb, tb)
     key = (_region(ta), _region(tb), tuple(ta["shape"]), tuple(tb["shape"]), flip_a, flip_b)
     if "offset" in ta and "offset" in tb and key in memo:
@@ -89,6 +93,24 @@ def _compare_entries(a: _Side, b: _Side, ra: dict, rb: dict, ta: dict, tb: dict,
     elif ta["shape"] != tb["shape"] and not metrics.get("mismatch"):
         how = "flattened" if math.prod(ta["shape"]) == math.prod(tb["shape"]) else "after broadcasting"
         metrics["note"] = f"shapes differ ({ta['shape']} vs {tb['shape']}); compared {how}"
+    return metrics
+
+
+def _compare_declared(reader_a, reader_b, ta: dict, tb: dict, rule) -> dict:
+    """B's tensor through a user-declared layout transform, then compared as A's shape."""
+    if "offset" not in ta or "offset" not in tb:
+        metrics = compare_stats(ta["stats"], tb["stats"])  # statistics survive transposes and reshapes
+    else:
+        try:
+            b = LayoutRules.apply(rule, _values(reader_b, tb))
+        except ValueError as exc:
+            return {"basis": "shape", "mismatch": f"layout {rule[2]} on B's {tb['shape']}: {exc}",
+                    "numel": math.prod(ta["shape"])}
+        if list(b.shape) != list(ta["shape"]):
+            return {"basis": "shape", "mismatch": f"shape {ta['shape']} vs {list(b.shape)} after {rule[2]}",
+                    "numel": math.prod(ta["shape"])}
+        metrics = _compare_values(_values(reader_a, ta), b)
+    metrics["note"] = f"B compared after layout rule {rule[2]}"
     return metrics
 
 
@@ -149,9 +171,11 @@ def _infer_renames(reader_a, reader_b, rename: RenameRules, auto_map: bool):
     return infer_mapping(reader_a.records, reader_b.records, known=rename)
 
 
-def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True) -> dict:
+def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True,
+            layouts: LayoutRules | None = None) -> dict:
     """Match the two traces (inferring renamed modules) and compute metrics for every matched tensor pair."""
     rename = rename or RenameRules()
+    layouts = layouts or LayoutRules()
     for reader in (reader_a, reader_b):
         if not any(r["kind"] == "call" for r in reader.records):
             raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
@@ -172,7 +196,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
                "parent": ra.get("parent"),
                "module": ra.get("module"), "hparams_a": ra.get("hparams"), "hparams_b": rb.get("hparams"),
                "error_a": ra.get("error"), "error_b": rb.get("error"),
-               "tensors": [_tensor_row(ta, tb, _compare_entries(side_a, side_b, ra, rb, ta, tb, memo)) for ta, tb in pairs],
+               "tensors": [_tensor_row(ta, tb, _compare_entries(side_a, side_b, ra, rb, ta, tb, memo, layouts)) for ta, tb in pairs],
                "only_a": [t["role"] + ":" + t["key"] for t in only_a],
                "only_b": [t["role"] + ":" + t["key"] for t in only_b]}
         records.append(row)
@@ -181,7 +205,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
     bases = {t["metrics"]["basis"] for r in records for t in r["tensors"]} - {"shape"}
     return {"report_version": REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
-            "map": rename.as_list(), "records": records,
+            "map": rename.as_list(), "layouts": layouts.as_list(), "records": records,
             "mapping": [{"b": e.b_path, "a": e.a_path, "confidence": e.confidence, "reason": e.reason}
                         for e in inferred],
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
@@ -418,7 +442,8 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
                 "grads_compared": len(params["param_grad"]),
                 "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]]},
         growth=growth_table(rows, forward["first_divergence"]),
-        verdict="divergent" if "divergent" in (forward["status"], backward["status"]) else "aligned")
+        verdict="divergent" if "divergent" in (forward["status"], backward["status"])
+        or any(not p["passed"] for p in param_values) else "aligned")
     return report
 
 
@@ -470,5 +495,5 @@ def _rel_error(m: dict) -> float:
 
 
 def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
-          progress=None, auto_map: bool = True) -> dict:
-    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map), policy or TolerancePolicy())
+          progress=None, auto_map: bool = True, layouts: LayoutRules | None = None) -> dict:
+    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts), policy or TolerancePolicy())

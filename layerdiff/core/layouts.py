@@ -48,3 +48,43 @@ def canonical_param_name(name: str) -> str:
 def is_transposed(framework: str | None, type_name: str | None, param_name: str) -> bool:
     leaf = canonical_param_name(param_name).rpartition(".")[2]
     return (framework, type_family(type_name), leaf) in TRANSPOSED
+
+
+class LayoutRules:
+    """User-declared layout transforms applied to trace B's tensors before comparison:
+    ``REGEX=transpose``, ``REGEX=permute(3,2,0,1)`` or ``REGEX=reshape(-1,64)``, matched (``re.search``)
+    against the record's path in A's names (a parameter name, or a module path)."""
+
+    _SPEC = re.compile(r"^(transpose|permute|reshape)(?:\(([-\d,\s]*)\))?$")
+
+    def __init__(self, specs=()):
+        self.rules = []
+        for spec in specs or ():
+            pattern, eq, transform = spec.rpartition("=")
+            m = self._SPEC.match(transform.strip())
+            if not eq or not pattern or m is None:
+                raise ValueError(f"layout rule {spec!r} should look like 'REGEX=transpose', 'REGEX=permute(1,0)' "
+                                 "or 'REGEX=reshape(-1,64)'")
+            args = tuple(int(x) for x in (m.group(2) or "").split(",") if x.strip())
+            if m.group(1) != "transpose" and not args:
+                raise ValueError(f"layout rule {spec!r}: {m.group(1)} needs its dimensions")
+            self.rules.append((re.compile(pattern), m.group(1), args, transform.strip()))
+
+    def find(self, path: str):
+        """(name, args, text) of the first rule matching ``path``, or None."""
+        for pattern, name, args, text in self.rules:
+            if pattern.search(path):
+                return name, args, text
+        return None
+
+    @staticmethod
+    def apply(rule, array):
+        name, args, _ = rule
+        if name == "transpose":
+            return array.T
+        if name == "permute":
+            return array.transpose(args)
+        return array.reshape(args)
+
+    def as_list(self):
+        return [[p.pattern, text] for p, _, _, text in self.rules]
