@@ -169,8 +169,8 @@ class Hooks(ModuleHooks):
         super().remove()
 
     def start_step(self):
-        """Parameter values are recorded every step: MindSpore's optimizers update parameters without bumping
-        ``_version``, so there is no cheap change test (``param_version`` stays None)."""
+        """Reports what the previous step left pending, then records parameters: every step, since MindSpore's
+        optimizers do not bump ``_version`` (no cheap change test, so ``param_version`` stays None)."""
         self.flush_pending()
         super().start_step()
 
