@@ -154,3 +154,40 @@ def test_nan_defect_first_nonfinite(traces):
     report = _align(root / "ms_clean.h5", root / "ms_nan.h5")
     nan = report["first_nonfinite"]["b"]
     assert (nan["module"], nan["phase"]) == ("model.layers.1.mlp.gate_proj", "forward")
+
+
+SGD_SCRIPT = r"""
+import sys
+import mindspore as ms
+import mindspore.nn as msnn
+import layerdiff
+from layerdiff.recipes import llama_shared as shared, mindspore_llama as recipe
+built = recipe.build()
+model = built["model"]
+weights = model.trainable_params()
+optimizer = msnn.SGD(weights, learning_rate=0.1)
+grad_fn = ms.value_and_grad(lambda ids: model(input_ids=ids, labels=ids)[0], None, weights)
+ids = ms.Tensor(shared.input_ids(shared.config(), 2, 16, 0))
+with layerdiff.trace(model, sys.argv[1]):
+    for _ in range(2):
+        loss, grads = grad_fn(ids)
+        optimizer(grads)
+"""
+
+
+def test_training_steps_with_an_optimizer(tmp_path):
+    """Two value_and_grad + nn.SGD steps: per-step parameter values, gradients, and w1 = w0 - lr * g0."""
+    path = tmp_path / "sgd.h5"
+    proc = subprocess.run([sys.executable, "-c", SGD_SCRIPT, str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open_trace(path) as r:
+        assert r.end["steps"] == 2
+        values = [p for p in r.records if p["kind"] == "param" and p["path"] == "lm_head.weight"]
+        grads = [p for p in r.records if p["kind"] == "param_grad" and p["path"] == "lm_head.weight"]
+        assert [v["step"] for v in values] == [0, 1] and [g["step"] for g in grads] == [0, 1]
+        w0, w1 = (r.tensor(v["tensors"][0]) for v in values)
+        g0 = r.tensor(grads[0]["tensors"][0])
+        assert not np.array_equal(w0, w1)
+        np.testing.assert_allclose(w1, w0 - np.float32(0.1) * g0, rtol=1e-6, atol=1e-9)
+        backward = [c for c in r.records if c["kind"] == "call" and c["phase"] == "backward" and c["path"] == "lm_head"]
+        assert [c["step"] for c in backward] == [0, 1]
