@@ -18,7 +18,8 @@ one after the other. Inside it, as in tools/bench.py section 1: warm-up steps, t
 ``layerdiff.trace(model, path, mode=..., overwrite=True)``, runs one untimed traced step (the first step also
 records parameter values), then times K steps. ``os.sync()`` and a wait for idle CPUs (small budget) precede
 every block; "others" = CPU cores other processes kept busy. A framework stops adding rounds once its time
-budget is spent (at least 2 rounds). Medians over all timed steps are the headline; ratios are vs untraced.
+budget is spent (after a minimum number of rounds: torch 3, paddle 3, mindspore 2). Medians over all timed
+steps are the headline; ratios are vs untraced.
 "MB per full step" = tensor bytes the writer stored per steady-state step (not the first step).
 
 It only prints numbers next to the targets (stats <= 1.3x); it never asserts or judges.
@@ -45,10 +46,11 @@ import bench  # noqa: E402  (helpers: run_block, timed_steps, Load, QuietWaiter,
 SELF = str(Path(__file__).resolve())
 FRAMEWORKS = ("torch", "paddle", "mindspore")
 CONFIGS = [("untraced", None), ("stats", dict(mode="stats")), ("full", dict(mode="full"))]
-# per framework: warm-up steps, timed steps per block, max rounds, time budget (s) after which no new round starts
-PLAN = {"torch": dict(warmup=3, k=3, rounds=4, budget=30.0),
-        "paddle": dict(warmup=2, k=2, rounds=4, budget=45.0),
-        "mindspore": dict(warmup=2, k=2, rounds=3, budget=75.0)}
+# per framework: warm-up steps, timed steps per block, rounds (max), min_rounds, and a time budget (s) after
+# which no new round starts once min_rounds are done (a loaded machine shortens the run, not the minimum)
+PLAN = {"torch": dict(warmup=3, k=3, rounds=4, min_rounds=3, budget=40.0),
+        "paddle": dict(warmup=2, k=2, rounds=4, min_rounds=3, budget=45.0),
+        "mindspore": dict(warmup=2, k=2, rounds=3, min_rounds=2, budget=75.0)}
 RESULT = "@@RESULT "
 log = bench.log
 
@@ -96,7 +98,7 @@ def child(fw: str, profile: bool, quiet_budget: float, rounds_override: int | No
     t_rounds = time.perf_counter()
     try:
         for r in range(plan["rounds"]):
-            if r >= 2 and time.perf_counter() - t_rounds > plan["budget"]:
+            if r >= min(plan["min_rounds"], plan["rounds"]) and time.perf_counter() - t_rounds > plan["budget"]:
                 break
             order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
             for name, opts in order:
@@ -206,7 +208,7 @@ def summary(results: list[dict]):
         log(f"{r['framework']:10} {cell(s['untraced']):>24} {cell(s['stats'], s['stats']['ratio_median']):>32} "
             f"{cell(s['full'], s['full']['ratio_median']):>32} {s['full']['bytes_per_step'] / bench.MB:12.1f}")
     log("-" * len(hdr))
-    log(f"{'framework':10} {'stats x (med/quiet/best)':>26} {'full x (med/quiet/best)':>26} {'cpu ms u/s/f':>20} "
+    log(f"{'framework':10} {'stats x (med/quiet/best)':>26} {'full x (med/quiet/best)':>26} {'cpu ms u/s/f (stats x/full x)':>32} "
         f"{'rec/step s/f':>13} {'rounds':>6} {'others max':>10}")
     for r in results:
         if "error" in r:
@@ -217,12 +219,15 @@ def summary(results: list[dict]):
             q = f"{a['ratio_quiet']:.2f}" if a["ratio_quiet"] else "n/a"
             return f"{a['ratio_median']:.2f}/{q}/{a['ratio_min']:.2f}"
 
-        cpu = "/".join(f"{s[n]['cpu_median'] * 1e3:.0f}" for n in ("untraced", "stats", "full"))
+        cu = s["untraced"]["cpu_median"]
+        cpu = (f"{cu * 1e3:.0f}/{s['stats']['cpu_median'] * 1e3:.0f}/{s['full']['cpu_median'] * 1e3:.0f} "
+               f"({s['stats']['cpu_median'] / cu:.2f}x/{s['full']['cpu_median'] / cu:.2f}x)")
         recs = f"{s['stats']['records_per_step']:.0f}/{s['full']['records_per_step']:.0f}"
         others = max(o for n in s for o in s[n]["others"])
-        log(f"{r['framework']:10} {rat(s['stats']):>26} {rat(s['full']):>26} {cpu:>20} {recs:>13} "
+        log(f"{r['framework']:10} {rat(s['stats']):>26} {rat(s['full']):>26} {cpu:>32} {recs:>13} "
             f"{r['rounds']:>6} {others:10.2f}")
     log("=" * 112)
+    log("cpu ms = process CPU time per step (all threads), median; less sensitive than wall time to other processes")
 
 
 def main(argv=None) -> int:
@@ -233,7 +238,7 @@ def main(argv=None) -> int:
                    help="also print a cProfile (top 12 by tottime) of one traced stats step and one untraced step")
     p.add_argument("--json", metavar="FILE", help="also save the results as JSON")
     p.add_argument("--rounds", type=int, help="override the number of rounds per framework")
-    p.add_argument("--quiet-budget", type=float, default=5.0,
+    p.add_argument("--quiet-budget", type=float, default=15.0,
                    help="seconds per framework to wait, in total, for other processes to leave the CPUs idle")
     p.add_argument("--_child", metavar="FW", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
