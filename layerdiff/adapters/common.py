@@ -79,6 +79,7 @@ class ModuleHooks:
         self.open_frames: dict[int, list] = {}  # id(module) -> frames of its calls in progress (recursion)
         self.no_input_taps: set[str] = set()  # paths caught modifying a tapped input in place
         self.param_versions: dict[str, object] = {}
+        self.grads_since_recorded: set[str] = set()
         self.params = [(name, p) for name, p in self.named_parameters()
                        if path_filter(name.rpartition(".")[0])]
 
@@ -130,7 +131,13 @@ class ModuleHooks:
         return False
 
     def param_version(self, p):
-        """A value that changes whenever ``p``'s bytes change, or None if there is no such test (record always)."""
+        """A value that changes whenever ``p``'s bytes change, or None if the framework has no such counter.
+
+        Without one, a parameter's value is written at the first step and again at the start of each step
+        that follows a backward pass which produced its gradient (when an optimizer may have changed it):
+        no per-step checksum of every weight. A change made with no backward pass in between (set_value,
+        load_state_dict during one trace) is not seen: start a new trace after loading weights.
+        """
         return None
 
     def start_step(self):
@@ -234,13 +241,19 @@ class ModuleHooks:
 
     def record_param_grad(self, name, grad):
         if grad is not None:
+            self.grads_since_recorded.add(name)
             self.session.param("param_grad", name, name.rpartition(".")[0], grad)
 
     def _record_changed_params(self):
-        """Parameter values at the start of each step, when they changed since last recorded (optimizer)."""
+        """Parameter values at the start of each step, when they (may have) changed since last recorded."""
         for name, p in self.params:
             version = self.param_version(p)
-            if version is not None and self.param_versions.get(name) == version:
+            if version is None:
+                changed = name not in self.param_versions or name in self.grads_since_recorded
+            else:
+                changed = self.param_versions.get(name) != version
+            if not changed:
                 continue
             self.param_versions[name] = version
+            self.grads_since_recorded.discard(name)
             self.session.param("param", name, name.rpartition(".")[0], p)

@@ -81,7 +81,11 @@ def fast_stats(t: torch.Tensor):
             "nan": 0, "inf": 0}
 
 
-TENSORS = TensorAdapter(to_stored, identify, fast_stats)
+def describe(t: torch.Tensor):
+    return _DTYPE_NAMES[t.dtype], list(t.shape)
+
+
+TENSORS = TensorAdapter(to_stored, identify, fast_stats, describe)
 
 
 def parameters(model):

@@ -66,13 +66,15 @@ class TensorAdapter:
     ``to_stored(t)`` -> (numpy array of the tensor's bits, dtype name) or None if it cannot be stored;
     ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes
     (storage address, shape, strides, dtype, in-place version), or None;
-    ``fast_stats(t)`` -> the ``summarize`` dict computed by the framework itself, or None to use numpy.
+    ``fast_stats(t)`` -> the ``summarize`` dict computed by the framework itself, or None to use numpy;
+    ``describe(t)`` -> (dtype name, shape): with fast_stats, lets "stats" mode skip the host copy entirely.
     """
 
-    def __init__(self, to_stored, identify=None, fast_stats=None):
+    def __init__(self, to_stored, identify=None, fast_stats=None, describe=None):
         self.to_stored = to_stored
         self.identify = identify or (lambda t: None)
         self.fast_stats = fast_stats or (lambda t: None)
+        self.describe = describe
 
 
 class TraceSession:
@@ -120,10 +122,14 @@ class TraceSession:
             if hit is not None and any(self._same(ref(), identity) for ref in hit[0]):
                 hit[0].append(weakref.ref(t))
                 return hit[1]
-        stored = self.tensors.to_stored(t)
-        if stored is None:
-            return None
-        entry = self.writer.write_tensor(*stored, store_data=self.store_data, stats=self.tensors.fast_stats(t))
+        stats = self.tensors.fast_stats(t)
+        if stats is not None and not self.store_data and self.tensors.describe is not None:
+            entry = self.writer.summary_entry(*self.tensors.describe(t), stats)  # no copy to the host
+        else:
+            stored = self.tensors.to_stored(t)
+            if stored is None:
+                return None
+            entry = self.writer.write_tensor(*stored, store_data=self.store_data, stats=stats)
         if identity is not None:
             self.seen[identity] = ([weakref.ref(t)], entry)
         return entry

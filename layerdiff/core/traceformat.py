@@ -117,8 +117,7 @@ class TraceWriter:
 
     def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool, stats: dict | None = None) -> dict:
         """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
-        stats = stats or summarize(stored, dtype)
-        entry = {"dtype": dtype, "shape": list(stored.shape), "stats": stats}
+        entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
             contiguous = np.ascontiguousarray(stored)
             with self._lock:
@@ -126,6 +125,11 @@ class TraceWriter:
                 entry["nbytes"] = contiguous.nbytes
                 self.tensor_bytes += contiguous.nbytes
         return entry
+
+    @staticmethod
+    def summary_entry(dtype: str, shape, stats: dict) -> dict:
+        """A tensor entry without data: what every record keeps, in both modes."""
+        return {"dtype": dtype, "shape": list(shape), "stats": stats}
 
     def write_record(self, record: dict):
         line = (json.dumps(record, separators=(",", ":"), default=_json_default) + "\n").encode()
