@@ -37,15 +37,33 @@ def recipe_trace(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="session")
-def align_paths():
+def align_files(a, b, **kwargs):
+    """``layerdiff.core.align.align`` on two trace paths."""
     from layerdiff.core.align import align
 
-    def run(a, b, **kwargs):
-        with open_trace(a) as ra, open_trace(b) as rb:
-            return align(ra, rb, **kwargs)
+    with open_trace(a) as ra, open_trace(b) as rb:
+        return align(ra, rb, **kwargs)
 
-    return run
+
+@pytest.fixture(scope="session")
+def align_paths():
+    return align_files
+
+
+def run_scripts(root, scripts: dict, timeout=300):
+    """Run {name: python source} side by side, each in its own interpreter with ``root`` as argv[1]
+    (one framework per process: imports are slow, and some frameworks must not share a process)."""
+    import textwrap
+
+    procs = []
+    for name, code in scripts.items():
+        path = root / f"make_{name}.py"
+        path.write_text(textwrap.dedent(code))
+        procs.append((name, subprocess.Popen([sys.executable, str(path), str(root)], stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True)))
+    for name, proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"{name} script failed:\n{stdout}\n{stderr[-4000:]}"
 
 
 def run_cli(*args, cwd=None, timeout=300):

@@ -3,7 +3,6 @@ import torch
 import torch.nn as nn
 
 import layerdiff
-from layerdiff.core.traceformat import open_trace
 
 from conftest import run_cli
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 pytest.importorskip("mindspore")
 
-from layerdiff.core.align import align  # noqa: E402
 from layerdiff.core.traceformat import open_trace  # noqa: E402
 from layerdiff.recipes.mindspore_llama import DEFECTS  # noqa: E402  (imports mindspore: no torch here yet)
+
+from conftest import align_files, run_scripts  # noqa: E402
 
 MS_SCRIPT = """
 import json, sys
@@ -69,22 +69,12 @@ with layerdiff.trace(built["model"], f"{sys.argv[1]}/torch_clean.h5"):
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("ms_traces")
-    procs = []
-    for name, code in (("ms", MS_SCRIPT), ("torch", TORCH_SCRIPT)):
-        script = root / f"make_{name}.py"
-        script.write_text(textwrap.dedent(code))
-        procs.append((name, subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True)))
-    for name, proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{name} trace script failed:\n{err[-4000:]}"
+    run_scripts(root, {"ms": MS_SCRIPT, "torch": TORCH_SCRIPT})
     result = json.loads((root / "ms_result.json").read_text())
     return root, result
 
 
-def _align(a, b):
-    with open_trace(a) as ra, open_trace(b) as rb:
-        return align(ra, rb)
+_align = align_files
 
 
 def test_two_mindspore_runs_align(traces):
@@ -162,6 +152,7 @@ import mindspore as ms
 import mindspore.nn as msnn
 import layerdiff
 from layerdiff.recipes import llama_shared as shared, mindspore_llama as recipe
+
 built = recipe.build()
 model = built["model"]
 weights = model.trainable_params()

@@ -6,13 +6,12 @@ tests need in one go); the aligner runs here, importing neither.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from layerdiff.core.traceformat import open_trace
+
+from conftest import align_files, run_scripts
 
 pytest.importorskip("paddle")
 
@@ -153,6 +152,7 @@ from pathlib import Path
 import layerdiff
 from layerdiff.recipes import torch_llama
 
+
 built = torch_llama.build(None)
 with layerdiff.trace(built["model"], Path(sys.argv[1]) / "torch_clean.h5"):
     built["step"]()
@@ -163,24 +163,12 @@ with layerdiff.trace(built["model"], Path(sys.argv[1]) / "torch_clean.h5"):
 def traces(tmp_path_factory):
     """Both frameworks' traces, made by two subprocesses running side by side."""
     root = tmp_path_factory.mktemp("paddle_traces")
-    procs = []
-    for name, script in (("paddle", PADDLE_SCRIPT), ("torch", TORCH_SCRIPT)):
-        path = root / f"make_{name}.py"
-        path.write_text(textwrap.dedent(script))
-        procs.append((name, subprocess.Popen([sys.executable, str(path), str(root)], stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True)))
-    for name, proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{name} subprocess failed:\n{stdout}\n{stderr[-4000:]}"
+    run_scripts(root, {"paddle": PADDLE_SCRIPT, "torch": TORCH_SCRIPT})
     results = json.loads((root / "paddle_results.json").read_text())
     return root, results
 
 
-def _align(a, b):
-    from layerdiff.core.align import align
-
-    with open_trace(a) as ra, open_trace(b) as rb:
-        return align(ra, rb)
+_align = align_files
 
 
 def _path(traces, name):
