@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="trace a small Llama twice (one with an injected defect) and align them")
     d.add_argument("--defect", default="eps", help="which defect to inject (see recipes/torch_llama.py)")
     d.add_argument("--keep", metavar="DIR", help="keep the traces and report in DIR (default: a temp dir)")
+    d.add_argument("--framework", default="torch", choices=["torch", "paddle", "mindspore"],
+                   help="trace the candidate in this framework's port of the model (needs it installed)")
     return parser
 
 
@@ -245,7 +247,7 @@ def cmd_show(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(defect=args.defect, keep=args.keep)
+    return run_demo(defect=args.defect, keep=args.keep, framework=args.framework)
 
 
 COMMANDS = {"trace": cmd_trace, "align": cmd_align, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,

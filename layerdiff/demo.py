@@ -12,7 +12,18 @@ from pathlib import Path
 from .errors import LayerdiffError
 
 
-def run_demo(defect: str = "eps", keep: str | None = None) -> int:
+def _trace_elsewhere(recipe: str, path, defect: str):
+    """Trace a recipe with the real CLI in its own process (one framework per process, as users run it)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "layerdiff", "trace", recipe, "-o", str(path), "-q",
+                           "--arg", f"defect={defect}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LayerdiffError(f"tracing {recipe} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "torch") -> int:
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -26,22 +37,31 @@ def run_demo(defect: str = "eps", keep: str | None = None) -> int:
 
     if defect not in torch_llama.DEFECTS:
         raise LayerdiffError(f"unknown defect {defect!r}; choose from {', '.join(torch_llama.DEFECTS)}")
+    if framework not in ("torch", "paddle", "mindspore"):
+        raise LayerdiffError(f"unknown framework {framework!r}; choose torch, paddle or mindspore")
     console = make_console()
     workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="layerdiff-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    paths = {"reference": workdir / "reference.h5", "candidate": workdir / f"candidate_{defect}.h5"}
+    paths = {"reference": workdir / "reference.h5", "candidate": workdir / f"candidate_{framework}_{defect}.h5"}
     for p in list(paths.values()) + [workdir / "report.json"]:
         if p.exists():
             raise LayerdiffError(f"{p} exists; choose an empty --keep directory")
     direction, expected = torch_llama.DEFECTS[defect]
+    where = "" if framework == "torch" else f", ported to {framework} (recipes/{framework}_llama.py, same weights)"
     console.print(f"[bold]layerdiff demo[/]: a 2-layer Llama (transformers, built from a config) traced twice; "
-                  f"the candidate has one injected defect ([cyan]{defect}[/], {direction}).")
+                  f"the candidate{where} has one injected defect ([cyan]{defect}[/], {direction}).")
     start = time.perf_counter()
-    for role, d in (("reference", None), ("candidate", defect)):
-        built = torch_llama.build(d)
-        with trace(built["model"], paths[role]):
+    built = torch_llama.build(None)
+    with trace(built["model"], paths["reference"]):
+        built["step"]()
+    console.print(f"  traced reference (torch) -> {paths['reference']}")
+    if framework == "torch":
+        built = torch_llama.build(defect)
+        with trace(built["model"], paths["candidate"]):
             built["step"]()
-        console.print(f"  traced {role:9} -> {paths[role]}")
+    else:
+        _trace_elsewhere(f"{framework}_llama", paths["candidate"], defect)
+    console.print(f"  traced candidate ({framework}) -> {paths['candidate']}")
     with open_trace(paths["reference"]) as a, open_trace(paths["candidate"]) as b:
         report = align(a, b)
     write_json(report, workdir / "report.json")
@@ -52,5 +72,6 @@ def run_demo(defect: str = "eps", keep: str | None = None) -> int:
     console.print(f"\ninjected at [bold]{expected}[/] ({direction}); layerdiff named "
                   f"[bold]{found['module'] if found else 'nothing'}[/]: "
                   + ("[bold green]correct[/]" if hit else "[bold red]WRONG[/]"))
-    console.print(f"[dim]try: layerdiff demo --defect backward   (defects: {', '.join(torch_llama.DEFECTS)})[/]")
+    console.print(f"[dim]try: layerdiff demo --defect backward [--framework paddle|mindspore]   "
+                  f"(defects: {', '.join(torch_llama.DEFECTS)})[/]")
     return 0 if hit else 1

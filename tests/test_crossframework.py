@@ -74,3 +74,10 @@ def test_weights_round_trip_bit_exactly_through_another_framework(tmp_path, via)
     code, _, err = run_cli("trace", "torch_llama", "-o", tmp_path / "back.h5", "-q", "--weights",
                            tmp_path / "back.safetensors")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("framework, defect", [("paddle", "owncode"), ("mindspore", "backward")])
+def test_demo_with_a_ported_candidate(framework, defect):
+    code, out, err = run_cli("demo", "--framework", framework, "--defect", defect)
+    assert code == 0, out + err
+    assert f"traced candidate ({framework})" in out and ": correct" in out
