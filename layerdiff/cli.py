@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="metadata, module tree, record counts and sizes of a trace")
     s.add_argument("trace")
     s.add_argument("--records", action="store_true", help="list every record")
+    s.add_argument("--nan", action="store_true",
+                   help="where NaN/Inf are born: the first call with finite inputs and non-finite outputs, "
+                        "forward and backward")
 
     w = sub.add_parser("weights", help="weights in a framework-neutral file (safetensors, PyTorch layout)")
     wsub = w.add_subparsers(dest="weights_command", metavar="ACTION", parser_class=_Parser, required=True)
@@ -240,7 +243,7 @@ def cmd_weights(args) -> int:
 def cmd_show(args) -> int:
     from .show import show
 
-    show(args.trace, records=args.records)
+    show(args.trace, records=args.records, nan=args.nan)
     return EXIT_OK
 
 

@@ -19,11 +19,12 @@ DEFAULT_FUNCTION = "build"
 
 
 def _parse_value(text: str):
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
+    if any(c.isdigit() for c in text):  # "nan" and "inf" stay words
+        for conv in (int, float):
+            try:
+                return conv(text)
+            except ValueError:
+                pass
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"

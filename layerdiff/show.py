@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from rich.table import Table
 from rich.tree import Tree
 
+from .core.align import first_nonfinite
 from .core.report import make_console
 from .core.traceformat import open_trace
 
@@ -40,7 +41,7 @@ def module_tree(records) -> Tree:
     return root
 
 
-def show(path, records: bool = False):
+def show(path, records: bool = False, nan: bool = False):
     console = make_console()
     with open_trace(path) as reader:
         meta, end = reader.meta, reader.end or {}
@@ -61,10 +62,14 @@ def show(path, records: bool = False):
         console.print(f"records: {len(reader.records)} ("
                       + ", ".join(f"{n} {k}{'/' + p if p else ''}" for (k, p), n in sorted(kinds.items(), key=str))
                       + f"), {tensors} tensors, {_mb(data)} of tensor data, steps: {end.get('steps', '?')}")
-        nan = [r for r in reader.records for t in r.get("tensors", ()) if t["stats"].get("nan") or t["stats"].get("inf")]
-        if nan:
-            first = min(nan, key=lambda r: r.get("end", r.get("seq", 0)))
-            console.print(f"[red]{len(nan)} records hold NaN/Inf; first: {first['path']} ({first.get('phase') or first['kind']})[/]")
+        holding = {id(r) for r in reader.records for t in r.get("tensors", ()) if t["stats"].get("nan") or t["stats"].get("inf")}
+        if holding or nan:
+            console.print(f"[{'red' if holding else 'green'}]{len(holding)} records hold NaN/Inf[/]")
+            for phase in ("forward", "backward"):
+                origin = first_nonfinite(reader.records, phase)
+                if origin:
+                    console.print(f"[red]  {phase} NaN/Inf origin: {origin['module'] or '<root>'} (call {origin['call']}) "
+                                  f"{origin['tensor']}: {origin['nan']} NaN, {origin['inf']} Inf; its inputs are finite[/]")
         for w in end.get("warnings", []):
             console.print(f"[yellow]warning: {w}[/]")
         console.print(module_tree(reader.records))

@@ -227,12 +227,14 @@ def _check_related(matching, reader_a, reader_b):
                              "traces look like different models")
 
 
-def first_nonfinite(records) -> dict | None:
-    """The first module call (execution order) whose outputs hold NaN/Inf while its inputs are finite."""
+def first_nonfinite(records, phase: str | None = None) -> dict | None:
+    """The first module call (execution order; forward before backward unless ``phase`` picks one) whose
+    outputs hold NaN/Inf while its inputs are finite: where the NaN was born, not where it was first seen."""
     def bad(t):
         return t["stats"].get("nan", 0) + t["stats"].get("inf", 0)
 
-    calls = sorted((r for r in records if r["kind"] == "call"), key=lambda r: (r["phase"] != "forward", r["end"]))
+    calls = sorted((r for r in records if r["kind"] == "call" and phase in (None, r["phase"])),
+                   key=lambda r: (r["phase"] != "forward", r["end"]))
     for rec in calls:
         ins = [t for t in rec["tensors"] if t["role"] in IN_ROLES[rec["phase"]]]
         outs = [t for t in rec["tensors"] if t["role"] in OUT_ROLES[rec["phase"]]]
@@ -433,7 +435,16 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
                              forward["first_divergence"])
     for key, side in (("failure", "b"), ("failure_a", "a")):  # a run that raised: where, and what
         failure = measurements[side].get("failure")
-        forward[key] = failure and {"module": failure.get("module"), "error": failure.get("error")}
+        forward[key] = failure and {"module": failure.get("module"), "error": failure.get("error"),
+                                    "module_stack": failure.get("module_stack", [])}
+    crash = forward["failure"] or forward["failure_a"]
+    if crash and forward["first_divergence"] is None:  # everything before the crash agrees: the crash is it
+        run = "B" if forward["failure"] else "A"
+        forward["status"] = "failed"
+        forward["first_divergence"] = {
+            "module": crash["module"], "where": "raised", "phase": "forward", "error": crash["error"],
+            "description": f"{crash['module'] or '<root>'} raised in run {run}: {crash['error']}",
+            "chain": [p or "<root>" for p in crash["module_stack"]], "hparam_diff": {}, "param_diffs": []}
     param_values = params["param"]
     report = dict(measurements)
     report.update(
@@ -442,7 +453,7 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
                 "grads_compared": len(params["param_grad"]),
                 "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]]},
         growth=growth_table(rows, forward["first_divergence"]),
-        verdict="divergent" if "divergent" in (forward["status"], backward["status"])
+        verdict="divergent" if {"divergent", "failed"} & {forward["status"], backward["status"]}
         or any(not p["passed"] for p in param_values) else "aligned")
     return report
 

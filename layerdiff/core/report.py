@@ -127,6 +127,8 @@ def _origin_lines(origin: dict) -> list[str]:
     tensor = origin.get("tensor")
     if where == "inputs":
         lines.append("the two runs start from different inputs: check data, seeds and preprocessing first")
+    elif where == "raised":
+        lines.append("the run stopped with this exception; modules active when it was raised are the chain below")
     elif where == "forward":
         lines.append("backward differs because forward already does; fix the forward origin first")
         if origin.get("backward_candidate"):
@@ -141,7 +143,7 @@ def _origin_lines(origin: dict) -> list[str]:
         if m.get("basis") == "data":
             lines.append(f"max abs {_fmt(m.get('max_abs'))}  mean abs {_fmt(m.get('mean_abs'))}  "
                          f"max rel {_fmt(m.get('max_rel'))}  cosine {_fmt_cos(m.get('cosine'))}")
-    if origin.get("error"):
+    if origin.get("error") and where != "raised":
         lines.append(f"[red]raised:[/] {origin['error']}")
     for key, (a, b) in (origin.get("hparam_diff") or {}).items():
         lines.append(f"[yellow]{key}: {a!r} (A) vs {b!r} (B)[/]")
@@ -174,7 +176,10 @@ def render(report: dict, console: Console | None = None):
             console.print(f"[bold]{phase.upper():9}[/][dim]not in both traces[/]")
             continue
         ok = res["status"] == "aligned"
-        mark = "[bold green]aligned[/]" if ok else f"[bold red]divergent[/] ({res['failing_tensors']} tensors over tolerance)"
+        if res["status"] == "failed":
+            mark = "[bold red]failed[/] (a run raised; everything recorded before it agrees)"
+        else:
+            mark = "[bold green]aligned[/]" if ok else f"[bold red]divergent[/] ({res['failing_tensors']} tensors over tolerance)"
         console.print(f"[bold]{phase.upper():9}[/]{mark}")
         origin = res.get("first_divergence")
         if origin:
@@ -187,7 +192,7 @@ def render(report: dict, console: Console | None = None):
                 console.print(f"          [dim](first over tolerance in execution order: {first['module'] or '<root>'};"
                               " the origin is where inputs still agree)[/]")
         failure = res.get("failure")
-        if failure:
+        if failure and (origin or {}).get("where") != "raised":
             console.print(f"  [red]run B raised in {failure['module'] or '<root>'}: {failure['error']}[/]")
     for side in ("a", "b"):
         nf = report.get("first_nonfinite", {}).get(side)
