@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     we.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target")
     we.add_argument("--force", action="store_true", help="overwrite an existing output file")
 
+    from . import logs
+
+    logs.register(sub, _Parser)
+
     d = sub.add_parser("demo", help="trace a small Llama twice (one with an injected defect) and align them")
     d.add_argument("--defect", default="eps", help="which defect to inject (see recipes/torch_llama.py)")
     d.add_argument("--keep", metavar="DIR", help="keep the traces and report in DIR (default: a temp dir)")
@@ -240,6 +244,12 @@ def cmd_weights(args) -> int:
     return EXIT_OK
 
 
+def cmd_logs(args) -> int:
+    from . import logs
+
+    return logs.run(args)
+
+
 def cmd_show(args) -> int:
     from .show import show
 
@@ -254,7 +264,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"trace": cmd_trace, "align": cmd_align, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,
-            "weights": cmd_weights}
+            "weights": cmd_weights, "logs": cmd_logs}
 
 
 def main(argv=None) -> int:
