@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     we.add_argument("-o", "--output", required=True, help=".safetensors file to write")
     we.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target")
     we.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    from . import checkpoints
+
+    checkpoints.register(wsub, _Parser)
 
     from . import logs
 
@@ -234,6 +237,11 @@ def cmd_weights(args) -> int:
 
     from . import runner
     from .weights import export_weights
+
+    if args.weights_command == "diff":
+        from . import checkpoints
+
+        return checkpoints.run(args)
 
     out = Path(args.output)
     if out.exists() and not args.force:
