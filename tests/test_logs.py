@@ -191,19 +191,26 @@ def test_html_plot_and_json_refuse_overwrite(tmp_path):
     assert "<svg" in plot.read_text()
 
 
-def test_png_without_matplotlib_or_unknown_suffix(tmp_path):
+def test_png_plot_and_unknown_suffix(tmp_path):
     a = write(tmp_path, "a.log", megatron_text(run_values()))
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        with pytest.raises(LayerdiffError, match="matplotlib") as exc:
-            logs.run(diff_args(a, a, plot=tmp_path / "p.png"))
-        assert ".html" in str(exc.value) and "\n" not in str(exc.value)
-    else:
-        assert logs.run(diff_args(a, a, plot=tmp_path / "p.png")) == 0
-        assert (tmp_path / "p.png").stat().st_size > 0
+    assert logs.run(diff_args(a, a, plot=tmp_path / "p.png")) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(LayerdiffError, match=".html or .png"):
         logs.run(diff_args(a, a, plot=tmp_path / "p.pdf"))
+
+
+def test_png_without_matplotlib_says_what_to_do(tmp_path):
+    import subprocess
+    import sys
+
+    a = write(tmp_path, "a.log", megatron_text(run_values()))
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from layerdiff.cli import main\n"
+            f"sys.exit(main(['logs', 'diff', r'{a}', r'{a}', '--plot', r'{tmp_path / 'p.png'}']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "matplotlib" in proc.stderr and ".html" in proc.stderr
+    assert not (tmp_path / "p.png").exists()
 
 
 @pytest.mark.parametrize("content", [b"", b"hello world\nnothing to see\n", b"\x89HDF\r\n\x1a\n\0\0\0binary",
