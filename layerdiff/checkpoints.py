@@ -49,7 +49,6 @@ import json
 import math
 import pickle
 import re
-import struct
 import tempfile
 import warnings
 from pathlib import Path
@@ -124,7 +123,7 @@ class _Safetensors(Checkpoint):
         super().__init__(path)
         self._where = {}
         for file in files:
-            for name, entry in _read_st_header(file).items():
+            for name, entry in safetensors_io.read_header(file)[0].items():
                 if name in self._where:
                     raise LayerdiffError(f"{file}: tensor {name!r} also appears in another shard")
                 self._where[name] = (file,) + entry
@@ -142,41 +141,6 @@ class _Safetensors(Checkpoint):
         if len(raw) != nbytes:
             raise LayerdiffError(f"{file}: tensor {name!r} is truncated")
         return np.frombuffer(raw, dtype=dt).reshape(shape), dtype
-
-
-def _read_st_header(path) -> dict:
-    """name -> (dtype, shape, absolute start, nbytes), validated against the file size."""
-    path = Path(path)
-    if not path.is_file():
-        raise LayerdiffError(f"{path}: no such file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise LayerdiffError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(safetensors_io._MAX_HEADER, size - 8):
-            raise LayerdiffError(f"{path}: not a safetensors file (bad header length)")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
-            raise LayerdiffError(f"{path}: not a safetensors file (header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise LayerdiffError(f"{path}: not a safetensors file (header is not an object)")
-    header.pop("__metadata__", None)
-    out = {}
-    for name, info in header.items():
-        try:
-            dtype = safetensors_io._FROM_ST[info["dtype"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-            shape = [int(d) for d in info["shape"]]
-            itemsize = np.dtype(safetensors_io.storage_dtype(dtype)).itemsize
-        except (KeyError, TypeError, ValueError):
-            raise LayerdiffError(f"{path}: bad or unsupported safetensors entry {name!r}") from None
-        if begin < 0 or end - begin != int(np.prod(shape, dtype=np.int64)) * itemsize or 8 + n + end > size:
-            raise LayerdiffError(f"{path}: entry {name!r} does not fit the file (truncated?)")
-        out[name] = (dtype, shape, 8 + n + begin, end - begin)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------- npz

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .core.report import fmt_number
 from .errors import LayerdiffError
 
 EXIT_OK, EXIT_DIFFERENT = 0, 1
@@ -515,18 +516,6 @@ def write_plot(report: dict, path, label_a: str, label_b: str, *, overwrite: boo
 # ---------------------------------------------------------------------------------------------------------
 # terminal
 # ---------------------------------------------------------------------------------------------------------
-def _fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        if math.isinf(x):
-            return "inf"
-        if x == 0:
-            return "0"
-        return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
-    return str(x)
-
-
 def verdict_line(report: dict) -> str:
     bits = []
     for m, r in report["metrics"].items():
@@ -561,9 +550,10 @@ def render(report: dict, console=None):
             table.add_row(m, "0", "-", "-", "-", "-", f"[yellow]{r['note']}[/]")
             continue
         first = "-" if r["first_over"] is None else (
-            f"{r['first_over']} ({_fmt(r['first_over_values'][0])} vs {_fmt(r['first_over_values'][1])})")
-        table.add_row(m, str(r["compared"]), _fmt(r["max_abs"]), _fmt(r["max_rel"]), first,
-                      f"atol={_fmt(r['atol'])} rtol={_fmt(r['rtol'])}",
+            f"{r['first_over']} ({fmt_number(r['first_over_values'][0])} vs "
+            f"{fmt_number(r['first_over_values'][1])})")
+        table.add_row(m, str(r["compared"]), fmt_number(r["max_abs"]), fmt_number(r["max_rel"]), first,
+                      f"atol={fmt_number(r['atol'])} rtol={fmt_number(r['rtol'])}",
                       f"[{colors.get(r['verdict'], 'yellow')}]{r['verdict']}[/]")
     console.print(table)
     for m, r in report["metrics"].items():

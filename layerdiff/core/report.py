@@ -90,7 +90,8 @@ def _valid_report(data) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # terminal rendering
 # ---------------------------------------------------------------------------------------------------------
-def _fmt(x, digits=3) -> str:
+def fmt_number(x, digits=3) -> str:
+    """Short, aligned-looking numbers for tables: 0, 0.0123, 1.23e-05, inf."""
     if x is None:
         return "-"
     if isinstance(x, float):
@@ -141,8 +142,8 @@ def _origin_lines(origin: dict) -> list[str]:
         lines.append(f"{lead}{tensor['role']} [cyan]{tensor['key']}[/] differs: {tensor['reason']}")
         m = tensor.get("metrics") or {}
         if m.get("basis") == "data":
-            lines.append(f"max abs {_fmt(m.get('max_abs'))}  mean abs {_fmt(m.get('mean_abs'))}  "
-                         f"max rel {_fmt(m.get('max_rel'))}  cosine {_fmt_cos(m.get('cosine'))}")
+            lines.append(f"max abs {fmt_number(m.get('max_abs'))}  mean abs {fmt_number(m.get('mean_abs'))}  "
+                         f"max rel {fmt_number(m.get('max_rel'))}  cosine {_fmt_cos(m.get('cosine'))}")
     if origin.get("error") and where != "raised":
         lines.append(f"[red]raised:[/] {origin['error']}")
     for key, (a, b) in (origin.get("hparam_diff") or {}).items():
@@ -231,7 +232,7 @@ def _render_growth(report: dict, console: Console):
         style = "bold red" if r["origin"] else ("" if r["passed"] else "red")
         mark = Text("<- origin", style="bold red") if r["origin"] else Text("ok" if r["passed"] else "x",
                                                                             style="green" if r["passed"] else "red")
-        table.add_row(Text(indent + name, style=style), r["type"] or "", _fmt(r["max_abs"]), _fmt(r["rel"]),
+        table.add_row(Text(indent + name, style=style), r["type"] or "", fmt_number(r["max_abs"]), fmt_number(r["rel"]),
                       _fmt_cos(r["cosine"]), mark)
     console.print(table)
 

@@ -51,8 +51,9 @@ def save(path, tensors: dict, metadata: dict | None = None, *, overwrite: bool =
         raise LayerdiffError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def load(path) -> tuple[dict, dict]:
-    """name -> (storage array, dtype name), and the metadata. Validates the header before trusting it."""
+def read_header(path) -> tuple[dict, dict]:
+    """name -> (dtype name, shape, absolute byte offset, nbytes), and the metadata; every entry is checked
+    against the file size before anything is trusted, so callers can read tensors one at a time."""
     path = Path(path)
     if not path.is_file():
         raise LayerdiffError(f"{path}: no such file")
@@ -68,21 +69,30 @@ def load(path) -> tuple[dict, dict]:
             header = json.loads(f.read(n))
         except (ValueError, UnicodeDecodeError):
             raise LayerdiffError(f"{path}: not a safetensors file (header is not JSON)") from None
-        if not isinstance(header, dict):
-            raise LayerdiffError(f"{path}: not a safetensors file (header is not an object)")
-        metadata = header.pop("__metadata__", {}) or {}
-        data_start = 8 + n
-        out = {}
-        for name, info in header.items():
-            try:
-                dtype = _FROM_ST[info["dtype"]]
-                begin, end = info["data_offsets"]
-                shape = [int(d) for d in info["shape"]]
-            except (KeyError, TypeError, ValueError):
-                raise LayerdiffError(f"{path}: bad safetensors entry {name!r}") from None
-            dt = storage_dtype(dtype)
-            if end - begin != int(np.prod(shape, dtype=np.int64)) * dt.itemsize or data_start + end > size:
-                raise LayerdiffError(f"{path}: entry {name!r} does not fit the file (truncated?)")
-            f.seek(data_start + begin)
-            out[name] = (np.frombuffer(f.read(end - begin), dtype=dt).reshape(shape), dtype)
+    if not isinstance(header, dict):
+        raise LayerdiffError(f"{path}: not a safetensors file (header is not an object)")
+    metadata = header.pop("__metadata__", {}) or {}
+    entries = {}
+    for name, info in header.items():
+        try:
+            dtype = _FROM_ST[info["dtype"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise LayerdiffError(f"{path}: bad or unsupported safetensors entry {name!r}") from None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * storage_dtype(dtype).itemsize
+        if begin < 0 or end - begin != nbytes or 8 + n + end > size:
+            raise LayerdiffError(f"{path}: entry {name!r} does not fit the file (truncated?)")
+        entries[name] = (dtype, shape, 8 + n + begin, nbytes)
+    return entries, metadata
+
+
+def load(path) -> tuple[dict, dict]:
+    """name -> (storage array, dtype name), and the metadata."""
+    entries, metadata = read_header(path)
+    out = {}
+    with open(path, "rb") as f:
+        for name, (dtype, shape, offset, nbytes) in entries.items():
+            f.seek(offset)
+            out[name] = (np.frombuffer(f.read(nbytes), dtype=storage_dtype(dtype)).reshape(shape), dtype)
     return out, metadata
