@@ -22,8 +22,9 @@ Formats and how they are read (framework libraries are imported only by the load
 - MindSpore ``.ckpt``: ``mindspore.load_checkpoint`` (protobuf, not pickle), loaded whole.
 - Megatron-LM folders: a root holding ``latest_checkpointed_iteration.txt`` (that iteration is used) or an
   ``iter_XXXXXXX`` folder, with ``mp_rank_TT[_PPP]/model_optim_rng.pt`` files. Read with
-  ``weights_only=True`` (``argparse.Namespace`` allowed, for Megatron's stored ``args``; anything else, e.g.
-  numpy RNG states or TransformerEngine extra state objects, is refused with a clear message). The model
+  ``weights_only=True`` (``argparse.Namespace`` and numpy's array rebuild allowed, for Megatron's stored
+  ``args`` and numpy RNG state; anything else, e.g. TransformerEngine extra state objects, is refused with a
+  clear message). The model
   state is ``"model"`` (or ``"model0"``, ``"model1"``... for virtual pipeline stages, prefixed ``model0.``...).
   Merging (see ``megatron_partition_dim``): tensor-parallel shards are concatenated by parameter name:
   column-parallel (qkv / linear_qkv / query_key_value, fc1 / dense_h_to_4h / linear_fc1, word_embeddings,
@@ -194,6 +195,15 @@ def _flatten(obj, prefix, out, is_tensor, skipped):
         out[prefix] = obj
     elif prefix:
         skipped.append(prefix)
+
+
+def _megatron_globals() -> tuple:
+    """What Megatron's model_optim_rng.pt pickles besides tensors: its ``args`` (argparse.Namespace) and the
+    numpy RNG state (arrays rebuilt by numpy's reconstruct helper). Allowed only for these files, only for
+    that load; none of them runs user code."""
+    import numpy.core.multiarray as multiarray
+
+    return (argparse.Namespace, multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32")))
 
 
 def _torch_load(path, extra_globals=()):
@@ -413,7 +423,7 @@ def _load_megatron(path: Path) -> _InMemory:
             if not files:
                 raise LayerdiffError(f"{d}: no .pt file")
             file = d / "model_optim_rng.pt" if (d / "model_optim_rng.pt").is_file() else files[0]
-            obj, _ = _torch_load(file, extra_globals=(argparse.Namespace,))
+            obj, _ = _torch_load(file, extra_globals=_megatron_globals())
             if not isinstance(obj, dict):
                 raise LayerdiffError(f"{file}: not a Megatron checkpoint (not a dict)")
             models = sorted(k for k in obj if re.fullmatch(r"model\d*", str(k)))

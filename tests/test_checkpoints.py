@@ -298,8 +298,12 @@ def _nest(flat):
 
 def _save_rank(folder, sd):
     folder.mkdir(parents=True)
+    import random
+
+    rng_state = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                  "torch_rng_state": torch.get_rng_state()}]  # what Megatron saves next to the model
     torch.save({"model": _nest(sd), "args": argparse.Namespace(tensor_model_parallel_size=2),
-                "iteration": 5, "checkpoint_version": 3.0}, folder / "model_optim_rng.pt")
+                "iteration": 5, "checkpoint_version": 3.0, "rng_state": rng_state}, folder / "model_optim_rng.pt")
 
 
 def test_megatron_tp_merge_equals_unsplit(tmp_path):
