@@ -47,7 +47,7 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
         array, dtype = state[key]
         if is_transposed(adapter.FRAMEWORK, module_type, name):
             array = array.T
-        shape = adapter.shape(tensor)
+        shape = list(tensor.shape)
         used.add(key)  # claimed, even if its shape is wrong: reported once, below
         if list(array.shape) != shape:
             problems.append(f"{name}: source {key} has shape {list(array.shape)}, the model wants {shape}")

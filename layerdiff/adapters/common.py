@@ -30,6 +30,12 @@ def _parse_literal(text: str):
     return text
 
 
+def typed_parameters(named_modules, named_parameters) -> list:
+    """(name, parameter, type name of its module) for weight transfer, from a framework's two iterators."""
+    types = {name: type(module).__name__ for name, module in named_modules}
+    return [(name, p, types.get(name.rpartition(".")[0])) for name, p in named_parameters]
+
+
 def hyper_parameters(module, extra_repr: str = "") -> dict:
     """Scalar attributes of a module (eps, p, scaling, ...) plus ``key=value`` pairs of its extra repr.
 

@@ -21,7 +21,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from ..core.session import TensorAdapter
-from .common import ModuleHooks
+from .common import ModuleHooks, typed_parameters
 
 FRAMEWORK = "mindspore"
 
@@ -61,12 +61,7 @@ TENSORS = TensorAdapter(to_stored, identify, None)
 
 def parameters(model):
     """(name, parameter, type name of its cell) for weight transfer."""
-    types = {name: type(cell).__name__ for name, cell in model.cells_and_names()}
-    return [(name, p, types.get(name.rpartition(".")[0])) for name, p in model.parameters_and_names()]
-
-
-def shape(t) -> list:
-    return list(t.shape)
+    return typed_parameters(model.cells_and_names(), model.parameters_and_names())
 
 
 def assign(param, array: np.ndarray, dtype: str):

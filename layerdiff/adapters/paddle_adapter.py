@@ -32,7 +32,7 @@ import numpy as np
 import paddle
 
 from ..core.session import TensorAdapter
-from .common import ModuleHooks
+from .common import ModuleHooks, typed_parameters
 
 FRAMEWORK = "paddle"
 
@@ -127,12 +127,7 @@ TENSORS = TensorAdapter(to_stored, identify, None, describe)
 
 def parameters(model):
     """(name, parameter, type name of its layer) for weight transfer."""
-    types = {name: type(layer).__name__ for name, layer in model.named_sublayers(include_self=True)}
-    return [(name, p, types.get(name.rpartition(".")[0])) for name, p in model.named_parameters()]
-
-
-def shape(t) -> list:
-    return list(t.shape)
+    return typed_parameters(model.named_sublayers(include_self=True), model.named_parameters())
 
 
 def assign(param, array: np.ndarray, dtype: str):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..core.session import TensorAdapter
-from .common import ModuleHooks
+from .common import ModuleHooks, typed_parameters
 
 FRAMEWORK = "torch"
 
@@ -90,12 +90,7 @@ TENSORS = TensorAdapter(to_stored, identify, fast_stats, describe)
 
 def parameters(model):
     """(name, parameter, type name of its module) for weight transfer."""
-    types = {name: type(m).__name__ for name, m in model.named_modules()}
-    return [(name, p, types.get(name.rpartition(".")[0])) for name, p in model.named_parameters()]
-
-
-def shape(t) -> list:
-    return list(t.shape)
+    return typed_parameters(model.named_modules(), model.named_parameters())
 
 
 def assign(param, array: np.ndarray, dtype: str):
