@@ -97,6 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs.register(sub, _Parser)
 
+    b = sub.add_parser("bisect", help="run the candidate on the reference's recorded values: each module's own "
+                       "error, or a binary search over blocks (--search)")
+    b.add_argument("reference", help="trace A, in full mode (a window traced with --layers/--include works)")
+    b.add_argument("target", help="the candidate, as for `layerdiff trace` (file.py:function, module:function, recipe)")
+    b.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target function")
+    b.add_argument("--search", action="store_true",
+                   help="binary search over the top-level blocks: log2(N) forward runs, four modules hooked each")
+    b.add_argument("--blocks", metavar="PATH", help="with --search: the module holding the blocks (default: the "
+                   "module list with the most numbered children, e.g. model.layers)")
+    b.add_argument("--include", action="append", metavar="REGEX", help="replay only module paths matching "
+                   "(default: what the reference traced)")
+    b.add_argument("--exclude", action="append", metavar="REGEX", help="do not replay module paths matching")
+    b.add_argument("--map", action="append", metavar="B_REGEX=A_NAME", help="rename the candidate's modules, as for align")
+    b.add_argument("--layout", action="append", metavar="REGEX=TRANSFORM", help="as for align (inverted to feed B)")
+    b.add_argument("--no-auto-map", action="store_true", help="do not infer renamed modules")
+    b.add_argument("--workdir", metavar="DIR", help="traces and state.json of the runs (default: REFERENCE.bisect); "
+                   "rerunning the same command resumes from it")
+    b.add_argument("--restart", action="store_true", help="ignore the work directory's finished runs")
+    _add_tolerance_flags(b)
+
     d = sub.add_parser("demo", help="trace a small Llama twice (one with an injected defect) and align them")
     d.add_argument("--defect", default="eps", help="which defect to inject (see recipes/torch_llama.py)")
     d.add_argument("--keep", metavar="DIR", help="keep the traces and report in DIR (default: a temp dir)")
@@ -129,8 +149,8 @@ def _finish_report(report, args) -> int:
         f = report["forward"]["first_divergence"]
         b = report["backward"]["first_divergence"]
         differ = report.get("params", {}).get("differ", [])
-        print(f"{report['verdict']}: forward {f['description'] if f else 'aligned'}; "
-              f"backward {b['description'] if b else 'aligned'}"
+        print(f"{report['verdict']}: forward {f['description'] if f else report['forward']['status']}; "
+              f"backward {b['description'] if b else report['backward']['status']}"
               + (f"; {len(differ)} parameter values differ (first: {differ[0]})" if differ else ""))
     else:
         render(report, make_console())
@@ -232,6 +252,53 @@ def cmd_trace(args) -> int:
     return EXIT_OK
 
 
+def cmd_bisect(args) -> int:
+    from pathlib import Path
+
+    from . import bisect, runner
+    from .core.layouts import LayoutRules
+    from .core.match import RenameRules
+    from .core.report import RunProgress, make_console, render_replay, render_search, write_json
+
+    policy = _policy(args)
+    rename = RenameRules.parse(args.map)
+    try:
+        layouts = LayoutRules(args.layout)
+    except ValueError as exc:
+        raise LayerdiffError(str(exc)) from None
+    if args.json and Path(args.json).exists() and not args.force:
+        raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
+    if args.blocks and not args.search:
+        raise LayerdiffError("--blocks goes with --search")
+    bisect.check_reference(args.reference)
+    runner.resolve(args.target)
+    kwargs = runner.parse_args(args.arg)
+    strategy = "search" if args.search else "replay"
+    command = {"strategy": strategy, "reference": bisect.reference_identity(args.reference), "target": args.target,
+               "args": kwargs, "map": args.map or [], "layout": args.layout or [], "include": args.include,
+               "exclude": args.exclude, "blocks": args.blocks, "auto_map": not args.no_auto_map,
+               "tolerances": policy.describe() if args.search else None}
+    workdir = bisect.Workdir(args.workdir or f"{Path(args.reference).name}.bisect", command, restart=args.restart)
+    progress = RunProgress(enabled=not args.quiet)
+    try:
+        if args.search:
+            result = bisect.search(args.reference, args.target, kwargs, workdir, rename=rename, layouts=layouts,
+                                   policy=policy, container=args.blocks, progress=progress)
+        else:
+            result = bisect.replay(args.reference, args.target, kwargs, workdir, rename=rename, layouts=layouts,
+                                   policy=policy, auto_map=not args.no_auto_map, include=args.include,
+                                   exclude=args.exclude, progress=progress)
+    finally:
+        progress.close()
+    if args.json:
+        write_json(result, args.json, overwrite=args.force)
+    if args.quiet:
+        print(bisect.summary_line(result))
+    else:
+        (render_search if args.search else render_replay)(result, make_console())
+    return EXIT_OK if result["verdict"] in ("clean", "aligned") else EXIT_DIVERGENT
+
+
 def cmd_weights(args) -> int:
     from pathlib import Path
 
@@ -271,7 +338,7 @@ def cmd_demo(args) -> int:
     return run_demo(defect=args.defect, keep=args.keep, framework=args.framework)
 
 
-COMMANDS = {"trace": cmd_trace, "align": cmd_align, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,
+COMMANDS = {"trace": cmd_trace, "align": cmd_align, "bisect": cmd_bisect, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,
             "weights": cmd_weights, "logs": cmd_logs}
 
 

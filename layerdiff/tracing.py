@@ -23,7 +23,7 @@ class Tracer:
 
     def __init__(self, model, path, *, mode: str = "full", backward: bool = True, include=None, exclude=None,
                  overwrite: bool = False, compression: str | None = None, flush_interval: float = 1.0,
-                 params: bool = True, meta: dict | None = None):
+                 params: bool = True, meta: dict | None = None, forcer=None):
         if mode not in MODES:
             raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.model = model
@@ -33,6 +33,7 @@ class Tracer:
                             compression=compression, flush_interval=flush_interval, params=params)
         self.overwrite = overwrite
         self.user_meta = meta or {}
+        self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
         self.session: TraceSession | None = None
         self._hooks = None
 
@@ -46,7 +47,7 @@ class Tracer:
         self.session = TraceSession(writer, adapter.TENSORS, self.options["mode"])
         self._hooks = adapter.Hooks(self.model, self.session, backward=self.options["backward"],
                                     path_filter=PathFilter(self.options["include"], self.options["exclude"]),
-                                    params=self.options["params"])
+                                    params=self.options["params"], forcer=self.forcer)
         self._hooks.install()
         return self
 

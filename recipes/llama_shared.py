@@ -21,6 +21,10 @@ DEFECTS = {
     "nan": ("forward", "model.layers.1.mlp.gate_proj"),              # NaN in one output element
 }
 
+# failure -> module that raises: a port whose down_proj multiplies by the untransposed weight (a shape error
+# from the framework itself, mid-forward, after layer 0 and half of layer 1 ran)
+FAILURES = {"crash": ("forward", "model.layers.1.mlp.down_proj")}
+
 DEFAULT_CONFIG = {"vocab": 256, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2,
                   "eps": 1e-6, "rope_theta": 10000.0}
 

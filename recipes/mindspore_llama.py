@@ -236,8 +236,11 @@ def _inject(model, defect):
             return ops.masked_fill(out, ms.Tensor(mask), float("nan"))
 
         object.__setattr__(gate, "construct", forward_with_nan)
+    elif defect == "crash":
+        down = layers[1].mlp.down_proj
+        object.__setattr__(down, "construct", lambda x: ops.matmul(x, down.weight))  # [.., 128] @ [64, 128]
     elif defect is not None:
-        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)}")
+        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, *shared.FAILURES])}")
 
 
 def build_model(*, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, intermediate=None, seed=0,

@@ -214,8 +214,11 @@ def _inject(model, defect):
             return out
 
         gate.forward = forward_with_nan
+    elif defect == "crash":
+        down = layers[1].mlp.down_proj
+        down.forward = lambda x: paddle.matmul(x, down.weight, transpose_y=True)  # [.., 128] @ [64, 128]
     elif defect is not None:
-        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)}")
+        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, *shared.FAILURES])}")
 
 
 def _is_linear_weight(name: str) -> bool:

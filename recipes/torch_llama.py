@@ -44,8 +44,9 @@ def _rmsnorm_by_division(self, hidden_states):
     return self.weight * (hidden_states / torch.sqrt(variance + self.variance_epsilon))
 
 
-def _inject(model, defect: str):
-    layers = model.model.layers
+def _inject(model, defect: str, layer: int | None = None):
+    """``layer`` moves a defect to another decoder layer (the binary-search tests use 8 layers)."""
+    layers = _LayerPicker(model.model.layers, layer)
     if defect == "eps":
         layers[1].post_attention_layernorm.variance_epsilon = 1e-5
     elif defect == "act":
@@ -77,8 +78,24 @@ def _inject(model, defect: str):
         for module in model.modules():
             if type(module).__name__ == "LlamaRMSNorm":
                 module.forward = types.MethodType(_rmsnorm_by_division, module)
+    elif defect == "crash":
+        down = layers[1].mlp.down_proj
+        down.forward = lambda x: x @ down.weight  # [.., 128] @ [64, 128]: torch raises
     elif defect is not None:
-        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)} or reimpl")
+        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, *shared.FAILURES])} or reimpl")
+
+
+class _LayerPicker:
+    """``layers[i]`` of the model, or always layer ``at`` when one is chosen."""
+
+    def __init__(self, layers, at):
+        self.layers, self.at = layers, at
+
+    def __getitem__(self, i):
+        return self.layers[i if self.at is None else self.at]
+
+    def __setitem__(self, i, value):
+        self.layers[i if self.at is None else self.at] = value
 
 
 def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
@@ -101,11 +118,11 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
 
 def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
           vocab: int = 256, intermediate: int | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
-          dtype: str = "float32", backward: bool = True):
+          dtype: str = "float32", backward: bool = True, defect_layer: int | None = None):
     attn = "eager" if defect == "reimpl" else "sdpa"
     model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                              intermediate=intermediate, seed=seed, attn=attn, dtype=dtype)
-    _inject(model, defect)
+    _inject(model, defect, defect_layer)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
 
     def step():

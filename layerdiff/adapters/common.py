@@ -61,6 +61,26 @@ def safe_extra_repr(module) -> str:
         return ""
 
 
+class ForcePlan:
+    """What one gradient tap swaps in under replay (``layerdiff bisect``): the reference's value for some of
+    its tensors (forward) and, lazily, the reference's gradient for them (backward). None keeps the
+    candidate's own. The candidate's graph still receives every gradient, so forcing never cuts backward."""
+
+    def __init__(self, values, grads):
+        self.values = values  # one framework tensor or None per tapped tensor
+        self.grads = grads  # index -> framework tensor or None; called during backward
+
+    def forward(self, tensors):
+        return [t if v is None else v for t, v in zip(tensors, self.values)]
+
+    def grad(self, index, own):
+        forced = self.grads(index) if self.grads is not None else None
+        return own if forced is None else forced
+
+    def backward(self, grads):
+        return tuple(self.grad(i, g) for i, g in enumerate(grads))
+
+
 class ModuleHooks:
     """The framework-independent half of an adapter's ``Hooks``: what a traced module call records, and when.
 
@@ -74,9 +94,10 @@ class ModuleHooks:
     #: what the in-place warning says happens next (the torch and paddle taps have different consequences)
     in_place_consequence = "its later calls record no grad_input"
 
-    def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
+    def __init__(self, model, session, *, backward: bool, path_filter, params: bool, forcer=None):
         self.model = model
         self.session = session
+        self.forcer = forcer  # replay: supplies the reference's values and gradients (core/replay.py)
         self.backward = backward
         self.path_filter = path_filter
         self.record_params = params
@@ -88,6 +109,7 @@ class ModuleHooks:
         self.grads_since_recorded: set[str] = set()
         self.params = [(name, p) for name, p in self.named_parameters()
                        if path_filter(name.rpartition(".")[0])]
+        self.module_types = {path: type(m).__name__ for path, m in self.named_modules()}
 
     # -- framework-specific: subclasses override these -------------------------------------------------------
     @staticmethod
@@ -119,11 +141,17 @@ class ModuleHooks:
         """True while the framework records the forward for a backward pass."""
         raise NotImplementedError
 
-    def apply_tap(self, tensors, report, frame, outputs: bool):
+    def apply_tap(self, tensors, report, frame, outputs: bool, plan: ForcePlan | None = None):
         """Route ``tensors`` through the framework's gradient tap (identity forward); return their aliases, one per
         tensor (None for one that could not be tapped: it is then left in place). ``report(grads)`` must be
         called in backward with the gradients, aligned with ``tensors`` (None where none arrived). ``frame`` and
-        ``outputs`` are for frameworks that gather per-tensor hooks themselves (MindSpore)."""
+        ``outputs`` are for frameworks that gather per-tensor hooks themselves (MindSpore). With a ``plan``, the
+        aliases show the plan's values and the gradient passed on is the plan's (after ``report`` saw the own)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def to_framework(array, like):
+        """A framework tensor with ``array``'s values and ``like``'s dtype and device (replay only)."""
         raise NotImplementedError
 
     def sync(self):
@@ -183,14 +211,18 @@ class ModuleHooks:
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             frame = session.begin_call(path, type_name, hparams, tensors, scalars)
             self.open_frames.setdefault(id(module), []).append(frame)
-            if not self._taps_enabled() or getattr(module, "inplace", False) is True or path in self.no_input_taps:
+            forced = self._forced(frame, "input", tensors, frame.inputs)
+            swap = {}
+            if self._taps_enabled() and getattr(module, "inplace", False) is not True and path not in self.no_input_taps:
+                needs = [(k, t) for k, t in tensors if self.differentiable(t)]
+                if needs:
+                    frame.tapped_inputs = True
+                    swap = self._tap(needs, session.grad_inputs, frame, outputs=False, forced=forced)
+                    if not forced:
+                        self.watch_inputs(frame, needs, swap)
+            self._swap_untapped(tensors, forced, swap)
+            if not swap:
                 return None
-            needs = [(k, t) for k, t in tensors if self.differentiable(t)]
-            if not needs:
-                return None
-            frame.tapped_inputs = True
-            swap = self._tap(needs, session.grad_inputs, frame, outputs=False)
-            self.watch_inputs(frame, needs, swap)
             return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
 
         return hook
@@ -215,40 +247,73 @@ class ModuleHooks:
                 raise
             tensors, scalars = [], {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            session.end_call(frame, tensors, scalars)
+            entries = session.end_call(frame, tensors, scalars)
             if self.check_in_place(frame):
                 self.no_input_taps.add(path)
                 session.warn(f"{path} modifies its input in place: {self.in_place_consequence}")
-            if not self._taps_enabled():
-                return None
-            needs = [(k, t) for k, t in tensors if self.differentiable(t)]
-            if not needs:
-                return None
-            return replace_tensors(output, is_tensor, self._tap(needs, session.grad_outputs, frame, outputs=True))
+            forced = self._forced(frame, "output", tensors, entries)
+            swap = {}
+            if self._taps_enabled():
+                needs = [(k, t) for k, t in tensors if self.differentiable(t)]
+                if needs:
+                    swap = self._tap(needs, session.grad_outputs, frame, outputs=True, forced=forced)
+            self._swap_untapped(tensors, forced, swap)
+            return replace_tensors(output, is_tensor, swap) if swap else None
 
         return hook
 
     def _taps_enabled(self) -> bool:
         return self.backward and self.grad_enabled()
 
-    def _tap(self, needs, sink, frame, outputs: bool) -> dict:
+    def _tap(self, needs, sink, frame, outputs: bool, forced: dict) -> dict:
         """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): alias} to swap them in."""
         keys = [k for k, _ in needs]
+        plan = self._plan(frame, needs, forced, "grad_output" if outputs else "grad_input")
         aliases = self.apply_tap([t for _, t in needs],
                                  lambda grads: sink(frame, [(k, g) for k, g in zip(keys, grads) if g is not None]),
-                                 frame, outputs)
+                                 frame, outputs, plan)
         swap = {}
-        for (_, t), alias in zip(needs, aliases):
+        for (key, t), alias in zip(needs, aliases):
             if alias is None:
                 continue
-            self.session.remember_alias(t, alias)
+            if key not in forced:  # a forced alias shows the reference's bytes, not the original's
+                self.session.remember_alias(t, alias)
             swap[id(t)] = alias
         return swap
+
+    # -- replay (a forcer is set only by ``layerdiff bisect``) -----------------------------------------------
+    def _forced(self, frame, role: str, tensors, entries) -> dict:
+        """{key: framework tensor}: the reference's values for this call's inputs or outputs."""
+        if self.forcer is None:
+            return {}
+        arrays = self.forcer.forward(frame, role, entries)
+        return {k: self.to_framework(arrays[k], t) for k, t in tensors if k in arrays}
+
+    def _plan(self, frame, needs, forced: dict, grad_role: str) -> ForcePlan | None:
+        if self.forcer is None:
+            return None
+        values = [forced.get(k) for k, _ in needs]
+        forcer, to_framework = self.forcer, self.to_framework
+
+        def reference_grad(index):
+            key, like = needs[index]
+            array = forcer.gradient(frame, grad_role, key)
+            return None if array is None else to_framework(array, like)
+
+        return ForcePlan(values, reference_grad if forcer.backward else None)
+
+    @staticmethod
+    def _swap_untapped(tensors, forced: dict, swap: dict):
+        """Forced tensors that took no gradient tap (integers, no-grad floats) are replaced directly."""
+        for key, t in tensors:
+            if key in forced and id(t) not in swap:
+                swap[id(t)] = forced[key]
 
     def record_param_grad(self, name, grad):
         if grad is not None:
             self.grads_since_recorded.add(name)
-            self.session.param("param_grad", name, name.rpartition(".")[0], grad)
+            module = name.rpartition(".")[0]
+            self.session.param("param_grad", name, module, grad, self.module_types.get(module))
 
     def _record_changed_params(self):
         """Parameter values at the start of each step, when they (may have) changed since last recorded."""
@@ -262,4 +327,5 @@ class ModuleHooks:
                 continue
             self.param_versions[name] = version
             self.grads_since_recorded.discard(name)
-            self.session.param("param", name, name.rpartition(".")[0], p)
+            module = name.rpartition(".")[0]
+            self.session.param("param", name, module, p, self.module_types.get(module))

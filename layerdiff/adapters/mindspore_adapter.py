@@ -92,6 +92,28 @@ class _GradTap(nn.Cell):
 _TAP = _GradTap()
 
 
+class _ValueTap(nn.Cell):
+    """Replay's tap: takes n tensors and n reference values, returns the values; the gradient goes to the
+    tensors (so the candidate's own graph still receives it), none to the values."""
+
+    def construct(self, *args):
+        return tuple(ops.identity(v) for v in args[len(args) // 2:])
+
+    def bprop(self, *args):
+        dout = args[-1]
+        n = (len(args) - 2) // 2
+        return (dout if isinstance(dout, tuple) else (dout,)) + tuple(ops.zeros_like(v) for v in args[n:2 * n])
+
+
+_VALUE_TAP = _ValueTap()
+
+
+def to_framework(array: np.ndarray, like):
+    """A tensor holding ``array``'s values with ``like``'s dtype (a reference value for replay)."""
+    value = ms.Tensor(np.ascontiguousarray(array))
+    return value if value.dtype == like.dtype else value.astype(like.dtype)
+
+
 class _Collector:
     """Gathers the per-tensor hook calls of one call's inputs (or outputs) and reports them together."""
 
@@ -102,14 +124,16 @@ class _Collector:
         self.grads: dict = {}
         self.done = False
 
-    def hook_for(self, index):
+    def hook_for(self, index, plan=None):
+        """The hook reports ``grad``; under replay it returns the reference gradient, which MindSpore then
+        propagates instead."""
         def hook(grad):
             if self.done:
                 return None
             self.grads[index] = grad
             if len(self.grads) == self.hooked:
                 self.flush()
-            return None
+            return plan.grad(index, None) if plan else None
 
         return hook
 
@@ -128,8 +152,8 @@ class Hooks(ModuleHooks):
 
     is_tensor = staticmethod(is_tensor)
 
-    def __init__(self, model, session, *, backward: bool, path_filter, params: bool):
-        super().__init__(model, session, backward=backward, path_filter=path_filter, params=params)
+    def __init__(self, model, session, **options):
+        super().__init__(model, session, **options)
         self.out_collectors: dict[int, _Collector] = {}  # id(frame) -> output-side collector
         self.pending: set = set()
 
@@ -181,7 +205,9 @@ class Hooks(ModuleHooks):
     def grad_enabled(self) -> bool:
         return _recording_grad()
 
-    def apply_tap(self, tensors, report, frame, outputs):
+    to_framework = staticmethod(to_framework)
+
+    def apply_tap(self, tensors, report, frame, outputs, plan=None):
         """One ``_TAP`` call; ``Tensor.register_hook`` on each alias, gathered by a ``_Collector``."""
         if not outputs:
             # the output side of this call reports first; it must not wait for an unconnected output's hook
@@ -190,10 +216,10 @@ class Hooks(ModuleHooks):
         self.pending.add(collector)
         if outputs:
             self.out_collectors[id(frame)] = collector
-        aliases = list(_TAP(*tensors))
+        aliases = list(_VALUE_TAP(*tensors, *plan.forward(tensors)) if plan else _TAP(*tensors))
         for i, alias in enumerate(aliases):
             try:
-                alias.register_hook(collector.hook_for(i))
+                alias.register_hook(collector.hook_for(i, plan))
             except RuntimeError:  # not part of the recorded graph after all: no gradient will reach it
                 collector.hooked -= 1
                 aliases[i] = None

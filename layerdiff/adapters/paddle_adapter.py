@@ -141,24 +141,33 @@ def assign(param, array: np.ndarray, dtype: str):
     param.set_value(value)
 
 
+def to_framework(array: np.ndarray, like):
+    """A tensor holding ``array``'s values with ``like``'s dtype and place (a reference value for replay)."""
+    value = paddle.to_tensor(np.ascontiguousarray(array), place=like.place)
+    return value if value.dtype == like.dtype else value.astype(like.dtype)
+
+
 class _GradTap(paddle.autograd.PyLayer):
     """Identity in forward (returns copies); in backward, hands the incoming gradients to a callback.
+    Under replay a ``ForcePlan`` swaps in the reference's values and gradients.
 
     Gradients are not materialized, so an output that received none is reported as None (not as zeros), like
     the torch tap; Paddle crashes on a PyLayer backward returning None, so zeros are passed on in its place.
     """
 
     @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
+    def forward(ctx, callback, plan, *tensors):
+        ctx.callback, ctx.plan = callback, plan
         ctx.set_materialize_grads(False)
         ctx.like = [(list(t.shape), t.dtype) for t in tensors]
-        copies = tuple(t.clone() for t in tensors)
+        copies = tuple(t.clone() for t in (plan.forward(tensors) if plan else tensors))
         return copies if len(copies) > 1 else copies[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.callback(grads)
+        if ctx.plan:
+            grads = ctx.plan.backward(grads)
         grads = tuple(paddle.zeros(shape, dtype) if g is None else g for g, (shape, dtype) in zip(grads, ctx.like))
         return grads if len(grads) > 1 else grads[0]
 
@@ -193,12 +202,16 @@ class Hooks(ModuleHooks):
     def grad_enabled(self) -> bool:
         return paddle.is_grad_enabled()
 
-    def apply_tap(self, tensors, report, frame, outputs):
+    to_framework = staticmethod(to_framework)
+
+    def apply_tap(self, tensors, report, frame, outputs, plan=None):
         """Copies (see the module docstring); each answers with its original's identity while unmodified."""
-        copies = _GradTap.apply(report, *tensors)
+        copies = _GradTap.apply(report, plan, *tensors)
         if is_tensor(copies):
             copies = (copies,)
-        for t, copy in zip(tensors, copies):
+        for i, (t, copy) in enumerate(zip(tensors, copies)):
+            if plan is not None and plan.values[i] is not None:
+                continue  # a replay's forced value: its bytes are the reference's, not the original's
             identity = identify(t)
             if identity is not None:
                 try:

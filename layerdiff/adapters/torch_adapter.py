@@ -105,23 +105,32 @@ def assign(param, array: np.ndarray, dtype: str):
         param.copy_(value)
 
 
+def to_framework(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A tensor holding ``array``'s values with ``like``'s dtype and device (a reference value for replay)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)
+
+
 class _GradTap(torch.autograd.Function):
     """Identity in forward; in backward, hands the incoming gradients to a callback.
 
     Unlike ``register_full_backward_hook`` (whose outputs are views that forbid in-place ops on them),
     the tap returns detached aliases, so models that modify activations in place trace unchanged.
+    Under replay a ``ForcePlan`` swaps in the reference's values (forward) and gradients (backward); the
+    gradient still flows on to the candidate's own graph.
     """
 
     @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
+    def forward(ctx, callback, plan, *tensors):
+        ctx.callback, ctx.plan = callback, plan
         ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+        return tuple(t.detach() for t in plan.forward(tensors)) if plan else tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.callback(grads)
-        return (None, *grads)
+        if ctx.plan:
+            grads = ctx.plan.backward(grads)
+        return (None, None, *grads)
 
 
 def _differentiable(t) -> bool:
@@ -157,8 +166,10 @@ class Hooks(ModuleHooks):
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
 
-    def apply_tap(self, tensors, report, frame, outputs):
-        return _GradTap.apply(report, *tensors)
+    to_framework = staticmethod(to_framework)
+
+    def apply_tap(self, tensors, report, frame, outputs, plan=None):
+        return _GradTap.apply(report, plan, *tensors)
 
     def watch_inputs(self, frame, needs, swap):
         """In-place ops bump ``_version`` (shared with the tap's detached alias)."""

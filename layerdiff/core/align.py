@@ -65,7 +65,8 @@ class _Side:
 
     @classmethod
     def of(cls, reader):
-        types = {r["path"]: r.get("type") for r in reader.records if r["kind"] == "call"}
+        types = {r["module"]: r["module_type"] for r in reader.records if r.get("module_type")}  # never called
+        types.update({r["path"]: r.get("type") for r in reader.records if r["kind"] == "call"})
         return cls(reader, reader.meta.get("framework"), types)
 
     def transposed(self, rec: dict, t: dict) -> bool:
@@ -498,7 +499,7 @@ def growth_table(rows: list, origin: dict | None, max_rows: int = 16) -> list:
 
 
 def _rel_error(m: dict) -> float:
-    if m.get("mismatch"):
+    if m.get("mismatch") or m.get("nonfinite_mismatch"):
         return math.inf
     ref = m.get("ref_max_abs") or 0.0
     mx = m.get("max_abs") or 0.0

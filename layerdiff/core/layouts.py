@@ -86,5 +86,15 @@ class LayoutRules:
             return array.transpose(args)
         return array.reshape(args)
 
+    @staticmethod
+    def invert(rule, array, shape):
+        """A's tensor in B's layout (the inverse of ``apply``): replay feeds B the reference's values."""
+        name, args, _ = rule
+        if name == "transpose":
+            return array.T
+        if name == "permute":
+            return array.transpose([args.index(i) for i in range(len(args))])
+        return array.reshape(shape)
+
     def as_list(self):
         return [[p.pattern, text] for p, _, _, text in self.rules]

@@ -176,12 +176,14 @@ class TraceSession:
         rec.update(extra)
         return rec
 
-    def end_call(self, frame: CallFrame, outputs, scalars: dict):
+    def end_call(self, frame: CallFrame, outputs, scalars: dict) -> list[dict]:
+        """Writes the call's record; returns its output entries."""
         self._pop(frame)
-        tensors = frame.inputs + self._entries("output", outputs)
+        entries = self._entries("output", outputs)
         self.writer.write_record(self._call_record(
-            frame, "forward", frame.begin, tensors, hparams=frame.hparams,
+            frame, "forward", frame.begin, frame.inputs + entries, hparams=frame.hparams,
             scalars={**frame.scalars, **scalars}))
+        return entries
 
     def fail_call(self, frame: CallFrame, exc: BaseException):
         """The module raised: keep its inputs and the error; the innermost failing call is the failure."""
@@ -222,7 +224,7 @@ class TraceSession:
                                                    pending.grad_outputs))
 
     # -- parameters ----------------------------------------------------------------------------------------
-    def param(self, kind: str, name: str, module_path: str, tensor):
+    def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None):
         """kind is "param" (value) or "param_grad" (gradient after accumulation)."""
         entries = self._entries(kind, [("value", tensor)])
         if not entries:
@@ -231,7 +233,8 @@ class TraceSession:
         self.param_counts[(kind, name)] = count + 1
         # values are taken just before the root call opens a step: they belong to that step
         step = self.step + 1 if kind == "param" and not self.stack else max(self.step, 0)
-        self.writer.write_record({"kind": kind, "path": name, "module": module_path, "call": count,
+        self.writer.write_record({"kind": kind, "path": name, "module": module_path, "module_type": module_type,
+                                  "call": count,
                                   "step": step, "seq": self._next_seq(), "tensors": entries})
 
     # -- end -----------------------------------------------------------------------------------------------

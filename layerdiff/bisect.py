@@ -1,0 +1,233 @@
+"""``layerdiff bisect``: run the candidate again on the reference's numbers to confirm where it goes wrong.
+
+Two strategies, both resumable (a state file in the work directory records every finished run):
+
+* replay (default): one free run of the candidate, traced and aligned with the reference (mapping and how each
+  module amplifies the error it receives), then one run with the reference's values forced in at every module
+  boundary, forward and backward (core/replay.py): every difference left is a module's own error.
+* search (``--search``): for candidates too expensive to replay module by module. A baseline run, then runs that
+  each splice the reference's activation into one block boundary (a decoder layer's input) and check whether the
+  candidate's last block recovers: log2(N) runs for N blocks. Only four modules are hooked per run.
+
+Each run builds the candidate afresh (``runner.build``): a step that trains must not start from the weights a
+previous run updated.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from . import runner
+from .core.align import align, measure
+from .core.layouts import LayoutRules
+from .core.match import RenameRules
+from .core.replay import Forcer, evaluate_replay, find_blocks, next_splice, observe
+from .core.tolerance import TolerancePolicy
+from .core.traceformat import open_trace
+from .errors import LayerdiffError
+from .tracing import Tracer
+
+STATE_VERSION = 1
+
+
+class Workdir:
+    """The runs' traces and ``state.json``: what has been done for which command, so a rerun resumes."""
+
+    def __init__(self, path, command: dict, restart: bool = False):
+        self.path = Path(path)
+        self.state_file = self.path / "state.json"
+        self.command = command
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.state = {"version": STATE_VERSION, "command": command, "runs": {}}
+        if self.state_file.exists() and not restart:
+            try:
+                saved = json.loads(self.state_file.read_text())
+            except (OSError, ValueError):
+                raise LayerdiffError(f"{self.state_file}: not a bisect state file; pass --restart to start over "
+                                     "or choose another --workdir") from None
+            if not isinstance(saved, dict) or saved.get("command") != command:
+                raise LayerdiffError(f"{self.path} holds a bisect of another command; pass --restart to start "
+                                     "over or choose another --workdir")
+            self.state = saved
+
+    def done(self, name: str) -> dict | None:
+        run = self.state["runs"].get(name)
+        if run is None or run.get("status") != "done":
+            return None
+        if run.get("trace") and not (self.path / run["trace"]).is_file():
+            return None
+        return run
+
+    def record(self, name: str, run: dict):
+        self.state["runs"][name] = {**run, "status": "done"}
+        tmp = self.state_file.with_name(f".state.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(self.state, indent=1, default=str))
+        os.replace(tmp, self.state_file)
+
+    def trace_path(self, name: str) -> Path:
+        return self.path / f"{name}.h5"
+
+
+def reference_identity(path) -> dict:
+    """Enough to notice that the reference changed between an interrupted bisect and its resumption."""
+    st = Path(path).stat()
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "head_sha256": head}
+
+
+def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backward=True, include=None,
+                  exclude=None, params=True) -> dict:
+    """Build the candidate, run one step under the tracer, close the trace. A step that raises is a result
+    (the trace records where), not an error of bisect."""
+    model, step, meta = runner.build(target, kwargs)
+    tracer = Tracer(model, path, mode="full", backward=backward, include=include, exclude=exclude, params=params,
+                    overwrite=True, meta={"target": target, "bisect": True, **(meta or {})}, forcer=forcer)
+    with _Guard(tracer) as guard:
+        step()
+    return {"trace": path.name, "raised": guard.error}
+
+
+class _Guard:
+    """Enter the tracer; on exit close it (recording the failure) and swallow the step's exception."""
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+        self.error = None
+
+    def __enter__(self):
+        self.tracer.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.tracer.__exit__(exc_type, exc, tb)
+        if exc is not None and isinstance(exc, Exception):
+            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return True
+        return False
+
+
+def check_reference(path):
+    """Fail early (one line, nothing created) when the reference cannot drive a bisect."""
+    _reference(path).close()
+
+
+def summary_line(result: dict) -> str:
+    if result["kind"] == "search":
+        block = f"{result['block']}: " if result.get("block") else ""
+        return f"{result['verdict']}: {block}{result['answer']['description']} ({result['splice_runs']} splice runs)"
+    parts = []
+    for phase in ("forward", "backward"):
+        culprit = result[phase]["culprit"]
+        parts.append(f"{phase} {culprit['description'] if culprit else 'no own error'}")
+    return f"{result['verdict']}: " + "; ".join(parts)
+
+
+def _reference(path):
+    """Open the reference and check it can drive a replay: full-mode tensors of step 0."""
+    reader = open_trace(path)
+    calls = [r for r in reader.records if r["kind"] == "call" and r.get("step", 0) == 0]
+    if not calls:
+        reader.close()
+        raise LayerdiffError(f"{path}: holds no module calls to replay")
+    if not any("offset" in t for r in calls for t in r["tensors"]):
+        reader.close()
+        raise LayerdiffError(f"{path}: traced in stats mode; bisect needs the reference's tensors: trace the "
+                             "suspect window in full mode (layerdiff trace ... --layers START:END)")
+    return reader
+
+
+def _reference_options(reader) -> dict:
+    options = reader.meta.get("options") or {}
+    return {"backward": bool(options.get("backward", True)), "include": options.get("include"),
+            "exclude": options.get("exclude"), "params": bool(options.get("params", True))}
+
+
+def replay(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: RenameRules, layouts: LayoutRules,
+           policy: TolerancePolicy, auto_map: bool = True, include=None, exclude=None, progress=None) -> dict:
+    """Free run + forced run of the candidate; the replay result (see ``evaluate_replay``)."""
+    with _reference(reference) as ref:
+        options = _reference_options(ref)
+        traced = dict(backward=options["backward"], params=options["params"],
+                      include=options["include"] if include is None else include,
+                      exclude=options["exclude"] if exclude is None else exclude)
+        free = _run_once(workdir, "free", f"free run of {target}", progress,
+                         lambda: run_candidate(target, kwargs, workdir.trace_path("free"), **traced))
+        with open_trace(workdir.trace_path("free")) as free_trace:
+            free_report = align(ref, free_trace, rename=rename, policy=policy, auto_map=auto_map, layouts=layouts)
+        renames = rename.with_exact({m["b"]: m["a"] for m in free_report.get("mapping", [])})
+
+        def forced_run():
+            forcer = Forcer(ref, renames, layouts, backward=options["backward"])
+            run = run_candidate(target, kwargs, workdir.trace_path("replay"), forcer=forcer, **traced)
+            return {**run, "forcing": {"forced_tensors": forcer.forced, "not_forced": forcer.unforced}}
+
+        forced = _run_once(workdir, "replay", f"replay of {target} on the reference's values", progress, forced_run)
+        with open_trace(workdir.trace_path("replay")) as forced_trace:
+            measured = measure(ref, forced_trace, renames, auto_map=False, layouts=layouts)
+    result = evaluate_replay(measured, policy, free_report, forced.get("forcing"))
+    result["runs"] = {"free": free, "replay": forced}
+    result["workdir"] = str(workdir.path)
+    return result
+
+
+def _run_once(workdir: Workdir, name: str, label: str, progress, make) -> dict:
+    """A finished run from the state file, or run it now and record it."""
+    done = workdir.done(name)
+    if done is not None:
+        _advance(progress, f"{label}: reused from {workdir.state_file}")
+        return done
+    _advance(progress, label, start=True)
+    run = make()
+    workdir.record(name, run)
+    return workdir.done(name)
+
+
+def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: RenameRules, layouts: LayoutRules,
+           policy: TolerancePolicy, container: str | None = None, progress=None) -> dict:
+    """Binary search over the reference's top-level blocks by splicing its activations into the candidate."""
+    with _reference(reference) as ref:
+        parent, blocks = find_blocks(ref.records, container)
+        if len(blocks) < 2:
+            where = f"under {container!r}" if container else "(a module list with numbered children)"
+            raise LayerdiffError(f"{reference}: found no blocks to search {where}; name them with --blocks PATH")
+        watched = ["^$", f"^{re.escape(blocks[0])}$", f"^{re.escape(blocks[-1])}$"]
+        runs: list[dict] = []
+        while True:
+            spliced, answer = next_splice(len(blocks), runs) if runs else (None, None)
+            if answer is not None:
+                break
+            name = "baseline" if spliced is None else f"splice_{spliced}"
+            label = "baseline run (nothing spliced)" if spliced is None else \
+                f"splice the reference's input into {blocks[spliced]}"
+
+            def splice_run(spliced=spliced, name=name):
+                forcer = None if spliced is None else Forcer(ref, rename, layouts, backward=False,
+                                                             where=_splice_at(blocks[spliced]))
+                include = watched + ([f"^{re.escape(blocks[spliced])}$"] if spliced is not None else [])
+                run = run_candidate(target, kwargs, workdir.trace_path(name), forcer=forcer, backward=False,
+                                    include=include, params=False)
+                with open_trace(workdir.trace_path(name)) as cand:
+                    measured = measure(ref, cand, rename, auto_map=False, layouts=layouts)
+                return {**run, "observation": {**observe(measured, policy, blocks, spliced), "raised": run["raised"]}}
+
+            runs.append(_run_once(workdir, name, label, progress, splice_run)["observation"])
+    return {"kind": "search", "a": {"path": str(reference)}, "b": {"target": target}, "container": parent,
+            "blocks": blocks, "runs": runs, "splice_runs": sum(1 for r in runs if r["spliced"] is not None),
+            "expected_runs": math.ceil(math.log2(len(blocks))), "answer": answer,
+            "block": blocks[answer["block"]] if answer.get("where") == "block" else None,
+            "tolerances": policy.describe(), "workdir": str(workdir.path),
+            "verdict": "aligned" if answer["where"] == "none" else "divergent"}
+
+
+def _splice_at(block: str):
+    return lambda path, role: path == block and role == "input"
+
+
+def _advance(progress, message: str, start: bool = False):
+    if progress is not None:
+        progress(message, start)

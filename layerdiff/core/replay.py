@@ -1,0 +1,344 @@
+"""Replay: run the candidate with the reference's recorded values forced in at module boundaries.
+
+Forcing at every boundary - each call's inputs and outputs in forward, its output and input gradients in
+backward - cuts the candidate's computation into segments that each start from the reference's numbers: a
+leaf module's own work, or a parent's own code between two of its children. What the candidate computes,
+before the forced value replaces it, is written to an ordinary trace, so ``measure`` compares it with the
+reference and every difference left is that segment's OWN error: nothing inherited, nothing amplified.
+
+The binary search (``splice`` / ``next_splice``) is the cheap variant for expensive candidates: force only one
+block boundary per run and watch whether the blocks after it recover.
+
+Nothing here imports a framework: a ``Forcer`` hands numpy arrays to the adapter, which converts them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .align import _build_tree, _describe, _param_rows, _rel_error, judge_rows
+from .layouts import LayoutRules
+from .match import RenameRules, match_tensors
+from .tensors import FLOAT_DTYPES, as_float
+from .tolerance import TolerancePolicy
+
+_FORWARD_ROLE = {"grad_output": "output", "grad_input": "input"}
+
+
+def fit_shape(values: np.ndarray, shape) -> np.ndarray | None:
+    """The reference's array in the candidate's shape: as is, reshaped (same size) or broadcast ([1,S,D] to
+    [B,S,D]); None when neither fits."""
+    shape = tuple(shape)
+    if values.shape == shape:
+        return values
+    if values.size == math.prod(shape):
+        return values.reshape(shape)
+    try:
+        return np.ascontiguousarray(np.broadcast_to(values, shape))
+    except ValueError:
+        return None
+
+
+class Forcer:
+    """Serves the reference trace's values to the candidate's hooks (step 0 of the reference).
+
+    ``rename`` turns the candidate's module paths into the reference's (as ``align`` does); ``layouts`` are the
+    user's ``--layout`` rules, inverted (they describe B -> A). ``where(path_a, role)`` limits forcing (the
+    binary search forces one boundary); ``backward`` forces gradients too.
+    """
+
+    def __init__(self, reader, rename: RenameRules | None = None, layouts: LayoutRules | None = None, *,
+                 backward: bool = True, where=None):
+        self.reader = reader
+        self.rename = rename or RenameRules()
+        self.layouts = layouts or LayoutRules()
+        self.backward = backward
+        self.where = where
+        self.calls = {}  # (phase, path, call) -> the reference's record of step 0
+        for rec in reader.records:
+            if rec["kind"] == "call" and rec.get("step", 0) == 0:
+                self.calls.setdefault((rec["phase"], rec["path"], rec["call"]), rec)
+        self.keys: dict = {}  # (path_a, call, forward role) -> {B's key: (A's key, B's shape)}
+        self.forced = 0
+        self.unforced: list[str] = []  # why a matched tensor could not be forced (shown in the report)
+
+    def forward(self, frame, role: str, entries_b) -> dict:
+        """{B's key: array}: the reference's values for a call's "input" or "output" tensors."""
+        if frame.step != 0:
+            return {}
+        path_a = self.rename(frame.path)
+        if self.where is not None and not self.where(path_a, role):
+            return {}
+        rec = self.calls.get(("forward", path_a, frame.call))
+        if rec is None:
+            return {}
+        pairs, _, _ = match_tensors([t for t in rec["tensors"] if t["role"] == role], entries_b)
+        keys = self.keys.setdefault((path_a, frame.call, role), {})
+        out = {}
+        for ta, tb in pairs:
+            keys[tb["key"]] = (ta["key"], tb["shape"])
+            value = self._value(ta, tb["shape"], path_a, f"{path_a or '<root>'} {role} {tb['key']}")
+            if value is not None:
+                out[tb["key"]] = value
+        return out
+
+    def gradient(self, frame, grad_role: str, key_b: str):
+        """The reference's gradient w.r.t. one of a call's outputs ("grad_output") or inputs ("grad_input"),
+        for a tensor whose forward value was matched; None to keep the candidate's own."""
+        if not self.backward or frame.step != 0:
+            return None
+        path_a = self.rename(frame.path)
+        known = self.keys.get((path_a, frame.call, _FORWARD_ROLE[grad_role]), {}).get(key_b)
+        rec = self.calls.get(("backward", path_a, frame.call))
+        if known is None or rec is None:
+            return None
+        ta = next((t for t in rec["tensors"] if t["role"] == grad_role and t["key"] == known[0]), None)
+        if ta is None:
+            return None
+        return self._value(ta, known[1], path_a, f"{path_a or '<root>'} {grad_role} {key_b}")
+
+    def _value(self, ta: dict, shape_b, path_a: str, what: str):
+        if "offset" not in ta:
+            self._unforced(f"{what}: the reference holds statistics only (traced in stats mode)")
+            return None
+        raw = self.reader.tensor(ta)
+        values = as_float(raw, ta["dtype"]) if ta["dtype"] in FLOAT_DTYPES else raw
+        rule = self.layouts.find(path_a)
+        if rule is not None:
+            values = LayoutRules.invert(rule, values, shape_b)
+        fitted = fit_shape(values, shape_b)
+        if fitted is None:
+            self._unforced(f"{what}: reference shape {list(values.shape)} does not fit {list(shape_b)}")
+            return None
+        self.forced += 1
+        return fitted
+
+    def _unforced(self, message: str):
+        if len(self.unforced) < 50:
+            self.unforced.append(message)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Own errors: which segments of the candidate are wrong on the reference's numbers
+# ---------------------------------------------------------------------------------------------------------
+def _worst(tensors) -> dict | None:
+    failing = [t for t in tensors if not t["passed"]]
+    return max(failing, key=lambda t: _rel_error(t["metrics"]), default=None)
+
+
+def _segment(node, where: str, description: str, tensor: dict | None, order: int, phase: str) -> dict:
+    row = node.row
+    return {"phase": phase, "module": row["path"], "call": row["call"], "where": where,
+            "description": description, "order": order,
+            "tensor": tensor and {"role": tensor["role"], "key": tensor["key"], "reason": tensor["reason"],
+                                  "metrics": tensor["metrics"]},
+            "rel_error": _rel_error(tensor["metrics"]) if tensor else math.inf}
+
+
+def _forward_segments(roots) -> list:
+    out = []
+
+    def visit(node, parent, previous):
+        bad_in = _worst(node.ins)
+        if bad_in is not None:
+            if parent is None:
+                out.append(_segment(node, "inputs", f"{node.row['path'] or '<root>'}: the runs were given "
+                                    "different inputs", bad_in, node.row["begin"], "forward"))
+            else:
+                out.append(_segment(parent, "own_code", _describe(parent, "own_code", previous, node), bad_in,
+                                    node.row["begin"], "forward"))
+        before = None
+        for child in node.children:
+            visit(child, node, before)
+            before = child
+        if node.row.get("error_b"):  # the innermost call that raised; its callers only passed the error on
+            if any(child.row.get("error_b") for child in node.children):
+                return
+            out.append({**_segment(node, "raised", f"{node.row['path'] or '<root>'} raised on the reference's "
+                                   f"inputs: {node.row['error_b']}", None, node.row["end"], "forward"),
+                        "error": node.row["error_b"]})
+            return
+        bad_out = _worst(node.outs)
+        if bad_out is not None:
+            where = "own_code" if node.children else "module"
+            text = _describe(node, where, before, None) if node.children else (node.row["path"] or "<root>")
+            out.append(_segment(node, where, text, bad_out, node.row["end"], "forward"))
+
+    for root in roots:
+        visit(root, None, None)
+    return out
+
+
+def _backward_segments(roots) -> list:
+    """Backward visits children in backward order; descriptions speak of forward positions (the same code)."""
+    out = []
+
+    def visit(node, parent):
+        bad_in = _worst(node.ins)  # grad_output as it arrived: made by the parent's code after this child
+        if bad_in is not None:
+            if parent is None:
+                out.append(_segment(node, "inputs", f"{node.row['path'] or '<root>'}: the runs were given a "
+                                    "different gradient of the loss", bad_in, node.row["begin"], "backward"))
+            else:
+                short = node.row["path"].rsplit(".", 1)[-1]
+                out.append(_segment(parent, "own_code", f"{parent.row['path'] or '<root>'}, own code using "
+                                    f"{short}'s output (backward)", bad_in, node.row["begin"], "backward"))
+        later = None  # after the loop: the child that ran first in forward
+        for child in node.children:
+            visit(child, node)
+            later = child
+        grads_in = [t for t in node.outs if t["role"] == "grad_input"]
+        weights = [t for t in node.outs if t["role"] != "grad_input"]
+        bad_grad = _worst(grads_in)
+        if bad_grad is not None:
+            text = (_describe(node, "own_code", None, later) + " (backward)") if node.children \
+                else f"{node.row['path'] or '<root>'} (backward)"
+            out.append(_segment(node, "own_code" if node.children else "module", text, bad_grad,
+                                node.row["end"], "backward"))
+        bad_weight = _worst(weights)
+        if bad_weight is not None:
+            out.append(_segment(node, "weight_grad", f"{bad_weight['key']} gradient of {node.row['path']}",
+                                bad_weight, node.row["end"], "backward"))
+
+    for root in roots:
+        visit(root, None)
+    return out
+
+
+def amplification(free_report: dict | None) -> dict:
+    """(path, call) -> how a module call of the free-running candidate turned its input error into output
+    error: relative error in, relative error out, and their ratio."""
+    out = {}
+    for row in (free_report or {}).get("records", []):
+        if row["kind"] != "call" or row["phase"] != "forward":
+            continue
+        ins = [_rel_error(t["metrics"]) for t in row["tensors"] if t["role"] == "input"]
+        outs = [_rel_error(t["metrics"]) for t in row["tensors"] if t["role"] == "output"]
+        if not outs:
+            continue
+        rin, rout = max(ins, default=0.0), max(outs)
+        ratio = rout / rin if rin > 0 else (math.inf if rout > 0 else None)
+        out[(row["path"], row["call"])] = {"in_rel": rin, "out_rel": rout, "amplification": ratio}
+    return out
+
+
+def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, free_report: dict | None = None,
+                    forcer_notes: dict | None = None) -> dict:
+    """Judge the replay trace against the reference; list the segments with own error, in execution order,
+    and set them against what ``align`` (the free run) blamed."""
+    policy = policy or TolerancePolicy()
+    judge_rows(measurements, policy)
+    rows = measurements["records"]
+    grads = {}
+    for p in _param_rows(rows, "param_grad"):
+        grads.setdefault((p["module"], p["step"]), []).append(p)
+    forward = _forward_segments(_build_tree(rows, "forward", {}))
+    backward = _backward_segments(_build_tree(rows, "backward", grads))
+    forward.sort(key=lambda s: s["order"])
+    backward.sort(key=lambda s: s["order"])
+    amp = amplification(free_report)
+    own_forward = {(s["module"], s["call"]) for s in forward}
+    modules = []
+    for row in sorted((r for r in rows if r["kind"] == "call" and r["phase"] == "forward"), key=lambda r: r["begin"]):
+        key = (row["path"], row["call"])
+        outs = [t for t in row["tensors"] if t["role"] == "output"]
+        own = max((_rel_error(t["metrics"]) for t in outs), default=None)
+        modules.append({"module": row["path"], "call": row["call"], "type": row.get("type_a"),
+                        "depth": row["path"].count(".") + 1 if row["path"] else 0,
+                        "own_rel": own, "own_error": key in own_forward, **amp.get(key, {})})
+    result = {"kind": "replay", "a": measurements["a"], "b": measurements["b"], "map": measurements.get("map"),
+              "tolerances": policy.describe(),
+              "forward": {"segments": forward, "culprit": forward[0] if forward else None},
+              "backward": {"segments": backward, "culprit": backward[0] if backward else None},
+              "modules": modules, "forcing": forcer_notes or {},
+              "verdict": "own_error" if forward or backward else "clean"}
+    if free_report is not None:
+        result["align"] = {phase: free_report[phase]["first_divergence"] for phase in ("forward", "backward")}
+        result["confirms"] = {phase: _confirms(result[phase]["culprit"], free_report[phase]["first_divergence"])
+                              for phase in ("forward", "backward")}
+    return result
+
+
+def _confirms(culprit: dict | None, origin: dict | None) -> bool | None:
+    """Whether replay's first own error is the module align named (None when align named nothing)."""
+    if origin is None:
+        return None if culprit is None else False
+    if culprit is None:
+        return False
+    if origin.get("where") == "forward":  # a backward divergence align attributed to the forward origin
+        return None
+    return culprit["module"] == origin["module"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Binary search over top-level blocks
+# ---------------------------------------------------------------------------------------------------------
+def find_blocks(records, container: str | None = None) -> tuple[str, list[str]]:
+    """The model's ordered top-level blocks (``model.layers.0`` ...): the children with integer names of the
+    container (a module path) that has the most of them, or of ``container`` if given."""
+    children: dict[str, set] = {}
+    for rec in records:
+        if rec["kind"] == "call" and rec["phase"] == "forward":
+            parent, _, leaf = rec["path"].rpartition(".")
+            if leaf.isdigit() and (container is None or parent == container):
+                children.setdefault(parent, set()).add(int(leaf))
+    if not children:
+        return container or "", []
+    parent = max(children, key=lambda p: (len(children[p]), -p.count(".")))
+    return parent, [f"{parent}.{i}" for i in sorted(children[parent])]
+
+
+def observe(measurements: dict, policy: TolerancePolicy, blocks: list[str], spliced: int | None) -> dict:
+    """What one splice run shows: whether B's input to the first block, B's own value at the splice boundary
+    (before A's replaced it), the last block's output and the model's final output agree with A's."""
+    judge_rows(measurements, policy)
+    calls = {r["path"]: r for r in measurements["records"] if r["kind"] == "call" and r["phase"] == "forward"
+             and r["call"] == 0}
+
+    def ok(path, role):
+        row = calls.get(path)
+        if row is None:
+            return None
+        tensors = [t for t in row["tensors"] if t["role"] == role]
+        return bool(tensors) and all(t["passed"] for t in tensors) and not row.get("error_b")
+
+    final = ""  # the model itself
+    return {"spliced": spliced, "splice_block": blocks[spliced] if spliced is not None else None,
+            "first_input_ok": ok(blocks[0], "input"),
+            "arrival_ok": ok(blocks[spliced], "input") if spliced is not None else None,
+            "last_output_ok": ok(blocks[-1], "output"), "final_ok": ok(final, "output"), "final_module": final}
+
+
+def next_splice(n_blocks: int, runs: list[dict]) -> tuple[int | None, dict | None]:
+    """Given the runs so far (the baseline, spliced=None, first), the next block to splice at, or the answer.
+
+    The defect block d is the one after which the candidate's blocks stop recovering: splicing the reference's
+    activation at block k gives a correct last-block output exactly when k > d. The baseline (no splice)
+    says whether any block is at fault at all; then each run halves [lo, hi]: log2(N) splice runs.
+    """
+    baseline = runs[0]
+    if baseline["last_output_ok"] and baseline["final_ok"]:
+        return None, {"where": "none", "description": "the candidate's final output agrees with the reference"}
+    if baseline["last_output_ok"]:
+        return None, {"where": "after", "description": "the blocks agree; the divergence is after the last block"}
+    lo, hi = 0, n_blocks - 1
+    if not baseline["first_input_ok"]:  # B's prefix already differs: block 0 must be tested on A's input too
+        splice0 = next((r for r in runs[1:] if r["spliced"] == 0), None)
+        if splice0 is None:
+            return 0, None
+        if splice0["last_output_ok"]:
+            return None, {"where": "before", "description": "the blocks recover on the reference's input: "
+                          "the divergence is before the first block"}
+    for run in runs[1:]:
+        k = run["spliced"]
+        if k is None or not lo <= k <= hi:
+            continue
+        if run["last_output_ok"]:
+            hi = k - 1
+        else:
+            lo = k
+    if lo >= hi:
+        return None, {"where": "block", "block": lo, "description": f"block {lo} is the first whose output does "
+                      "not recover"}
+    return (lo + hi + 1) // 2, None

@@ -1,0 +1,136 @@
+"""layerdiff bisect on PyTorch: replay confirms each injected defect as the module's OWN error, separates own from
+inherited error, localizes a crash; the binary search over 8 decoder layers takes log2(8) splice runs; an
+interrupted bisect resumes. (Other frameworks: test_bisect_frameworks.py.)"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import run_cli
+from layerdiff import bisect
+from layerdiff.core.layouts import LayoutRules
+from layerdiff.core.match import RenameRules
+from layerdiff.core.tolerance import TolerancePolicy
+from layerdiff.recipes.torch_llama import DEFECTS
+
+
+def replay(reference, tmp_path, **kwargs):
+    workdir = bisect.Workdir(tmp_path / "work", {"test": kwargs})
+    return bisect.replay(reference, "torch_llama", kwargs, workdir, rename=RenameRules(), layouts=LayoutRules(),
+                         policy=TolerancePolicy())
+
+
+def search(reference, tmp_path, **kwargs):
+    workdir = bisect.Workdir(tmp_path / "work", {"test": kwargs})
+    return bisect.search(reference, "torch_llama", kwargs, workdir, rename=RenameRules(), layouts=LayoutRules(),
+                         policy=TolerancePolicy())
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
+def test_replay_confirms_the_origin_of_every_defect(recipe_trace, tmp_path, defect):
+    direction, module = DEFECTS[defect]
+    result = replay(recipe_trace(), tmp_path, defect=defect)
+    culprit = result[direction]["culprit"]
+    assert culprit is not None and culprit["module"] == module, result[direction]["segments"]
+    assert result["confirms"][direction] is True
+    assert result["verdict"] == "own_error"
+    # every own error, forward and backward, lies in the defect's own module: nothing downstream is blamed
+    for phase in ("forward", "backward"):
+        assert {s["module"] for s in result[phase]["segments"]} <= {module}, result[phase]["segments"]
+    if direction == "backward":
+        assert result["forward"]["segments"] == []
+
+
+def test_replay_of_an_honest_reimplementation_finds_no_own_error(recipe_trace, tmp_path):
+    result = replay(recipe_trace(), tmp_path, defect="reimpl")
+    assert result["verdict"] == "clean"
+    assert result["forward"]["segments"] == [] and result["backward"]["segments"] == []
+    assert result["forcing"]["forced_tensors"] > 100 and result["forcing"]["not_forced"] == []
+
+
+def test_inherited_divergence_shows_no_own_error_but_its_amplification(recipe_trace, tmp_path):
+    result = replay(recipe_trace(), tmp_path, defect="eps")
+    modules = {m["module"]: m for m in result["modules"]}
+    origin = modules[DEFECTS["eps"][1]]
+    assert origin["own_error"] and origin["own_rel"] > 1e-3
+    for path in ("model.layers.1.mlp", "model.layers.1.mlp.down_proj", "model.norm", "lm_head"):
+        m = modules[path]
+        assert m["out_rel"] > 1e-4, m  # the free run differs here...
+        assert not m["own_error"] and m["own_rel"] < 1e-6, m  # ...but only by what it was given
+        assert 0.1 < m["amplification"] < 100
+    assert math.isinf(origin["amplification"])  # exact inputs, differing outputs
+
+
+def test_crash_is_localized_and_reproduced_on_the_reference_inputs(recipe_trace, tmp_path):
+    result = replay(recipe_trace(), tmp_path, defect="crash")
+    culprit = result["forward"]["culprit"]
+    assert culprit["where"] == "raised" and culprit["module"] == "model.layers.1.mlp.down_proj"
+    assert "mat1 and mat2 shapes cannot be multiplied" in culprit["error"]
+    assert result["align"]["forward"]["where"] == "raised"  # align on the crashed free run says the same
+    assert result["runs"]["free"]["raised"].startswith("RuntimeError")
+    assert [s["module"] for s in result["forward"]["segments"]] == ["model.layers.1.mlp.down_proj"]  # not its callers
+
+
+@pytest.mark.parametrize("defect, layer", [("eps", 5), ("act", 0), ("owncode", 7), ("residual", 2)])
+def test_binary_search_finds_the_block_in_log2_n_runs(recipe_trace, tmp_path, defect, layer):
+    result = search(recipe_trace(layers=8), tmp_path, layers=8, defect=defect, defect_layer=layer)
+    assert result["block"] == f"model.layers.{layer}"
+    assert len(result["blocks"]) == 8
+    assert result["splice_runs"] == 3 == result["expected_runs"]
+    assert len(result["runs"]) == 4  # the baseline plus log2(8)
+    assert result["runs"][0]["spliced"] is None and not result["runs"][0]["last_output_ok"]
+
+
+def test_binary_search_of_a_clean_candidate_stops_after_the_baseline(recipe_trace, tmp_path):
+    result = search(recipe_trace(layers=8), tmp_path, layers=8)
+    assert result["answer"]["where"] == "none" and result["splice_runs"] == 0 and result["verdict"] == "aligned"
+
+
+def test_cli_bisect_resumes_an_interrupted_run_and_refuses_another_command(recipe_trace, tmp_path):
+    ref, work = recipe_trace(), tmp_path / "w"
+    args = ["bisect", ref, "torch_llama", "--arg", "defect=owncode", "--workdir", work]
+    code, out, err = run_cli(*args, "--json", tmp_path / "r1.json")
+    assert code == 1, err
+    assert "own code between v_proj and o_proj" in out and "confirms align's origin" in out
+    assert "run 1: free run" in err and "run 2: replay" in err
+    # interrupted after the free run: the state file lists only it
+    state = json.loads((work / "state.json").read_text())
+    del state["runs"]["replay"]
+    (work / "state.json").write_text(json.dumps(state))
+    code, out, err = run_cli(*args, "--json", tmp_path / "r2.json")
+    assert code == 1, err
+    assert "free run of torch_llama: reused" in err and "run 1: replay" in err
+    first, second = (json.loads((tmp_path / f"r{i}.json").read_text()) for i in (1, 2))
+    assert first["forward"]["segments"] == second["forward"]["segments"]
+    # the same work directory for another command is refused, and nothing in it is touched
+    before = (work / "state.json").read_text()
+    code, _, err = run_cli("bisect", ref, "torch_llama", "--arg", "defect=eps", "--workdir", work)
+    assert code == 2 and "holds a bisect of another command" in err and "Traceback" not in err
+    assert (work / "state.json").read_text() == before
+
+
+def test_cli_search_quiet_line_and_resume(recipe_trace, tmp_path):
+    ref = recipe_trace(layers=8)
+    args = ["bisect", ref, "torch_llama", "--search", "--arg", "layers=8", "--arg", "defect=eps",
+            "--arg", "defect_layer=3", "--workdir", tmp_path / "w", "-q"]
+    code, out, _ = run_cli(*args)
+    assert code == 1 and out.startswith("divergent: model.layers.3:") and "(3 splice runs)" in out
+    code, out2, err = run_cli(*args[:-1])  # not quiet: progress lines on stderr say every run was reused
+    assert code == 1 and err.count("reused") == 4 and "A's input spliced into model.layers.3" in out2
+
+
+def test_bad_bisect_input_is_one_line_and_creates_nothing(recipe_trace, tmp_path):
+    cases = [
+        ([tmp_path / "missing.h5", "torch_llama"], "no such file"),
+        ([recipe_trace(mode="stats"), "torch_llama"], "traced in stats mode"),
+        ([recipe_trace(), "no_such_recipe"], "neither a file"),
+        ([recipe_trace(), "torch_llama", "--blocks", "model.layers"], "--blocks goes with --search"),
+        ([recipe_trace(), "torch_llama", "--arg", "bad"], "bad --arg"),
+    ]
+    for args, message in cases:
+        code, out, err = run_cli("bisect", *args, "--workdir", tmp_path / "w")
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
+        assert len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "w").exists()

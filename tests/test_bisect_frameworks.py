@@ -1,0 +1,94 @@
+"""layerdiff bisect across frameworks: a reference traced in one framework replayed into a candidate in another,
+for every pair. Each side runs in its own process through the real CLI (one framework per process)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import run_cli
+from layerdiff.recipes.llama_shared import DEFECTS, FAILURES
+
+# (reference framework, candidate framework, defect or None): every framework pair, forward and backward defects,
+# a crash and a NaN in each non-torch framework, and one clean pair (no false alarm)
+CASES = [
+    ("torch", "paddle", "eps"), ("torch", "paddle", "backward"), ("torch", "paddle", "crash"),
+    ("torch", "paddle", "nan"),
+    ("torch", "mindspore", "owncode"), ("torch", "mindspore", "backward"), ("torch", "mindspore", "crash"),
+    ("torch", "mindspore", "nan"),
+    ("paddle", "mindspore", "act"), ("paddle", "mindspore", "backward"), ("paddle", "mindspore", "residual"),
+    ("mindspore", "paddle", None),
+]
+ORIGINS = {**DEFECTS, **FAILURES}
+
+
+def _cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "layerdiff", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def bisected(tmp_path_factory):
+    """{case: (exit code, result JSON, stderr, work dir)}, two processes at a time."""
+    root = tmp_path_factory.mktemp("bisect_frameworks")
+    with ThreadPoolExecutor(2) as pool:
+        refs = list(pool.map(lambda fw: _cli("trace", f"{fw}_llama", "-o", root / f"ref_{fw}.h5", "-q"),
+                             ("torch", "paddle", "mindspore")))
+        assert all(code == 0 for code, _, _ in refs), refs
+
+        def run(case):
+            ref, cand, defect = case
+            name = f"{ref}_{cand}_{defect}"
+            args = ["bisect", root / f"ref_{ref}.h5", f"{cand}_llama", "--workdir", root / name,
+                    "--json", root / f"{name}.json", "-q"] + (["--arg", f"defect={defect}"] if defect else [])
+            code, out, err = _cli(*args)
+            result = json.loads((root / f"{name}.json").read_text()) if code in (0, 1) else None
+            return case, (code, result, err, root / name)
+
+        return dict(pool.map(run, CASES))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+def test_replay_names_the_origin_across_frameworks(bisected, case):
+    code, result, err, _ = bisected[case]
+    assert result is not None, err[-2000:]
+    ref, cand, defect = case
+    assert result["a"]["framework"] == ref
+    if defect is None:
+        assert code == 0 and result["verdict"] == "clean", result["forward"]["segments"][:2]
+        assert result["forcing"]["forced_tensors"] > 100 and not result["forcing"]["not_forced"]
+        return
+    direction, module = ORIGINS[defect]
+    culprit = result[direction]["culprit"]
+    assert code == 1 and culprit is not None and culprit["module"] == module, result[direction]["segments"][:3]
+    assert {s["module"] for p in ("forward", "backward") for s in result[p]["segments"]} <= {module}
+    if direction == "backward":
+        assert result["forward"]["segments"] == []
+    if defect == "crash":
+        assert culprit["where"] == "raised"
+    elif result["align"][direction]["where"] != "forward":
+        assert result["confirms"][direction] is True
+
+
+@pytest.mark.parametrize("framework", ["paddle", "mindspore"])
+def test_crashed_run_leaves_a_readable_partial_trace(bisected, framework):
+    _, result, _, work = bisected[("torch", framework, "crash")]
+    failure = result["align"]["forward"]
+    assert failure["where"] == "raised" and failure["module"] == "model.layers.1.mlp.down_proj"
+    code, out, err = run_cli("show", work / "free.h5", "--records")
+    assert code == 0, err
+    assert "model.layers.0.mlp.down_proj" in out  # what ran before the error is in the trace
+    code, out, _ = run_cli("align", work.parent / "ref_torch.h5", work / "free.h5", "-q")
+    assert code == 1 and "model.layers.1.mlp.down_proj raised in run B" in out
+
+
+@pytest.mark.parametrize("framework", ["paddle", "mindspore"])
+def test_nan_is_traced_to_the_module_that_made_it(bisected, framework):
+    _, result, _, work = bisected[("torch", framework, "nan")]
+    assert result["forward"]["culprit"]["module"] == "model.layers.1.mlp.gate_proj"
+    code, out, _ = run_cli("show", work / "free.h5", "--nan")
+    assert code == 0 and "forward NaN/Inf origin: model.layers.1.mlp.gate_proj" in out
