@@ -81,11 +81,12 @@ def reference_identity(path) -> dict:
 
 
 def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backward=True, include=None,
-                  exclude=None, params=True) -> dict:
+                  exclude=None, params=True, layers=None) -> dict:
     """Build the candidate, run one step under the tracer, close the trace. A step that raises is a result
     (the trace records where), not an error of bisect."""
     model, step, meta = runner.build(target, kwargs)
     tracer = Tracer(model, path, mode="full", backward=backward, include=include, exclude=exclude, params=params,
+                    layers=layers,
                     overwrite=True, meta={"target": target, "bisect": True, **(meta or {})}, forcer=forcer)
     with _Guard(tracer) as guard:
         step()
@@ -144,15 +145,17 @@ def _reference(path):
 def _reference_options(reader) -> dict:
     options = reader.meta.get("options") or {}
     return {"backward": bool(options.get("backward", True)), "include": options.get("include"),
-            "exclude": options.get("exclude"), "params": bool(options.get("params", True))}
+            "exclude": options.get("exclude"), "params": bool(options.get("params", True)),
+            "layers": options.get("layers")}
 
 
 def replay(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: RenameRules, layouts: LayoutRules,
            policy: TolerancePolicy, auto_map: bool = True, include=None, exclude=None, progress=None) -> dict:
     """Free run + forced run of the candidate; the replay result (see ``evaluate_replay``)."""
     with _reference(reference) as ref:
+        _expect(progress, 2)
         options = _reference_options(ref)
-        traced = dict(backward=options["backward"], params=options["params"],
+        traced = dict(backward=options["backward"], params=options["params"], layers=options["layers"],
                       include=options["include"] if include is None else include,
                       exclude=options["exclude"] if exclude is None else exclude)
         free = _run_once(workdir, "free", f"free run of {target}", progress,
@@ -184,6 +187,7 @@ def _run_once(workdir: Workdir, name: str, label: str, progress, make) -> dict:
     _advance(progress, label, start=True)
     run = make()
     workdir.record(name, run)
+    _advance(progress, f"{label}: done" + (f" (the candidate raised {run['raised']})" if run.get("raised") else ""))
     return workdir.done(name)
 
 
@@ -195,6 +199,7 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
         if len(blocks) < 2:
             where = f"under {container!r}" if container else "(a module list with numbered children)"
             raise LayerdiffError(f"{reference}: found no blocks to search {where}; name them with --blocks PATH")
+        _expect(progress, 1 + math.ceil(math.log2(len(blocks))))
         watched = ["^$", f"^{re.escape(blocks[0])}$", f"^{re.escape(blocks[-1])}$"]
         runs: list[dict] = []
         while True:
@@ -226,6 +231,11 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
 
 def _splice_at(block: str):
     return lambda path, role: path == block and role == "input"
+
+
+def _expect(progress, runs: int):
+    if progress is not None and hasattr(progress, "expect"):
+        progress.expect(runs)
 
 
 def _advance(progress, message: str, start: bool = False):

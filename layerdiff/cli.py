@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-backward", action="store_true", help="forward only (no gradient taps)")
     t.add_argument("--include", action="append", metavar="REGEX", help="trace only module paths matching")
     t.add_argument("--exclude", action="append", metavar="REGEX", help="skip module paths matching")
+    t.add_argument("--layers", metavar="START:END", help="trace only blocks START..END-1 of the model's main module "
+                   "list (e.g. model.layers) and their submodules: the full-mode second pass of two-pass tracing")
     t.add_argument("--no-params", action="store_true", help="do not record parameter values and gradients")
     t.add_argument("--compression", choices=["gzip", "lzf"], help="compress tensor data (slower to write)")
     t.add_argument("--flush-interval", type=float, default=1.0, metavar="SECONDS",
@@ -202,6 +204,7 @@ def cmd_report(args) -> int:
 def cmd_trace(args) -> int:
     from pathlib import Path
 
+    from .core.session import parse_layers
     from . import runner
     from .tracing import trace
 
@@ -209,13 +212,18 @@ def cmd_trace(args) -> int:
         raise LayerdiffError("--steps must be at least 1")
     if args.flush_interval < 0:
         raise LayerdiffError("--flush-interval must be >= 0")
+    try:
+        layers = parse_layers(args.layers) if args.layers else None
+    except ValueError as exc:
+        raise LayerdiffError(str(exc)) from None
     out = Path(args.output)
     if out.exists() and not args.force:
         raise LayerdiffError(f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise LayerdiffError(f"directory {out.parent} does not exist")
-    model, step, meta = runner.build(args.target, runner.parse_args(args.arg))
-    meta = {"target": args.target, **(meta or {})}
+    target_args = runner.parse_args(args.arg)
+    model, step, meta = runner.build(args.target, target_args)
+    meta = {"target": args.target, "target_args": target_args, **(meta or {})}
     if args.weights:
         from .core.match import RenameRules
         from .weights import import_weights
@@ -225,7 +233,7 @@ def cmd_trace(args) -> int:
     elif args.map:
         raise LayerdiffError("--map goes with --weights")
     tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
-                   exclude=args.exclude, overwrite=args.force, compression=args.compression,
+                   exclude=args.exclude, layers=layers, overwrite=args.force, compression=args.compression,
                    flush_interval=args.flush_interval, params=not args.no_params, meta=meta)
     from .core.report import StepProgress
 

@@ -23,14 +23,15 @@ class Tracer:
 
     def __init__(self, model, path, *, mode: str = "full", backward: bool = True, include=None, exclude=None,
                  overwrite: bool = False, compression: str | None = None, flush_interval: float = 1.0,
-                 params: bool = True, meta: dict | None = None, forcer=None):
+                 params: bool = True, meta: dict | None = None, forcer=None, layers=None):
         if mode not in MODES:
             raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.model = model
         self.path = os.fspath(path)
         self.framework = detect_framework(model)
         self.options = dict(mode=mode, backward=backward, include=include, exclude=exclude,
-                            compression=compression, flush_interval=flush_interval, params=params)
+                            compression=compression, flush_interval=flush_interval, params=params,
+                            layers=list(layers) if layers is not None else None)
         self.overwrite = overwrite
         self.user_meta = meta or {}
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
@@ -42,13 +43,18 @@ class Tracer:
         meta = run_metadata()
         meta.update(adapter.metadata(self.model))
         meta.update(mode=self.options["mode"], options=self.options, user=self.user_meta)
+        try:  # resolves a --layers window against the model's modules, before any file is created
+            hooks = adapter.Hooks(self.model, None, backward=self.options["backward"], params=self.options["params"],
+                                  path_filter=PathFilter(self.options["include"], self.options["exclude"],
+                                                         self.options["layers"]), forcer=self.forcer)
+        except ValueError as exc:
+            raise LayerdiffError(str(exc)) from None
+        meta["window"] = hooks.path_filter.window_paths
         writer = TraceWriter(self.path, meta, overwrite=self.overwrite, compression=self.options["compression"],
                              flush_interval=self.options["flush_interval"])
-        self.session = TraceSession(writer, adapter.TENSORS, self.options["mode"])
-        self._hooks = adapter.Hooks(self.model, self.session, backward=self.options["backward"],
-                                    path_filter=PathFilter(self.options["include"], self.options["exclude"]),
-                                    params=self.options["params"], forcer=self.forcer)
-        self._hooks.install()
+        self.session = hooks.session = TraceSession(writer, adapter.TENSORS, self.options["mode"])
+        self._hooks = hooks
+        hooks.install()
         return self
 
     def flush(self):
@@ -63,7 +69,8 @@ class Tracer:
 def trace(model, path, **options) -> Tracer:
     """Trace every module call of ``model`` (forward and, by default, backward) into the HDF5 file ``path``.
 
-    Options: mode="full"|"stats", backward=True, include/exclude (module-path regexes), overwrite=False,
+    Options: mode="full"|"stats", backward=True, include/exclude (module-path regexes), layers=(start, end)
+    (only blocks start..end-1 of the model's main module list: the second pass of two-pass tracing), overwrite=False,
     compression=None|"gzip"|"lzf", flush_interval=1.0 (seconds; 0 flushes after every record),
     params=True (parameter values and gradients), meta={...} (your own notes, stored in the trace).
     """

@@ -134,3 +134,26 @@ def test_bad_bisect_input_is_one_line_and_creates_nothing(recipe_trace, tmp_path
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
         assert len(err.strip().splitlines()) == 1
         assert not (tmp_path / "w").exists()
+
+
+def _run(spliced, last_ok, first_ok=True, final_ok=None):
+    return {"spliced": spliced, "first_input_ok": first_ok, "last_output_ok": last_ok,
+            "final_ok": last_ok if final_ok is None else final_ok}
+
+
+def test_search_decisions_before_inside_and_after_the_blocks():
+    from layerdiff.core.replay import next_splice
+
+    assert next_splice(8, [_run(None, True)])[1]["where"] == "none"
+    assert next_splice(8, [_run(None, True, final_ok=False)])[1]["where"] == "after"  # the head, not a block
+    base = _run(None, False)
+    assert next_splice(8, [base]) == (4, None)
+    assert next_splice(8, [base, _run(4, True)]) == (2, None)
+    assert next_splice(8, [base, _run(4, True), _run(2, False)]) == (3, None)
+    assert next_splice(8, [base, _run(4, True), _run(2, False), _run(3, True)])[1] == \
+        {"where": "block", "block": 2, "description": "block 2 is the first whose output does not recover"}
+    # the candidate's input to the first block already differs: block 0 is tested on A's input first
+    early = _run(None, False, first_ok=False)
+    assert next_splice(8, [early]) == (0, None)
+    assert next_splice(8, [early, _run(0, True)])[1]["where"] == "before"
+    assert next_splice(8, [early, _run(0, False)]) == (4, None)

@@ -100,6 +100,8 @@ class ModuleHooks:
         self.forcer = forcer  # replay: supplies the reference's values and gradients (core/replay.py)
         self.backward = backward
         self.path_filter = path_filter
+        if hasattr(path_filter, "bind"):
+            path_filter.bind([path for path, _ in self.named_modules()])
         self.record_params = params
         self.handles = []
         self.active = False  # hooks that cannot be removed (Paddle's parameter reduce hooks) check this
@@ -183,11 +185,13 @@ class ModuleHooks:
     def install(self):
         self.active = True
         for path, module in self.named_modules():
-            if module is not self.model and not self.path_filter(path):
+            selected = self.path_filter(path)
+            if module is not self.model and not selected:
                 continue
+            # the model itself is always hooked (it delimits steps), with statistics only when not selected
             hparams = hyper_parameters(module, safe_extra_repr(module))
             self.handles.extend(self.register_forward_hooks(
-                module, self._pre_hook(path, type(module).__name__, hparams), self._post_hook(path)))
+                module, self._pre_hook(path, type(module).__name__, hparams, selected), self._post_hook(path)))
         if self.backward and self.record_params:
             self.register_param_grad_hooks()
 
@@ -198,7 +202,7 @@ class ModuleHooks:
         self.handles.clear()
 
     # -- hooks ---------------------------------------------------------------------------------------------
-    def _pre_hook(self, path, type_name, hparams):
+    def _pre_hook(self, path, type_name, hparams, full=True):
         session = self.session
         is_tensor = self.is_tensor
 
@@ -209,7 +213,7 @@ class ModuleHooks:
             tensors, scalars = [], {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, hparams, tensors, scalars)
+            frame = session.begin_call(path, type_name, hparams, tensors, scalars, full)
             self.open_frames.setdefault(id(module), []).append(frame)
             forced = self._forced(frame, "input", tensors, frame.inputs)
             swap = {}

@@ -22,6 +22,7 @@ from ..errors import LayerdiffError
 from .layouts import LayoutRules, is_transposed, type_family
 from .mapping import infer_mapping
 from .match import RenameRules, match_records, match_tensors
+from .session import find_blocks
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from .tensors import as_float
 from .tolerance import TolerancePolicy, judge
@@ -44,6 +45,7 @@ def trace_summary(reader) -> dict:
             "mode": meta.get("mode"), "records": len(reader.records), "complete": not reader.crashed,
             "status": end.get("status", "interrupted"), "failure": end.get("failure"),
             "warnings": end.get("warnings", []), "param_dtypes": meta.get("param_dtypes"),
+            "target": (meta.get("user") or {}).get("target"), "target_args": (meta.get("user") or {}).get("target_args"),
             "devices": meta.get("devices")}
 
 
@@ -448,6 +450,7 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
             "chain": [p or "<root>" for p in crash["module_stack"]], "hparam_diff": {}, "param_diffs": []}
     param_values = params["param"]
     report = dict(measurements)
+    report["next_pass"] = window_suggestion(measurements, forward["first_divergence"])
     report.update(
         tolerances=policy.describe(), forward=forward, backward=backward,
         params={"compared": len(param_values), "differ": [p["name"] for p in param_values if not p["passed"]],
@@ -457,6 +460,18 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
         verdict="divergent" if {"divergent", "failed"} & {forward["status"], backward["status"]}
         or any(not p["passed"] for p in param_values) else "aligned")
     return report
+
+
+def window_suggestion(measurements: dict, origin: dict | None) -> dict | None:
+    """Two-pass tracing: after a statistics-only align, the block to trace again in full mode and bisect."""
+    if origin is None or measurements.get("basis") not in ("stats", "mixed") or not origin.get("module"):
+        return None
+    container, blocks = find_blocks(r["path"] for r in measurements["records"] if r["kind"] == "call")
+    index = next((i for i, b in enumerate(blocks) if origin["module"] == b or origin["module"].startswith(b + ".")),
+                 None)
+    if index is None:
+        return None
+    return {"block": blocks[index], "layers": f"{index}:{index + 1}", "container": container}
 
 
 def growth_table(rows: list, origin: dict | None, max_rows: int = 16) -> list:

@@ -20,6 +20,7 @@ import numpy as np
 from .align import _build_tree, _describe, _param_rows, _rel_error, judge_rows
 from .layouts import LayoutRules
 from .match import RenameRules, match_tensors
+from .session import find_blocks as blocks_of
 from .tensors import FLOAT_DTYPES, as_float
 from .tolerance import TolerancePolicy
 
@@ -71,8 +72,8 @@ class Forcer:
         if self.where is not None and not self.where(path_a, role):
             return {}
         rec = self.calls.get(("forward", path_a, frame.call))
-        if rec is None:
-            return {}
+        if rec is None or not any("offset" in t for t in rec["tensors"]):
+            return {}  # not recorded, or statistics only (the model itself around a --layers window)
         pairs, _, _ = match_tensors([t for t in rec["tensors"] if t["role"] == role], entries_b)
         keys = self.keys.setdefault((path_a, frame.call, role), {})
         out = {}
@@ -228,6 +229,9 @@ def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, f
     """Judge the replay trace against the reference; list the segments with own error, in execution order,
     and set them against what ``align`` (the free run) blamed."""
     policy = policy or TolerancePolicy()
+    # records with statistics only were not forced (the model itself around a --layers window): its "own code"
+    # would include every module outside the window
+    measurements = {**measurements, "records": [r for r in measurements["records"] if not _stats_only(r)]}
     judge_rows(measurements, policy)
     rows = measurements["records"]
     grads = {}
@@ -260,6 +264,10 @@ def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, f
     return result
 
 
+def _stats_only(row: dict) -> bool:
+    return bool(row["tensors"]) and all(t["metrics"].get("basis") == "stats" for t in row["tensors"])
+
+
 def _confirms(culprit: dict | None, origin: dict | None) -> bool | None:
     """Whether replay's first own error is the module align named (None when align named nothing)."""
     if origin is None:
@@ -275,18 +283,8 @@ def _confirms(culprit: dict | None, origin: dict | None) -> bool | None:
 # Binary search over top-level blocks
 # ---------------------------------------------------------------------------------------------------------
 def find_blocks(records, container: str | None = None) -> tuple[str, list[str]]:
-    """The model's ordered top-level blocks (``model.layers.0`` ...): the children with integer names of the
-    container (a module path) that has the most of them, or of ``container`` if given."""
-    children: dict[str, set] = {}
-    for rec in records:
-        if rec["kind"] == "call" and rec["phase"] == "forward":
-            parent, _, leaf = rec["path"].rpartition(".")
-            if leaf.isdigit() and (container is None or parent == container):
-                children.setdefault(parent, set()).add(int(leaf))
-    if not children:
-        return container or "", []
-    parent = max(children, key=lambda p: (len(children[p]), -p.count(".")))
-    return parent, [f"{parent}.{i}" for i in sorted(children[parent])]
+    """The ordered top-level blocks among a trace's forward calls (see ``session.find_blocks``)."""
+    return blocks_of([r["path"] for r in records if r["kind"] == "call" and r["phase"] == "forward"], container)
 
 
 def observe(measurements: dict, policy: TolerancePolicy, blocks: list[str], spliced: int | None) -> dict:

@@ -201,6 +201,7 @@ def render(report: dict, console: Console | None = None):
             console.print(f"[red]first NaN/Inf in {side.upper()}:[/] {nf['module'] or '<root>'} ({nf['phase']}) "
                           f"{nf['tensor']}: {nf['nan']} NaN, {nf['inf']} Inf")
     _render_growth(report, console)
+    _render_next_pass(report, console)
     _render_footer(report, console)
 
 
@@ -235,6 +236,25 @@ def _render_growth(report: dict, console: Console):
         table.add_row(Text(indent + name, style=style), r["type"] or "", fmt_number(r["max_abs"]), fmt_number(r["rel"]),
                       _fmt_cos(r["cosine"]), mark)
     console.print(table)
+
+
+def _command(side: dict, placeholder: str) -> str:
+    target = side.get("target")
+    if not target:
+        return placeholder
+    return " ".join([target] + [f"--arg {k}={v}" for k, v in (side.get("target_args") or {}).items()])
+
+
+def _render_next_pass(report: dict, console: Console):
+    nxt = report.get("next_pass")
+    if not nxt:
+        return
+    console.print(f"[bold]next:[/] these were statistics; trace the suspect block {nxt['block']} in full mode and "
+                  "replay the candidate on it:", highlight=False)
+    console.print(f"  layerdiff trace {_command(report['a'], 'REFERENCE_TARGET')} --layers {nxt['layers']} "
+                  f"-o a_window.h5", highlight=False, soft_wrap=True)
+    console.print(f"  layerdiff bisect a_window.h5 {_command(report['b'], 'CANDIDATE_TARGET')}", highlight=False,
+                  soft_wrap=True)
 
 
 def _render_footer(report: dict, console: Console):
@@ -313,14 +333,29 @@ class StepProgress:
 
 
 class RunProgress:
-    """``layerdiff bisect``: which run is going on (each is a whole step of the candidate) and for how long.
-    A spinner on a terminal; one line per run otherwise, so logs show how far an interrupted bisect got."""
+    """``layerdiff bisect``: a bar over the runs (each is a whole step of the candidate) with the current one's
+    label on a terminal; one line per run otherwise, so logs show how far an interrupted bisect got."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.console = Console(stderr=True)
-        self._status = None
+        self._bar = None
+        self._task = None
         self.started = 0
+
+    def expect(self, runs: int):
+        """The number of runs this bisect will take (the binary search knows it once it has found the blocks)."""
+        if not self.enabled or not self.console.is_terminal:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if self._bar is None:
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.console, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("bisect", total=runs)
+        else:
+            self._bar.update(self._task, total=runs)
 
     def __call__(self, message: str, start: bool = False):
         if not self.enabled:
@@ -328,18 +363,14 @@ class RunProgress:
         if start:
             self.started += 1
             message = f"run {self.started}: {message}"
-        if self.console.is_terminal:
-            if self._status is None:
-                self._status = self.console.status(message)
-                self._status.start()
-            else:
-                self._status.update(message)
+        if self._bar is not None:
+            self._bar.update(self._task, description=message, advance=0 if start else 1)
         self.console.print(f"[dim]{message}[/]", highlight=False)
 
     def close(self):
-        if self._status is not None:
-            self._status.stop()
-            self._status = None
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
 
 def _segment_line(seg: dict) -> str:

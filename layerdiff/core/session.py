@@ -31,6 +31,7 @@ class CallFrame:
     inputs: list = field(default_factory=list)
     scalars: dict = field(default_factory=dict)
     tapped_inputs: bool = False
+    full: bool = True  # store tensor values (False: statistics only, e.g. the root outside a --layers window)
     versions: list = field(default_factory=list)  # adapter's in-place detection: (tensor, version)
 
 
@@ -41,14 +42,62 @@ class PendingBackward:
     grad_outputs: list
 
 
-class PathFilter:
-    """Include/exclude module paths by regular expression (``re.search``)."""
+def find_blocks(paths, container: str | None = None) -> tuple[str, list[str]]:
+    """The model's ordered top-level blocks (``model.layers.0`` ...): the integer-named children of the module
+    that has the most of them (the shallowest on a tie), or of ``container`` if given."""
+    children: dict[str, set] = {}
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        if leaf.isdigit() and (container is None or parent == container):
+            children.setdefault(parent, set()).add(int(leaf))
+    if not children:
+        return container or "", []
+    parent = max(children, key=lambda p: (len(children[p]), -p.count(".")))
+    return parent, [f"{parent}.{i}" for i in sorted(children[parent])]
 
-    def __init__(self, include=None, exclude=None):
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """``START:END`` (END exclusive, like a Python slice) or ``N`` (just block N)."""
+    start, colon, end = text.partition(":")
+    try:
+        first = int(start)
+        last = int(end) if colon else first + 1
+    except ValueError:
+        raise ValueError(f"--layers {text!r}: expected START:END or N (block indices)") from None
+    if first < 0 or last <= first:
+        raise ValueError(f"--layers {text!r}: expected 0 <= START < END")
+    return first, last
+
+
+class PathFilter:
+    """Include/exclude module paths by regular expression (``re.search``), and a window of blocks by index.
+
+    ``layers=(start, end)`` keeps blocks start..end-1 of the model's main module list (``model.layers``) and
+    their submodules: the second pass of two-pass tracing. It is resolved against the model's module paths by
+    ``bind`` (adapters call it when they install hooks).
+    """
+
+    def __init__(self, include=None, exclude=None, layers=None):
         self.include = [re.compile(p) for p in _as_list(include)]
         self.exclude = [re.compile(p) for p in _as_list(exclude)]
+        self.layers = tuple(layers) if layers is not None else None
+        self.window: list | None = None
+        self.window_paths: list[str] = []
+
+    def bind(self, paths):
+        if self.layers is None:
+            return
+        container, blocks = find_blocks(paths)
+        start, end = self.layers
+        if not blocks or end > len(blocks):
+            raise ValueError(f"--layers {start}:{end}: the model has {len(blocks)} numbered blocks"
+                             + (f" (in {container})" if blocks else ""))
+        self.window_paths = blocks[start:end]
+        self.window = [re.compile(rf"^{re.escape(b)}(\.|$)") for b in self.window_paths]
 
     def __call__(self, path: str) -> bool:
+        if self.window is not None and not any(p.search(path) for p in self.window):
+            return False
         if self.include and not any(p.search(path) for p in self.include):
             return False
         return not any(p.search(path) for p in self.exclude)
@@ -106,30 +155,31 @@ class TraceSession:
         self.seq += 1
         return self.seq
 
-    def _entries(self, role: str, tensors) -> list[dict]:
+    def _entries(self, role: str, tensors, full: bool = True) -> list[dict]:
         """Entries for (key, framework tensor) pairs; tensors that cannot be stored are skipped."""
         out = []
         for key, t in tensors:
-            entry = self._tensor_entry(t)
+            entry = self._tensor_entry(t, self.store_data and full)
             if entry is not None:
                 out.append({**entry, "role": role, "key": key})
         return out
 
-    def _tensor_entry(self, t) -> dict | None:
+    def _tensor_entry(self, t, store: bool) -> dict | None:
         identity = self.tensors.identify(t)
         if identity is not None:
             hit = self.seen.get(identity)
-            if hit is not None and any(self._same(ref(), identity) for ref in hit[0]):
+            if hit is not None and (not store or "offset" in hit[1]) and \
+                    any(self._same(ref(), identity) for ref in hit[0]):
                 hit[0].append(weakref.ref(t))
                 return hit[1]
         stats = self.tensors.fast_stats(t)
-        if stats is not None and not self.store_data and self.tensors.describe is not None:
+        if stats is not None and not store and self.tensors.describe is not None:
             entry = self.writer.summary_entry(*self.tensors.describe(t), stats)  # no copy to the host
         else:
             stored = self.tensors.to_stored(t)
             if stored is None:
                 return None
-            entry = self.writer.write_tensor(*stored, store_data=self.store_data, stats=stats)
+            entry = self.writer.write_tensor(*stored, store_data=store, stats=stats)
         if identity is not None:
             self.seen[identity] = ([weakref.ref(t)], entry)
         return entry
@@ -149,7 +199,8 @@ class TraceSession:
             self.warnings.append(message)
 
     # -- forward -------------------------------------------------------------------------------------------
-    def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict) -> CallFrame:
+    def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict,
+                   full: bool = True) -> CallFrame:
         """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them."""
         if not self.stack:
             self.step += 1
@@ -158,8 +209,8 @@ class TraceSession:
         self.call_counts[path] = call + 1
         parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
         frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
-                          scalars=scalars)
-        frame.inputs = self._entries("input", inputs)
+                          scalars=scalars, full=full)
+        frame.inputs = self._entries("input", inputs, full)
         self.stack.append(frame)
         return frame
 
@@ -179,7 +230,7 @@ class TraceSession:
     def end_call(self, frame: CallFrame, outputs, scalars: dict) -> list[dict]:
         """Writes the call's record; returns its output entries."""
         self._pop(frame)
-        entries = self._entries("output", outputs)
+        entries = self._entries("output", outputs, frame.full)
         self.writer.write_record(self._call_record(
             frame, "forward", frame.begin, frame.inputs + entries, hparams=frame.hparams,
             scalars={**frame.scalars, **scalars}))
@@ -201,7 +252,7 @@ class TraceSession:
     def grad_outputs(self, frame: CallFrame, grads):
         """Gradient w.r.t. the call's outputs: arrives first; waits for the input side when there is one."""
         begin = self._next_seq()
-        entries = self._entries("grad_output", grads)
+        entries = self._entries("grad_output", grads, frame.full)
         if not frame.tapped_inputs:
             self.writer.write_record(self._call_record(frame, "backward", begin, entries))
             return
@@ -212,7 +263,7 @@ class TraceSession:
 
     def grad_inputs(self, frame: CallFrame, grads):
         pending = self.pending_backward.pop(id(frame), None)
-        entries = self._entries("grad_input", grads)
+        entries = self._entries("grad_input", grads, frame.full)
         if pending is None:  # outputs carried no gradient (unused); inputs still did
             self.writer.write_record(self._call_record(frame, "backward", self._next_seq(), entries))
             return
