@@ -200,7 +200,8 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
             where = f"under {container!r}" if container else "(a module list with numbered children)"
             raise LayerdiffError(f"{reference}: found no blocks to search {where}; name them with --blocks PATH")
         _expect(progress, 1 + math.ceil(math.log2(len(blocks))))
-        watched = ["^$", f"^{re.escape(blocks[0])}$", f"^{re.escape(blocks[-1])}$"]
+        # the model itself is recorded too, with statistics only (its logits can outweigh every block)
+        watched = [f"^{re.escape(blocks[0])}$", f"^{re.escape(blocks[-1])}$"]
         runs: list[dict] = []
         while True:
             spliced, answer = next_splice(len(blocks), runs) if runs else (None, None)

@@ -84,6 +84,8 @@ def main():
         work = bisect.Workdir(tmp / "search", {"bench": 3})
         out["search_total_s"], result = timed(lambda: bisect.search(tmp / "ref.h5", "torch_llama", cand, work, **common))
         out["search_block"] = result["block"]
+        out["search_bytes"] = sum(f.stat().st_size for f in (tmp / "search").glob("*.h5"))
+        out["replay_bytes"] = sum(f.stat().st_size for f in (tmp / "replay").glob("*.h5"))
         out["search_runs"] = len(result["runs"])
 
         work = bisect.Workdir(tmp / "window", {"bench": 4})
@@ -103,6 +105,8 @@ def main():
         ("  culprit", out["replay_culprit"]),
         (f"binary search, total ({out['search_runs']} runs: baseline + splices)", f"{out['search_total_s']:.2f} s"),
         ("  block", str(out["search_block"])),
+        ("trace bytes written: replay's two runs / the search's runs",
+         f"{out['replay_bytes'] / 1e6:.1f} MB / {out['search_bytes'] / 1e6:.1f} MB"),
         ("replay inside a one-block window trace, total", f"{out['window_replay_total_s']:.2f} s"),
         ("  culprit", out["window_culprit"]),
         ("trace size: stats mode, whole model", f"{out['stats_bytes'] / 1e6:.2f} MB"),
