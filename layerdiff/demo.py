@@ -1,7 +1,8 @@
 """``layerdiff demo``: the whole job on an embedded example, offline.
 
 Builds the torch_llama recipe twice (the second with one injected defect), traces both, aligns them and
-shows the report, then says whether layerdiff named the module where the defect was injected.
+shows the report, says whether layerdiff named the module where the defect was injected, and confirms it with
+``layerdiff bisect`` (the candidate re-run on the reference's recorded values).
 """
 from __future__ import annotations
 
@@ -72,6 +73,30 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
     console.print(f"\ninjected at [bold]{expected}[/] ({direction}); layerdiff named "
                   f"[bold]{found['module'] if found else 'nothing'}[/]: "
                   + ("[bold green]correct[/]" if hit else "[bold red]WRONG[/]"))
+    confirmed = _confirm_by_replay(console, paths["reference"], framework, defect, workdir, direction, expected)
     console.print(f"[dim]try: layerdiff demo --defect backward [--framework paddle|mindspore]   "
                   f"(defects: {', '.join(torch_llama.DEFECTS)})[/]")
-    return 0 if hit else 1
+    return 0 if hit and confirmed else 1
+
+
+def _confirm_by_replay(console, reference, framework, defect, workdir, direction, expected) -> bool:
+    """``layerdiff bisect``: the candidate re-run on the reference's values; its own error must be the defect."""
+    import json
+    import subprocess
+    import sys
+
+    start = time.perf_counter()
+    out = workdir / "bisect.json"
+    proc = subprocess.run([sys.executable, "-m", "layerdiff", "bisect", str(reference), f"{framework}_llama",
+                           "--arg", f"defect={defect}", "--workdir", str(workdir / "bisect"), "--json", str(out),
+                           "-q"], capture_output=True, text=True)
+    if proc.returncode not in (0, 1) or not out.exists():
+        raise LayerdiffError(f"bisect failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    result = json.loads(out.read_text())
+    culprit = result[direction]["culprit"]
+    ok = culprit is not None and culprit["module"] == expected
+    console.print(f"\n[bold]layerdiff bisect[/] re-ran the candidate on the reference's recorded values "
+                  f"({time.perf_counter() - start:.1f} s): own {direction} error in [bold]"
+                  f"{culprit['description'] if culprit else 'nothing'}[/]: "
+                  + ("[bold green]confirmed[/], not inherited" if ok else "[bold red]NOT confirmed[/]"))
+    return ok

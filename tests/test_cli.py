@@ -110,6 +110,7 @@ def test_demo_runs_and_names_the_defect():
     code, out, err = run_cli("demo", "--defect", "owncode")
     assert code == 0, err
     assert "own code between v_proj and o_proj" in out and "correct" in out
+    assert "layerdiff bisect re-ran the candidate" in out and "confirmed, not inherited" in out
 
 
 def test_align_works_without_any_framework_importable(cli_traces):

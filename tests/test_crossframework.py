@@ -81,3 +81,4 @@ def test_demo_with_a_ported_candidate(framework, defect):
     code, out, err = run_cli("demo", "--framework", framework, "--defect", defect)
     assert code == 0, out + err
     assert f"traced candidate ({framework})" in out and ": correct" in out
+    assert "confirmed, not inherited" in out  # the bisect replay agrees
