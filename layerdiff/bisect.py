@@ -7,7 +7,8 @@ Two strategies, both resumable (a state file in the work directory records every
   boundary, forward and backward (core/replay.py): every difference left is a module's own error.
 * search (``--search``): for candidates too expensive to replay module by module. A baseline run, then runs that
   each splice the reference's activation into one block boundary (a decoder layer's input) and check whether the
-  candidate's last block recovers: log2(N) runs for N blocks. Only four modules are hooked per run.
+  candidate's last block recovers: log2(N) runs for N blocks. Only three blocks are
+  hooked per run (the first, the spliced one, the last), plus the model itself as statistics.
 
 Each run builds the candidate afresh (``runner.build``): a step that trains must not start from the weights a
 previous run updated.
@@ -41,7 +42,10 @@ class Workdir:
         self.path = Path(path)
         self.state_file = self.path / "state.json"
         self.command = command
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LayerdiffError(f"cannot use {self.path} as the work directory: {exc.strerror or exc}") from None
         self.state = {"version": STATE_VERSION, "command": command, "runs": {}}
         if self.state_file.exists() and not restart:
             try:

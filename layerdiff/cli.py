@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("target", help="the candidate, as for `layerdiff trace` (file.py:function, module:function, recipe)")
     b.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target function")
     b.add_argument("--search", action="store_true",
-                   help="binary search over the top-level blocks: log2(N) forward runs, four modules hooked each")
+                   help="binary search over the top-level blocks: a baseline and log2(N) forward runs, three "
+                   "blocks hooked in each")
     b.add_argument("--blocks", metavar="PATH", help="with --search: the module holding the blocks (default: the "
                    "module list with the most numbered children, e.g. model.layers)")
     b.add_argument("--include", action="append", metavar="REGEX", help="replay only module paths matching "
@@ -276,6 +277,8 @@ def cmd_bisect(args) -> int:
         raise LayerdiffError(str(exc)) from None
     if args.json and Path(args.json).exists() and not args.force:
         raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise LayerdiffError(f"directory {Path(args.json).parent} does not exist")
     if args.blocks and not args.search:
         raise LayerdiffError("--blocks goes with --search")
     bisect.check_reference(args.reference)

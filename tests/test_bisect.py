@@ -128,12 +128,17 @@ def test_bad_bisect_input_is_one_line_and_creates_nothing(recipe_trace, tmp_path
         ([recipe_trace(), "no_such_recipe"], "neither a file"),
         ([recipe_trace(), "torch_llama", "--blocks", "model.layers"], "--blocks goes with --search"),
         ([recipe_trace(), "torch_llama", "--arg", "bad"], "bad --arg"),
+        ([recipe_trace(), "torch_llama", "--json", tmp_path / "nodir" / "r.json"], "does not exist"),
     ]
     for args, message in cases:
         code, out, err = run_cli("bisect", *args, "--workdir", tmp_path / "w")
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
         assert len(err.strip().splitlines()) == 1
         assert not (tmp_path / "w").exists()
+    (tmp_path / "afile").write_text("keep me")
+    code, _, err = run_cli("bisect", recipe_trace(), "torch_llama", "--workdir", tmp_path / "afile")
+    assert code == 2 and "cannot use" in err and "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "keep me"
 
 
 def _run(spliced, last_ok, first_ok=True, final_ok=None):
