@@ -162,3 +162,56 @@ def test_search_decisions_before_inside_and_after_the_blocks():
     assert next_splice(8, [early]) == (0, None)
     assert next_splice(8, [early, _run(0, True)])[1]["where"] == "before"
     assert next_splice(8, [early, _run(0, False)]) == (4, None)
+
+
+SLOW_SECOND_BUILD = '''
+import os, time
+from pathlib import Path
+import torch
+
+def build():
+    counter = Path(os.environ["BUILD_COUNTER"])
+    n = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(n))
+    if n == 2:
+        time.sleep(120)  # the replay run's build: the test kills bisect here
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+
+    def step():
+        net.zero_grad()
+        net(x).pow(2).sum().backward()
+    return net, step
+'''
+
+
+def test_bisect_killed_mid_run_resumes_from_its_state_file(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target = tmp_path / "model.py"
+    target.write_text(SLOW_SECOND_BUILD)
+    env = {**os.environ, "BUILD_COUNTER": str(tmp_path / "ref_counter")}
+    cli = [sys.executable, "-m", "layerdiff"]
+    subprocess.run([*cli, "trace", f"{target}:build", "-o", tmp_path / "ref.h5", "-q"], env=env, check=True)
+    env["BUILD_COUNTER"] = str(tmp_path / "counter")
+    args = [*cli, "bisect", tmp_path / "ref.h5", f"{target}:build", "--workdir", tmp_path / "w", "-q"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    counter = tmp_path / "counter"
+    while not (counter.exists() and counter.read_text() == "2"):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # killed while building the candidate for the replay run
+    proc.communicate()
+    state = json.loads((tmp_path / "w" / "state.json").read_text())
+    assert list(state["runs"]) == ["free"]
+    done = subprocess.run(args[:-1], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr  # the same model: no own error
+    assert "free run of" in done.stderr and "reused" in done.stderr and "run 1: replay" in done.stderr
+    assert counter.read_text() == "3"  # one new build: the replay run only
+    assert "no own error" in done.stdout
