@@ -215,3 +215,60 @@ def test_bisect_killed_mid_run_resumes_from_its_state_file(tmp_path):
     assert "free run of" in done.stderr and "reused" in done.stderr and "run 1: replay" in done.stderr
     assert counter.read_text() == "3"  # one new build: the replay run only
     assert "no own error" in done.stdout
+
+
+RENAMED_PORT = '''
+import torch
+from torch import nn
+
+class Ref(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.head = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.fc2(self.act(self.fc1(x))))
+
+class Port(nn.Module):  # every module renamed; the bug is in the model's own code, between two of them
+    def __init__(self, bug):
+        super().__init__()
+        self.dense_in, self.gelu = nn.Linear(16, 32), nn.GELU()
+        self.dense_mid, self.out = nn.Linear(32, 32), nn.Linear(32, 4)
+        self.bug = bug
+
+    def forward(self, x):
+        h = self.dense_mid(self.gelu(self.dense_in(x)))
+        return self.out(h * 1.001 if self.bug else h)
+
+def _run(net):
+    torch.manual_seed(1)
+    x = torch.randn(8, 16)
+
+    def step():
+        net.zero_grad()
+        net(x).pow(2).sum().backward()
+    return net, step
+
+def ref():
+    torch.manual_seed(0)
+    return _run(Ref())
+
+def port(bug=False):
+    torch.manual_seed(0)
+    return _run(Port(bug))
+'''
+
+
+def test_replay_follows_the_inferred_mapping_of_renamed_modules(tmp_path):
+    (tmp_path / "m.py").write_text(RENAMED_PORT)
+    assert run_cli("trace", f"{tmp_path / 'm.py'}:ref", "-o", tmp_path / "a.h5", "-q")[0] == 0
+    for bug, code_expected in ((True, 1), (False, 0)):
+        code, _, err = run_cli("bisect", tmp_path / "a.h5", f"{tmp_path / 'm.py'}:port", "--arg", f"bug={bug}",
+                               "--workdir", tmp_path / f"w{bug}", "--json", tmp_path / f"{bug}.json", "-q")
+        assert code == code_expected, err
+        result = json.loads((tmp_path / f"{bug}.json").read_text())
+        assert result["forcing"]["forced_tensors"] >= 16  # every renamed module was fed A's values
+        if bug:
+            culprit = result["forward"]["culprit"]
+            assert culprit["description"] == "<root>, own code between fc2 and head"  # in A's names
+            assert result["confirms"]["forward"] is True
