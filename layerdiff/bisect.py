@@ -239,7 +239,7 @@ def _splice_at(block: str):
 
 
 def _expect(progress, runs: int):
-    if progress is not None and hasattr(progress, "expect"):
+    if progress is not None:
         progress.expect(runs)
 
 

@@ -143,6 +143,20 @@ def _policy(args):
     return TolerancePolicy(args.atol, args.rtol, args.cos, rules)
 
 
+def _comparison(args):
+    """(tolerance policy, B->A rename rules, layout rules) from the flags align and bisect share."""
+    from .core.layouts import LayoutRules
+    from .core.match import RenameRules
+
+    policy = _policy(args)
+    rename = RenameRules.parse(args.map)
+    try:
+        layouts = LayoutRules(args.layout)
+    except ValueError as exc:
+        raise LayerdiffError(str(exc)) from None
+    return policy, rename, layouts
+
+
 def _finish_report(report, args) -> int:
     from .core.report import make_console, render, write_json
 
@@ -161,20 +175,13 @@ def _finish_report(report, args) -> int:
 
 
 def cmd_align(args) -> int:
+    from pathlib import Path
+
     from .core.align import align
-    from .core.match import RenameRules
     from .core.report import ByteProgress
     from .core.traceformat import open_trace
 
-    from .core.layouts import LayoutRules
-
-    policy = _policy(args)
-    rename = RenameRules.parse(args.map)
-    try:
-        layouts = LayoutRules(args.layout)
-    except ValueError as exc:
-        raise LayerdiffError(str(exc)) from None
-    from pathlib import Path
+    policy, rename, layouts = _comparison(args)
 
     for out in (args.json, args.save_map):
         if out and Path(out).exists() and not args.force:
@@ -265,16 +272,9 @@ def cmd_bisect(args) -> int:
     from pathlib import Path
 
     from . import bisect, runner
-    from .core.layouts import LayoutRules
-    from .core.match import RenameRules
     from .core.report import RunProgress, make_console, render_replay, render_search, write_json
 
-    policy = _policy(args)
-    rename = RenameRules.parse(args.map)
-    try:
-        layouts = LayoutRules(args.layout)
-    except ValueError as exc:
-        raise LayerdiffError(str(exc)) from None
+    policy, rename, layouts = _comparison(args)
     if args.json and Path(args.json).exists() and not args.force:
         raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
     if args.json and not Path(args.json).resolve().parent.is_dir():
