@@ -56,9 +56,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .core import safetensors_io
+from .core import modules, paramplan, safetensors_io
 from .core.layouts import canonical_param_name
+from .core.mapping import match_modules
 from .core.match import RenameRules
+from .core.paramplan import ParamSource
+from .core.rules import RuleSet, ruleset
+from .core.tensors import summarize
 from .errors import LayerdiffError
 
 
@@ -607,7 +611,7 @@ def _l2(a_raw, b_raw, dtype_a, dtype_b) -> float:
 
 
 def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, exact: bool = False,
-         transpose=None) -> dict:
+         transpose=None, rules: RuleSet | None = None) -> dict:
     """Compare every parameter of ``b`` (renamed into ``a``'s names) with ``a``.
 
     Names match after ``canonical_param_name`` (gamma/beta/embedding_table aliases) and ``mapping`` (B -> A).
@@ -630,23 +634,29 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
         if key in b_to_a:
             raise LayerdiffError(f"{b.path}: {n!r} and {b_to_a[key]!r} both map to {key!r}")
         b_to_a[key] = n
-    common = [k for k in a_names if k in b_to_a]
-    missing = sorted(a_names[k] for k in a_names if k not in b_to_a)
-    extra = sorted(b_to_a[k] for k in b_to_a if k not in a_names)
     if a.whole and b.whole:
         a = _spill(a)
+    plans, groups, missing, extra = _plan_names(a, b, a_names, b_to_a, rename, rules or ruleset())
     from .core.tolerance import DEFAULTS, dtype_class, judge
     result, identical, different, max_all, shape_mismatch, near = {}, 0, 0, 0.0, [], 0
-    for key in common:
-        na, nb = a_names[key], b_to_a[key]
-        (dta, sha), (dtb, shb) = a.info(na), b.info(nb)
+    for source in plans:
+        na = source.name
+        dta, sha = a.info(na)
         entry = {"numel": int(np.prod(sha, dtype=np.int64)), "shape": list(sha), "dtype": dta}
+        xa, _ = a.load(na)
+        if source.op == "same":
+            nb = source.sources[0]
+            dtb, shb = b.info(nb)
+            xb, _ = b.load(nb)
+        else:  # one part of B's fused parameter, or B's parts merged
+            nb = source.describe()
+            dtb = b.info(source.sources[0])[0]
+            xb = paramplan.build(source, lambda n: b.load(n)[0], groups[na])
+            shb = list(xb.shape)
         if nb != na:
             entry["b_name"] = nb
         if dtb != dta:
             entry["dtype_b"] = dtb
-        xa, _ = a.load(na)
-        xb, _ = b.load(nb)
         forced = any(p.search(na) for p in patterns)
         if forced or (list(shb) != list(sha) and len(sha) == 2 and list(shb) == list(sha)[::-1]):
             if len(shb) != 2:
@@ -679,12 +689,38 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
         del xa, xb
     result["__summary__"] = {
         "a": str(a.path), "b": str(b.path), "format_a": a.format, "format_b": b.format,
-        "compared": len(common), "identical": identical, "different": different,
+        "compared": len(plans), "identical": identical, "different": different,
         "different_within_tolerance": near,
         "shape_mismatch": shape_mismatch, "missing_in_b": missing, "extra_in_b": extra,
         "max_abs_diff": max_all, "exact": exact, "notes": a.notes + b.notes,
     }
     return result
+
+
+def _plan_names(a: Checkpoint, b: Checkpoint, a_names: dict, b_to_a: dict, rename, rules):
+    """Where each of A's parameters is in B: by name (after ``--map`` and aliases) when the names agree, else
+    through the matched modules (renamed, fused: HF q_proj is rows of Megatron's linear_qkv). Returns (sources
+    in A's order, {A name: group count}, A names missing in B, B names left over)."""
+    common = [k for k in a_names if k in b_to_a]
+    if len(common) == len(a_names) or len(common) == len(b_to_a):
+        plans = [ParamSource(a_names[k], "same", (b_to_a[k],)) for k in common]
+        return (plans, {}, sorted(a_names[k] for k in a_names if k not in b_to_a),
+                sorted(b_to_a[k] for k in b_to_a if k not in a_names))
+
+    def infos(ck):
+        return modules.from_params([(n, ck.info(n)[1], _stats(ck, n)) for n in ck.names()])
+
+    mapping = match_modules(infos(a), infos(b), rules, rename)
+    plans, missing, used = paramplan.plan(mapping, {n: tuple(a.info(n)[1]) for n in a.names()},
+                                          {n: tuple(b.info(n)[1]) for n in b.names()}, "a")
+    groups = {p.name: paramplan.group_count(p, rules, [], load=lambda n: b.load(n)[0],
+                                            own_load=lambda n: a.load(n)[0]) for p in plans if p.op != "same"}
+    return plans, groups, sorted(missing), sorted(n for n in b.names() if n not in used)
+
+
+def _stats(ck: Checkpoint, name: str) -> dict:
+    values, dtype = ck.load(name)
+    return summarize(values, dtype)
 
 
 def _cleanup(ck):
@@ -743,7 +779,8 @@ def run(args) -> int:
             a = _spill(a)
         b = open_checkpoint(args.b)
         try:
-            report = diff(a, b, mapping=rename, exact=exact, transpose=getattr(args, "transpose", None))
+            report = diff(a, b, mapping=rename, exact=exact, transpose=getattr(args, "transpose", None),
+                          rules=ruleset(getattr(args, "rules", None)))
         finally:
             _cleanup(b)
     finally:
@@ -777,7 +814,8 @@ def _render(report: dict, console, exact: bool, shown: int = 20):
                 table.add_row(name, f"{e['shape']} vs {e['shape_b']}", e["dtype"], "", "", "", "[red]shape differs[/]")
                 continue
             dtype = e["dtype"] + (f"/{e['dtype_b']}" if "dtype_b" in e else "")
-            notes = (["B transposed"] if e.get("transposed") else []) + \
+            notes = ([f"B: {e['b_name']}"] if e.get("b_name") else []) + \
+                (["B transposed"] if e.get("transposed") else []) + \
                 (["within default tolerance"] if e.get("within_tolerance") else [])
             cos = e["cos"]
             cos_text = f"1-{1 - cos:.2g}" if 0.999999 < cos < 1 else f"{cos:.6f}"
@@ -814,6 +852,8 @@ def register(sub, parser_class=None):
                    help="compare B's tensor transposed for A names matching REGEX (e.g. Paddle Linear weights)")
     p.add_argument("--sha256", nargs="?", action="append", const="", metavar="PATH=HEX",
                    help="print both SHA-256 digests; with PATH=HEX, verify that file (repeatable)")
+    p.add_argument("--rules", action="append", metavar="FILE.toml",
+                   help="extra naming/fusion rules (see README, 'Rule files'); repeatable")
     p.add_argument("--force", action="store_true", help="overwrite the -o file")
     p.add_argument("-q", "--quiet", action="store_true", help="no table; exit status only")
     p.set_defaults(func=run)

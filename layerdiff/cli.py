@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load these weights (from `layerdiff weights export`, any framework) before tracing")
     t.add_argument("--map", action="append", metavar="MODEL_REGEX=FILE_NAME",
                    help="rename the model's parameter names to the file's (with --weights)")
+    t.add_argument("--rules", action="append", metavar="FILE.toml",
+                   help="extra naming/fusion rules for --weights (README: 'Rule files')")
 
     a = sub.add_parser("align", help="compare two traces and name where they start to differ")
     a.add_argument("a", help="reference trace")
@@ -71,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the module mapping inferred for renamed modules as an editable --map file")
     a.add_argument("--no-auto-map", action="store_true",
                    help="do not infer renamed modules from structure (names must match, or --map them)")
+    a.add_argument("--rules", action="append", metavar="FILE.toml",
+                   help="extra naming/fusion/transform rules on top of the built-in ones (README: 'Rule files')")
     _add_tolerance_flags(a)
 
     r = sub.add_parser("report", help="re-judge a saved JSON report under other tolerances (no traces needed)")
@@ -115,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--map", action="append", metavar="B_REGEX=A_NAME", help="rename the candidate's modules, as for align")
     b.add_argument("--layout", action="append", metavar="REGEX=TRANSFORM", help="as for align (inverted to feed B)")
     b.add_argument("--no-auto-map", action="store_true", help="do not infer renamed modules")
+    b.add_argument("--rules", action="append", metavar="FILE.toml", help="extra rules, as for align")
     b.add_argument("--workdir", metavar="DIR", help="traces and state.json of the runs (default: REFERENCE.bisect); "
                    "rerunning the same command resumes from it")
     b.add_argument("--restart", action="store_true", help="ignore the work directory's finished runs")
@@ -144,9 +149,10 @@ def _policy(args):
 
 
 def _comparison(args):
-    """(tolerance policy, B->A rename rules, layout rules) from the flags align and bisect share."""
+    """(tolerance policy, B->A rename rules, layout rules, rule set) from the flags align and bisect share."""
     from .core.layouts import LayoutRules
     from .core.match import RenameRules
+    from .core.rules import ruleset
 
     policy = _policy(args)
     rename = RenameRules.parse(args.map)
@@ -154,7 +160,7 @@ def _comparison(args):
         layouts = LayoutRules(args.layout)
     except ValueError as exc:
         raise LayerdiffError(str(exc)) from None
-    return policy, rename, layouts
+    return policy, rename, layouts, ruleset(args.rules)
 
 
 def _finish_report(report, args) -> int:
@@ -181,7 +187,7 @@ def cmd_align(args) -> int:
     from .core.report import ByteProgress
     from .core.traceformat import open_trace
 
-    policy, rename, layouts = _comparison(args)
+    policy, rename, layouts, rules = _comparison(args)
 
     for out in (args.json, args.save_map):
         if out and Path(out).exists() and not args.force:
@@ -190,14 +196,13 @@ def cmd_align(args) -> int:
         progress = ByteProgress("aligning", enabled=None if not args.quiet else False)
         try:
             report = align(ra, rb, rename=rename, policy=policy, progress=progress, auto_map=not args.no_auto_map,
-                           layouts=layouts)
+                           layouts=layouts, rules=rules)
         finally:
             progress.close()
     if args.save_map:
-        from .core.mapping import MappingEntry, rules_text
+        from .core.mapping import rules_text
 
-        entries = [MappingEntry(m["b"], m["a"], m["confidence"], m["reason"]) for m in report.get("mapping", [])]
-        Path(args.save_map).write_text(rules_text(entries))
+        Path(args.save_map).write_text(rules_text(report.get("mapping", [])))
     return _finish_report(report, args)
 
 
@@ -236,7 +241,9 @@ def cmd_trace(args) -> int:
         from .core.match import RenameRules
         from .weights import import_weights
 
-        count = import_weights(model, args.weights, RenameRules.parse(args.map))
+        from .core.rules import ruleset
+
+        count = import_weights(model, args.weights, RenameRules.parse(args.map), rules=ruleset(args.rules))
         meta["weights"] = {"file": args.weights, "parameters": count}
     elif args.map:
         raise LayerdiffError("--map goes with --weights")
@@ -274,7 +281,7 @@ def cmd_bisect(args) -> int:
     from . import bisect, runner
     from .core.report import RunProgress, make_console, render_replay, render_search, write_json
 
-    policy, rename, layouts = _comparison(args)
+    policy, rename, layouts, rules = _comparison(args)
     if args.json and Path(args.json).exists() and not args.force:
         raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
     if args.json and not Path(args.json).resolve().parent.is_dir():

@@ -9,9 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from .adapters import detect_framework, load_adapter
-from .core import safetensors_io
+from .core import modules, paramplan, safetensors_io
 from .core.layouts import canonical_param_name, is_transposed
+from .core.mapping import match_modules
 from .core.match import RenameRules
+from .core.paramplan import ParamSource
+from .core.rules import RuleSet, ruleset
+from .core.tensors import summarize
 from .errors import LayerdiffError
 
 
@@ -30,41 +34,74 @@ def neutral_state(model) -> dict:
     return out
 
 
-def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict: bool = True) -> int:
+def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict: bool = True,
+                 rules: RuleSet | None = None) -> int:
     """Assign ``state`` (from ``neutral_state`` or a file) to ``model``'s parameters; return how many.
 
-    ``mapping`` renames the model's parameter names to the state's (same rules as ``align --map``).
-    Nothing is assigned unless every parameter matches.
+    Names that match (after ``mapping``, the same rules as ``align --map``) are taken as they are; when they
+    do not all match, the model's modules are matched with the state's (names, block indices, shapes; fused
+    modules from the rule set: Megatron's ``linear_qkv`` is built from q/k/v and split back). Nothing is
+    assigned unless every parameter is accounted for.
     """
     adapter = load_adapter(detect_framework(model))
     rename = mapping or RenameRules()
-    plan, problems, used = [], [], set()
-    for name, tensor, module_type in adapter.parameters(model):
-        key = canonical_param_name(rename(name))
-        if key not in state:
-            problems.append(f"{name}: no {key} in the source")
+    params = adapter.parameters(model)
+    if all(canonical_param_name(rename(name)) in state for name, _, _ in params):
+        plan = {name: ParamSource(name, "same", (canonical_param_name(rename(name)),)) for name, _, _ in params}
+        groups = {}
+    else:
+        plan, groups = _inferred_plan(adapter, model, state, params, rename, rules or ruleset())
+    problems, assignments, used = [], [], set()
+    for name, tensor, module_type in params:
+        source = plan.get(name)
+        if source is None:
+            problems.append(f"{name}: no {canonical_param_name(rename(name))} in the source")
             continue
-        array, dtype = state[key]
+        used.update(source.sources)
+        array = paramplan.build(source, lambda n: state[n][0], groups.get(name, 1))
+        dtype = state[source.sources[0]][1]
         if is_transposed(adapter.FRAMEWORK, module_type, name):
             array = array.T
         shape = list(tensor.shape)
-        used.add(key)  # claimed, even if its shape is wrong: reported once, below
         if list(array.shape) != shape:
-            problems.append(f"{name}: source {key} has shape {list(array.shape)}, the model wants {shape}")
+            problems.append(f"{name}: source {source.describe()} has shape {list(array.shape)}, the model wants {shape}")
             continue
-        plan.append((tensor, np.ascontiguousarray(array), dtype))
+        assignments.append((tensor, np.ascontiguousarray(array), dtype))
     if strict:
         problems += [f"{key}: in the source, but no parameter takes it" for key in sorted(set(state) - used)]
     if problems:
         raise LayerdiffError(f"cannot transfer weights ({len(problems)} problems): " + "; ".join(problems))
-    for tensor, array, dtype in plan:
+    for tensor, array, dtype in assignments:
         adapter.assign(tensor, array, dtype)
-    return len(plan)
+    return len(assignments)
 
 
-def transfer_weights(src_model, dst_model, mapping: RenameRules | None = None, strict: bool = True) -> int:
-    """Copy every parameter of ``src_model`` into ``dst_model`` (any frameworks); return how many."""
-    return load_neutral(dst_model, neutral_state(src_model), mapping, strict)
+def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rules: RuleSet):
+    """{model parameter: its source} from matching the model's modules with the state's, and group counts."""
+    source_infos = modules.from_params([(n, a.shape, summarize(a, d)) for n, (a, d) in state.items()])
+    entries = adapter.module_entries(model)
+    mapping = match_modules(source_infos, modules.from_model(entries), rules, rename)
+    own = {}
+    for name, tensor, module_type in params:
+        shape = tuple(tensor.shape)
+        own[name] = shape[::-1] if is_transposed(adapter.FRAMEWORK, module_type, name) else shape
+    sources, _, _ = paramplan.plan(mapping, own, {n: a.shape for n, (a, _) in state.items()}, "b")
+    hparams = {path: h for path, _, h, _ in entries}
+    groups = {}
+    for src in sources:
+        if src.op != "same":
+            fused_parent = src.fused_module.rpartition(".")[0]
+            parts_parent = src.name.rpartition(".")[0].rpartition(".")[0]
+            groups[src.name] = paramplan.group_count(src, rules, [hparams.get(src.fused_module), hparams.get(
+                fused_parent), hparams.get(parts_parent)], load=lambda n: state[n][0])
+    return {s.name: s for s in sources}, groups
+
+
+def transfer_weights(src_model, dst_model, mapping: RenameRules | None = None, strict: bool = True,
+                     rules: RuleSet | None = None) -> int:
+    """Copy every parameter of ``src_model`` into ``dst_model`` (any frameworks, any naming the rule set
+    relates); return how many."""
+    return load_neutral(dst_model, neutral_state(src_model), mapping, strict, rules)
 
 
 def export_weights(model, path, *, overwrite: bool = False):
@@ -73,6 +110,7 @@ def export_weights(model, path, *, overwrite: bool = False):
                                                      "source_framework": framework}, overwrite=overwrite)
 
 
-def import_weights(model, path, mapping: RenameRules | None = None, strict: bool = True) -> int:
+def import_weights(model, path, mapping: RenameRules | None = None, strict: bool = True,
+                   rules: RuleSet | None = None) -> int:
     state, _ = safetensors_io.load(path)
-    return load_neutral(model, state, mapping, strict)
+    return load_neutral(model, state, mapping, strict, rules)

@@ -1,6 +1,7 @@
 """Helpers every adapter shares; framework-free."""
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 
@@ -34,6 +35,17 @@ def typed_parameters(named_modules, named_parameters) -> list:
     """(name, parameter, type name of its module) for weight transfer, from a framework's two iterators."""
     types = {name: type(module).__name__ for name, module in named_modules}
     return [(name, p, types.get(name.rpartition(".")[0])) for name, p in named_parameters]
+
+
+def module_entries(named_modules, named_parameters) -> list:
+    """(path, type name, hyper-parameters, [(parameter leaf, shape)]) per module in the model's own order: what
+    weight transfer needs to match a model's modules with another's (``core.modules.from_model``)."""
+    params: dict = {}
+    for name, p in named_parameters:
+        module, _, leaf = name.rpartition(".")
+        params.setdefault(module, []).append((leaf, tuple(p.shape)))
+    return [(path, type(m).__name__, hyper_parameters(m, safe_extra_repr(m)), params.get(path, []))
+            for path, m in named_modules]
 
 
 def hyper_parameters(module, extra_repr: str = "") -> dict:
@@ -135,6 +147,18 @@ class ModuleHooks:
         also when forward raises, with ``output=None``); return the removable handles."""
         raise NotImplementedError
 
+    def forward_function(self, module):
+        """The function a call of ``module`` runs (its parameter names name the positional arguments)."""
+        return getattr(module, "forward", None)
+
+    def positional_names(self, module) -> tuple:
+        try:
+            signature = inspect.signature(self.forward_function(module))
+        except (TypeError, ValueError):  # builtins and C functions may have no signature
+            return ()
+        return tuple(p.name for p in signature.parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
     def register_param_grad_hooks(self):
         """Hooks that report each parameter's gradient (see ``record_param_grad``)."""
         raise NotImplementedError
@@ -190,8 +214,8 @@ class ModuleHooks:
                 continue
             # the model itself is always hooked (it delimits steps), with statistics only when not selected
             hparams = hyper_parameters(module, safe_extra_repr(module))
-            self.handles.extend(self.register_forward_hooks(
-                module, self._pre_hook(path, type(module).__name__, hparams, selected), self._post_hook(path)))
+            pre_hook = self._pre_hook(path, type(module).__name__, hparams, selected, self.positional_names(module))
+            self.handles.extend(self.register_forward_hooks(module, pre_hook, self._post_hook(path)))
         if self.backward and self.record_params:
             self.register_param_grad_hooks()
 
@@ -202,7 +226,7 @@ class ModuleHooks:
         self.handles.clear()
 
     # -- hooks ---------------------------------------------------------------------------------------------
-    def _pre_hook(self, path, type_name, hparams, full=True):
+    def _pre_hook(self, path, type_name, hparams, full=True, arg_names=()):
         session = self.session
         is_tensor = self.is_tensor
 
@@ -213,7 +237,7 @@ class ModuleHooks:
             tensors, scalars = [], {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, hparams, tensors, scalars, full)
+            frame = session.begin_call(path, type_name, hparams, tensors, scalars, full, arg_names)
             self.open_frames.setdefault(id(module), []).append(frame)
             forced = self._forced(frame, "input", tensors, frame.inputs)
             swap = {}

@@ -21,7 +21,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from ..core.session import TensorAdapter
-from .common import ModuleHooks, typed_parameters
+from .common import ModuleHooks, module_entries as _module_entries, typed_parameters
 
 FRAMEWORK = "mindspore"
 
@@ -62,6 +62,11 @@ TENSORS = TensorAdapter(to_stored, identify, None)
 def parameters(model):
     """(name, parameter, type name of its cell) for weight transfer."""
     return typed_parameters(model.cells_and_names(), model.parameters_and_names())
+
+
+def module_entries(model) -> list:
+    """Every module with its type, hyper-parameters and own parameters' shapes (weight transfer's matching)."""
+    return _module_entries(model.cells_and_names(), model.parameters_and_names())
 
 
 def assign(param, array: np.ndarray, dtype: str):
@@ -163,6 +168,9 @@ class Hooks(ModuleHooks):
 
     def named_modules(self):
         return self.model.cells_and_names()
+
+    def forward_function(self, module):
+        return getattr(module, "construct", None)
 
     def named_parameters(self):
         return self.model.parameters_and_names()

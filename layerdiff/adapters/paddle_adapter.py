@@ -32,7 +32,7 @@ import numpy as np
 import paddle
 
 from ..core.session import TensorAdapter
-from .common import ModuleHooks, typed_parameters
+from .common import ModuleHooks, module_entries as _module_entries, typed_parameters
 
 FRAMEWORK = "paddle"
 
@@ -128,6 +128,11 @@ TENSORS = TensorAdapter(to_stored, identify, None, describe)
 def parameters(model):
     """(name, parameter, type name of its layer) for weight transfer."""
     return typed_parameters(model.named_sublayers(include_self=True), model.named_parameters())
+
+
+def module_entries(model) -> list:
+    """Every module with its type, hyper-parameters and own parameters' shapes (weight transfer's matching)."""
+    return _module_entries(model.named_sublayers(include_self=True), model.named_parameters())
 
 
 def assign(param, array: np.ndarray, dtype: str):

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import LayerdiffError
-from .layouts import LayoutRules, is_transposed, type_family
-from .mapping import infer_mapping
-from .match import RenameRules, match_records, match_tensors
-from .session import find_blocks
+from . import modules
+from .layouts import LayoutRules, relate_shapes, type_family
+from .mapping import ModuleMapping, match_modules
+from .match import RenameRules, TensorPair, TraceSide, match_records
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
+from .rules import RuleSet, ruleset
+from .session import find_blocks
 from .tensors import as_float
 from .tolerance import TolerancePolicy, judge
 
@@ -53,50 +55,8 @@ def _short(rec: dict) -> dict:
     return {"kind": rec["kind"], "phase": rec.get("phase"), "path": rec["path"], "call": rec["call"]}
 
 
-def _region(t: dict):
-    return t.get("offset"), t.get("nbytes"), t["dtype"]
-
-
-@dataclass
-class _Side:
-    """One trace as the comparison needs it: its reader, framework, and the type of each module path."""
-
-    reader: object
-    framework: str | None
-    types: dict
-
-    @classmethod
-    def of(cls, reader):
-        types = {r["module"]: r["module_type"] for r in reader.records if r.get("module_type")}  # never called
-        types.update({r["path"]: r.get("type") for r in reader.records if r["kind"] == "call"})
-        return cls(reader, reader.meta.get("framework"), types)
-
-    def transposed(self, rec: dict, t: dict) -> bool:
-        """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
-        return (rec["kind"] in ("param", "param_grad") and len(t["shape"]) == 2
-                and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"]))
-
-
-def _compare_entries(a: _Side, b: _Side, ra: dict, rb: dict, ta: dict, tb: dict, memo: dict,
-                     layouts: LayoutRules) -> dict:
-    """Metrics for one tensor pair; a pair of byte regions already compared (records share deduplicated
-    tensors, e.g. a layer's output and the next layer's input) is not read again."""
-    rule = layouts.find(ra["path"])
-    if rule is not None:
-        return _compare_declared(a.reader, b.reader, ta, tb, rule)
-    flip_a, flip_b = a.transposed(ra, ta), b.transposed(rb, tb)
-    key = (_region(ta), _region(tb), tuple(ta["shape"]), tuple(tb["shape"]), flip_a, flip_b)
-    if "offset" in ta and "offset" in tb and key in memo:
-        metrics = dict(memo[key])
-    else:
-        metrics = memo[key] = _compute_metrics(a.reader, b.reader, ta, tb, flip_a != flip_b)
-        metrics = dict(metrics)
-    if flip_a != flip_b:
-        metrics["note"] = f"compared transposed ({'B' if flip_b else 'A'} stores this weight as [in, out])"
-    elif ta["shape"] != tb["shape"] and not metrics.get("mismatch"):
-        how = "flattened" if math.prod(ta["shape"]) == math.prod(tb["shape"]) else "after broadcasting"
-        metrics["note"] = f"shapes differ ({ta['shape']} vs {tb['shape']}); compared {how}"
-    return metrics
+def _region(entry: dict):
+    return entry.get("offset"), entry.get("nbytes"), entry["dtype"]
 
 
 def _compare_declared(reader_a, reader_b, ta: dict, tb: dict, rule) -> dict:
@@ -127,104 +87,154 @@ def _compare_values(a: np.ndarray, b: np.ndarray) -> dict:
     return compare_arrays(np.ascontiguousarray(a), np.ascontiguousarray(b), str(a.dtype), str(b.dtype))
 
 
-def _compute_metrics(reader_a, reader_b, ta: dict, tb: dict, transpose: bool) -> dict:
-    shape_a, shape_b = ta["shape"], tb["shape"]
-    na, nb = math.prod(shape_a), math.prod(shape_b)
-    data = "offset" in ta and "offset" in tb
-    if transpose:
-        if list(shape_a) != list(shape_b)[::-1]:
-            return {"basis": "shape", "mismatch": f"shape {shape_a} vs transposed {shape_b}", "numel": na}
-        if not data:
-            return compare_stats(ta["stats"], tb["stats"])  # statistics do not change under transposition
-        return _compare_values(_values(reader_a, ta), _values(reader_b, tb).T)
-    if na == nb:
-        if data:
-            return compare_data(reader_a.tensor_chunks(ta, CHUNK_ELEMS), reader_b.tensor_chunks(tb, CHUNK_ELEMS),
-                                ta["dtype"], tb["dtype"])
-        return compare_stats(ta["stats"], tb["stats"])
-    try:
-        shape = np.broadcast_shapes(tuple(shape_a), tuple(shape_b))
-    except ValueError:
-        return {"basis": "shape", "mismatch": f"shape {shape_a} vs {shape_b}", "numel": na}
-    if not data:
-        return compare_stats(ta["stats"], tb["stats"])  # min/max/mean/RMS survive broadcasting
-    return _compare_values(np.broadcast_to(_values(reader_a, ta), shape), np.broadcast_to(_values(reader_b, tb), shape))
+def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: LayoutRules, swap: bool) -> dict | None:
+    """Metrics for one tensor pair (None: it cannot be compared from what the traces hold). A pair of stored
+    regions already compared (records share deduplicated tensors) is not read again."""
+    reader_a, reader_b = readers
+    a, b = tp.a, tp.b
+    rule = layouts.find(path_a)
+    if rule is not None and a.plain and b.plain:
+        return _compare_declared(reader_a, reader_b, a.entry, b.entry, rule)
+    relation = relate_shapes(a.shape, b.shape, swap and tp.activation)
+    if not relation.ok:
+        return {"basis": "shape", "mismatch": f"shape {list(a.shape)} vs {list(b.shape)}",
+                "numel": math.prod(a.shape)}
+    if a.has_data and b.has_data:
+        if a.plain and b.plain and relation.kind in ("same", "reshape"):
+            key = (_region(a.entry), _region(b.entry), a.shape, b.shape)
+            if key not in memo:
+                memo[key] = compare_data(reader_a.tensor_chunks(a.entry, CHUNK_ELEMS),
+                                         reader_b.tensor_chunks(b.entry, CHUNK_ELEMS), a.dtype, b.dtype)
+            metrics = dict(memo[key])
+        else:
+            va, vb = relation.views(a.values(reader_a), b.values(reader_b))
+            metrics = _compare_values(va, vb)
+    else:
+        sa, sb = a.stats(), b.stats()
+        if sa is None or sb is None:
+            return None
+        metrics = compare_stats(sa, sb)  # min/max/mean/RMS survive reshapes, permutations and broadcasting
+    notes = list(tp.notes)
+    if a.transposed != b.transposed:
+        notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
+    for side, operand in (("A", a), ("B", b)):
+        text = operand.describe()
+        if text and not operand.transposed:
+            notes.append(f"{side}: {text}")
+    if relation.note():
+        notes.append(relation.note())
+    if notes:
+        metrics["note"] = "; ".join(dict.fromkeys(notes))
+    return metrics
 
 
-def _tensor_row(ta: dict, tb: dict, metrics: dict) -> dict:
-    if ta["key"] != tb["key"]:
-        metrics["matched_by"] = f"position and shape (B's key: {tb['key']})"
-    return {"role": ta["role"], "key": ta["key"], "dtype_a": ta["dtype"], "dtype_b": tb["dtype"],
-            "shape_a": ta["shape"], "shape_b": tb["shape"], "metrics": metrics,
-            "nonfinite_a": ta["stats"].get("nan", 0) + ta["stats"].get("inf", 0),
-            "nonfinite_b": tb["stats"].get("nan", 0) + tb["stats"].get("inf", 0)}
+def _tensor_row(tp: TensorPair, metrics: dict) -> dict:
+    def nonfinite(op):
+        return sum(e["stats"].get("nan", 0) + e["stats"].get("inf", 0) for e in op.entries if e.get("stats"))
+
+    row = {"role": tp.role, "key": tp.key, "dtype_a": tp.a.dtype, "dtype_b": tp.b.dtype,
+           "shape_a": list(tp.a.shape), "shape_b": list(tp.b.shape), "metrics": metrics,
+           "nonfinite_a": nonfinite(tp.a), "nonfinite_b": nonfinite(tp.b)}
+    if tp.key_b != tp.key:
+        row["key_b"] = tp.key_b
+        if tp.a.plain and tp.b.plain and not tp.notes:
+            metrics["matched_by"] = f"position and shape (B's key: {tp.key_b})"
+    return row
 
 
 def _data_bytes(rec: dict) -> int:
     return sum(t.get("nbytes", 0) for t in rec.get("tensors", ()))
 
 
+def _ancestors(records) -> dict:
+    """(path, call) -> A's chain of enclosing calls, innermost first: a row whose parent has no counterpart hangs
+    under its nearest ancestor that has one."""
+    parents = {(r["path"], r["call"]): tuple(r["parent"]) if r.get("parent") else None
+               for r in records if r["kind"] == "call" and r["phase"] == "forward"}
+    out = {}
+    for key in parents:
+        chain, seen, up = [], {key}, parents[key]
+        while up is not None and up not in seen:
+            chain.append(list(up))
+            seen.add(up)
+            up = parents.get(up)
+        out[key] = chain
+    return out
 
-def _infer_renames(reader_a, reader_b, rename: RenameRules, auto_map: bool):
-    """Mapping entries for B's modules whose names (after the user's rules) are not in A."""
-    paths_a = {r["path"] for r in reader_a.records if r["kind"] == "call"}
-    unknown = [r for r in reader_b.records if r["kind"] == "call" and rename(r["path"]) not in paths_a]
-    if not auto_map or not unknown:
-        return []
-    return infer_mapping(reader_a.records, reader_b.records, known=rename)
+
+def module_mapping(reader_a, reader_b, rules: RuleSet, rename: RenameRules | None = None,
+                   auto_map: bool = True) -> ModuleMapping:
+    """Which module of B is which of A (``core.mapping``), from the two traces' records."""
+    return match_modules(modules.from_records(reader_a.records), modules.from_records(reader_b.records), rules,
+                         rename or RenameRules(), auto_map)
 
 
 def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True,
-            layouts: LayoutRules | None = None) -> dict:
-    """Match the two traces (inferring renamed modules) and compute metrics for every matched tensor pair."""
+            layouts: LayoutRules | None = None, rules: RuleSet | None = None) -> dict:
+    """Match the two traces (inferring renamed and fused modules) and compute metrics for every tensor pair."""
     rename = rename or RenameRules()
     layouts = layouts or LayoutRules()
+    rules = rules or ruleset()
     for reader in (reader_a, reader_b):
         if not any(r["kind"] == "call" for r in reader.records):
             raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
                                  "or damaged)")
-    inferred = _infer_renames(reader_a, reader_b, rename, auto_map)
-    rename = rename.with_exact({e.b_path: e.a_path for e in inferred})
-    matching = match_records(reader_a.records, reader_b.records, rename)
-    _check_related(matching, reader_a, reader_b)
+    side_a = TraceSide(reader_a.records, reader_a.meta, rules, reader_a)
+    side_b = TraceSide(reader_b.records, reader_b.meta, rules, reader_b)
+    mapping = module_mapping(reader_a, reader_b, rules, rename, auto_map)
+    matching = match_records(side_a, side_b, mapping)
+    _check_related(matching, reader_a, reader_b, rules)
     if progress is not None:
-        progress.start(sum(_data_bytes(ra) + _data_bytes(rb) for ra, rb in matching.pairs))
+        progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in matching.pairs))
     records, memo = [], {}
-    side_a, side_b = _Side.of(reader_a), _Side.of(reader_b)
-    for ra, rb in matching.pairs:
-        pairs, only_a, only_b = match_tensors(ra["tensors"], rb["tensors"])
-        row = {"kind": ra["kind"], "phase": ra.get("phase"), "path": ra["path"], "path_b": rb["path"],
+    swap = side_a.sequence_first != side_b.sequence_first
+    ancestors = _ancestors(reader_a.records)
+    for pair in matching.pairs:
+        ra, rb = pair.a, pair.b[0]
+        tensors, skipped = [], list(pair.skipped)
+        for tp in pair.tensors:
+            metrics = _pair_metrics(tp, ra["path"], (reader_a, reader_b), memo, layouts, swap)
+            if metrics is None:
+                skipped.append(f"{tp.role}:{tp.key} (statistics only: a part or transform needs the values)")
+            else:
+                tensors.append(_tensor_row(tp, metrics))
+        row = {"kind": ra["kind"], "phase": ra.get("phase"), "path": ra["path"],
+               "path_b": " + ".join(r["path"] for r in pair.b),
                "call": ra["call"], "step": ra.get("step", 0), "type_a": ra.get("type"), "type_b": rb.get("type"),
                "begin": ra.get("begin", ra.get("seq", 0)), "end": ra.get("end", ra.get("seq", 0)),
-               "parent": ra.get("parent"),
+               "parent": ra.get("parent"), "ancestors": ancestors.get((ra["path"], ra["call"]), []),
                "module": ra.get("module"), "hparams_a": ra.get("hparams"), "hparams_b": rb.get("hparams"),
-               "error_a": ra.get("error"), "error_b": rb.get("error"),
-               "tensors": [_tensor_row(ta, tb, _compare_entries(side_a, side_b, ra, rb, ta, tb, memo, layouts)) for ta, tb in pairs],
-               "only_a": [t["role"] + ":" + t["key"] for t in only_a],
-               "only_b": [t["role"] + ":" + t["key"] for t in only_b]}
+               "family_a": rules.family(ra.get("type") or ra.get("module_type")),
+               "family_b": rules.family(rb.get("type") or rb.get("module_type")),
+               "error_a": ra.get("error"), "error_b": next((r.get("error") for r in pair.b if r.get("error")), None),
+               "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
+        if skipped:
+            row["skipped"] = skipped
         records.append(row)
         if progress is not None:
-            progress.advance(_data_bytes(ra) + _data_bytes(rb))
+            progress.advance(_data_bytes(ra) + sum(_data_bytes(r) for r in pair.b))
     bases = {t["metrics"]["basis"] for r in records for t in r["tensors"]} - {"shape"}
+    same_model = reader_a.meta.get("model_class") == reader_b.meta.get("model_class")
     return {"report_version": REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
-            "map": rename.as_list(), "layouts": layouts.as_list(), "records": records,
-            "mapping": [{"b": e.b_path, "a": e.a_path, "confidence": e.confidence, "reason": e.reason}
-                        for e in inferred],
+            "map": rename.as_list(), "layouts": layouts.as_list(), "rules": rules.describe(), "records": records,
+            "structure": "same_model" if same_model else "ported",
+            "mapping": [m.as_dict() for m in mapping.renamed()],
+            "unmatched_modules": {"a": mapping.only_a, "b": mapping.only_b},
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
             "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)}}
 
 
-def _check_related(matching, reader_a, reader_b):
+def _check_related(matching, reader_a, reader_b, rules: RuleSet):
     """Refuse to compare traces of unrelated models: nothing below the root matches, or types disagree."""
-    calls = [(ra, rb) for ra, rb in matching.pairs if ra["kind"] == "call" and ra["path"]]
+    calls = [(p.a, p.b[0]) for p in matching.pairs if p.a["kind"] == "call" and p.a["path"]]
     if not calls:
         a_paths = sorted({r["path"] for r in reader_a.records if r["kind"] == "call" and r["path"]})[:2]
         b_paths = sorted({r["path"] for r in reader_b.records if r["kind"] == "call" and r["path"]})[:2]
         raise LayerdiffError(f"the traces share no module paths (A: {', '.join(a_paths) or 'none'}; "
                              f"B: {', '.join(b_paths) or 'none'}): different models? map names with "
                              "--map 'B_PATTERN=A_NAME'")
-    same_type = sum(1 for ra, rb in calls if type_family(ra.get("type")) == type_family(rb.get("type")))
+    same_type = sum(1 for ra, rb in calls if rules.family(ra.get("type")) == rules.family(rb.get("type")))
     if same_type < 0.5 * len(calls):
         raise LayerdiffError(f"only {same_type} of {len(calls)} matched module calls have the same type: the "
                              "traces look like different models")
@@ -283,7 +293,24 @@ def judge_rows(measurements: dict, policy: TolerancePolicy):
             t["tolerance"] = tol.as_dict()
 
 
-def _build_tree(rows: list, phase: str, param_grads: dict) -> list:
+def _one_sided(row: dict, phase: str) -> list:
+    """Pseudo-tensors that fail: inputs given to one run only (a mask passed on one side)."""
+    roles = IN_ROLES[phase]
+    out = []
+    for side, other in (("only_a", "B"), ("only_b", "A")):
+        for item in row.get(side) or ():
+            role, _, key = item.partition(":")
+            if role in roles:
+                out.append({"role": role, "key": key, "passed": False, "one_sided": True,
+                            "reason": f"given to run {'A' if other == 'B' else 'B'} only",
+                            "metrics": {"basis": "shape", "mismatch": f"absent in run {other}"}})
+    return out
+
+
+def _build_tree(rows: list, phase: str, param_grads: dict, strict_inputs: bool = False) -> list:
+    """The call tree of A's matched calls. A call whose parent has no counterpart hangs under its nearest
+    ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
+    root of one run only counts as a difference of the inputs."""
     nodes = {}
     for row in rows:
         if row["kind"] != "call" or row["phase"] != phase:
@@ -299,8 +326,16 @@ def _build_tree(rows: list, phase: str, param_grads: dict) -> list:
                 owner.outs.extend(tensors)
     roots = []
     for node in sorted(nodes.values(), key=lambda n: n.row["begin"]):
-        parent = nodes.get(tuple(node.row["parent"])) if node.row.get("parent") else None
-        (parent.children if parent else roots).append(node)
+        chain = node.row.get("ancestors")
+        if chain is None:
+            chain = [node.row["parent"]] if node.row.get("parent") else []
+        parent = next((nodes[tuple(up)] for up in chain if tuple(up) in nodes), None)
+        if parent is not None:
+            parent.children.append(node)
+        else:
+            if strict_inputs and not chain:
+                node.ins = node.ins + _one_sided(node.row, phase)
+            roots.append(node)
     return roots
 
 
@@ -349,9 +384,14 @@ def hparam_diff(a: dict | None, b: dict | None) -> dict:
 
 def _origin_dict(node: Node, where: str, after, before, chain, phase: str, params: list) -> dict:
     row = node.row
-    bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
+    if where == "inputs":
+        bad = _first_failing(node.ins)
+    else:
+        bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
     diff = hparam_diff(row.get("hparams_a"), row.get("hparams_b"))
-    if type_family(row.get("type_a")) != type_family(row.get("type_b")):  # Linear vs Dense is no difference
+    families = (row.get("family_a"), row.get("family_b")) if "family_a" in row else \
+        (type_family(row.get("type_a")), type_family(row.get("type_b")))
+    if families[0] != families[1]:  # Linear vs Dense is no difference
         diff = {"type": [row.get("type_a"), row.get("type_b")], **diff}
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
@@ -360,7 +400,8 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
             "tensor": bad and {"role": bad["role"], "key": bad["key"], "reason": bad["reason"],
                                "metrics": bad["metrics"]},
             "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
-            "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase}
+            "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
+            "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
 
 
 def _first_over_tolerance(rows, phase):
@@ -388,6 +429,7 @@ def _phase_result(rows, phase, roots, params, forward_origin) -> dict:
                if not t["passed"]]
     if phase == "backward":
         failing += [p for p in params.get("param_grad", []) if not p["passed"]]
+    failing += [t for root in roots for t in root.ins if t.get("one_sided")]
     result = {"present": present, "status": "aligned" if present and not failing else
               ("divergent" if failing else "absent"), "failing_tensors": len(failing),
               "first_divergence": None, "first_over_tolerance": _first_over_tolerance(rows, phase)}
@@ -433,8 +475,9 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
     grads_by_module = {}
     for p in params["param_grad"]:
         grads_by_module.setdefault((p["module"], p["step"]), []).append(p)
-    forward = _phase_result(rows, "forward", _build_tree(rows, "forward", {}), params, None)
-    backward = _phase_result(rows, "backward", _build_tree(rows, "backward", grads_by_module), params,
+    strict = measurements.get("structure") == "same_model"
+    forward = _phase_result(rows, "forward", _build_tree(rows, "forward", {}, strict), params, None)
+    backward = _phase_result(rows, "backward", _build_tree(rows, "backward", grads_by_module, strict), params,
                              forward["first_divergence"])
     for key, side in (("failure", "b"), ("failure_a", "a")):  # a run that raised: where, and what
         failure = measurements[side].get("failure")
@@ -522,5 +565,7 @@ def _rel_error(m: dict) -> float:
 
 
 def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
-          progress=None, auto_map: bool = True, layouts: LayoutRules | None = None) -> dict:
-    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts), policy or TolerancePolicy())
+          progress=None, auto_map: bool = True, layouts: LayoutRules | None = None,
+          rules: RuleSet | None = None) -> dict:
+    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts, rules),
+                    policy or TolerancePolicy())

@@ -5,25 +5,38 @@ Framework names are plain strings: nothing here imports a framework.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import re
+from dataclasses import dataclass
+
+import numpy as np
 
 # Lower-cased class name patterns -> family. The first match wins; unknown types are their own family.
 TYPE_FAMILIES = [
     (r"^(linear|dense)$", "linear"),
     (r"^embedding$", "embedding"),
     (r"rmsnorm", "rmsnorm"),
-    (r"^layernorm$", "layernorm"),
-    (r"^(silu|siluactivation|swish)$", "silu"),
+    (r"^(layernorm|fusedlayernorm)$", "layernorm"),
+    (r"(silu|siluactivation|swish)$", "silu"),
     (r"^(gelu|geluactivation|newgeluactivation|fastgeluactivation)$", "gelu"),
     (r"^relu$", "relu"),
     (r"^(modulelist|layerlist|celllist|sequential|sequentialcell)$", "list"),
     (r"^dropout$", "dropout"),
     (r"rotary", "rotary"),
+    (r"(dotproductattention|coreattention|sdpaattention)$", "core_attention"),
+    (r"^transformerblock$", "stack"),
+    (r"(decoderlayer|decodelayer|encoderlayer|^transformerlayer$|^bertlayer$|block$)", "layer"),
+    (r"attention$", "attention"),
+    (r"(mlp|feedforward)$", "mlp"),
 ]
+# Families that stand in for each other: a port that swaps one activation for another is the defect to find.
+ACTIVATION_FAMILIES = {"silu", "gelu", "relu", "tanh", "sigmoid", "quickgelu", "mish", "relu2", "leakyrelu"}
 _FAMILY_PATTERNS = [(re.compile(p), f) for p, f in TYPE_FAMILIES]
 
 # Parameter leaf names that mean the same thing ("norm.gamma" is "norm.weight").
-PARAM_ALIASES = {"gamma": "weight", "beta": "bias", "embedding_table": "weight", "moving_mean": "running_mean",
+PARAM_ALIASES = {"gamma": "weight", "beta": "bias", "embedding_table": "weight", "embedding_weight": "weight",
+                 "moving_mean": "running_mean",
                  "moving_variance": "running_var"}
 
 # (framework, type family, parameter leaf) -> how that framework stores it relative to PyTorch's layout.
@@ -98,3 +111,128 @@ class LayoutRules:
 
     def as_list(self):
         return [[p.pattern, text] for p, _, _, text in self.rules]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-tensor layouts inferred from shapes
+# ---------------------------------------------------------------------------------------------------------
+def _squeezed(shape) -> tuple:
+    return tuple(d for d in shape if d != 1)
+
+
+def _subsequence_at(small: tuple, big: tuple):
+    """Positions in ``big`` holding ``small`` in order, rightmost first (numpy's broadcasting alignment)."""
+    positions, j = [], len(big) - 1
+    for d in reversed(small):
+        while j >= 0 and big[j] != d:
+            j -= 1
+        if j < 0:
+            return None
+        positions.append(j)
+        j -= 1
+    return positions[::-1]
+
+
+@dataclass(frozen=True)
+class ShapeRelation:
+    """How B's tensor lines up with A's: the same shape, a reshape (size-1 dims, flattening), a permutation of
+    dimensions ([s, b, h] vs [b, s, h]) or broadcasting ([s, 1, 1, d] vs [b, s, d]). ``ambiguous`` marks a pair
+    whose shapes allow several permutations (a dimension size that repeats) and that was compared in order."""
+
+    kind: str  # "same" | "reshape" | "permute" | "broadcast" | "mismatch"
+    shape_a: tuple
+    shape_b: tuple
+    perm: tuple = ()  # permute: A's i-th squeezed dim is B's squeezed dim perm[i]
+    ambiguous: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.kind != "mismatch"
+
+    def note(self) -> str | None:
+        if self.kind == "permute":
+            return f"B's {list(self.shape_b)} compared as A's {list(self.shape_a)} (dimensions reordered)"
+        if self.kind == "reshape" and math.prod(self.shape_a) == math.prod(self.shape_b) \
+                and _squeezed(self.shape_a) != _squeezed(self.shape_b):
+            return f"shapes differ ({list(self.shape_a)} vs {list(self.shape_b)}); compared flattened"
+        if self.kind == "broadcast":
+            return f"shapes differ ({list(self.shape_a)} vs {list(self.shape_b)}); compared after broadcasting"
+        if self.ambiguous:
+            return "dimension sizes repeat: compared in order (declare a --layout rule if the order differs)"
+        return None
+
+    def views(self, a: np.ndarray, b: np.ndarray):
+        """(A's values, B's values) in one common shape."""
+        if self.kind in ("same", "reshape"):
+            return a.reshape(-1), b.reshape(-1)
+        if self.kind == "permute":
+            return a.reshape(-1), b.reshape(_squeezed(self.shape_b)).transpose(self.perm).reshape(-1)
+        sa, sb = _squeezed(self.shape_a), _squeezed(self.shape_b)
+        at = _subsequence_at(sb, sa)
+        if at is not None:  # B broadcasts into A
+            shape = [1] * len(sa)
+            for pos, d in zip(at, sb):
+                shape[pos] = d
+            return a.reshape(sa), np.broadcast_to(b.reshape(shape), sa)
+        at = _subsequence_at(sa, sb)
+        if at is not None:
+            shape = [1] * len(sb)
+            for pos, d in zip(at, sa):
+                shape[pos] = d
+            return np.broadcast_to(a.reshape(shape), sb), b.reshape(sb)
+        common = np.broadcast_shapes(self.shape_a, self.shape_b)
+        return np.broadcast_to(a, common), np.broadcast_to(b, common)
+
+    def to_b(self, a: np.ndarray) -> np.ndarray | None:
+        """A's values laid out as B's tensor (replay feeds the candidate the reference's numbers)."""
+        if self.kind in ("same", "reshape"):
+            return a.reshape(self.shape_b)
+        if self.kind == "permute":
+            inverse = tuple(int(i) for i in np.argsort(self.perm))
+            return np.ascontiguousarray(a.reshape(_squeezed(self.shape_a)).transpose(inverse)).reshape(self.shape_b)
+        if self.kind == "broadcast":
+            sa, sb = _squeezed(self.shape_a), _squeezed(self.shape_b)
+            at = _subsequence_at(sb, sa)
+            if at is not None:  # B is the smaller: A's first slice along the broadcast dimensions
+                index = tuple(slice(None) if i in at else 0 for i in range(len(sa)))
+                return np.ascontiguousarray(a.reshape(sa)[index]).reshape(self.shape_b)
+            at = _subsequence_at(sa, sb)
+            if at is not None:
+                shape = [1] * len(sb)
+                for pos, d in zip(at, sa):
+                    shape[pos] = d
+                return np.ascontiguousarray(np.broadcast_to(a.reshape(shape), sb)).reshape(self.shape_b)
+            try:
+                return np.ascontiguousarray(np.broadcast_to(a, self.shape_b))
+            except ValueError:
+                return None
+        return None
+
+
+def relate_shapes(shape_a, shape_b, swap_leading: bool = False) -> ShapeRelation:
+    """How to compare a tensor of ``shape_a`` with one of ``shape_b``, inferred from the shapes alone.
+
+    ``swap_leading`` is the declared hint that exactly one side is sequence-first: used when the shapes alone
+    cannot tell (batch size equal to sequence length)."""
+    a, b = tuple(shape_a), tuple(shape_b)
+    if swap_leading and len(a) == len(b) >= 3 and a[0] == b[1] and a[1] == b[0] and a[2:] == b[2:] \
+            and 1 not in (a[0], a[1]):
+        return ShapeRelation("permute", a, b, (1, 0) + tuple(range(2, len(_squeezed(b)))))
+    if a == b:
+        return ShapeRelation("same", a, b)
+    sa, sb = _squeezed(a), _squeezed(b)
+    if sa == sb:
+        return ShapeRelation("reshape", a, b)
+    if math.prod(a) == math.prod(b):
+        if sorted(sa) == sorted(sb) and len(sa) <= 6:
+            perms = [p for p in itertools.permutations(range(len(sb))) if all(sb[p[i]] == sa[i] for i in range(len(sa)))]
+            if len(perms) == 1:
+                return ShapeRelation("permute", a, b, perms[0])
+        return ShapeRelation("reshape", a, b)
+    if _subsequence_at(sb, sa) is not None or _subsequence_at(sa, sb) is not None:
+        return ShapeRelation("broadcast", a, b)
+    try:
+        np.broadcast_shapes(a, b)
+        return ShapeRelation("broadcast", a, b)
+    except ValueError:
+        return ShapeRelation("mismatch", a, b)

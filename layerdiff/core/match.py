@@ -1,7 +1,11 @@
-"""Matching pass: pair the records of two traces by module path and call index.
+"""Matching pass: pair the records of two traces through the module mapping, and the tensors inside each pair.
 
-Paths that differ between the runs are translated by regex rename rules applied to trace B's names, so the
-report speaks in trace A's names. Records present on one side only are returned, never dropped.
+Records pair by module (``mapping.py``: same names, or inferred), phase and call index; a record of a module that
+one side fuses pairs with the fused module's record and compares one part of it. Tensors inside a pair of
+records pair by name (positional arguments carry their parameter names), then by role, kind (float, integer,
+boolean) and shape when the choice is unique, then through the rule set's value transforms (rotary angles vs
+cos/sin, boolean vs additive masks). A tensor present on one side only is returned, never dropped.
+Paths are reported in trace A's names.
 """
 from __future__ import annotations
 
@@ -11,14 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LayerdiffError
-from .layouts import canonical_param_name
+from . import fusion
+from .layouts import canonical_param_name, is_transposed, relate_shapes
+from .mapping import Match, ModuleMapping
+from .operands import Operand, dtype_kind
+from .rules import RuleSet
+
+HIDDEN_NAMES = {"hidden_states", "hidden_state", "hidden", "x", "xs", "input", "input_", "inputs", "input_tensor", "h"}
+_POSITIONAL = re.compile(r"^(args\.\d+|out)(\.\d+)*$")
 
 
 class RenameRules:
     """Ordered ``PATTERN=REPLACEMENT`` regex substitutions turning B's module paths into A's."""
 
     def __init__(self, rules=(), exact=None):
-        self.exact = dict(exact or {})  # inferred module renames: B module path -> A module path
+        self.exact = dict(exact or {})  # module renames: B module path -> A module path
         self.rules = []
         for pattern, repl in rules:
             try:
@@ -52,7 +63,10 @@ class RenameRules:
         if dot and module in self.exact:  # a parameter of a renamed module
             return f"{self.exact[module]}.{leaf}"
         for pattern, repl in self.rules:
-            path = pattern.sub(repl, path)
+            try:
+                path = pattern.sub(repl, path)
+            except (re.error, IndexError) as exc:
+                raise LayerdiffError(f"bad --map replacement {repl!r}: {exc}") from None
         return path
 
     def with_exact(self, exact: dict) -> "RenameRules":
@@ -65,76 +79,513 @@ class RenameRules:
         return [[p.pattern, r] for p, r in self.rules] + [[k, v] for k, v in self.exact.items()]
 
 
-def record_key(rec: dict, path: str | None = None) -> tuple:
-    path = rec["path"] if path is None else path
-    if rec["kind"] in ("param", "param_grad"):  # norm.gamma is norm.weight
-        path = canonical_param_name(path)
-    return rec["kind"], rec.get("phase"), path, rec["call"]
+# ---------------------------------------------------------------------------------------------------------
+# One trace, as pairing sees it
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class TraceSide:
+    """A trace's records indexed for pairing, with what its metadata says about layouts."""
+
+    records: list
+    meta: dict
+    rules: RuleSet
+    reader: object = None  # to read parameter values (checking a fused layout against the weights)
+
+    def __post_init__(self):
+        self.framework = self.meta.get("framework")
+        self.model_class = self.meta.get("model_class")
+        self.sequence_first = self.rules.is_sequence_first(self.model_class)
+        self.bool_masked = self.rules.bool_mask_means_masked(self.model_class)
+        self.labels_shifted = self.rules.labels_shifted(self.model_class)
+        self.calls, self.params, self.types, self.children = {}, {}, {}, {}
+        for r in self.records:
+            if r["kind"] == "call":
+                self.calls.setdefault((r["phase"], r["path"], r["call"]), r)
+                self.types.setdefault(r["path"], r.get("type"))
+                if r["phase"] == "forward" and r["call"] == 0 and r.get("parent"):
+                    self.children.setdefault(r["parent"][0], []).append(r["path"])
+            elif r["kind"] in ("param", "param_grad"):
+                module = r.get("module", r["path"].rpartition(".")[0])
+                leaf = canonical_param_name(r["path"]).rpartition(".")[2]
+                self.params.setdefault((r["kind"], module, leaf, r["call"]), r)
+                if r.get("module_type"):
+                    self.types.setdefault(module, r["module_type"])
+
+    def transposed(self, rec: dict, entry: dict) -> bool:
+        """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
+        return (rec["kind"] in ("param", "param_grad") and len(entry["shape"]) == 2
+                and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"]))
+
+    def operand(self, rec: dict, entry: dict) -> Operand:
+        return Operand.stored(entry, self.transposed(rec, entry))
+
+    def twin(self, rec: dict, path: str) -> dict | None:
+        """The record of module ``path`` of the same kind, phase and call (or parameter leaf and count)."""
+        if rec["kind"] == "call":
+            return self.calls.get((rec["phase"], path, rec["call"]))
+        leaf = canonical_param_name(rec["path"]).rpartition(".")[2]
+        return self.params.get((rec["kind"], path, leaf, rec["call"]))
+
+    def hparams(self, path: str) -> dict:
+        rec = self.calls.get(("forward", path, 0))
+        return (rec or {}).get("hparams") or {}
+
+    def parent(self, path: str) -> str | None:
+        rec = self.calls.get(("forward", path, 0))
+        return rec["parent"][0] if rec and rec.get("parent") else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Record pairs
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorPair:
+    role: str
+    key: str  # A's key; a fused A tensor compared part by part gets "[part]" appended
+    key_b: str
+    a: Operand
+    b: Operand
+    notes: tuple = ()
+    activation: bool = True  # an activation or gradient (not a parameter): may be sequence-first
+
+
+@dataclass
+class RecordPair:
+    a: dict
+    b: tuple  # B's record(s): several when A's module is fused and B's is split
+    tensors: list = field(default_factory=list)
+    only_a: list = field(default_factory=list)  # "role:key" of tensors with no counterpart
+    only_b: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)  # tensors compared elsewhere (a sum on another part)
 
 
 @dataclass
 class Matching:
-    pairs: list = field(default_factory=list)   # (record_a, record_b)
+    pairs: list = field(default_factory=list)
     only_a: list = field(default_factory=list)
     only_b: list = field(default_factory=list)
 
 
-def match_records(records_a, records_b, rename: RenameRules) -> Matching:
-    by_key_b = {}
-    for rb in records_b:
-        by_key_b.setdefault(record_key(rb, rename(rb["path"])), rb)
+def _module_of(rec: dict) -> str:
+    return rec["path"] if rec["kind"] == "call" else rec.get("module", rec["path"].rpartition(".")[0])
+
+
+def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) -> Matching:
     result = Matching()
     used = set()
-    for ra in records_a:
-        key = record_key(ra)
-        rb = by_key_b.get(key)
-        if rb is None or key in used:
+    links = _FusedLinks(side_a, side_b)
+    for ra in side_a.records:
+        if ra["kind"] not in ("call", "param", "param_grad"):
+            continue
+        match = mapping.for_a(_module_of(ra))
+        sources = [] if match is None else [side_b.twin(ra, p) for p in match.b]
+        if not sources or any(s is None for s in sources):
             result.only_a.append(ra)
-        else:
-            used.add(key)
-            result.pairs.append((ra, rb))
-    result.only_b = [rb for rb in records_b if record_key(rb, rename(rb["path"])) not in used]
+            continue
+        used.update(id(s) for s in sources)
+        if match.fused_side is None and ra["kind"] == "call" and not side_a.children.get(ra["path"]):
+            sources = [_with_absorbed(sources[0], match, side_b, mapping)]
+        result.pairs.append(_pair(ra, tuple(sources), match, links))
+    result.only_b = [rb for rb in side_b.records if rb["kind"] in ("call", "param", "param_grad")
+                     and id(rb) not in used]
     return result
 
 
-def _float_kind(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat", "complex"))
+_ABSORBED_ROLES = {"input": "output", "grad_input": "grad_output"}
 
 
-def shapes_compatible(a: list, b: list) -> bool:
-    """Same number of elements, or one broadcasts to the other (rotary cos/sin [1, S, D] vs [B, S, D])."""
-    if math.prod(a) == math.prod(b):
-        return True
-    ra, rb = a[::-1], b[::-1]
-    for i in range(max(len(ra), len(rb))):
-        x = ra[i] if i < len(ra) else 1
-        y = rb[i] if i < len(rb) else 1
-        if x != y and 1 not in (x, y):
-            return False
-    return True
+def _with_absorbed(rb: dict, match: Match, side_b: TraceSide, mapping: ModuleMapping) -> dict:
+    """B's module may run, inside itself, a child whose counterpart in A sits outside A's module (mindformers'
+    ``w1`` Linear applies its SiLU as a child; HF's ``gate_proj`` does not): then B's own result is that child's
+    input, and B's record stands in with it as output (and the child's input gradient as grad_output)."""
+    a_path = match.a[0]
+    for child in side_b.children.get(rb["path"], ()):
+        other = mapping.for_b(child)
+        if other is None or any(p == a_path or p.startswith(a_path + ".") for p in other.a):
+            continue
+        twin = side_b.calls.get((rb["phase"], child, rb["call"]))
+        if twin is None:
+            return rb
+        inner = [{**t, "role": _ABSORBED_ROLES[t["role"]], "key": f"{child.rpartition('.')[2]}:{t['key']}"}
+                 for t in twin["tensors"] if t["role"] in _ABSORBED_ROLES]
+        kept = [t for t in rb["tensors"] if t["role"] not in ("output", "grad_output")]
+        return {**rb, "tensors": kept + inner, "absorbed": child}
+    return rb
 
 
-def match_tensors(tensors_a, tensors_b):
-    """Pair tensor entries by (role, key); the rest by role, order and shape (one framework's ``out.logits``
-    is another's ``out.1``). Return (pairs, only_a, only_b); a pair matched by position has different keys."""
-    index_b = {(t["role"], t["key"]): t for t in tensors_b}
-    pairs, left_a, seen = [], [], set()
-    for ta in tensors_a:
-        k = (ta["role"], ta["key"])
-        tb = index_b.get(k)
-        if tb is None:
-            left_a.append(ta)
+def _pair(ra: dict, sources: tuple, match: Match, links: "_FusedLinks") -> RecordPair:
+    pair = RecordPair(ra, sources)
+    side_a, side_b = links.a, links.b
+    if match.fused_side is None:
+        pairs, pair.only_a, pair.only_b = pair_tensors(ra, sources[0], side_a, side_b)
+        pair.tensors = pairs
+        return pair
+    link = links.resolve(match, ra)
+    if match.fused_side == "b":
+        _pair_part_of_b(pair, match, link, side_a, side_b)
+    else:
+        _pair_parts_of_a(pair, match, link, side_a, side_b)
+    return pair
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensors inside a pair of records
+# ---------------------------------------------------------------------------------------------------------
+def canonical_key(key: str, arg_names) -> str:
+    """``args.0`` -> ``hidden_states`` (the positional argument's parameter name); ``kwargs.x`` -> ``x``."""
+    head, _, rest = key.partition(".")
+    if head == "kwargs":
+        key = rest
+    elif head == "args" and arg_names:
+        index, _, tail = rest.partition(".")
+        if index.isdigit() and int(index) < len(arg_names):
+            key = arg_names[int(index)] + (f".{tail}" if tail else "")
+    first, dot, tail = key.partition(".")
+    return ("hidden_states" + dot + tail) if first in HIDDEN_NAMES else key
+
+
+def _positional(key: str) -> bool:
+    return bool(_POSITIONAL.match(key.rpartition(":")[2]))
+
+
+_ROLE_ORDER = ("input", "output", "grad_output", "grad_input", "param", "param_grad")
+
+
+def pair_tensors(ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide, roles=_ROLE_ORDER):
+    """(tensor pairs, A's unpaired "role:key", B's unpaired "role:key") for two records of one module."""
+    pairs, only_a, only_b = [], [], []
+    activation = ra["kind"] == "call"
+    for role in roles:
+        ta = [t for t in ra["tensors"] if t["role"] == role]
+        tb = [t for t in rb["tensors"] if t["role"] == role]
+        if not ta and not tb:
+            continue
+        found, left_a, left_b = pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=_transforms_for(
+            role, ra, rb, side_a, side_b, pairs))
+        for ea, eb, note in found:
+            tp = TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), side_b.operand(rb, eb),
+                            (note,) if note else (), activation)
+            pairs.append(_shifted_labels(tp, ra, rb, side_a, side_b))
+        only_a += [f"{role}:{t['key']}" for t in left_a]
+        only_b += [f"{role}:{t['key']}" for t in left_b]
+    return pairs, only_a, only_b
+
+
+def _shifted_labels(tp: TensorPair, ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide) -> TensorPair:
+    """The model's "labels" when exactly one run takes them already shifted (mindformers' data pipeline)."""
+    shifted_a, shifted_b = side_a.labels_shifted, side_b.labels_shifted
+    if shifted_a == shifted_b or ra.get("parent") or tp.role != "input" or \
+            canonical_key(tp.key, ra.get("arg_names")) != "labels":
+        return tp
+    if shifted_b:
+        return TensorPair(tp.role, tp.key, tp.key_b, Operand((tp.a.entry,), op="shift_left"), tp.b, tp.notes,
+                          tp.activation)
+    return TensorPair(tp.role, tp.key, tp.key_b, tp.a, Operand((tp.b.entry,), op="shift_left"), tp.notes,
+                      tp.activation)
+
+
+def _transforms_for(role, ra, rb, side_a, side_b, out: list):
+    """The transform step of ``pair_role`` for one pair of records: pairs it finds are appended to ``out``."""
+    def step(left_a, left_b):
+        found, left_a, left_b = _transforms(role, left_a, left_b, ra, rb, side_a, side_b)
+        out.extend(found)
+        return left_a, left_b
+
+    return step
+
+
+def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
+    """Pairs [(A entry, B entry, note)] by exact key, then name, then (``before_shapes``: the rule set's value
+    transforms) a kind-and-shape fit where at least one side's key is positional."""
+    found, left_a = [], []
+    by_key = {t["key"]: t for t in tb}
+    used = set()
+    for ea in ta:
+        eb = by_key.get(ea["key"])
+        if eb is not None and id(eb) not in used and dtype_kind(ea["dtype"]) == dtype_kind(eb["dtype"]):
+            used.add(id(eb))
+            found.append((ea, eb, None))
         else:
-            seen.add(k)
-            pairs.append((ta, tb))
-    left_b = [t for t in tensors_b if (t["role"], t["key"]) not in seen]
-    only_b = []
-    for tb in left_b:
-        ta = next((t for t in left_a if t["role"] == tb["role"] and _float_kind(t["dtype"]) == _float_kind(tb["dtype"])
-                   and shapes_compatible(t["shape"], tb["shape"])), None)
-        if ta is None:
-            only_b.append(tb)
+            left_a.append(ea)
+    names_b = {}
+    for eb in tb:
+        if id(eb) not in used:
+            names_b.setdefault(canonical_key(eb["key"], rb.get("arg_names")), eb)
+    still = []
+    for ea in left_a:
+        eb = names_b.get(canonical_key(ea["key"], ra.get("arg_names")))
+        if eb is not None and id(eb) not in used and dtype_kind(ea["dtype"]) == dtype_kind(eb["dtype"]):
+            used.add(id(eb))
+            found.append((ea, eb, f"matched by name (B's key: {eb['key']})"))
         else:
-            left_a.remove(ta)
-            pairs.append((ta, tb))
-    return pairs, left_a, only_b
+            still.append(ea)
+    left_b = [t for t in tb if id(t) not in used]
+    if before_shapes is not None:
+        still, left_b = before_shapes(still, left_b)
+    swap = side_a.sequence_first != side_b.sequence_first
+    for same_size in (True, False):  # equal sizes first; broadcasting ([1, S, D] vs [B, S, D]) only after
+        for ea in list(still):
+            shape_a = _torch_shape(ra, ea, side_a)
+            fits = []
+            for eb in left_b:
+                if dtype_kind(eb["dtype"]) != dtype_kind(ea["dtype"]):
+                    continue
+                shape_b = _torch_shape(rb, eb, side_b)
+                relation = relate_shapes(shape_a, shape_b, swap)
+                if relation.ok and (relation.kind != "broadcast") == same_size and \
+                        (same_size or min(math.prod(shape_a), math.prod(shape_b)) > 1):
+                    fits.append((relation.kind != "same", eb))
+            if not fits:
+                continue
+            choice = min(fits, key=lambda f: f[0])[1]
+            named_a = not _positional(canonical_key(ea["key"], ra.get("arg_names")))
+            named_b = not _positional(canonical_key(choice["key"], rb.get("arg_names")))
+            if named_a and named_b:
+                continue  # two different names (labels vs position_ids): never paired by shape alone
+            still.remove(ea)
+            left_b.remove(choice)
+            found.append((ea, choice, f"matched by position and shape (B's key: {choice['key']})"))
+    return found, still, left_b
+
+
+def _torch_shape(rec, entry, side: TraceSide) -> tuple:
+    shape = tuple(entry["shape"])
+    return shape[::-1] if side.transposed(rec, entry) else shape
+
+
+def _key_matches(patterns, key: str, family: str) -> bool:
+    for p in patterns:
+        fam, colon, pattern = p.rpartition(":")
+        if colon and fam != family:
+            continue
+        if re.fullmatch(pattern, key):
+            return True
+    return False
+
+
+def _transforms(role, left_a, left_b, ra, rb, side_a: TraceSide, side_b: TraceSide):
+    """Pairs that a rule explains: rotary angles vs their cos and sin, masks of different conventions."""
+    pairs = []
+    rules = side_a.rules
+    fam_a, fam_b = rules.family(ra.get("type")), rules.family(rb.get("type"))
+    for rule in rules.angles:
+        for angles_side in ("b", "a"):
+            ang_entries, ang_rec, ang_sd, ang_fam = (left_b, rb, side_b, fam_b) if angles_side == "b" else \
+                (left_a, ra, side_a, fam_a)
+            cs_entries, cs_rec, cs_fam = (left_a, ra, fam_a) if angles_side == "b" else (left_b, rb, fam_b)
+            angle = next((t for t in ang_entries
+                          if _key_matches(rule.angles, canonical_key(t["key"], ang_rec.get("arg_names")), ang_fam)), None)
+            if angle is None:
+                continue
+            found = {}
+            for which in ("cos", "sin"):
+                found[which] = next((t for t in cs_entries if _key_matches(
+                    getattr(rule, which), canonical_key(t["key"], cs_rec.get("arg_names")), cs_fam)), None)
+            if not all(found.values()):
+                continue
+            ang_entries.remove(angle)
+            for which, entry in found.items():
+                cs_entries.remove(entry)
+                derived = Operand((angle,), op=which)
+                plain = Operand.stored(entry)
+                a_op, b_op = (plain, derived) if angles_side == "b" else (derived, plain)
+                pairs.append(TensorPair(role, entry["key"] if angles_side == "b" else angle["key"] + f"[{which}]",
+                                        angle["key"] if angles_side == "b" else entry["key"], a_op, b_op,
+                                        (f"{rule.name}: {which} of {'B' if angles_side == 'b' else 'A'}'s angles",)))
+    keys = rules.mask_keys()
+    masks_a = [t for t in left_a if canonical_key(t["key"], ra.get("arg_names")) in keys]
+    masks_b = [t for t in left_b if canonical_key(t["key"], rb.get("arg_names")) in keys]
+    if len(masks_a) == 1 and len(masks_b) == 1:
+        ea, eb = masks_a[0], masks_b[0]
+        left_a.remove(ea)
+        left_b.remove(eb)
+        pairs.append(TensorPair(role, ea["key"], eb["key"], Operand((ea,), op="masked", bool_masked=side_a.bool_masked),
+                                Operand((eb,), op="masked", bool_masked=side_b.bool_masked),
+                                ("masks compared as masked/attended flags",)))
+    return pairs, left_a, left_b
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused modules
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FusedLink:
+    """How one fused module splits into the other side's parts: the parts' names, their sizes along the output
+    features (activations: last axis) and along the weights' rows (axis 0), and the group count."""
+
+    parts: tuple  # the parts' module paths, in the fused tensor's order
+    out_sizes: tuple | None
+    row_sizes: dict  # parameter leaf -> sizes along axis 0
+    groups: int
+    note: str
+
+
+class _FusedLinks:
+    def __init__(self, side_a: TraceSide, side_b: TraceSide):
+        self.a, self.b = side_a, side_b
+        self.cache: dict = {}
+
+    def resolve(self, match: Match, rec: dict) -> FusedLink:
+        key = (match.a, match.b)
+        if key not in self.cache:
+            self.cache[key] = self._resolve(match)
+        return self.cache[key]
+
+    def _resolve(self, match: Match) -> FusedLink:
+        fused_side, parts_side = (self.b, self.a) if match.fused_side == "b" else (self.a, self.b)
+        fused = match.b[0] if match.fused_side == "b" else match.a[0]
+        parts = match.a if match.fused_side == "b" else match.b
+        rule = fused_side.rules.fused_rule(fused.rpartition(".")[2])
+        out_sizes = []
+        for p in parts:
+            rec = parts_side.calls.get(("forward", p, 0))
+            outs = [t for t in (rec or {}).get("tensors", ()) if t["role"] == "output"]
+            out_sizes.append(outs[0]["shape"][-1] if outs and outs[0]["shape"] else None)
+        row_sizes, weights = {}, {}
+        for (kind, module, leaf, count), rec in parts_side.params.items():
+            if kind == "param" and count == 0 and module in parts:
+                entry = rec["tensors"][0]
+                row_sizes.setdefault(leaf, {})[module] = _torch_shape(rec, entry, parts_side)[0]
+                weights.setdefault(leaf, {})[module] = (rec, entry)
+        row_sizes = {leaf: tuple(sizes[p] for p in parts) for leaf, sizes in row_sizes.items() if len(sizes) == len(parts)}
+        hparams = [fused_side.hparams(fused), fused_side.hparams(fused_side.parent(fused) or ""),
+                   parts_side.hparams(parts_side.parent(parts[0]) or "")]
+        sizes = row_sizes.get("weight") or (tuple(out_sizes) if None not in out_sizes else ())
+        candidates = fusion.group_candidates(rule.groups if rule else (), hparams, sizes) if sizes else [1]
+        groups, note = candidates[0], f"{rule.name if rule else 'fused'}"
+        verified = self._verify(fused, parts, weights.get("weight"), fused_side, parts_side, candidates)
+        if verified is not None:
+            groups = verified
+            note += f", {groups} group(s) (checked against the weights)"
+        elif groups > 1:
+            note += f", {groups} groups"
+        return FusedLink(tuple(parts), tuple(out_sizes) if None not in out_sizes else None, row_sizes, groups, note)
+
+    @staticmethod
+    def _verify(fused, parts, part_weights, fused_side, parts_side, candidates):
+        """The group count under which the fused weight splits exactly into the parts' weights, when both
+        traces hold the values (after a weight transfer they are equal up to layout)."""
+        rec = fused_side.params.get(("param", fused, "weight", 0))
+        readers = (getattr(fused_side, "reader", None), getattr(parts_side, "reader", None))
+        if rec is None or not part_weights or len(part_weights) != len(parts) or None in readers:
+            return None
+        entries = [rec["tensors"][0]] + [part_weights[p][1] for p in parts]
+        if not all("offset" in e for e in entries):
+            return None
+        fused_values = fused_side.operand(rec, rec["tensors"][0]).values(readers[0])
+        part_values = [parts_side.operand(*part_weights[p]).values(readers[1]) for p in parts]
+        if any(v.ndim != fused_values.ndim for v in part_values):
+            return None
+        return fusion.infer_groups(fused_values, part_values, 0, candidates)
+
+
+def _fused_operand(pair_rec_kind: str, role: str, entry: dict, rec: dict, side: TraceSide, link: FusedLink,
+                   index: int) -> Operand | None:
+    """One part of a fused tensor: activations split along their last axis, parameters along axis 0."""
+    if pair_rec_kind == "call":
+        if link.out_sizes is None or not entry["shape"] or entry["shape"][-1] != sum(link.out_sizes):
+            return None
+        return Operand((entry,), op="part", axis=-1, sizes=link.out_sizes, groups=link.groups, index=index)
+    leaf = canonical_param_name(rec["path"]).rpartition(".")[2]
+    sizes = link.row_sizes.get(leaf)
+    if sizes is None:
+        return None
+    return Operand((entry,), op="part", axis=0, sizes=sizes, groups=link.groups, index=index,
+                   transposed=side.transposed(rec, entry))
+
+
+def _split_roles(rec: dict) -> tuple:
+    return ("output", "grad_output") if rec["kind"] == "call" else ("param", "param_grad")
+
+
+def _other_roles(rec: dict) -> tuple:
+    return tuple(r for r in _ROLE_ORDER if r not in _split_roles(rec))
+
+
+def _split_pairs(part_rec: dict, fused_rec: dict, fused_side: TraceSide, link: FusedLink, index: int):
+    """[(role, part entry, the fused tensor's part as an Operand)] and the unpaired ("role:key") of each side:
+    outputs and their gradients pair with the fused tensor whose last axis holds every part; parameters by
+    leaf."""
+    out, only_part, only_fused = [], [], []
+    for role in _split_roles(part_rec):
+        parts = [t for t in part_rec["tensors"] if t["role"] == role]
+        fused = [t for t in fused_rec["tensors"] if t["role"] == role]
+        if part_rec["kind"] == "call" and link.out_sizes is not None:
+            parts = [t for t in parts if t["shape"] and t["shape"][-1] == link.out_sizes[index]]
+            fused = [t for t in fused if t["shape"] and t["shape"][-1] == sum(link.out_sizes)]
+        for ep, ef in zip(parts, fused):
+            operand = _fused_operand(part_rec["kind"], role, ef, fused_rec, fused_side, link, index)
+            if operand is None:
+                only_part.append(f"{role}:{ep['key']}")
+            else:
+                out.append((role, ep, ef, operand))
+        only_part += [f"{role}:{t['key']}" for t in parts[len(fused):]]
+        only_fused += [f"{role}:{t['key']}" for t in fused[len(parts):]]
+    return out, only_part, only_fused
+
+
+def _pair_part_of_b(pair: RecordPair, match: Match, link: FusedLink, side_a: TraceSide, side_b: TraceSide):
+    """A's record is one part (q_proj) of B's fused module (linear_qkv): compare it with that part of B's."""
+    ra, rb = pair.a, pair.b[0]
+    index = match.a.index(_module_of(ra))
+    found, pair.only_a, pair.only_b = pair_tensors(ra, rb, side_a, side_b, _other_roles(ra))
+    split, only_a, only_b = _split_pairs(ra, rb, side_b, link, index)
+    pair.only_a += only_a
+    pair.only_b += only_b
+    activation = ra["kind"] == "call"
+    for role, ea, eb, part in split:
+        pair.tensors.append(TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), part,
+                                       (f"B's fused {link.note}",), activation))
+    for tp in found:
+        if tp.role == "grad_input":
+            # the parts' input gradients meet in B's one input: compared as their sum, on the first part
+            if index:
+                pair.skipped.append(f"{tp.role}:{tp.key} (compared as a sum on {match.a[0]})")
+                continue
+            summed = _sum_over_parts(ra, tp.key, match.a, side_a)
+            if summed is None:
+                continue
+            tp = TensorPair(tp.role, tp.key, tp.key_b, summed, tp.b,
+                            tp.notes + (f"sum over {', '.join(p.rpartition('.')[2] for p in match.a)}",),
+                            tp.activation)
+        pair.tensors.append(tp)
+
+
+def _pair_parts_of_a(pair: RecordPair, match: Match, link: FusedLink, side_a: TraceSide, side_b: TraceSide):
+    """A's record is a fused module (linear_qkv) and B has its parts: compare A's tensor part by part."""
+    ra = pair.a
+    names = [p.rpartition(".")[2] for p in match.b]
+    activation = ra["kind"] == "call"
+    only_a, only_b = set(), set()
+    for index, rb in enumerate(pair.b):
+        split, ob, oa = _split_pairs(rb, ra, side_a, link, index)
+        only_a.update(oa)
+        only_b.update(ob)
+        for role, eb, ea, part in split:
+            pair.tensors.append(TensorPair(role, f"{ea['key']}[{names[index]}]", eb["key"], part,
+                                           side_b.operand(rb, eb), (f"A's fused {link.note}",), activation))
+        if index:
+            continue
+        found, oa, ob = pair_tensors(ra, rb, side_a, side_b, _other_roles(ra))  # inputs are shared by the parts
+        only_a.update(oa)
+        only_b.update(ob)
+        for tp in found:
+            if tp.role == "grad_input":  # the parts' input gradients add up to the fused module's
+                summed = _sum_over_parts(rb, tp.key_b, match.b, side_b)
+                if summed is None:
+                    continue
+                tp = TensorPair(tp.role, tp.key, tp.key_b, tp.a, summed, tp.notes + (
+                    f"B's sum over {', '.join(names)}",), tp.activation)
+            pair.tensors.append(tp)
+    pair.only_a, pair.only_b = sorted(only_a), sorted(only_b)
+
+
+def _sum_over_parts(rec: dict, key: str, parts: tuple, side: TraceSide) -> Operand | None:
+    entries = []
+    for path in parts:
+        twin = side.calls.get((rec["phase"], path, rec["call"]))
+        entry = next((t for t in (twin or {}).get("tensors", ()) if t["role"] == "grad_input" and t["key"] == key), None)
+        if entry is None:
+            return None
+        entries.append(entry)
+    return Operand(tuple(entries), op="sum")

@@ -19,7 +19,8 @@ import numpy as np
 
 from .align import _build_tree, _describe, _param_rows, _rel_error, judge_rows
 from .layouts import LayoutRules
-from .match import RenameRules, match_tensors
+from .match import RenameRules, TraceSide, pair_role
+from .rules import RuleSet, ruleset
 from .session import find_blocks as blocks_of
 from .tensors import FLOAT_DTYPES, as_float
 from .tolerance import TolerancePolicy
@@ -50,8 +51,11 @@ class Forcer:
     """
 
     def __init__(self, reader, rename: RenameRules | None = None, layouts: LayoutRules | None = None, *,
-                 backward: bool = True, where=None):
+                 backward: bool = True, where=None, rules: RuleSet | None = None, meta_b: dict | None = None):
         self.reader = reader
+        rules = rules or ruleset()
+        self.side_a = TraceSide(reader.records, reader.meta, rules, reader)
+        self.side_b = TraceSide([], meta_b or {}, rules)
         self.rename = rename or RenameRules()
         self.layouts = layouts or LayoutRules()
         self.backward = backward
@@ -74,7 +78,11 @@ class Forcer:
         rec = self.calls.get(("forward", path_a, frame.call))
         if rec is None or not any("offset" in t for t in rec["tensors"]):
             return {}  # not recorded, or statistics only (the model itself around a --layers window)
-        pairs, _, _ = match_tensors([t for t in rec["tensors"] if t["role"] == role], entries_b)
+        pseudo_b = {"kind": "call", "path": frame.path, "type": frame.type, "arg_names": getattr(frame, "arg_names", None),
+                    "tensors": entries_b}
+        pairs, _, _ = pair_role([t for t in rec["tensors"] if t["role"] == role], entries_b, rec, pseudo_b,
+                                self.side_a, self.side_b)
+        pairs = [(ta, tb) for ta, tb, _ in pairs]
         keys = self.keys.setdefault((path_a, frame.call, role), {})
         out = {}
         for ta, tb in pairs:

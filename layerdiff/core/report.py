@@ -205,17 +205,34 @@ def render(report: dict, console: Console | None = None):
     _render_footer(report, console)
 
 
-def _render_mapping(report: dict, console: Console, shown: int = 8):
+def _render_mapping(report: dict, console: Console, shown: int = 12):
+    """The inferred mapping, with repeated blocks shown once (``layers.*``), in A's execution order."""
+    from .mapping import collapse_indices
+
     mapping = report.get("mapping") or []
-    if not mapping:
-        return
-    low = min(m["confidence"] for m in mapping)
-    console.print(f"[yellow]module names differ: matched {len(mapping)} B modules to A by structure "
-                  f"(lowest confidence {low:.2f}); save with --save-map, edit, pass back with --map[/]")
-    for m in sorted(mapping, key=lambda m: m["confidence"])[:shown]:
-        console.print(f"  [dim]{m['b']} -> {m['a']}  ({m['confidence']:.2f}: {m['reason']})[/]")
-    if len(mapping) > shown:
-        console.print(f"  [dim]... {len(mapping) - shown} more[/]")
+    if mapping:
+        groups: dict = {}
+        for m in mapping:
+            b = " + ".join(m.get("b_parts") or [m["b"]])
+            a = " + ".join(m.get("a_parts") or [m["a"]])
+            g = groups.setdefault((collapse_indices(b), collapse_indices(a)), {"n": 0, "low": 1.0, "why": m["reason"]})
+            g["n"] += 1
+            g["low"] = min(g["low"], m["confidence"])
+        fused = sum(1 for m in mapping if m.get("rule"))
+        low = min(m["confidence"] for m in mapping)
+        console.print(f"[yellow]module names differ: matched {len(mapping)} B modules to A"
+                      + (f" ({fused} fused)" if fused else "") + f" from weights, names, types and structure "
+                      f"(lowest confidence {low:.2f}); --save-map writes them as --map rules[/]")
+        for (b, a), g in list(groups.items())[:shown]:
+            count = f" x{g['n']}" if g["n"] > 1 else ""
+            console.print(f"  [dim]{b} -> {a}{count}  ({g['low']:.2f}: {g['why']})[/]")
+        if len(groups) > shown:
+            console.print(f"  [dim]... {len(groups) - shown} more[/]")
+    unmatched = (report.get("unmatched_modules") or {}).get("b") or []
+    if mapping and unmatched:
+        names = list(dict.fromkeys(collapse_indices(p) for p in unmatched))
+        console.print(f"  [dim]B modules with no counterpart in A: {', '.join(names[:6])}"
+                      + (f" (+{len(names) - 6})" if len(names) > 6 else "") + "[/]")
 
 
 def _render_growth(report: dict, console: Console):

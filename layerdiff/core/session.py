@@ -32,6 +32,7 @@ class CallFrame:
     scalars: dict = field(default_factory=dict)
     tapped_inputs: bool = False
     full: bool = True  # store tensor values (False: statistics only, e.g. the root outside a --layers window)
+    arg_names: tuple = ()  # the forward's positional parameter names: "args.0" is "hidden_states"
     versions: list = field(default_factory=list)  # adapter's in-place detection: (tensor, version)
 
 
@@ -200,7 +201,7 @@ class TraceSession:
 
     # -- forward -------------------------------------------------------------------------------------------
     def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict,
-                   full: bool = True) -> CallFrame:
+                   full: bool = True, arg_names: tuple = ()) -> CallFrame:
         """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them."""
         if not self.stack:
             self.step += 1
@@ -209,7 +210,7 @@ class TraceSession:
         self.call_counts[path] = call + 1
         parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
         frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
-                          scalars=scalars, full=full)
+                          scalars=scalars, full=full, arg_names=tuple(arg_names))
         frame.inputs = self._entries("input", inputs, full)
         self.stack.append(frame)
         return frame
@@ -224,6 +225,8 @@ class TraceSession:
         rec = {"kind": "call", "phase": phase, "path": frame.path, "call": frame.call, "step": frame.step,
                "type": frame.type, "begin": begin, "end": self._next_seq(),
                "parent": list(frame.parent) if frame.parent else None, "tensors": tensors}
+        if frame.arg_names and any(t["key"].startswith("args.") for t in tensors):
+            rec["arg_names"] = list(frame.arg_names)
         rec.update(extra)
         return rec
 

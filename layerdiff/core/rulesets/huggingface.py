@@ -1,0 +1,39 @@
+"""Hugging Face / PyTorch naming: the canonical tokens other ecosystems' names are mapped onto."""
+
+RULES = {
+    "description": "Hugging Face transformers module names",
+    "names": {
+        "q": ["q_proj", "query", "q_lin", "query_proj"],
+        "k": ["k_proj", "key", "k_lin", "key_proj"],
+        "v": ["v_proj", "value", "v_lin", "value_proj"],
+        "o": ["o_proj", "out_proj", "out_lin"],
+        "qkv": ["qkv_proj", "query_key_value", "wqkv"],
+        "gate": ["gate_proj"],
+        "up": ["up_proj"],
+        "down": ["down_proj"],
+        "gate_up": ["gate_up_proj"],
+        "attn_norm": ["input_layernorm", "ln_1", "self_attn_layer_norm"],
+        "mlp_norm": ["post_attention_layernorm", "ln_2"],
+        "final_norm": ["norm", "ln_f", "final_norm"],
+        "embed": ["embed_tokens", "wte", "embed_in"],
+        "lm_head": ["lm_head", "embed_out"],
+        "attn": ["self_attn", "attn"],
+        "mlp": ["mlp"],
+        "rotary": ["rotary_emb"],
+        "act": ["act_fn", "act", "activation", "activation_func", "act_func", "activate", "activation_fn"],
+    },
+    "fused": [
+        # Phi-3 and friends: [q; k; v] and [gate; up] back to back
+        {"name": "qkv", "module": "^(qkv_proj|wqkv)$", "parts": ["q", "k", "v"]},
+        {"name": "gate_up", "module": "^gate_up_proj$", "parts": ["gate", "up"]},
+        # GPT-NeoX: per head [q_h; k_h; v_h]
+        {"name": "qkv", "module": "^query_key_value$", "parts": ["q", "k", "v"],
+         "groups": ["num_attention_heads", "num_heads"]},
+    ],
+    "rotary": [
+        {"name": "rotary", "angles": ["rotary_pos_emb", "rotary:out"],
+         "cos": ["position_embeddings.0", "freqs_cis.0", "rotary:out.0"],
+         "sin": ["position_embeddings.1", "freqs_cis.1", "rotary:out.1"]},
+    ],
+    "masks": [{"keys": ["attention_mask", "mask", "attn_mask"], "bool_masked": False}],
+}

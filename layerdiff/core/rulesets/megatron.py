@@ -1,0 +1,37 @@
+"""Megatron-core (GPTModel with the local or Transformer Engine layer spec), as Megatron-Bridge converts it.
+
+``linear_qkv`` holds, for each query group, the group's query heads then its key head then its value head;
+``linear_fc1`` of a gated MLP holds [gate; up]. Activations are sequence-first ([s, b, h]); attention masks are
+boolean with True = masked.
+"""
+
+RULES = {
+    "description": "Megatron-core names, fused QKV and gated-MLP layouts, [s, b, h] activations",
+    "names": {
+        "o": ["linear_proj"],
+        "qkv": ["linear_qkv"],
+        "gate_up": ["linear_fc1"],
+        "down": ["linear_fc2"],
+        "mlp_norm": ["pre_mlp_layernorm"],
+        "final_norm": ["final_layernorm"],
+        "embed": ["word_embeddings"],
+        "lm_head": ["output_layer"],
+        "attn": ["self_attention"],
+        "rotary": ["rotary_pos_emb"],
+    },
+    "families": {
+        "linear": ["^(column|row)parallellinear$", "^te(column|row)?parallellinear$", "^telinear$"],
+        "embedding": ["^vocabparallelembedding$"],
+        "layer": ["^transformerlayer$"],
+        "stack": ["^transformerblock$"],
+        "core_attention": ["^(te)?dotproductattention$"],
+    },
+    "fused": [
+        {"name": "qkv", "module": "^linear_qkv$", "parts": ["q", "k", "v"],
+         "groups": ["num_query_groups_per_partition", "num_query_groups", "num_key_value_heads",
+                    "min_part/hidden_size_per_attention_head", "min_part/head_dim", "min_part/kv_channels"]},
+        {"name": "gate_up", "module": "^linear_fc1$", "parts": ["gate", "up"]},
+    ],
+    "masks": [{"keys": ["attention_mask"], "model_class": "^megatron\\.", "bool_masked": True}],
+    "sequence_first": ["^megatron\\."],
+}
