@@ -23,10 +23,11 @@ import re
 from pathlib import Path
 
 from . import runner
-from .core.align import align, measure
+from .core.align import align, measure, module_mapping
 from .core.layouts import LayoutRules
-from .core.match import RenameRules
+from .core.match import RenameRules, TraceSide
 from .core.replay import Forcer, evaluate_replay, find_blocks, next_splice, observe
+from .core.rules import RuleSet, ruleset
 from .core.tolerance import TolerancePolicy
 from .core.traceformat import open_trace
 from .errors import LayerdiffError
@@ -154,8 +155,10 @@ def _reference_options(reader) -> dict:
 
 
 def replay(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: RenameRules, layouts: LayoutRules,
-           policy: TolerancePolicy, auto_map: bool = True, include=None, exclude=None, progress=None) -> dict:
+           policy: TolerancePolicy, auto_map: bool = True, include=None, exclude=None, progress=None,
+           rules: RuleSet | None = None) -> dict:
     """Free run + forced run of the candidate; the replay result (see ``evaluate_replay``)."""
+    rules = rules or ruleset()
     with _reference(reference) as ref:
         _expect(progress, 2)
         options = _reference_options(ref)
@@ -165,17 +168,20 @@ def replay(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
         free = _run_once(workdir, "free", f"free run of {target}", progress,
                          lambda: run_candidate(target, kwargs, workdir.trace_path("free"), **traced))
         with open_trace(workdir.trace_path("free")) as free_trace:
-            free_report = align(ref, free_trace, rename=rename, policy=policy, auto_map=auto_map, layouts=layouts)
-        renames = rename.with_exact({m["b"]: m["a"] for m in free_report.get("mapping", [])})
+            free_report = align(ref, free_trace, rename=rename, policy=policy, auto_map=auto_map, layouts=layouts,
+                                rules=rules)
+            mapping = module_mapping(ref, free_trace, rules, rename, auto_map)
 
-        def forced_run():
-            forcer = Forcer(ref, renames, layouts, backward=options["backward"])
-            run = run_candidate(target, kwargs, workdir.trace_path("replay"), forcer=forcer, **traced)
-            return {**run, "forcing": {"forced_tensors": forcer.forced, "not_forced": forcer.unforced}}
+            def forced_run():  # the free run says which module is which, fused ones and layouts included
+                forcer = Forcer(ref, rename, layouts, backward=options["backward"], rules=rules, mapping=mapping,
+                                side_b=TraceSide(free_trace.records, free_trace.meta, rules, free_trace))
+                run = run_candidate(target, kwargs, workdir.trace_path("replay"), forcer=forcer, **traced)
+                return {**run, "forcing": {"forced_tensors": forcer.forced, "not_forced": forcer.unforced}}
 
-        forced = _run_once(workdir, "replay", f"replay of {target} on the reference's values", progress, forced_run)
+            forced = _run_once(workdir, "replay", f"replay of {target} on the reference's values", progress,
+                               forced_run)
         with open_trace(workdir.trace_path("replay")) as forced_trace:
-            measured = measure(ref, forced_trace, renames, auto_map=False, layouts=layouts)
+            measured = measure(ref, forced_trace, rename, auto_map=auto_map, layouts=layouts, rules=rules)
     result = evaluate_replay(measured, policy, free_report, forced.get("forcing"))
     result["runs"] = {"free": free, "replay": forced}
     result["workdir"] = str(workdir.path)

@@ -295,6 +295,7 @@ def cmd_bisect(args) -> int:
     command = {"strategy": strategy, "reference": bisect.reference_identity(args.reference), "target": args.target,
                "args": kwargs, "map": args.map or [], "layout": args.layout or [], "include": args.include,
                "exclude": args.exclude, "blocks": args.blocks, "auto_map": not args.no_auto_map,
+               "rules": [str(p) for p in args.rules or ()],
                "tolerances": policy.describe() if args.search else None}
     workdir = bisect.Workdir(args.workdir or f"{Path(args.reference).name}.bisect", command, restart=args.restart)
     progress = RunProgress(enabled=not args.quiet)
@@ -305,7 +306,7 @@ def cmd_bisect(args) -> int:
         else:
             result = bisect.replay(args.reference, args.target, kwargs, workdir, rename=rename, layouts=layouts,
                                    policy=policy, auto_map=not args.no_auto_map, include=args.include,
-                                   exclude=args.exclude, progress=progress)
+                                   exclude=args.exclude, progress=progress, rules=rules)
     finally:
         progress.close()
     if args.json:

@@ -1,6 +1,8 @@
 """Shared fixtures: real traces of the torch_llama recipe, made once per session and cached by arguments."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import subprocess
 import sys
 
@@ -13,6 +15,25 @@ except ImportError:
 
 import layerdiff
 from layerdiff.core.traceformat import open_trace
+
+# markers (registered in pyproject.toml) -> the module that must be installed; files that need a framework
+# throughout also call pytest.importorskip at module level, this covers single marked tests
+FRAMEWORK_MODULES = {"torch": "torch", "paddle": "paddle", "mindspore": "mindspore", "megatron": "megatron.core"}
+
+
+@functools.lru_cache(maxsize=None)
+def _installed(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # the parent package is missing
+        return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for mark, module in FRAMEWORK_MODULES.items():
+        if item.get_closest_marker(mark) is not None and not _installed(module):
+            pytest.skip(f"{mark} is not installed ({module} not importable)")
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("torch")  # every case runs the CLI, on torch models
+
+pytestmark = [pytest.mark.torch]
+
 MLP_TARGET = '''
 import torch
 

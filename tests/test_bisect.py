@@ -8,12 +8,16 @@ import math
 
 import pytest
 
-from conftest import run_cli
-from layerdiff import bisect
-from layerdiff.core.layouts import LayoutRules
-from layerdiff.core.match import RenameRules
-from layerdiff.core.tolerance import TolerancePolicy
-from layerdiff.recipes.torch_llama import DEFECTS
+pytest.importorskip("torch")
+
+from conftest import run_cli  # noqa: E402
+from layerdiff import bisect  # noqa: E402
+from layerdiff.core.layouts import LayoutRules  # noqa: E402
+from layerdiff.core.match import RenameRules  # noqa: E402
+from layerdiff.core.tolerance import TolerancePolicy  # noqa: E402
+from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 
 def replay(reference, tmp_path, **kwargs):
@@ -88,6 +92,7 @@ def test_binary_search_of_a_clean_candidate_stops_after_the_baseline(recipe_trac
     assert result["answer"]["where"] == "none" and result["splice_runs"] == 0 and result["verdict"] == "aligned"
 
 
+@pytest.mark.slow
 def test_cli_bisect_resumes_an_interrupted_run_and_refuses_another_command(recipe_trace, tmp_path):
     ref, work = recipe_trace(), tmp_path / "w"
     args = ["bisect", ref, "torch_llama", "--arg", "defect=owncode", "--workdir", work]
@@ -111,6 +116,7 @@ def test_cli_bisect_resumes_an_interrupted_run_and_refuses_another_command(recip
     assert (work / "state.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_cli_search_quiet_line_and_resume(recipe_trace, tmp_path):
     ref = recipe_trace(layers=8)
     args = ["bisect", ref, "torch_llama", "--search", "--arg", "layers=8", "--arg", "defect=eps",
@@ -121,6 +127,7 @@ def test_cli_search_quiet_line_and_resume(recipe_trace, tmp_path):
     assert code == 1 and err.count("reused") == 4 and "A's input spliced into model.layers.3" in out2
 
 
+@pytest.mark.slow
 def test_bad_bisect_input_is_one_line_and_creates_nothing(recipe_trace, tmp_path):
     cases = [
         ([tmp_path / "missing.h5", "torch_llama"], "no such file"),
@@ -186,6 +193,7 @@ def build():
 '''
 
 
+@pytest.mark.slow
 def test_bisect_killed_mid_run_resumes_from_its_state_file(tmp_path):
     import os
     import signal
@@ -259,6 +267,7 @@ def port(bug=False):
 '''
 
 
+@pytest.mark.slow
 def test_replay_follows_the_inferred_mapping_of_renamed_modules(tmp_path):
     (tmp_path / "m.py").write_text(RENAMED_PORT)
     assert run_cli("trace", f"{tmp_path / 'm.py'}:ref", "-o", tmp_path / "a.h5", "-q")[0] == 0

@@ -12,6 +12,12 @@ import pytest
 from conftest import run_cli
 from layerdiff.recipes.llama_shared import DEFECTS, FAILURES
 
+pytest.importorskip("torch")
+pytest.importorskip("mindspore")  # before paddle, as in conftest.py
+pytest.importorskip("paddle")
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.paddle, pytest.mark.mindspore]
+
 # (reference framework, candidate framework, defect or None): every defect in every framework pair, a crash in
 # each non-torch framework, and one clean pair the other way round (no false alarm)
 PAIRS = [("torch", "paddle"), ("torch", "mindspore"), ("paddle", "mindspore")]

@@ -9,12 +9,15 @@ import textwrap
 
 import numpy as np
 import pytest
-import torch
 
 from layerdiff import checkpoints
 from layerdiff.checkpoints import diff, file_digest, open_checkpoint, register, run
 from layerdiff.core.match import RenameRules
 from layerdiff.errors import LayerdiffError
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch]  # the Megatron checkpoints here are made with torch: megatron-core not needed
 
 
 def _parser():
@@ -158,6 +161,9 @@ def test_npz_and_bf16(tmp_path):
 
 
 # -------------------------------------------------------------------------------------- paddle / mindspore
+@pytest.mark.slow
+@pytest.mark.paddle
+@pytest.mark.mindspore
 def test_paddle_and_mindspore_against_torch(tmp_path):
     w = _small_weights()
     np.savez(tmp_path / "w.npz", **w)

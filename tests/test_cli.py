@@ -3,10 +3,14 @@ import json
 
 import pytest
 
-from layerdiff.core.report import read_json
-from layerdiff.recipes.torch_llama import DEFECTS
+pytest.importorskip("torch")
 
-from conftest import run_cli
+from layerdiff.core.report import read_json  # noqa: E402
+from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
+
+from conftest import run_cli  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
 USER_FILE = '''
 import torch, torch.nn as nn

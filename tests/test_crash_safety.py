@@ -15,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import layerdiff
 from layerdiff.core.tensors import FLOAT_DTYPES, as_float
 from layerdiff.core.traceformat import open_trace
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch]
 
 LOOP_SCRIPT = '''
 import sys
@@ -155,6 +158,7 @@ def _assert_cli_ok(proc):
 # ---------------------------------------------------------------------------------------------------------
 # SIGKILL
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigkill_with_flush_every_record_keeps_completed_steps(killed_traces):
     run = killed_traces["every"]
     assert run.path.is_file()
@@ -182,6 +186,7 @@ def test_sigkill_with_flush_every_record_keeps_completed_steps(killed_traces):
     assert (run.path.stat().st_size, run.path.stat().st_mtime_ns) == (size, mtime), "readers modified the trace"
 
 
+@pytest.mark.slow
 def test_sigkill_with_default_flush_interval_opens(killed_traces):
     run = killed_traces["default"]
     assert run.path.is_file()

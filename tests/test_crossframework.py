@@ -3,10 +3,16 @@
 import numpy as np
 import pytest
 
-from layerdiff.core import safetensors_io
-from layerdiff.recipes.torch_llama import DEFECTS
+pytest.importorskip("torch")
+pytest.importorskip("mindspore")  # before paddle, as in conftest.py
+pytest.importorskip("paddle")
 
-from conftest import run_cli
+from layerdiff.core import safetensors_io  # noqa: E402
+from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
+
+from conftest import run_cli  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.paddle, pytest.mark.mindspore]
 
 
 @pytest.fixture(scope="module")

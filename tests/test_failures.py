@@ -1,12 +1,16 @@
 """A run that raises and a run that produces NaN: what align and show say about them."""
 import json
 
-import torch
-import torch.nn as nn
+import pytest
 
-from layerdiff.runner import parse_args
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
 
-from conftest import run_cli
+from layerdiff.runner import parse_args  # noqa: E402
+
+from conftest import run_cli  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 TARGET = '''
 import torch, torch.nn as nn
@@ -56,6 +60,7 @@ def nan_backward():
 '''
 
 
+@pytest.mark.slow
 def test_align_reports_the_module_that_raised_and_compares_what_ran(tmp_path):
     (tmp_path / "boom.py").write_text(TARGET)
     assert run_cli("trace", f"{tmp_path / 'boom.py'}:build", "-o", tmp_path / "ok.h5", "-q")[0] == 0

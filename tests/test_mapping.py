@@ -1,10 +1,14 @@
 """Modules renamed or wrapped between two runs are matched by structure, shown, and can be saved and edited."""
-import torch
-import torch.nn as nn
+import pytest
 
-import layerdiff
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
 
-from conftest import run_cli
+import layerdiff  # noqa: E402
+
+from conftest import run_cli  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 
 class Block(nn.Module):

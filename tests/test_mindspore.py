@@ -19,6 +19,10 @@ from layerdiff.recipes.mindspore_llama import DEFECTS  # noqa: E402  (imports mi
 
 from conftest import align_files, run_scripts  # noqa: E402
 
+pytest.importorskip("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
+
+pytestmark = [pytest.mark.slow, pytest.mark.mindspore, pytest.mark.torch]
+
 MS_SCRIPT = """
 import json, sys
 import numpy as np

@@ -1,8 +1,12 @@
 """The aligner names the module where an injected defect originates, and stays quiet on clean pairs."""
 import pytest
 
-from layerdiff.core.tolerance import TolerancePolicy
-from layerdiff.recipes.torch_llama import DEFECTS
+pytest.importorskip("torch")
+
+from layerdiff.core.tolerance import TolerancePolicy  # noqa: E402
+from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 FORWARD_DEFECTS = [d for d, (direction, _) in DEFECTS.items() if direction == "forward"]
 

@@ -14,6 +14,9 @@ from layerdiff.core.traceformat import open_trace
 from conftest import align_files, run_scripts
 
 pytest.importorskip("paddle")
+pytest.importorskip("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
+
+pytestmark = [pytest.mark.slow, pytest.mark.paddle, pytest.mark.torch]
 
 # the defect names and origins of the paddle recipe, read without importing paddle in this process
 DEFECTS = {

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import align_files, run_cli, run_scripts
 
+pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.mindspore]
+
 pytest.importorskip("megatron.core")
 pytest.importorskip("mindspore")
 

@@ -5,9 +5,13 @@ import h5py
 import numpy as np
 import pytest
 
-import layerdiff
-from layerdiff.core.traceformat import open_trace
-from layerdiff.recipes import torch_llama
+pytest.importorskip("torch")
+
+import layerdiff  # noqa: E402
+from layerdiff.core.traceformat import open_trace  # noqa: E402
+from layerdiff.recipes import torch_llama  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 
 @pytest.mark.parametrize("compression", [None, "gzip", "lzf"])

@@ -4,14 +4,17 @@ import tracemalloc
 
 import numpy as np
 import pytest
-import torch
-import torch.nn as nn
 
-import layerdiff
-from layerdiff.core.tensors import as_float, summarize
-from layerdiff.core.traceformat import open_trace
-from layerdiff.errors import LayerdiffError
-from layerdiff.recipes import torch_llama
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+import layerdiff  # noqa: E402
+from layerdiff.core.tensors import as_float, summarize  # noqa: E402
+from layerdiff.core.traceformat import open_trace  # noqa: E402
+from layerdiff.errors import LayerdiffError  # noqa: E402
+from layerdiff.recipes import torch_llama  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 
 def calls(reader, path, phase="forward"):
@@ -281,6 +284,7 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
         assert len(calls(r, "")) == 1
 
 
+@pytest.mark.slow
 def test_trace_memory_does_not_grow_with_trace_length(tmp_path):
     """Past the write-behind buffers (8 MB data, 1 MB index) the tracer's peak heap stays flat."""
     built = torch_llama.build()

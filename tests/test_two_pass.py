@@ -5,15 +5,22 @@ from __future__ import annotations
 import json
 import os
 
-import layerdiff
-from conftest import run_cli
-from layerdiff.core.traceformat import open_trace
-from layerdiff.recipes import torch_llama
+import pytest
+
+pytest.importorskip("torch")
+
+import layerdiff  # noqa: E402
+from conftest import run_cli  # noqa: E402
+from layerdiff.core.traceformat import open_trace  # noqa: E402
+from layerdiff.recipes import torch_llama  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 REF = ["torch_llama", "--arg", "layers=8"]
 CAND = REF + ["--arg", "defect=eps", "--arg", "defect_layer=5"]
 
 
+@pytest.mark.slow
 def test_two_pass_recipe_on_a_model_whose_full_trace_is_over_10x_its_stats_trace(tmp_path):
     def trace(name, target, *extra):
         code, out, err = run_cli("trace", *target, "-o", tmp_path / name, "-q", *extra)
@@ -62,6 +69,7 @@ def test_layers_window_keeps_the_model_record_as_statistics(tmp_path):
     assert params and all(p.startswith(("model.layers.1.", "model.layers.2.")) for p in params)
 
 
+@pytest.mark.slow
 def test_bad_layers_window_is_one_line_and_writes_nothing(tmp_path):
     for spec, message in [("9:10", "the model has 2 numbered blocks"), ("x", "expected START:END"),
                           ("3:1", "0 <= START < END")]:

@@ -1,15 +1,18 @@
 """Weight transfer through the neutral safetensors form (torch side; other frameworks in their own files)."""
 import numpy as np
 import pytest
-import torch
-import torch.nn as nn
 
-from layerdiff.core import safetensors_io
-from layerdiff.errors import LayerdiffError
-from layerdiff.recipes import torch_llama
-from layerdiff.weights import export_weights, import_weights, transfer_weights
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
 
-from conftest import run_cli
+from layerdiff.core import safetensors_io  # noqa: E402
+from layerdiff.errors import LayerdiffError  # noqa: E402
+from layerdiff.recipes import torch_llama  # noqa: E402
+from layerdiff.weights import export_weights, import_weights, transfer_weights  # noqa: E402
+
+from conftest import run_cli  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
 
 
 def test_transfer_between_torch_models_is_exact():
@@ -62,6 +65,7 @@ def test_mapping_renames_parameters():
     assert torch.equal(dst.dense1.weight, src[0].weight)
 
 
+@pytest.mark.slow
 def test_cli_export_then_trace_with_those_weights(tmp_path):
     code, _, err = run_cli("weights", "export", "torch_llama", "-o", tmp_path / "w.safetensors", "--arg", "seed=11")
     assert code == 0, err
@@ -76,6 +80,7 @@ def test_cli_export_then_trace_with_those_weights(tmp_path):
         assert r.meta["user"]["weights"]["parameters"] == 21
 
 
+@pytest.mark.slow
 def test_bad_weight_files_are_one_line_errors(tmp_path):
     import pickle
 

@@ -8,10 +8,23 @@ from ..errors import LayerdiffError
 FRAMEWORKS = ("torch", "paddle", "mindspore")
 
 
+# Packages whose models look like one framework's but run on another: refused with what to do instead.
+UNSUPPORTED = {
+    "mindnlp": "mindnlp/mindtorch models (Hugging Face code on MindSpore through torch-like modules) are not "
+               "supported: they are neither torch.nn.Module nor mindspore.nn.Cell to a tracer, and mindnlp 0.5 needs "
+               "mindspore<=2.7. Trace the original Hugging Face model with PyTorch, and the MindSpore side as a "
+               "mindspore.nn.Cell (e.g. MindSpore Transformers, recipe mindformers_llama), then align the two",
+}
+UNSUPPORTED["mindtorch"] = UNSUPPORTED["mindnlp"]
+
+
 def detect_framework(model) -> str:
     """The framework a model belongs to, from its class hierarchy (no framework is imported to find out)."""
-    for cls in type(model).__mro__:
-        root = (cls.__module__ or "").split(".")[0]
+    roots = [(cls.__module__ or "").split(".")[0] for cls in type(model).__mro__]
+    refused = next((UNSUPPORTED[r] for r in roots if r in UNSUPPORTED), None)
+    if refused:
+        raise LayerdiffError(f"cannot trace a {type(model).__module__}.{type(model).__name__}: {refused}")
+    for root in roots:
         if root in FRAMEWORKS:
             return root
     raise LayerdiffError(f"cannot trace a {type(model).__module__}.{type(model).__name__}: expected a "

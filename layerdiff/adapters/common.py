@@ -123,6 +123,10 @@ class ModuleHooks:
         self.grads_since_recorded: set[str] = set()
         self.params = [(name, p) for name, p in self.named_parameters()
                        if path_filter(name.rpartition(".")[0])]
+        owners: dict = {}
+        for name, p in self.params:
+            owners.setdefault(id(p), []).append(name)
+        self.tied = {name: names for names in owners.values() if len(names) > 1 for name in names}
         self.module_types = {path: type(m).__name__ for path, m in self.named_modules()}
 
     # -- framework-specific: subclasses override these -------------------------------------------------------
@@ -189,6 +193,10 @@ class ModuleHooks:
     def check_in_place(self, frame) -> bool:
         """After the call: True if it modified a tapped input in place (after any framework-specific repair)."""
         return False
+
+    def watch_param_uses(self, frame, module, outputs):
+        """After the call: arrange for this call's own contribution to each tied parameter's gradient to reach
+        ``session.param_use`` in backward; frameworks whose autograd graph cannot be inspected skip it."""
 
     def param_version(self, p):
         """A value that changes whenever ``p``'s bytes change, or None if the framework has no such counter.
@@ -276,6 +284,8 @@ class ModuleHooks:
             tensors, scalars = [], {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             entries = session.end_call(frame, tensors, scalars)
+            if self.tied and self._taps_enabled() and self.record_params:
+                self.watch_param_uses(frame, module, [t for _, t in tensors])
             if self.check_in_place(frame):
                 self.no_input_taps.add(path)
                 session.warn(f"{path} modifies its input in place: {self.in_place_consequence}")
@@ -341,7 +351,7 @@ class ModuleHooks:
         if grad is not None:
             self.grads_since_recorded.add(name)
             module = name.rpartition(".")[0]
-            self.session.param("param_grad", name, module, grad, self.module_types.get(module))
+            self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name))
 
     def _record_changed_params(self):
         """Parameter values at the start of each step, when they (may have) changed since last recorded."""
@@ -356,4 +366,4 @@ class ModuleHooks:
             self.param_versions[name] = version
             self.grads_since_recorded.discard(name)
             module = name.rpartition(".")[0]
-            self.session.param("param", name, module, p, self.module_types.get(module))
+            self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name))

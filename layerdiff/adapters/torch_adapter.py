@@ -51,6 +51,7 @@ def identify(t: torch.Tensor):
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
 
 
+_MAX_GRAPH_WALK = 512  # autograd nodes visited per call of a module that owns a tied weight
 _FAST_STATS_MIN = 1 << 17  # below this numpy is as fast
 _STATS_CHUNK = 1 << 18  # 1 MB of fp32: each piece is reduced three ways while it sits in cache
 
@@ -154,7 +155,7 @@ class Hooks(ModuleHooks):
         return self.model.named_modules()
 
     def named_parameters(self):
-        return self.model.named_parameters()
+        return self.model.named_parameters(remove_duplicate=False)  # a tied weight under each owner
 
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
         return [module.register_forward_pre_hook(pre_hook, with_kwargs=True),
@@ -185,6 +186,35 @@ class Hooks(ModuleHooks):
 
     def param_version(self, p):
         return p._version
+
+    def watch_param_uses(self, frame, module, outputs):
+        """The autograd node that hands this call's contribution to a tied parameter (the edge into its
+        ``AccumulateGrad``) gets a hook: its gradient there is this use's own, before the users' sum. The walk
+        stays inside the call: it stops at gradient taps (the call's inputs, other modules' outputs)."""
+        own = {id(p): name for name, p in module.named_parameters(recurse=False, remove_duplicate=False)
+               if f"{frame.path}.{name}".lstrip(".") in self.tied}
+        if not own:
+            return
+        stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+        while stack and len(seen) < _MAX_GRAPH_WALK:
+            node = stack.pop()
+            if id(node) in seen or type(node).__name__ == "_GradTapBackward":
+                continue
+            seen.add(id(node))
+            for index, (child, _) in enumerate(node.next_functions):
+                variable = getattr(child, "variable", None) if child is not None else None
+                if variable is not None and id(variable) in own:
+                    name = f"{frame.path}.{own[id(variable)]}".lstrip(".")
+                    node.register_hook(self._use_hook(frame, name, index))
+                elif child is not None:
+                    stack.append(child)
+
+    def _use_hook(self, frame, name, index):
+        def hook(grad_inputs, grad_outputs):
+            if grad_inputs[index] is not None:
+                self.session.param_use(name, frame, grad_inputs[index], self.tied[name])
+
+        return hook
 
 
 def metadata(model) -> dict:

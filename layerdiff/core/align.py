@@ -210,6 +210,8 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
                "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
         if skipped:
             row["skipped"] = skipped
+        if ra.get("tied"):
+            row["tied"] = ra["tied"]
         records.append(row)
         if progress is not None:
             progress.advance(_data_bytes(ra) + sum(_data_bytes(r) for r in pair.b))
@@ -307,7 +309,7 @@ def _one_sided(row: dict, phase: str) -> list:
     return out
 
 
-def _build_tree(rows: list, phase: str, param_grads: dict, strict_inputs: bool = False) -> list:
+def _build_tree(rows: list, phase: str, param_grads: dict, strict_inputs: bool = False, uses: dict | None = None) -> list:
     """The call tree of A's matched calls. A call whose parent has no counterpart hangs under its nearest
     ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
     root of one run only counts as a difference of the inputs."""
@@ -324,6 +326,9 @@ def _build_tree(rows: list, phase: str, param_grads: dict, strict_inputs: bool =
                         key=lambda n: n.row["call"], default=None)
             if owner is not None:
                 owner.outs.extend(tensors)
+        for key, tensors in (uses or {}).items():  # a tied weight's gradient, per use: on the call that used it
+            if key in nodes:
+                nodes[key].outs.extend(tensors)
     roots = []
     for node in sorted(nodes.values(), key=lambda n: n.row["begin"]):
         chain = node.row.get("ancestors")
@@ -337,6 +342,23 @@ def _build_tree(rows: list, phase: str, param_grads: dict, strict_inputs: bool =
                 node.ins = node.ins + _one_sided(node.row, phase)
             roots.append(node)
     return roots
+
+
+def call_tree(rows: list, phase: str, strict_inputs: bool = False) -> list:
+    """The judged call tree of one phase (``_build_tree``) with parameter gradients placed on the calls they
+    belong to: a module's own on its first call of the step; a tied weight's per use, on the call that used it
+    (its total, the sum of its uses, then stays off the tree)."""
+    if phase == "forward":
+        return _build_tree(rows, phase, {}, strict_inputs)
+    uses = _param_rows(rows, "param_grad_use")
+    used = {p["name"] for p in uses}
+    grads_by_module, uses_by_call = {}, {}
+    for p in _param_rows(rows, "param_grad"):
+        if not (p.get("tied") and used):
+            grads_by_module.setdefault((p["module"], p["step"]), []).append(p)
+    for p in uses:
+        uses_by_call.setdefault((p["module"], p["call"]), []).append(p)
+    return _build_tree(rows, phase, grads_by_module, strict_inputs, uses_by_call)
 
 
 def _first_failing(tensors) -> dict | None:
@@ -418,7 +440,8 @@ def _param_rows(rows, kind):
     for r in rows:
         if r["kind"] == kind and r["tensors"]:
             t = r["tensors"][0]
-            out.append({"name": r["path"], "module": r["module"], "step": r["step"], "passed": t["passed"],
+            out.append({"name": r["path"], "module": r["module"], "step": r["step"], "call": r["call"],
+                        "tied": r.get("tied"), "passed": t["passed"],
                         "reason": t["reason"], "metrics": t["metrics"], "role": t["role"], "key": r["path"].rsplit(".", 1)[-1]})
     return out
 
@@ -428,7 +451,7 @@ def _phase_result(rows, phase, roots, params, forward_origin) -> dict:
     failing = [t for r in rows if r["kind"] == "call" and r["phase"] == phase for t in r["tensors"]
                if not t["passed"]]
     if phase == "backward":
-        failing += [p for p in params.get("param_grad", []) if not p["passed"]]
+        failing += [p for kind in ("param_grad", "param_grad_use") for p in params.get(kind, []) if not p["passed"]]
     failing += [t for root in roots for t in root.ins if t.get("one_sided")]
     result = {"present": present, "status": "aligned" if present and not failing else
               ("divergent" if failing else "absent"), "failing_tensors": len(failing),
@@ -462,7 +485,11 @@ def _origin(roots, phase, params) -> dict | None:
             return _origin_dict(node, where, after, before, chain, phase, own_params)
     bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)
     if phase == "backward" and bad_param is not None:  # parameter gradients differ though no call shows it
-        return {"module": bad_param["module"], "where": "param_grad", "description": f"{bad_param['name']} gradient",
+        description = f"{bad_param['name']} gradient"
+        if bad_param.get("tied"):
+            description += (f" (a weight tied across {', '.join(bad_param['tied'])}: one of its users computes its "
+                            "weight gradient differently)")
+        return {"module": bad_param["module"], "where": "param_grad", "description": description,
                 "tensor": bad_param, "hparam_diff": {}, "param_diffs": [bad_param], "chain": [], "phase": phase}
     return None
 
@@ -471,13 +498,10 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
     """Judge every tensor and locate the origin, forward and backward. Returns the full report dict."""
     judge_rows(measurements, policy)
     rows = measurements["records"]
-    params = {kind: _param_rows(rows, kind) for kind in ("param", "param_grad")}
-    grads_by_module = {}
-    for p in params["param_grad"]:
-        grads_by_module.setdefault((p["module"], p["step"]), []).append(p)
+    params = {kind: _param_rows(rows, kind) for kind in ("param", "param_grad", "param_grad_use")}
     strict = measurements.get("structure") == "same_model"
-    forward = _phase_result(rows, "forward", _build_tree(rows, "forward", {}, strict), params, None)
-    backward = _phase_result(rows, "backward", _build_tree(rows, "backward", grads_by_module, strict), params,
+    forward = _phase_result(rows, "forward", call_tree(rows, "forward", strict), params, None)
+    backward = _phase_result(rows, "backward", call_tree(rows, "backward", strict), params,
                              forward["first_divergence"])
     for key, side in (("failure", "b"), ("failure_a", "a")):  # a run that raised: where, and what
         failure = measurements[side].get("failure")
@@ -498,7 +522,9 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
         tolerances=policy.describe(), forward=forward, backward=backward,
         params={"compared": len(param_values), "differ": [p["name"] for p in param_values if not p["passed"]],
                 "grads_compared": len(params["param_grad"]),
-                "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]]},
+                "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]],
+                "grad_uses_differ": [f"{p['module']} (call {p['call']})" for p in params["param_grad_use"]
+                                     if not p["passed"]]},
         growth=growth_table(rows, forward["first_divergence"]),
         verdict="divergent" if {"divergent", "failed"} & {forward["status"], backward["status"]}
         or any(not p["passed"] for p in param_values) else "aligned")

@@ -21,6 +21,8 @@ from .mapping import Match, ModuleMapping
 from .operands import Operand, dtype_kind
 from .rules import RuleSet
 
+PARAM_KINDS = ("param", "param_grad", "param_grad_use")
+RECORD_KINDS = ("call",) + PARAM_KINDS
 HIDDEN_NAMES = {"hidden_states", "hidden_state", "hidden", "x", "xs", "input", "input_", "inputs", "input_tensor", "h"}
 _POSITIONAL = re.compile(r"^(args\.\d+|out)(\.\d+)*$")
 
@@ -104,7 +106,7 @@ class TraceSide:
                 self.types.setdefault(r["path"], r.get("type"))
                 if r["phase"] == "forward" and r["call"] == 0 and r.get("parent"):
                     self.children.setdefault(r["parent"][0], []).append(r["path"])
-            elif r["kind"] in ("param", "param_grad"):
+            elif r["kind"] in PARAM_KINDS:  # param_grad_use: "call" is the using module's call
                 module = r.get("module", r["path"].rpartition(".")[0])
                 leaf = canonical_param_name(r["path"]).rpartition(".")[2]
                 self.params.setdefault((r["kind"], module, leaf, r["call"]), r)
@@ -113,7 +115,7 @@ class TraceSide:
 
     def transposed(self, rec: dict, entry: dict) -> bool:
         """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
-        return (rec["kind"] in ("param", "param_grad") and len(entry["shape"]) == 2
+        return (rec["kind"] in PARAM_KINDS and len(entry["shape"]) == 2
                 and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"]))
 
     def operand(self, rec: dict, entry: dict) -> Operand:
@@ -173,9 +175,9 @@ def _module_of(rec: dict) -> str:
 def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) -> Matching:
     result = Matching()
     used = set()
-    links = _FusedLinks(side_a, side_b)
+    links = FusedLinks(side_a, side_b)
     for ra in side_a.records:
-        if ra["kind"] not in ("call", "param", "param_grad"):
+        if ra["kind"] not in RECORD_KINDS:
             continue
         match = mapping.for_a(_module_of(ra))
         sources = [] if match is None else [side_b.twin(ra, p) for p in match.b]
@@ -186,34 +188,38 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
         if match.fused_side is None and ra["kind"] == "call" and not side_a.children.get(ra["path"]):
             sources = [_with_absorbed(sources[0], match, side_b, mapping)]
         result.pairs.append(_pair(ra, tuple(sources), match, links))
-    result.only_b = [rb for rb in side_b.records if rb["kind"] in ("call", "param", "param_grad")
-                     and id(rb) not in used]
+    result.only_b = [rb for rb in side_b.records if rb["kind"] in RECORD_KINDS and id(rb) not in used]
     return result
 
 
 _ABSORBED_ROLES = {"input": "output", "grad_input": "grad_output"}
 
 
+def absorbed_child(path_b: str, match: Match, side_b: TraceSide, mapping: ModuleMapping) -> str | None:
+    """The child that B's module runs inside itself although its counterpart in A sits outside A's module."""
+    a_path = match.a[0]
+    for child in side_b.children.get(path_b, ()):
+        other = mapping.for_b(child)
+        if other is not None and not any(p == a_path or p.startswith(a_path + ".") for p in other.a):
+            return child
+    return None
+
+
 def _with_absorbed(rb: dict, match: Match, side_b: TraceSide, mapping: ModuleMapping) -> dict:
     """B's module may run, inside itself, a child whose counterpart in A sits outside A's module (mindformers'
     ``w1`` Linear applies its SiLU as a child; HF's ``gate_proj`` does not): then B's own result is that child's
     input, and B's record stands in with it as output (and the child's input gradient as grad_output)."""
-    a_path = match.a[0]
-    for child in side_b.children.get(rb["path"], ()):
-        other = mapping.for_b(child)
-        if other is None or any(p == a_path or p.startswith(a_path + ".") for p in other.a):
-            continue
-        twin = side_b.calls.get((rb["phase"], child, rb["call"]))
-        if twin is None:
-            return rb
-        inner = [{**t, "role": _ABSORBED_ROLES[t["role"]], "key": f"{child.rpartition('.')[2]}:{t['key']}"}
-                 for t in twin["tensors"] if t["role"] in _ABSORBED_ROLES]
-        kept = [t for t in rb["tensors"] if t["role"] not in ("output", "grad_output")]
-        return {**rb, "tensors": kept + inner, "absorbed": child}
-    return rb
+    child = absorbed_child(rb["path"], match, side_b, mapping)
+    twin = side_b.calls.get((rb["phase"], child, rb["call"])) if child else None
+    if twin is None:
+        return rb
+    inner = [{**t, "role": _ABSORBED_ROLES[t["role"]], "key": f"{child.rpartition('.')[2]}:{t['key']}"}
+             for t in twin["tensors"] if t["role"] in _ABSORBED_ROLES]
+    kept = [t for t in rb["tensors"] if t["role"] not in ("output", "grad_output")]
+    return {**rb, "tensors": kept + inner, "absorbed": child}
 
 
-def _pair(ra: dict, sources: tuple, match: Match, links: "_FusedLinks") -> RecordPair:
+def _pair(ra: dict, sources: tuple, match: Match, links: "FusedLinks") -> RecordPair:
     pair = RecordPair(ra, sources)
     side_a, side_b = links.a, links.b
     if match.fused_side is None:
@@ -260,7 +266,7 @@ def pair_tensors(ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide, roles
         tb = [t for t in rb["tensors"] if t["role"] == role]
         if not ta and not tb:
             continue
-        found, left_a, left_b = pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=_transforms_for(
+        found, left_a, left_b = pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=transforms_step(
             role, ra, rb, side_a, side_b, pairs))
         for ea, eb, note in found:
             tp = TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), side_b.operand(rb, eb),
@@ -284,7 +290,7 @@ def _shifted_labels(tp: TensorPair, ra: dict, rb: dict, side_a: TraceSide, side_
                       tp.activation)
 
 
-def _transforms_for(role, ra, rb, side_a, side_b, out: list):
+def transforms_step(role, ra, rb, side_a, side_b, out: list):
     """The transform step of ``pair_role`` for one pair of records: pairs it finds are appended to ``out``."""
     def step(left_a, left_b):
         found, left_a, left_b = _transforms(role, left_a, left_b, ra, rb, side_a, side_b)
@@ -420,7 +426,9 @@ class FusedLink:
     note: str
 
 
-class _FusedLinks:
+class FusedLinks:
+    """The ``FusedLink`` of each fused match, resolved once (group counts are checked against the weights)."""
+
     def __init__(self, side_a: TraceSide, side_b: TraceSide):
         self.a, self.b = side_a, side_b
         self.cache: dict = {}

@@ -128,6 +128,8 @@ def _origin_lines(origin: dict) -> list[str]:
     tensor = origin.get("tensor")
     if where == "inputs":
         lines.append("the two runs start from different inputs: check data, seeds and preprocessing first")
+        if tensor:
+            lines.append(f"{tensor['role']} [cyan]{tensor['key']}[/]: {tensor['reason']}")
     elif where == "raised":
         lines.append("the run stopped with this exception; modules active when it was raised are the chain below")
     elif where == "forward":

@@ -278,8 +278,10 @@ class TraceSession:
                                                    pending.grad_outputs))
 
     # -- parameters ----------------------------------------------------------------------------------------
-    def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None):
-        """kind is "param" (value) or "param_grad" (gradient after accumulation)."""
+    def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None,
+              tied: list | None = None):
+        """kind is "param" (value) or "param_grad" (gradient after accumulation). ``tied``: every name of a
+        parameter that several modules own (an embedding tied to the LM head); it is recorded under each."""
         entries = self._entries(kind, [("value", tensor)])
         if not entries:
             return
@@ -287,9 +289,20 @@ class TraceSession:
         self.param_counts[(kind, name)] = count + 1
         # values are taken just before the root call opens a step: they belong to that step
         step = self.step + 1 if kind == "param" and not self.stack else max(self.step, 0)
-        self.writer.write_record({"kind": kind, "path": name, "module": module_path, "module_type": module_type,
-                                  "call": count,
-                                  "step": step, "seq": self._next_seq(), "tensors": entries})
+        record = {"kind": kind, "path": name, "module": module_path, "module_type": module_type, "call": count,
+                  "step": step, "seq": self._next_seq(), "tensors": entries}
+        if tied:
+            record["tied"] = list(tied)
+        self.writer.write_record(record)
+
+    def param_use(self, name: str, frame: CallFrame, grad, tied: list):
+        """One call's own contribution to a tied parameter's gradient (before it is summed with the other
+        users'): what localizes a gradient defect in one user of a shared weight."""
+        entries = self._entries("param_grad", [("value", grad)], frame.full)
+        if entries:
+            self.writer.write_record({"kind": "param_grad_use", "path": name, "module": frame.path,
+                                      "module_type": frame.type, "call": frame.call, "step": frame.step,
+                                      "seq": self._next_seq(), "tensors": entries, "tied": list(tied)})
 
     # -- end -----------------------------------------------------------------------------------------------
     def close(self, exc: BaseException | None = None):

@@ -27,7 +27,7 @@ from ..errors import LayerdiffError, TraceFormatError
 from .tensors import storage_dtype, summarize
 
 FORMAT_NAME = "layerdiff-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: param_grad_use records (a tied weight's gradient per use), arg_names, tied
 DATA_CHUNK = 1 << 20
 INDEX_CHUNK = 1 << 16
 COMPRESSIONS = (None, "gzip", "lzf")
@@ -353,7 +353,8 @@ def _parse_index(raw: bytes, data_size: int):
 
 
 _RECORD_FIELDS = {"call": ("phase", "path", "call", "tensors"), "param": ("path", "call", "tensors"),
-                  "param_grad": ("path", "call", "tensors"), "end": ()}
+                  "param_grad": ("path", "call", "tensors"), "end": (),
+                  "param_grad_use": ("path", "module", "call", "tensors")}  # format 2
 _TENSOR_FIELDS = ("role", "key", "dtype", "shape", "stats")
 
 
