@@ -86,11 +86,11 @@ def reference_identity(path) -> dict:
 
 
 def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backward=True, include=None,
-                  exclude=None, params=True, layers=None) -> dict:
+                  exclude=None, params=True, layers=None, mode="full") -> dict:
     """Build the candidate, run one step under the tracer, close the trace. A step that raises is a result
     (the trace records where), not an error of bisect."""
     model, step, meta = runner.build(target, kwargs)
-    tracer = Tracer(model, path, mode="full", backward=backward, include=include, exclude=exclude, params=params,
+    tracer = Tracer(model, path, mode=mode, backward=backward, include=include, exclude=exclude, params=params,
                     layers=layers,
                     overwrite=True, meta={"target": target, "bisect": True, **(meta or {})}, forcer=forcer)
     with _Guard(tracer) as guard:
@@ -202,16 +202,16 @@ def _run_once(workdir: Workdir, name: str, label: str, progress, make) -> dict:
 
 
 def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: RenameRules, layouts: LayoutRules,
-           policy: TolerancePolicy, container: str | None = None, progress=None) -> dict:
+           policy: TolerancePolicy, container: str | None = None, progress=None, rules: RuleSet | None = None) -> dict:
     """Binary search over the reference's top-level blocks by splicing its activations into the candidate."""
+    rules = rules or ruleset()
     with _reference(reference) as ref:
         parent, blocks = find_blocks(ref.records, container)
         if len(blocks) < 2:
             where = f"under {container!r}" if container else "(a module list with numbered children)"
             raise LayerdiffError(f"{reference}: found no blocks to search {where}; name them with --blocks PATH")
         _expect(progress, 1 + math.ceil(math.log2(len(blocks))))
-        # the model itself is recorded too, with statistics only (its logits can outweigh every block)
-        watched = [f"^{re.escape(blocks[0])}$", f"^{re.escape(blocks[-1])}$"]
+        names = _BlockNames(ref, rename, rules)
         runs: list[dict] = []
         while True:
             spliced, answer = next_splice(len(blocks), runs) if runs else (None, None)
@@ -222,22 +222,71 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
                 f"splice the reference's input into {blocks[spliced]}"
 
             def splice_run(spliced=spliced, name=name):
-                forcer = None if spliced is None else Forcer(ref, rename, layouts, backward=False,
-                                                             where=_splice_at(blocks[spliced]))
-                include = watched + ([f"^{re.escape(blocks[spliced])}$"] if spliced is not None else [])
+                # the model itself is recorded too, with statistics only (its logits can outweigh every block)
+                watched = [blocks[0], blocks[-1]] + ([blocks[spliced]] if spliced is not None else [])
+                forcer = None if spliced is None else Forcer(ref, rename, layouts, backward=False, rules=rules,
+                                                             where=_splice_at(blocks[spliced]), **names.forcing())
                 run = run_candidate(target, kwargs, workdir.trace_path(name), forcer=forcer, backward=False,
-                                    include=include, params=False)
+                                    include=names.include(watched), params=False)
+                if spliced is None and not names.found(workdir.trace_path(name), watched):
+                    names.learn(target, kwargs, workdir, progress)  # a port: its own names for the blocks
+                    run = run_candidate(target, kwargs, workdir.trace_path(name), backward=False,
+                                        include=names.include(watched), params=False)
                 with open_trace(workdir.trace_path(name)) as cand:
-                    measured = measure(ref, cand, rename, auto_map=False, layouts=layouts)
-                return {**run, "observation": {**observe(measured, policy, blocks, spliced), "raised": run["raised"]}}
+                    measured = measure(ref, cand, rename, auto_map=False, layouts=layouts, rules=rules,
+                                       mapping=names.mapping)
+                return {**run, "ported": names.mapping is not None,
+                        "observation": {**observe(measured, policy, blocks, spliced), "raised": run["raised"]}}
 
-            runs.append(_run_once(workdir, name, label, progress, splice_run)["observation"])
-    return {"kind": "search", "a": {"path": str(reference)}, "b": {"target": target}, "container": parent,
-            "blocks": blocks, "runs": runs, "splice_runs": sum(1 for r in runs if r["spliced"] is not None),
-            "expected_runs": math.ceil(math.log2(len(blocks))), "answer": answer,
-            "block": blocks[answer["block"]] if answer.get("where") == "block" else None,
+            done = _run_once(workdir, name, label, progress, splice_run)
+            if done.get("ported") and names.mapping is None:  # resumed: the port's names come from the state
+                names.learn(target, kwargs, workdir, progress)
+            runs.append(done["observation"])
+    block = blocks[answer["block"]] if answer.get("where") == "block" else None
+    return {"kind": "search", "a": {"path": str(reference)}, "b": {"target": target, "target_args": kwargs},
+            "container": parent, "blocks": blocks, "runs": runs,
+            "splice_runs": sum(1 for r in runs if r["spliced"] is not None),
+            "expected_runs": math.ceil(math.log2(len(blocks))), "answer": answer, "block": block,
+            "block_b": names.own_name(block) if block else None,
             "tolerances": policy.describe(), "workdir": str(workdir.path),
             "verdict": "aligned" if answer["where"] == "none" else "divergent"}
+
+
+class _BlockNames:
+    """The candidate's names for the reference's blocks. When the candidate is a port (``decoder.layers.3`` for
+    ``model.layers.3``), one cheap run (statistics only, forward, every module) gives the module mapping; the
+    splice runs then hook the candidate's own blocks and force through that mapping."""
+
+    def __init__(self, ref, rename: RenameRules, rules: RuleSet):
+        self.ref, self.rename, self.rules = ref, rename, rules
+        self.mapping = self.side_b = None
+
+    def found(self, trace_path: Path, blocks_a) -> bool:
+        with open_trace(trace_path) as trace:
+            paths = {self.rename(r["path"]) for r in trace.records if r["kind"] == "call"}
+        return any(b in paths for b in blocks_a)
+
+    def learn(self, target, kwargs, workdir: Workdir, progress):
+        _run_once(workdir, "names", f"names of {target}'s modules (statistics only)", progress,
+                  lambda: run_candidate(target, kwargs, workdir.trace_path("names"), backward=False, mode="stats"))
+        with open_trace(workdir.trace_path("names")) as trace:
+            self.mapping = module_mapping(self.ref, trace, self.rules, self.rename)
+            self.side_b = TraceSide(trace.records, trace.meta, self.rules)
+
+    def include(self, blocks_a) -> list:
+        """Regexes for the candidate's include filter: its own names of the reference's blocks."""
+        out = []
+        for block in blocks_a:
+            match = self.mapping.for_a(block) if self.mapping is not None else None
+            out += [f"^{re.escape(b)}$" for b in (match.b if match else (block,))]
+        return out
+
+    def forcing(self) -> dict:
+        return {"mapping": self.mapping, "side_b": self.side_b} if self.mapping is not None else {}
+
+    def own_name(self, block_a: str) -> str:
+        match = self.mapping.for_a(block_a) if self.mapping is not None else None
+        return match.b[0] if match else block_a
 
 
 def _splice_at(block: str):

@@ -302,7 +302,7 @@ def cmd_bisect(args) -> int:
     try:
         if args.search:
             result = bisect.search(args.reference, args.target, kwargs, workdir, rename=rename, layouts=layouts,
-                                   policy=policy, container=args.blocks, progress=progress)
+                                   policy=policy, container=args.blocks, progress=progress, rules=rules)
         else:
             result = bisect.replay(args.reference, args.target, kwargs, workdir, rename=rename, layouts=layouts,
                                    policy=policy, auto_map=not args.no_auto_map, include=args.include,

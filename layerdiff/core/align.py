@@ -119,7 +119,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
         notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
     for side, operand in (("A", a), ("B", b)):
         text = operand.describe()
-        if text and not operand.transposed:
+        if text and not operand.transposed and operand.op != "part":  # a part's pair note says which
             notes.append(f"{side}: {text}")
     if relation.note():
         notes.append(relation.note())
@@ -170,7 +170,8 @@ def module_mapping(reader_a, reader_b, rules: RuleSet, rename: RenameRules | Non
 
 
 def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True,
-            layouts: LayoutRules | None = None, rules: RuleSet | None = None) -> dict:
+            layouts: LayoutRules | None = None, rules: RuleSet | None = None,
+            mapping: ModuleMapping | None = None) -> dict:
     """Match the two traces (inferring renamed and fused modules) and compute metrics for every tensor pair."""
     rename = rename or RenameRules()
     layouts = layouts or LayoutRules()
@@ -181,7 +182,8 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
                                  "or damaged)")
     side_a = TraceSide(reader_a.records, reader_a.meta, rules, reader_a)
     side_b = TraceSide(reader_b.records, reader_b.meta, rules, reader_b)
-    mapping = module_mapping(reader_a, reader_b, rules, rename, auto_map)
+    if mapping is None:  # a mapping made elsewhere (bisect's statistics run of the whole candidate) is reused
+        mapping = module_mapping(reader_a, reader_b, rules, rename, auto_map)
     matching = match_records(side_a, side_b, mapping)
     _check_related(matching, reader_a, reader_b, rules)
     if progress is not None:

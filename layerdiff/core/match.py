@@ -460,11 +460,11 @@ class FusedLinks:
                    parts_side.hparams(parts_side.parent(parts[0]) or "")]
         sizes = row_sizes.get("weight") or (tuple(out_sizes) if None not in out_sizes else ())
         candidates = fusion.group_candidates(rule.groups if rule else (), hparams, sizes) if sizes else [1]
-        groups, note = candidates[0], f"{rule.name if rule else 'fused'}"
+        groups, note = candidates[0], f"rule {rule.name if rule else 'fused'}"
         verified = self._verify(fused, parts, weights.get("weight"), fused_side, parts_side, candidates)
         if verified is not None:
             groups = verified
-            note += f", {groups} group(s) (checked against the weights)"
+            note += f", {groups} group{'s' if groups > 1 else ''}, checked against the weights"
         elif groups > 1:
             note += f", {groups} groups"
         return FusedLink(tuple(parts), tuple(out_sizes) if None not in out_sizes else None, row_sizes, groups, note)
@@ -541,9 +541,11 @@ def _pair_part_of_b(pair: RecordPair, match: Match, link: FusedLink, side_a: Tra
     pair.only_a += only_a
     pair.only_b += only_b
     activation = ra["kind"] == "call"
+    fused_name = match.b[0].rpartition(".")[2]
     for role, ea, eb, part in split:
         pair.tensors.append(TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), part,
-                                       (f"B's fused {link.note}",), activation))
+                                       (f"{_module_of(ra).rpartition('.')[2]} part of B's {fused_name} {eb['key']} "
+                                        f"({link.note})",), activation))
     for tp in found:
         if tp.role == "grad_input":
             # the parts' input gradients meet in B's one input: compared as their sum, on the first part
@@ -571,7 +573,8 @@ def _pair_parts_of_a(pair: RecordPair, match: Match, link: FusedLink, side_a: Tr
         only_b.update(ob)
         for role, eb, ea, part in split:
             pair.tensors.append(TensorPair(role, f"{ea['key']}[{names[index]}]", eb["key"], part,
-                                           side_b.operand(rb, eb), (f"A's fused {link.note}",), activation))
+                                           side_b.operand(rb, eb), (f"A's {ea['key']} split: the {names[index]} part "
+                                                                    f"({link.note})",), activation))
         if index:
             continue
         found, oa, ob = pair_tensors(ra, rb, side_a, side_b, _other_roles(ra))  # inputs are shared by the parts

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -146,6 +147,9 @@ def _origin_lines(origin: dict) -> list[str]:
         if m.get("basis") == "data":
             lines.append(f"max abs {fmt_number(m.get('max_abs'))}  mean abs {fmt_number(m.get('mean_abs'))}  "
                          f"max rel {fmt_number(m.get('max_rel'))}  cosine {_fmt_cos(m.get('cosine'))}")
+        path_b = origin.get("path_b")
+        if path_b is not None and (path_b != origin["module"] or m.get("note")):
+            lines.append(f"[dim]in B: {path_b or '<root>'}" + (f" ({m['note']})" if m.get("note") else "") + "[/]")
     if origin.get("error") and where != "raised":
         lines.append(f"[red]raised:[/] {origin['error']}")
     for key, (a, b) in (origin.get("hparam_diff") or {}).items():
@@ -469,5 +473,7 @@ def render_search(result: dict, console: Console | None = None):
     name = f"{result['block']}: " if result.get("block") else ""
     console.print(f"[{style}]{name}{answer['description']}[/]")
     if result.get("block"):
-        console.print(f"[dim]next: replay that block module by module: layerdiff bisect A TARGET "
-                      f"--include '^{result['block']}(\\.|$)'[/]")
+        block_b = re.escape(result.get("block_b") or result["block"])
+        console.print(f"[dim]next: replay that block module by module: layerdiff bisect {result['a']['path']} "
+                      f"{_command(result['b'], 'CANDIDATE_TARGET')} --include '^{block_b}(\\.|$)'[/]",
+                      highlight=False, soft_wrap=True)
