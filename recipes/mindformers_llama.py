@@ -30,8 +30,10 @@ from mindspore.ops import operations as P
 
 try:
     from . import llama_shared as shared
+    from .mindspore_llama import SCALE_INPUT_GRAD  # the backward-only defect: identity forward, gradient x1.01
 except ImportError:  # loaded as a file: layerdiff trace recipes/mindformers_llama.py:build
     import llama_shared as shared
+    from mindspore_llama import SCALE_INPUT_GRAD
 
 # defect -> (direction, origin in the HF reference's module names), as in torch_llama.DEFECTS
 DEFECTS = {name: shared.DEFECTS[name] for name in ("eps", "act", "weight", "owncode", "backward")}
@@ -321,17 +323,6 @@ def _real_model(cfg, seq_length, qkv_concat, input_sliced_sig, pad_token_id):
         pad_token_id=pad_token_id))
 
 
-class _ScaleInputGrad(nn.Cell):
-    """Identity forward; backward scales the gradient by 1.01 (a custom bprop)."""
-
-    def construct(self, x):
-        return ops.identity(x)
-
-    def bprop(self, x, out, dout):
-        return (dout * 1.01,)
-
-
-_SCALE_GRAD = _ScaleInputGrad()  # not an attribute of any model cell: adds no module path
 
 
 def _inject(model, defect):
@@ -358,7 +349,7 @@ def _inject(model, defect):
     elif defect == "backward":  # forward unchanged; the gradient w.r.t. w2's input x1.01
         w2 = layers[0].feed_forward.w2
         construct = w2.construct
-        object.__setattr__(w2, "construct", lambda x, group_list=None: construct(_SCALE_GRAD(x), group_list))
+        object.__setattr__(w2, "construct", lambda x, group_list=None: construct(SCALE_INPUT_GRAD(x), group_list))
     elif defect not in (None, "rotary"):
         raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)}")
 

@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Cell):
 
 
 # -- defects ---------------------------------------------------------------------------------------------------
-class _ScaleInputGrad(nn.Cell):
+class ScaleInputGrad(nn.Cell):
     """Identity forward; backward scales the gradient by 1.01 (a custom bprop)."""
 
     def construct(self, x):
@@ -192,14 +192,14 @@ class _ScaleInputGrad(nn.Cell):
         return (dout * 1.01,)
 
 
-_SCALE_GRAD = _ScaleInputGrad()  # not an attribute of any model cell: adds no module path
+SCALE_INPUT_GRAD = ScaleInputGrad()  # not an attribute of any model cell: adds no module path
 
 
 class _WrongInputGradDense(nn.Dense):
     """A Dense whose backward scales the gradient w.r.t. its input by 1.01: a backward-only bug."""
 
     def construct(self, x):
-        return ops.matmul(_SCALE_GRAD(x), self.weight.swapaxes(0, 1))
+        return ops.matmul(SCALE_INPUT_GRAD(x), self.weight.swapaxes(0, 1))
 
 
 def _inject(model, defect):

@@ -26,12 +26,15 @@ import layerdiff
 from layerdiff.recipes import megatron_llama as mg, torch_llama as hf, llama_shared as shared
 
 out = sys.argv[1]
-def trace(recipe, name, defect=None, **kw):
+def trace(recipe, name, defect=None, mode="full", **kw):
     built = recipe.build(defect, **kw)
-    with layerdiff.trace(built["model"], f"{out}/{name}.h5"):
+    with layerdiff.trace(built["model"], f"{out}/{name}.h5", mode=mode):
         built["step"]()
 
 trace(hf, "hf")
+trace(hf, "hf_stats", mode="stats")
+trace(mg, "mg_stats", mode="stats")
+trace(mg, "mg_stats_eps", "eps", mode="stats")
 for d in ["eps", "weight"]:
     trace(hf, f"hf_{d}", d)
 trace(mg, "mg")
@@ -144,6 +147,14 @@ def test_megatron_defects_named_in_hf_names(ports, defect):
     if defect == "owncode":
         assert report["forward"]["first_divergence"]["between"] == ["model.layers.1.self_attn",
                                                                     "model.layers.1.post_attention_layernorm"]
+
+
+def test_megatron_statistics_traces_align_and_name_the_origin(ports):
+    clean = align_files(ports / "hf_stats.h5", ports / "mg_stats.h5")
+    assert clean["verdict"] == "aligned" and clean["basis"] == "stats"
+    eps = align_files(ports / "hf_stats.h5", ports / "mg_stats_eps.h5")
+    assert _origin(eps, "forward") == "model.layers.1.post_attention_layernorm"
+    assert eps["next_pass"]["layers"] == "1:2"  # the window to trace in full mode, valid in both namings
 
 
 def test_megatron_as_the_reference_names_its_own_modules(ports):

@@ -543,9 +543,19 @@ def _pair_part_of_b(pair: RecordPair, match: Match, link: FusedLink, side_a: Tra
     activation = ra["kind"] == "call"
     fused_name = match.b[0].rpartition(".")[2]
     for role, ea, eb, part in split:
-        pair.tensors.append(TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), part,
-                                       (f"{_module_of(ra).rpartition('.')[2]} part of B's {fused_name} {eb['key']} "
-                                        f"({link.note})",), activation))
+        if "offset" in ea and "offset" in eb:
+            pair.tensors.append(TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), part,
+                                           (f"{_module_of(ra).rpartition('.')[2]} part of B's {fused_name} "
+                                            f"{eb['key']} ({link.note})",), activation))
+        elif index == 0:  # statistics only: the parts together against the fused tensor, on the first part
+            merged = _merged_parts(ra, role, ea["key"], match.a, side_a, part.axis)
+            if merged is not None:
+                pair.tensors.append(TensorPair(role, ea["key"], eb["key"], merged, Operand.stored(eb), (
+                    f"statistics of {' + '.join(p.rpartition('.')[2] for p in match.a)} together vs B's "
+                    f"{fused_name}",), activation))
+        else:
+            pair.skipped.append(f"{role}:{ea['key']} (statistics only: compared with the other parts on "
+                                f"{match.a[0]})")
     for tp in found:
         if tp.role == "grad_input":
             # the parts' input gradients meet in B's one input: compared as their sum, on the first part
@@ -572,9 +582,15 @@ def _pair_parts_of_a(pair: RecordPair, match: Match, link: FusedLink, side_a: Tr
         only_a.update(oa)
         only_b.update(ob)
         for role, eb, ea, part in split:
-            pair.tensors.append(TensorPair(role, f"{ea['key']}[{names[index]}]", eb["key"], part,
-                                           side_b.operand(rb, eb), (f"A's {ea['key']} split: the {names[index]} part "
-                                                                    f"({link.note})",), activation))
+            if "offset" in ea and "offset" in eb:
+                pair.tensors.append(TensorPair(role, f"{ea['key']}[{names[index]}]", eb["key"], part,
+                                               side_b.operand(rb, eb), (f"A's {ea['key']} split: the "
+                                                                        f"{names[index]} part ({link.note})",), activation))
+            elif index == 0:  # statistics only: A's fused tensor against B's parts together
+                merged = _merged_parts(rb, role, eb["key"], match.b, side_b, part.axis)
+                if merged is not None:
+                    pair.tensors.append(TensorPair(role, ea["key"], eb["key"], Operand.stored(ea), merged, (
+                        f"statistics of B's {' + '.join(names)} together",), activation))
         if index:
             continue
         found, oa, ob = pair_tensors(ra, rb, side_a, side_b, _other_roles(ra))  # inputs are shared by the parts
@@ -589,6 +605,18 @@ def _pair_parts_of_a(pair: RecordPair, match: Match, link: FusedLink, side_a: Tr
                     f"B's sum over {', '.join(names)}",), tp.activation)
             pair.tensors.append(tp)
     pair.only_a, pair.only_b = sorted(only_a), sorted(only_b)
+
+
+def _merged_parts(rec: dict, role: str, key: str, parts: tuple, side: TraceSide, axis: int) -> Operand | None:
+    """The parts' tensors (``role``/``key`` of each part's twin record) as one merged operand."""
+    entries = []
+    for path in parts:
+        twin = side.twin(rec, path)
+        entry = next((t for t in (twin or {}).get("tensors", ()) if t["role"] == role and t["key"] == key), None)
+        if entry is None:
+            return None
+        entries.append(entry)
+    return Operand(tuple(entries), op="merge", axis=axis)
 
 
 def _sum_over_parts(rec: dict, key: str, parts: tuple, side: TraceSide) -> Operand | None:
