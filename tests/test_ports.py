@@ -32,6 +32,7 @@ def trace(recipe, name, defect=None, mode="full", **kw):
         built["step"]()
 
 trace(hf, "hf")
+trace(hf, "hf_eager", "reimpl")  # eager attention: layers get an additive float mask (Megatron: boolean)
 trace(hf, "hf_stats", mode="stats")
 trace(mg, "mg_stats", mode="stats")
 trace(mg, "mg_stats_eps", "eps", mode="stats")
@@ -147,6 +148,14 @@ def test_megatron_defects_named_in_hf_names(ports, defect):
     if defect == "owncode":
         assert report["forward"]["first_divergence"]["between"] == ["model.layers.1.self_attn",
                                                                     "model.layers.1.post_attention_layernorm"]
+
+
+def test_additive_and_boolean_masks_are_compared_as_what_they_hide(ports):
+    report = align_files(ports / "hf_eager.h5", ports / "mg.h5")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    masks = [t for r in report["records"] for t in r["tensors"] if t["key"] == "kwargs.attention_mask"]
+    assert len(masks) == 4 and all(t["metrics"]["identical"] for t in masks)  # 2 layers x (layer, attention)
+    assert all(t["shape_a"] == [2, 1, 16, 16] and t["shape_b"] == [1, 1, 16, 16] for t in masks)
 
 
 def test_megatron_statistics_traces_align_and_name_the_origin(ports):

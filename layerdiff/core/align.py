@@ -119,7 +119,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
         notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
     for side, operand in (("A", a), ("B", b)):
         text = operand.describe()
-        if text and not operand.transposed and operand.op != "part":  # a part's pair note says which
+        if text and not operand.transposed and operand.op not in ("part", "masked", "cos", "sin"):  # noted already
             notes.append(f"{side}: {text}")
     if relation.note():
         notes.append(relation.note())
