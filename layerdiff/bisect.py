@@ -26,6 +26,7 @@ from . import runner
 from .core.align import align, measure, module_mapping
 from .core.layouts import LayoutRules
 from .core.match import RenameRules, TraceSide
+from .core.ranks import open_run, rank_files
 from .core.replay import Forcer, evaluate_replay, find_blocks, next_splice, observe
 from .core.rules import RuleSet, ruleset
 from .core.tolerance import TolerancePolicy
@@ -79,10 +80,13 @@ class Workdir:
 
 def reference_identity(path) -> dict:
     """Enough to notice that the reference changed between an interrupted bisect and its resumption."""
-    st = Path(path).stat()
-    with open(path, "rb") as f:
-        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
-    return {"path": str(Path(path).resolve()), "size": st.st_size, "head_sha256": head}
+    files = rank_files(path) or [Path(path)]  # a multi-rank run: every rank's trace
+    digest, size = hashlib.sha256(), 0
+    for file in files:
+        size += Path(file).stat().st_size
+        with open(file, "rb") as f:
+            digest.update(f.read(1 << 20))
+    return {"path": str(Path(path).resolve()), "size": size, "head_sha256": digest.hexdigest()[:16]}
 
 
 def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backward=True, include=None,
@@ -91,7 +95,7 @@ def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backwar
     (the trace records where), not an error of bisect."""
     model, step, meta = runner.build(target, kwargs)
     tracer = Tracer(model, path, mode=mode, backward=backward, include=include, exclude=exclude, params=params,
-                    layers=layers,
+                    layers=layers, one_process=True,
                     overwrite=True, meta={"target": target, "bisect": True, **(meta or {})}, forcer=forcer)
     with _Guard(tracer) as guard:
         step()
@@ -134,8 +138,9 @@ def summary_line(result: dict) -> str:
 
 
 def _reference(path):
-    """Open the reference and check it can drive a replay: full-mode tensors of step 0."""
-    reader = open_trace(path)
+    """Open the reference and check it can drive a replay: full-mode tensors of step 0 (a multi-rank run is read
+    merged: the candidate is fed the full tensors)."""
+    reader = open_run(path)
     calls = [r for r in reader.records if r["kind"] == "call" and r.get("step", 0) == 0]
     if not calls:
         reader.close()

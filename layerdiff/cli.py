@@ -62,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra naming/fusion rules for --weights (README: 'Rule files')")
 
     a = sub.add_parser("align", help="compare two traces and name where they start to differ")
-    a.add_argument("a", help="reference trace")
-    a.add_argument("b", help="candidate trace")
+    a.add_argument("a", help="reference trace (a file, or the directory of a multi-rank run)")
+    a.add_argument("b", nargs="?", help="candidate trace (a file or a run directory); omitted: compare the ranks "
+                   "of run A with its rank 0 (data-parallel replicas that should agree)")
+    a.add_argument("--workers", type=int, metavar="N", help="with one run: processes comparing ranks (default: "
+                   "one per core)")
     a.add_argument("--map", action="append", metavar="B_REGEX=A_NAME",
                    help="rename B's module paths to A's (regex substitution; or a file of rules; repeatable)")
     a.add_argument("--layout", action="append", metavar="REGEX=TRANSFORM",
@@ -185,14 +188,16 @@ def cmd_align(args) -> int:
 
     from .core.align import align
     from .core.report import ByteProgress
-    from .core.traceformat import open_trace
+    from .core.ranks import open_run
 
     policy, rename, layouts, rules = _comparison(args)
 
     for out in (args.json, args.save_map):
         if out and Path(out).exists() and not args.force:
             raise LayerdiffError(f"{out} exists; pass --force to replace it")
-    with open_trace(args.a) as ra, open_trace(args.b) as rb:
+    if args.b is None:
+        return _align_ranks(args, policy)
+    with open_run(args.a) as ra, open_run(args.b) as rb:
         progress = ByteProgress("aligning", enabled=None if not args.quiet else False)
         try:
             report = align(ra, rb, rename=rename, policy=policy, progress=progress, auto_map=not args.no_auto_map,
@@ -204,6 +209,26 @@ def cmd_align(args) -> int:
 
         Path(args.save_map).write_text(rules_text(report.get("mapping", [])))
     return _finish_report(report, args)
+
+
+def _align_ranks(args, policy) -> int:
+    """``layerdiff align RUN``: every rank of a multi-rank run against rank 0."""
+    from .core.desync import check_run
+    from .core.report import make_console, render_ranks, write_json
+
+    if args.workers is not None and args.workers < 1:
+        raise LayerdiffError("--workers must be at least 1")
+    result = check_run(args.a, policy, args.rules or (), workers=args.workers)
+    if args.json:
+        write_json(result, args.json, overwrite=args.force)
+    if args.quiet:
+        first = result["first_divergence"]
+        print(f"{result['verdict']}: " + (f"{first['phase']} {first['description']} on rank(s) "
+                                          f"{', '.join(map(str, first['ranks']))}" if first else
+                                          f"all {result['world_size']} ranks agree with rank 0"))
+    else:
+        render_ranks(result, make_console())
+    return EXIT_OK if result["verdict"] == "aligned" else EXIT_DIVERGENT
 
 
 def cmd_report(args) -> int:
@@ -230,7 +255,7 @@ def cmd_trace(args) -> int:
     except ValueError as exc:
         raise LayerdiffError(str(exc)) from None
     out = Path(args.output)
-    if out.exists() and not args.force:
+    if out.is_file() and not args.force:  # a directory is a multi-rank run: each rank checks its own file
         raise LayerdiffError(f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise LayerdiffError(f"directory {out.parent} does not exist")
@@ -270,7 +295,7 @@ def cmd_trace(args) -> int:
     finally:
         progress.close()
     writer = tracer.session.writer
-    print(f"wrote {out}: {writer.records_written} records, {writer.tensor_bytes / 1e6:.1f} MB of tensors "
+    print(f"wrote {writer.path}: {writer.records_written} records, {writer.tensor_bytes / 1e6:.1f} MB of tensors "
           f"({args.mode} mode)")
     return EXIT_OK
 

@@ -8,9 +8,10 @@ from rich.tree import Tree
 
 from .core.align import first_nonfinite
 from .core.report import make_console
-from .core.traceformat import open_trace
+from .core.ranks import open_run
 
-_META_KEYS = ("framework", "framework_version", "model_class", "mode", "num_parameters", "devices", "param_dtypes",
+_META_KEYS = ("framework", "framework_version", "model_class", "mode", "distributed", "num_parameters", "devices",
+              "param_dtypes",
               "seed", "deterministic_algorithms", "float32_matmul_precision", "tf32_matmul", "num_threads",
               "layerdiff_version", "python", "started", "argv")
 
@@ -43,9 +44,11 @@ def module_tree(records) -> Tree:
 
 def show(path, records: bool = False, nan: bool = False):
     console = make_console()
-    with open_trace(path) as reader:
+    with open_run(path) as reader:
         meta, end = reader.meta, reader.end or {}
         console.print(f"[bold]{reader.path}[/]  {_mb(reader.size_bytes())} on disk")
+        if meta.get("ranks"):
+            console.print(f"a run of {meta['ranks']} ranks, shown merged (tensor-parallel shards joined by placement)")
         status = end.get("status", "interrupted (the writing process died; records up to its last flush)")
         console.print(f"status: {status}")
         if end.get("failure"):

@@ -6,6 +6,7 @@ import platform
 import socket
 import sys
 import time
+from pathlib import Path
 
 from . import __version__
 from .adapters import detect_framework, load_adapter
@@ -23,7 +24,7 @@ class Tracer:
 
     def __init__(self, model, path, *, mode: str = "full", backward: bool = True, include=None, exclude=None,
                  overwrite: bool = False, compression: str | None = None, flush_interval: float = 1.0,
-                 params: bool = True, meta: dict | None = None, forcer=None, layers=None):
+                 params: bool = True, meta: dict | None = None, forcer=None, layers=None, one_process: bool = False):
         if mode not in MODES:
             raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.model = model
@@ -35,6 +36,7 @@ class Tracer:
         self.overwrite = overwrite
         self.user_meta = meta or {}
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
+        self.one_process = one_process  # bisect's runs: a candidate spread over ranks is refused
         self.session: TraceSession | None = None
         self._hooks = None
 
@@ -50,12 +52,35 @@ class Tracer:
         except ValueError as exc:
             raise LayerdiffError(str(exc)) from None
         meta["window"] = hooks.path_filter.window_paths
-        writer = TraceWriter(self.path, meta, overwrite=self.overwrite, compression=self.options["compression"],
-                             flush_interval=self.options["flush_interval"])
+        ranks = getattr(adapter, "distributed", lambda: None)()
+        if ranks is not None and self.one_process:
+            raise LayerdiffError(f"bisect replays the candidate in one process; this one runs as rank {ranks['rank']} "
+                                 f"of {ranks['world_size']}: replay a single-process build of it against the "
+                                 "reference, or align the multi-rank run (layerdiff align REF RUN)")
+        meta["distributed"] = ranks
+        writer = TraceWriter(self._file_path(ranks), meta, overwrite=self.overwrite,
+                             compression=self.options["compression"], flush_interval=self.options["flush_interval"])
         self.session = hooks.session = TraceSession(writer, adapter.TENSORS, self.options["mode"])
         self._hooks = hooks
         hooks.install()
         return self
+
+    def _file_path(self, ranks: dict | None) -> str:
+        """The trace file: ``path`` itself, or, in a job of several ranks, ``path/rank{R}.h5`` (one directory per
+        run, one file per rank: the same call in every rank never clobbers another rank's trace)."""
+        run = Path(self.path)
+        if ranks is None:
+            if run.is_dir():
+                raise LayerdiffError(f"{run} is a directory (a multi-rank run?); name a trace file")
+            return self.path
+        if run.exists() and not run.is_dir():
+            raise LayerdiffError(f"{run} is a file; a run of {ranks['world_size']} ranks writes one trace per rank "
+                                 f"into a directory of that name")
+        try:
+            run.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise LayerdiffError(f"cannot create the run directory {run}: {exc.strerror or exc}") from None
+        return str(run / f"rank{ranks['rank']}.h5")
 
     def flush(self):
         self.session.writer.flush()

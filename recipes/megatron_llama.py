@@ -4,6 +4,8 @@
     layerdiff trace megatron_llama -o mg.h5
     layerdiff trace torch_llama -o pt.h5
     layerdiff align pt.h5 mg.h5
+    torchrun --standalone --nproc-per-node 2 -m layerdiff trace megatron_llama --arg tp=2 -o mg_tp   # TP=2
+    layerdiff align pt.h5 mg_tp
 
 Same config, weights (``llama_shared.weights`` converted by ``hf_to_megatron``, Megatron-Bridge's layout) and
 input ids as ``torch_llama``; fp32, no Transformer Engine (``get_gpt_layer_local_spec``), every fusion off,
@@ -17,6 +19,14 @@ exact with dropout 0; the training one needs CUDA); ``rotary_pos_emb`` is switch
 (``RotaryEmbedding.get_emb`` would move ``inv_freq`` to CUDA); DotProductAttention's score buffer is
 pre-allocated on the CPU (Megatron's global memory buffer allocates on CUDA); the causal mask is passed
 explicitly (the default one is built on CUDA). ``build`` may be called any number of times in one process.
+
+``tp=N`` (under ``torchrun --nproc-per-node N``, gloo on CPU): the same model at tensor_model_parallel_size=N,
+every rank loading its shard of the same converted weights by Megatron's conventions (``megatron_shard``):
+linear_qkv rows by whole query groups, linear_fc1 as [this rank's gate rows; its up rows], linear_proj and
+linear_fc2 on their input dimension, the vocab-parallel embedding and the column-parallel output_layer on vocab
+rows, norms replicated. The logits stay split over the vocabulary ([b, s, v/N] on each rank); ``step``'s loss is
+Megatron's ``vocab_parallel_cross_entropy`` averaged over the positions with a label (HF's shifted labels), so
+every rank holds the same loss as tp=1. Every defect applies to each rank's shard or copy.
 """
 from __future__ import annotations
 
@@ -105,15 +115,52 @@ class CPURotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
-def init_cpu_megatron():
-    """World size 1 on gloo, tensor/pipeline parallel 1, no-op RNG tracker. Safe to call again."""
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+def init_cpu_megatron(tp: int = 1):
+    """Gloo process group, tensor parallel ``tp`` and pipeline parallel 1, no-op RNG tracker. Safe to call again.
+
+    tp=1 without a launcher: world size 1 on an in-memory store. tp>1: the group of the launcher's environment
+    (torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    dist = torch.distributed
+    if not dist.is_initialized():
+        if tp == 1:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group("gloo")
+    if tp > 1 and dist.get_world_size() % tp:
+        raise ValueError(f"tp={tp} needs a multiple of {tp} ranks (torchrun --nproc-per-node {tp}); "
+                         f"this job has {dist.get_world_size()}")
+    if parallel_state.model_parallel_is_initialized() and \
+            parallel_state.get_tensor_model_parallel_world_size() != tp:
+        parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tp, 1)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)  # no-op when already made
     if not getattr(tensor_parallel.get_cuda_rng_tracker(), "is_inference_rng_tracker", False):
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def megatron_shard(state: dict, tp: int, rank: int) -> dict:
+    """Tensor-parallel rank ``rank``'s part of a full GPTModel state (``hf_to_megatron``'s), Megatron's way:
+    linear_qkv rows (grouped per query group) split in ``tp`` so each rank holds whole groups; linear_fc1 as
+    [the rank's part of gate; its part of up]; linear_proj and linear_fc2 split on the input dimension (dim 1);
+    word embeddings and output_layer split on vocab rows; norms replicated."""
+    if tp == 1:
+        return state
+    out = {}
+    for name, value in state.items():
+        if name.endswith("mlp.linear_fc1.weight"):
+            gate, up = np.split(value, 2)
+            part = np.concatenate([np.split(gate, tp)[rank], np.split(up, tp)[rank]])
+        elif name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+            part = np.split(value, tp)[rank]
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            part = np.split(value, tp, axis=1)[rank]
+        elif name.endswith("layernorm.weight"):
+            part = value
+        else:
+            raise KeyError(f"no tensor-parallel rule for {name}")
+        out[name] = np.ascontiguousarray(part)
+    return out
 
 
 def reserve_attention_buffer(numel: int, dtype=torch.float32):
@@ -145,13 +192,14 @@ def _inject(model, defect, cfg):
     elif defect == "weight":
         with torch.no_grad():
             layers[1].self_attention.linear_proj.weight.mul_(1 + 1e-4)
-    elif defect == "qkv_part":
-        rows = layers[1].self_attention.linear_qkv.weight.view(cfg["kv_heads"], (qpg + 2) * hd, -1)
+    elif defect == "qkv_part":  # this rank's query groups (all of them at tp=1)
+        rows = layers[1].self_attention.linear_qkv.weight.view(-1, (qpg + 2) * hd, cfg["hidden"])
         with torch.no_grad():
             rows[:, qpg * hd:(qpg + 1) * hd].mul_(1 + 1e-3)  # the K head of every query group
-    elif defect == "fc1_part":
+    elif defect == "fc1_part":  # rows [gate; up] of this rank's part (of the whole at tp=1)
+        fc1 = layers[0].mlp.linear_fc1.weight
         with torch.no_grad():
-            layers[0].mlp.linear_fc1.weight[cfg["intermediate"]:].mul_(1 + 1e-3)
+            fc1[fc1.shape[0] // 2:].mul_(1 + 1e-3)
     elif defect == "owncode":  # TransformerLayer's attention residual add, scaled residual
         layer, bda = layers[1], layers[1].self_attn_bda
         layer.self_attn_bda = lambda training, fused: (
@@ -165,9 +213,10 @@ def _inject(model, defect, cfg):
 
 
 def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
-                intermediate: int | None = None, seed: int = 0, rotary_base: float | None = None):
-    """GPTModel equal to torch_llama's LlamaForCausalLM, with the shared weights converted."""
-    init_cpu_megatron()
+                intermediate: int | None = None, seed: int = 0, rotary_base: float | None = None, tp: int = 1):
+    """GPTModel equal to torch_llama's LlamaForCausalLM, with the shared weights converted (this rank's shard of
+    them at tensor-parallel size ``tp``)."""
+    init_cpu_megatron(tp)
     torch.manual_seed(seed)
     cfg = shared.config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                         intermediate=intermediate)
@@ -185,7 +234,8 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
                      share_embeddings_and_output_weights=False)
     model.rotary_pos_emb.__class__ = CPURotaryEmbedding  # keep GPTModel's instance (inv_freq already on CPU)
     model.rotary_pos_emb.rotary_base = base
-    state = hf_to_megatron(shared.weights(cfg, seed), cfg)
+    state = megatron_shard(hf_to_megatron(shared.weights(cfg, seed), cfg), tp,
+                           parallel_state.get_tensor_model_parallel_rank())
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
     assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
     return model, cfg
@@ -193,26 +243,46 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
 
 def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
           vocab: int = 256, intermediate: int | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
-          backward: bool = True):
+          backward: bool = True, tp: int = 1):
     model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                              intermediate=intermediate, seed=seed,
-                             rotary_base=20000.0 if defect == "rotary" else None)
+                             rotary_base=20000.0 if defect == "rotary" else None, tp=tp)
     _inject(model, defect, cfg)
     reserve_attention_buffer(batch * cfg["heads"] * seq * seq)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
     attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
     labels = F.pad(input_ids, (0, 1), value=-100)[:, 1:].reshape(-1)  # as transformers' ForCausalLMLoss
+    if tp > 1:  # vocab-parallel logits: Megatron's cross entropy, averaged over the labelled positions
+        loss_mask = (labels != -100).view(batch, seq).float()
+        targets = labels.clamp(min=0).view(batch, seq)
+
+    def causal_lm_loss(logits):
+        if tp == 1:
+            return F.cross_entropy(logits.float().view(-1, cfg["vocab"]), labels, ignore_index=-100)
+        # a copy: vocab_parallel_cross_entropy subtracts the max from its input in place
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), targets)  # [b, s]
+        return (per_token * loss_mask).sum() / loss_mask.sum()
+
+    def logits_mean(logits):
+        if tp == 1:
+            return logits.float().mean()
+        total = logits.float().sum()
+        torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+        return total / (logits.numel() * tp)
 
     def step():
         if backward:
             model.zero_grad(set_to_none=True)
-            logits = model(input_ids, position_ids, attention_mask)  # [b, s, v] (no labels given)
-            loss = F.cross_entropy(logits.float().view(-1, cfg["vocab"]), labels, ignore_index=-100)
+            logits = model(input_ids, position_ids, attention_mask)  # [b, s, v / tp] (no labels given)
+            loss = causal_lm_loss(logits)
             loss.backward()
         else:
             with torch.no_grad():
-                loss = model(input_ids, position_ids, attention_mask).float().mean()
+                loss = logits_mean(model(input_ids, position_ids, attention_mask))
         return loss
 
-    return {"model": model, "step": step, "meta": {"recipe": "megatron_llama", "defect": defect}}
+    meta = {"recipe": "megatron_llama", "defect": defect}
+    if tp > 1:
+        meta.update(tp=tp, tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    return {"model": model, "step": step, "meta": meta}

@@ -61,8 +61,9 @@ def recipe_trace(tmp_path_factory):
 def align_files(a, b, **kwargs):
     """``layerdiff.core.align.align`` on two trace paths."""
     from layerdiff.core.align import align
+    from layerdiff.core.ranks import open_run
 
-    with open_trace(a) as ra, open_trace(b) as rb:
+    with open_run(a) as ra, open_run(b) as rb:
         return align(ra, rb, **kwargs)
 
 

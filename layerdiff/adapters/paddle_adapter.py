@@ -49,11 +49,51 @@ def _dtype_name(t):
     return _DTYPE_NAMES.get(str(t.dtype).rpartition(".")[2])
 
 
+def _is_dist(t) -> bool:
+    try:
+        return bool(t.is_dist())
+    except AttributeError:
+        return False
+
+
+def local(t):
+    """What this process holds of a (semi-)auto-parallel distributed tensor: its local part, as an ordinary
+    tensor (the placement is recorded separately); other tensors as they are."""
+    if not _is_dist(t):
+        return t
+    from paddle.distributed.auto_parallel.api import dtensor_to_local
+
+    with paddle.no_grad():
+        return dtensor_to_local(t, t.process_mesh, t.placements)
+
+
+def _placement_text(p) -> str:
+    text = str(p)
+    if text.startswith("Shard"):
+        return f"S({p.get_dim()})"
+    if text.startswith("Partial"):
+        return "P(sum)"
+    return "R" if text.startswith("Replicate") else text
+
+
+def placement(t):
+    """How a distributed tensor is spread over the ranks of its process mesh (1-D meshes: ``S(d)``, ``R``,
+    ``P(sum)``), or None."""
+    if not _is_dist(t):
+        return None
+    mesh = t.process_mesh
+    ids = list(mesh.process_ids)
+    rank = paddle.distributed.get_rank()
+    return {"placements": [_placement_text(p) for p in t.placements], "mesh": list(mesh.shape),
+            "coord": [ids.index(rank)] if rank in ids and len(mesh.shape) == 1 else [], "global_shape": list(t.shape)}
+
+
 def to_stored(t):
     """(numpy array of the tensor's bits, dtype name), or None for dtypes a trace cannot hold."""
     name = _dtype_name(t)
     if name is None:
         return None
+    t = local(t)
     try:
         if not t._is_initialized():
             return None
@@ -106,12 +146,15 @@ def _own_identity(t):
 
 
 def identify(t):
-    """Equal for two tensors only while they show the same bytes (in-place ops bump ``inplace_version``).
+    """Equal for two tensors only while they show the same bytes (in-place ops bump ``inplace_version``); None
+    for distributed tensors (their local parts are fresh tensors).
 
     A gradient tap's copy answers with its original's identity while it is not modified itself and the original
     is alive (so that the original's address cannot have been reused by another tensor): it shows the bytes that
     were recorded for the original.
     """
+    if _is_dist(t):
+        return None
     origin = getattr(t, _ORIGIN, None)
     if origin is not None and origin[1] == t.inplace_version and origin[2]() is not None:
         return origin[0]
@@ -122,7 +165,21 @@ def describe(t):
     return _dtype_name(t), list(t.shape)
 
 
-TENSORS = TensorAdapter(to_stored, identify, None, describe)
+TENSORS = TensorAdapter(to_stored, identify, None, describe, placement)
+
+
+def distributed() -> dict | None:
+    """This process's place in a paddle.distributed job of several ranks (None when it runs alone)."""
+    import paddle.distributed as dist
+
+    try:
+        world = dist.get_world_size()
+    except Exception:
+        return None
+    if world < 2 or not dist.is_initialized():
+        return None
+    return {"rank": dist.get_rank(), "world_size": world, "backend": "paddle",
+            "local_rank": int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", dist.get_rank())))}
 
 
 def parameters(model):

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 import platform
+import sys
 
 import numpy as np
 import torch
@@ -26,10 +28,47 @@ def is_tensor(obj) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "placements") and hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def local(t: torch.Tensor):
+    """What this process holds of ``t``, as a plain tensor: a DTensor's local shard (with its placement recorded
+    separately), an async collective's result (waiting for it), the tensor itself otherwise; None if a tensor
+    subclass cannot be read."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t
+    if _is_dtensor(t):
+        return t.to_local()
+    plain = t.detach().clone()  # AsyncCollectiveTensor: any op waits for the collective and unwraps it
+    return plain if type(plain) is torch.Tensor else None
+
+
+def placement(t: torch.Tensor):
+    """How a tensor is spread over ranks: DTensor placements (``S(0)``, ``R``, ``P(sum)``) on their device mesh,
+    or a Megatron tensor-parallel parameter's partition dimension; None for an ordinary tensor."""
+    if _is_dtensor(t):
+        mesh = t.device_mesh
+        return {"placements": [str(p) for p in t.placements], "mesh": list(mesh.shape),
+                "coord": list(mesh.get_coordinate() or []), "global_shape": list(t.shape)}
+    if getattr(t, "tensor_model_parallel", False) and hasattr(t, "partition_dim"):
+        state = sys.modules.get("megatron.core.parallel_state")  # set by Megatron itself; never imported here
+        size = state.get_tensor_model_parallel_world_size() if state else 1
+        if size > 1:
+            shape = list(t.shape)
+            shape[t.partition_dim] *= size
+            return {"placements": [f"S({t.partition_dim})"], "mesh": [size],
+                    "coord": [state.get_tensor_model_parallel_rank()], "global_shape": shape, "source": "megatron"}
+    return None
+
+
 def to_stored(t: torch.Tensor):
     """(numpy array of the tensor's bits, dtype name), or None for dtypes a trace cannot hold."""
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None or t.is_meta:
+        return None
+    t = local(t)
+    if t is None:
         return None
     t = t.detach()
     if t.layout != torch.strided:
@@ -46,7 +85,7 @@ def to_stored(t: torch.Tensor):
 
 def identify(t: torch.Tensor):
     """Equal for two tensors only while they show the same bytes (in-place ops bump ``_version``)."""
-    if t.layout != torch.strided or t.is_meta:
+    if t.layout != torch.strided or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
         return None
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
 
@@ -61,7 +100,8 @@ def fast_stats(t: torch.Tensor):
 
     One pass over memory instead of three: min/max, sum and sum of squares are taken piece by piece.
     """
-    if t.dtype != torch.float32 or t.numel() < _FAST_STATS_MIN or t.layout != torch.strided:
+    if t.dtype != torch.float32 or t.numel() < _FAST_STATS_MIN or t.layout != torch.strided or \
+            type(t) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor's reductions would be collectives
         return None
     lows, highs, sums, squares = [], [], [], []
     for part in t.detach().reshape(-1).split(_STATS_CHUNK):
@@ -86,7 +126,17 @@ def describe(t: torch.Tensor):
     return _DTYPE_NAMES[t.dtype], list(t.shape)
 
 
-TENSORS = TensorAdapter(to_stored, identify, fast_stats, describe)
+TENSORS = TensorAdapter(to_stored, identify, fast_stats, describe, placement)
+
+
+def distributed() -> dict | None:
+    """This process's place in a torch.distributed job of several ranks (None when it runs alone)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": str(dist.get_backend()),
+            "local_rank": int(os.environ.get("LOCAL_RANK", dist.get_rank()))}
 
 
 def parameters(model):

@@ -14,15 +14,16 @@ inputs plus the module's own parameter gradients (the outputs of backward).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..errors import LayerdiffError
-from . import modules
+from . import modules, ranks
 from .layouts import LayoutRules, relate_shapes, type_family
 from .mapping import ModuleMapping, match_modules
 from .match import RenameRules, TensorPair, TraceSide, match_records
+from .operands import Operand
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from .rules import RuleSet, ruleset
 from .session import find_blocks
@@ -91,7 +92,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
     """Metrics for one tensor pair (None: it cannot be compared from what the traces hold). A pair of stored
     regions already compared (records share deduplicated tensors) is not read again."""
     reader_a, reader_b = readers
-    a, b = tp.a, tp.b
+    a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
     rule = layouts.find(path_a)
     if rule is not None and a.plain and b.plain:
         return _compare_declared(reader_a, reader_b, a.entry, b.entry, rule)
@@ -109,12 +110,21 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
         else:
             va, vb = relation.views(a.values(reader_a), b.values(reader_b))
             metrics = _compare_values(va, vb)
+        per_rank = _per_rank_metrics(a, b, relation, reader_a, reader_b)
+        if per_rank:
+            metrics["ranks"] = per_rank
     else:
         sa, sb = a.stats(), b.stats()
         if sa is None or sb is None:
             return None
         metrics = compare_stats(sa, sb)  # min/max/mean/RMS survive reshapes, permutations and broadcasting
     notes = list(tp.notes)
+    for side, operand in (("A", a), ("B", b)):
+        merge = operand.entry.get("merge") if operand.op == "value" else None
+        if merge and len(operand.entry.get("parts", ())) > 1:
+            notes.append(f"{side}: {len(operand.entry['parts'])} ranks' " + {
+                "concat": f"shards joined on axis {merge['dim']}", "replicate": "copies (rank 0's compared; each "
+                "rank's checked)", "sum": "partial sums added", "ranks": "tensors, unresolved"}[merge["how"]])
     if a.transposed != b.transposed:
         notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
     for side, operand in (("A", a), ("B", b)):
@@ -126,6 +136,45 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
     if notes:
         metrics["note"] = "; ".join(dict.fromkeys(notes))
     return metrics
+
+
+def _resolved(operand: Operand, other_shape) -> Operand:
+    """A multi-rank tensor left per rank, read against the other run's shape (``ranks.resolve``)."""
+    if operand.op != "value" or operand.entry.get("merge", {}).get("how") != "ranks":
+        return operand
+    return replace(operand, entries=(ranks.resolve(operand.entry, other_shape),))
+
+
+def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> dict | None:
+    """For a tensor one run holds spread over ranks: each rank's shard or copy against the matching piece of the
+    other run, so a report can say "rank 1's shard of ..." ({rank: metrics})."""
+    for side, operand, reader, other, other_reader in (("b", b, reader_b, a, reader_a), ("a", a, reader_a, b, reader_b)):
+        if operand.op != "value" or operand.transposed or len(operand.entry.get("parts", ())) < 2 \
+                or not hasattr(reader, "part_values") or other.op != "value":
+            continue
+        other_values = other.values(other_reader)
+        if side == "b":
+            laid_out = relation.to_b(other_values)
+        else:
+            laid_out = other_values.reshape(operand.shape) if math.prod(operand.shape) == other_values.size else None
+        pieces = ranks.rank_slices(operand.entry, laid_out) if laid_out is not None else None
+        if pieces is None:
+            return None
+        out, copies = {}, []
+        for rank, (mine, theirs) in enumerate(zip(reader.part_values(operand.entry), pieces)):
+            mine = as_float(mine, operand.entry["dtype"]).reshape(-1)
+            theirs = np.ascontiguousarray(theirs).reshape(-1)
+            if mine.size != theirs.size:
+                return None
+            copies.append(mine)
+            out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
+        out["how"] = "shards" if operand.entry["merge"]["how"] == "concat" else "copies"
+        if operand.entry["merge"]["how"] != "concat" and any(not np.array_equal(copies[0], c) for c in copies[1:]):
+            # copies that should be equal are not: do they add up to the other run's (a missing all-reduce)?
+            total = np.sum(np.stack([c.astype(np.float64) for c in copies]), axis=0)
+            out["sum"] = _compare_values(pieces[0].reshape(-1).astype(np.float64), total)
+        return out
+    return None
 
 
 def _tensor_row(tp: TensorPair, metrics: dict) -> dict:
@@ -295,6 +344,12 @@ def judge_rows(measurements: dict, policy: TolerancePolicy):
             tol = policy.for_tensor(row["path"], t["dtype_a"], t["dtype_b"])
             t["passed"], t["reason"] = judge(t["metrics"], tol)
             t["tolerance"] = tol.as_dict()
+            per_rank = t["metrics"].get("ranks")
+            if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
+                t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]
+                if t["ranks"] and "sum" in per_rank and judge(per_rank["sum"], tol)[0]:
+                    t["hint"] = ("the ranks' copies differ from each other but add up to the reference's: a "
+                                 "reduction (all-reduce) is missing")
 
 
 def _one_sided(row: dict, phase: str) -> list:
@@ -384,8 +439,12 @@ def _locate(node: Node, chain: list):
     return None
 
 
-def _describe(node: Node, where: str, after, before) -> str:
+def _describe(node: Node, where: str, after, before, ranks: tuple | None = None) -> str:
     path = node.row["path"] or "<root>"
+    if ranks and where != "own_code":
+        numbers, how = ranks
+        owner = f"rank {numbers[0]}'s" if len(numbers) == 1 else f"ranks {', '.join(map(str, numbers))}'"
+        return f"{owner} {'shard' if how == 'shards' else 'copy'}{'s' if len(numbers) > 1 else ''} of {path}"
     if where != "own_code":
         return path
     short = lambda n: n.row["path"].rsplit(".", 1)[-1] if n else None  # noqa: E731
@@ -396,6 +455,14 @@ def _describe(node: Node, where: str, after, before) -> str:
     if after:
         return f"{path}, own code after {short(after)}"
     return f"{path}, own code"
+
+
+def _partial_ranks(tensor: dict | None) -> tuple | None:
+    """(ranks, "shards" or "copies") whose part is off, when only some are (all of them: none is singled out)."""
+    ranks = (tensor or {}).get("ranks")
+    per_rank = ((tensor or {}).get("metrics") or {}).get("ranks", {})
+    numbers = [r for r in per_rank if r.isdigit()]
+    return (ranks, per_rank.get("how")) if ranks and len(ranks) < len(numbers) else None
 
 
 def hparam_diff(a: dict | None, b: dict | None) -> dict:
@@ -420,9 +487,10 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
             "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
-            "description": _describe(node, where, after, before),
+            "description": _describe(node, where, after, before, _partial_ranks(bad)),
             "tensor": bad and {"role": bad["role"], "key": bad["key"], "reason": bad["reason"],
                                "metrics": bad["metrics"]},
+            "ranks": bad.get("ranks") if bad else None, "hint": bad.get("hint") if bad else None,
             "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}

@@ -147,6 +147,10 @@ def _origin_lines(origin: dict) -> list[str]:
         if m.get("basis") == "data":
             lines.append(f"max abs {fmt_number(m.get('max_abs'))}  mean abs {fmt_number(m.get('mean_abs'))}  "
                          f"max rel {fmt_number(m.get('max_rel'))}  cosine {_fmt_cos(m.get('cosine'))}")
+        if origin.get("ranks"):
+            ranks = origin["ranks"]
+            lines.append(f"[yellow]on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                         + (f": {origin['hint']}" if origin.get("hint") else "") + "[/]")
         path_b = origin.get("path_b")
         if path_b is not None and (path_b != origin["module"] or m.get("note")):
             lines.append(f"[dim]in B: {path_b or '<root>'}" + (f" ({m['note']})" if m.get("note") else "") + "[/]")
@@ -477,3 +481,21 @@ def render_search(result: dict, console: Console | None = None):
         console.print(f"[dim]next: replay that block module by module: layerdiff bisect {result['a']['path']} "
                       f"{_command(result['b'], 'CANDIDATE_TARGET')} --include '^{block_b}(\\.|$)'[/]",
                       highlight=False, soft_wrap=True)
+
+
+def render_ranks(result: dict, console: Console):
+    """``layerdiff align RUN``: one line per rank against rank 0, then the first desync."""
+    console.print(f"[bold]{result['path']}[/]: {result['world_size']} ranks, each compared with rank 0 on what "
+                  "replicas must agree on (shards and partial sums left out)")
+    for r in result["ranks"]:
+        if r["verdict"] == "aligned":
+            console.print(f"  rank {r['rank']}: [green]agrees with rank 0[/]")
+            continue
+        parts = [f"{phase} {r[phase]['description']}" for phase in ("forward", "backward") if r[phase]]
+        differ = f"; parameters differ: {', '.join(r['params_differ'][:3])}" if r["params_differ"] else ""
+        console.print(f"  rank {r['rank']}: [red]differs[/]: {'; '.join(parts) or 'parameters only'}{differ}")
+    first = result["first_divergence"]
+    if first:
+        console.print(f"[bold red]first desync ({first['phase']}): {first['description']}[/] on rank(s) "
+                      f"{', '.join(map(str, first['ranks']))}")
+    console.print(f"verdict: {result['verdict']}")

@@ -117,14 +117,17 @@ class TensorAdapter:
     ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes
     (storage address, shape, strides, dtype, in-place version), or None;
     ``fast_stats(t)`` -> the ``summarize`` dict computed by the framework itself, or None to use numpy;
-    ``describe(t)`` -> (dtype name, shape): with fast_stats, lets "stats" mode skip the host copy entirely.
+    ``describe(t)`` -> (dtype name, shape): with fast_stats, lets "stats" mode skip the host copy entirely;
+    ``placement(t)`` -> how a distributed tensor is spread over ranks (``{"placements": ["S(0)"], "mesh": [2],
+    "coord": [1], "global_shape": [...]}``), or None: the stored bytes are then this rank's local part.
     """
 
-    def __init__(self, to_stored, identify=None, fast_stats=None, describe=None):
+    def __init__(self, to_stored, identify=None, fast_stats=None, describe=None, placement=None):
         self.to_stored = to_stored
         self.identify = identify or (lambda t: None)
         self.fast_stats = fast_stats or (lambda t: None)
         self.describe = describe
+        self.placement = placement or (lambda t: None)  # how a distributed tensor is spread over ranks
 
 
 class TraceSession:
@@ -181,6 +184,9 @@ class TraceSession:
             if stored is None:
                 return None
             entry = self.writer.write_tensor(*stored, store_data=store, stats=stats)
+        place = self.tensors.placement(t)
+        if place is not None:
+            entry["placement"] = place
         if identity is not None:
             self.seen[identity] = ([weakref.ref(t)], entry)
         return entry

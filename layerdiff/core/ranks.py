@@ -1,0 +1,334 @@
+"""A run of several ranks (one trace per rank in a directory), read as one trace.
+
+``layerdiff trace`` in a job of N ranks writes ``RUN/rank0.h5 ... RUN/rank{N-1}.h5``. ``open_run(RUN)`` gives a
+reader with the same interface as ``TraceReader`` whose records hold full tensors again:
+
+- a tensor recorded with a placement (DTensor ``S(d)``/``R``/``P(sum)``, a Megatron tensor-parallel parameter) is
+  concatenated along ``d`` in mesh order, taken from one rank, or summed: only what a placement marks partial is
+  summed;
+- a plain tensor of a module whose weight is sharded is a shard of the layer's output (column-parallel: outputs
+  on the last axis) or input (row-parallel), as Megatron and DTensor's local outputs are; a plain tensor stored
+  at the same bytes as one of those (a layer's output is the next module's input) shares its placement;
+- any other plain tensor is left per rank ("ranks"): compared with another run it is read as replicated when
+  the shapes agree (each rank's copy is then checked) or as shards when the other side is N times longer along
+  one axis. A plain tensor that disagrees across ranks is a finding, never a partial sum.
+
+Each merged entry keeps its parts, so a comparison can say which rank's shard or copy differs.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import TraceFormatError
+from .operands import combine_stats
+from .traceformat import TraceReader
+
+RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
+_SHARD = re.compile(r"^S\((-?\d+)\)$")
+
+
+def rank_files(path) -> list | None:
+    """The per-rank trace files of a run directory, in rank order (None if ``path`` is not such a directory)."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := RANK_FILE.match(p.name)))
+    return [p for _, p in found] if found else None
+
+
+def open_run(path):
+    """A trace file's reader, or a run directory's merged reader."""
+    files = rank_files(path)
+    if files is None:
+        if Path(path).is_dir():
+            raise TraceFormatError(f"{path}: a directory without rank*.h5 traces (a multi-rank run writes "
+                                   "RUN/rank0.h5, RUN/rank1.h5, ...)")
+        return TraceReader(path)
+    return RankedRun(path, files)
+
+
+def _placement_kind(entry: dict):
+    """("concat", dim) | ("replicate", None) | ("sum", None) from a recorded 1-D placement; None otherwise."""
+    place = entry.get("placement")
+    if not place or len(place.get("placements", ())) != 1:
+        return None
+    text = place["placements"][0]
+    shard = _SHARD.match(text)
+    if shard:
+        return "concat", int(shard.group(1))
+    if text == "R":
+        return "replicate", None
+    if text.startswith("P("):
+        return "sum", None
+    return None
+
+
+class RankedRun:
+    """The ``TraceReader`` interface over a directory of per-rank traces (see the module docstring)."""
+
+    def __init__(self, path, files):
+        self.path = Path(path)
+        self.readers = []
+        try:
+            for f in files:
+                self.readers.append(TraceReader(f))
+        except Exception:
+            self.close()
+            raise
+        self._check_complete(files)
+        first = self.readers[0]
+        self.meta = {**first.meta, "ranks": len(self.readers)}
+        self.crashed = any(r.crashed for r in self.readers)
+        self.end = self._end()
+        self._virtual: dict[int, dict] = {}
+        self.records = self._merge()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.readers)
+
+    def _check_complete(self, files):
+        sizes = {(r.meta.get("distributed") or {}).get("world_size") for r in self.readers}
+        expected = sizes.pop() if len(sizes) == 1 else None
+        numbers = [int(RANK_FILE.match(Path(f).name).group(1)) for f in files]
+        if expected is None or numbers != list(range(expected)):
+            self.close()
+            raise TraceFormatError(f"{self.path}: incomplete run: traces of ranks {numbers}, but the run had "
+                                   f"{expected if expected is not None else 'differing world sizes'} ranks")
+
+    def _end(self):
+        ends = [r.end for r in self.readers]
+        if any(e is None for e in ends):
+            return None
+        failed = next((e for e in ends if e.get("status") == "error"), None)
+        return {**ends[0], **({"status": "error", "failure": failed["failure"]} if failed else {})}
+
+    # -- merging ------------------------------------------------------------------------------------------
+    def _merge(self) -> list:
+        per_rank = []
+        for reader in self.readers:
+            per_rank.append({_key(r): r for r in reader.records})
+        sharded_weights = self._sharded_weights()
+        shards_by_region: dict = {}
+        forward_how: dict = {}  # (path, call, role, key) -> how: a gradient is spread as its tensor is
+        out = []
+        for rec in self.readers[0].records:
+            twins = [index.get(_key(rec)) for index in per_rank]
+            if any(t is None for t in twins):
+                merged = dict(rec)
+                merged["ranks_missing"] = [i for i, t in enumerate(twins) if t is None]
+                merged["tensors"] = [self._per_rank_entry([t]) for t in rec["tensors"]]
+                out.append(merged)
+                continue
+            tensors, known = [], {}
+            for i, entry in enumerate(rec["tensors"]):
+                parts = [t["tensors"][i] if i < len(t["tensors"]) and t["tensors"][i]["key"] == entry["key"]
+                         else _find(t, entry) for t in twins]
+                if any(p is None for p in parts):
+                    tensors.append(self._per_rank_entry([entry]))
+                    continue
+                how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, shards_by_region) \
+                    or forward_how.get(_forward_key(rec, entry)) \
+                    or (None if rec["path"] in sharded_weights else _like_input(entry, known))
+                merged_entry = self._merged_entry(parts, how)
+                if how and how[0] == "concat":
+                    known[tuple(entry["shape"])] = how
+                    if "offset" in entry:
+                        shards_by_region[_region(entry)] = how
+                if how and rec["kind"] == "call" and rec["phase"] == "forward":
+                    forward_how[(rec["path"], rec["call"], entry["role"], entry["key"])] = how
+                tensors.append(merged_entry)
+            merged = dict(rec)
+            merged["tensors"] = tensors
+            out.append(merged)
+        return out
+
+    def _sharded_weights(self) -> dict:
+        """module path -> (placement dim of its weight, the weight's local shape) for sharded weights."""
+        out = {}
+        for rec in self.readers[0].records:
+            if rec["kind"] == "param" and rec["path"].rpartition(".")[2] in ("weight", "gamma") and rec["tensors"]:
+                how = _placement_kind(rec["tensors"][0])
+                if how and how[0] == "concat":
+                    out[rec.get("module", rec["path"].rpartition(".")[0])] = (how[1], rec["tensors"][0]["shape"])
+        return out
+
+    def _inferred(self, rec: dict, entry: dict, weights: dict, regions: dict):
+        """The placement of a plain tensor: that of the same stored bytes elsewhere, or the layer's by its weight
+        (column-parallel: the output's last axis; row-parallel: the input's)."""
+        if "offset" in entry and _region(entry) in regions:
+            return regions[_region(entry)]
+        if rec["kind"] != "call" or rec["path"] not in weights or not entry["shape"]:
+            return None
+        dim, local = weights[rec["path"]]
+        outputs = entry["role"] in ("output", "grad_output")
+        if dim == 0 and outputs and entry["shape"][-1] == local[0]:
+            return "concat", len(entry["shape"]) - 1
+        if dim in (1, -1) and not outputs and len(local) > 1 and entry["shape"][-1] == local[1]:
+            return "concat", len(entry["shape"]) - 1
+        return None
+
+    def _merged_entry(self, parts: list, how) -> dict:
+        entry = dict(parts[0])
+        entry.pop("placement", None)
+        kind, dim = how if how else ("ranks", None)
+        shape = list(parts[0]["shape"])
+        if kind == "concat":
+            dim %= max(len(shape), 1)
+            shape[dim] = sum(p["shape"][dim] for p in parts)
+            stats = combine_stats([p.get("stats") for p in parts])
+        elif kind == "sum":
+            stats = {"numel": math.prod(shape), "min": None, "max": None, "mean": None, "l2": None,
+                     "nan": sum(p["stats"].get("nan", 0) for p in parts), "inf": sum(p["stats"].get("inf", 0) for p in parts)}
+        else:
+            stats = parts[0].get("stats")
+        entry.update(shape=shape, stats=stats or parts[0].get("stats"), merge={"how": kind, "dim": dim},
+                     parts=parts)
+        if parts[0].get("placement"):
+            entry["placement_b"] = parts[0]["placement"]
+        return self._register(entry, parts)
+
+    def _per_rank_entry(self, parts: list) -> dict:
+        entry = dict(parts[0])
+        entry.update(merge={"how": "ranks", "dim": None}, parts=parts)
+        return self._register(entry, parts)
+
+    def _register(self, entry: dict, parts: list) -> dict:
+        if all("offset" in p for p in parts):
+            vid = -(len(self._virtual) + 1)  # a unique region: comparisons are memoized by region
+            entry["offset"], entry["nbytes"] = vid, sum(p["nbytes"] for p in parts)
+            self._virtual[vid] = entry
+        else:
+            entry.pop("offset", None)
+            entry.pop("nbytes", None)
+        return entry
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def part_values(self, entry: dict) -> list:
+        """Each rank's stored bits of a merged entry, in rank order."""
+        return [reader.tensor(part) for reader, part in zip(self.readers, entry["parts"])]
+
+    def tensor(self, entry: dict) -> np.ndarray:
+        if "parts" not in entry:
+            return self.readers[0].tensor(entry)
+        merge = entry["merge"]
+        values = self.part_values(entry) if merge["how"] != "ranks" else [self.readers[0].tensor(entry["parts"][0])]
+        if merge["how"] == "concat":
+            return np.concatenate(values, axis=merge["dim"])
+        if merge["how"] == "sum":
+            return np.sum(np.stack(values), axis=0).astype(values[0].dtype)
+        return values[0]
+
+    def tensor_chunks(self, entry: dict, chunk_elems: int):
+        flat = self.tensor(entry).reshape(-1)
+        for start in range(0, flat.size, chunk_elems):
+            yield flat[start:start + chunk_elems]
+
+    def size_bytes(self) -> int:
+        return sum(r.size_bytes() for r in self.readers)
+
+    def close(self):
+        for reader in self.readers:
+            reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def resolve(entry: dict, other_shape) -> dict:
+    """A per-rank ("ranks") entry read against another run's tensor of ``other_shape``: replicated when the
+    shapes line up (up to layout), shards along the one axis that, N times longer, lines them up; else as is."""
+    from .layouts import relate_shapes
+
+    if entry.get("merge", {}).get("how") != "ranks" or len(entry.get("parts", ())) < 2:
+        return entry
+    local, n = list(entry["shape"]), len(entry["parts"])
+    if relate_shapes(tuple(other_shape), tuple(local)).kind in ("same", "permute"):
+        return {**entry, "merge": {"how": "replicate", "dim": None}}
+    fits = []
+    for dim in range(len(local)):
+        shape = list(local)
+        shape[dim] *= n
+        if relate_shapes(tuple(other_shape), tuple(shape)).kind in ("same", "permute"):
+            fits.append((dim, shape))
+    if len(fits) != 1:
+        return entry
+    dim, shape = fits[0]
+    return {**entry, "shape": shape, "merge": {"how": "concat", "dim": dim},
+            "stats": combine_stats([p.get("stats") for p in entry["parts"]]) or entry["stats"]}
+
+
+def rank_slices(entry: dict, values_in_b_layout: np.ndarray) -> list | None:
+    """The other run's values cut the way this merged entry's ranks hold them: one piece per rank (the whole for
+    replicated copies), or None when the entry is not per-rank comparable (partial sums)."""
+    merge = entry.get("merge") or {}
+    n = len(entry.get("parts", ()))
+    if merge.get("how") == "replicate" or (merge.get("how") == "ranks" and n > 1):
+        return [values_in_b_layout] * n
+    if merge.get("how") == "concat":
+        sizes = [p["shape"][merge["dim"]] for p in entry["parts"]]
+        return np.split(values_in_b_layout, list(itertools.accumulate(sizes))[:-1], axis=merge["dim"])
+    return None
+
+
+_GRAD_OF = {"grad_output": "output", "grad_input": "input"}
+
+
+def _forward_key(rec: dict, entry: dict):
+    """The forward tensor a gradient belongs to (it is spread over the ranks as that tensor is)."""
+    if rec["kind"] != "call" or rec["phase"] != "backward" or entry["role"] not in _GRAD_OF:
+        return None
+    return rec["path"], rec["call"], _GRAD_OF[entry["role"]], entry["key"]
+
+
+def _like_input(entry: dict, known: dict):
+    """An output shaped like a sharded input of the same call (an activation, a dropout on a shard)."""
+    if entry["role"] not in ("output", "grad_input"):
+        return None
+    return known.get(tuple(entry["shape"]))
+
+
+def _key(rec: dict) -> tuple:
+    return rec["kind"], rec.get("phase"), rec["path"], rec.get("module"), rec["call"]
+
+
+def _region(entry: dict):
+    return entry.get("offset"), entry.get("nbytes"), entry["dtype"]
+
+
+def _find(rec: dict, entry: dict):
+    return next((t for t in rec["tensors"] if t["role"] == entry["role"] and t["key"] == entry["key"]), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ranks against each other: what data-parallel replicas must agree on
+# ---------------------------------------------------------------------------------------------------------
+class RankView:
+    """One rank of a run as a trace of its own, without the tensors that ranks hold differently by design
+    (shards, partial sums): comparing two views finds where replicas that should agree stop agreeing."""
+
+    def __init__(self, run: RankedRun, rank: int):
+        self.reader = run.readers[rank]
+        self.path = Path(f"{run.path}/rank{rank}.h5")
+        self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
+        spread = {(_key(rec), t["role"], t["key"]) for rec in run.records for t in rec["tensors"]
+                  if (t.get("merge") or {}).get("how") in ("concat", "sum")}
+        self.records = [{**rec, "tensors": [t for t in rec["tensors"] if (_key(rec), t["role"], t["key"]) not in spread]}
+                        for rec in self.reader.records]
+
+    def tensor(self, entry):
+        return self.reader.tensor(entry)
+
+    def tensor_chunks(self, entry, chunk_elems):
+        return self.reader.tensor_chunks(entry, chunk_elems)
+
+    def close(self):
+        pass

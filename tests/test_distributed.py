@@ -1,0 +1,181 @@
+"""Runs spread over ranks, really run on 2 CPU ranks (gloo): PyTorch tensor parallelism (DTensor,
+``parallelize_module``) and data parallelism (DDP), PaddlePaddle auto-parallel tensor parallelism; each against a
+single-process torch run of the same model, and data-parallel ranks against each other."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from layerdiff.core.traceformat import open_trace  # noqa: E402
+
+from conftest import align_files, run_cli  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+TORCH_SCRIPT = """
+import sys
+import torch.distributed as dist
+import layerdiff
+from layerdiff.recipes import torch_llama_tp, torch_llama_dp
+
+out = sys.argv[1]
+dist.init_process_group("gloo")
+for recipe, prefix in ((torch_llama_tp, "tp"), (torch_llama_dp, "dp")):
+    for defect in [None, *recipe.DEFECTS]:
+        built = recipe.build(defect)
+        with layerdiff.trace(built["model"], f"{out}/{prefix}_{defect or 'clean'}"):
+            built["step"]()
+built = torch_llama_tp.build(None)
+with layerdiff.trace(built["model"], f"{out}/tp_stats", mode="stats"):
+    built["step"]()
+dist.destroy_process_group()
+"""
+
+PADDLE_SCRIPT = """
+import sys
+import layerdiff
+from layerdiff.recipes import paddle_llama_tp
+
+out = sys.argv[1]
+for defect in [None, *paddle_llama_tp.DEFECTS]:
+    built = paddle_llama_tp.build(defect)
+    with layerdiff.trace(built["model"], f"{out}/pd_{defect or 'clean'}"):
+        built["step"]()
+"""
+
+
+def _launch(root, name, code, launcher):
+    script = root / f"{name}.py"
+    script.write_text(textwrap.dedent(code))
+    proc = subprocess.run([sys.executable, "-m", *launcher, str(script), str(root)], capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, recipe_trace):
+    root = tmp_path_factory.mktemp("ranks")
+    _launch(root, "torch_ranks", TORCH_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def paddle_runs(tmp_path_factory):
+    pytest.importorskip("paddle")
+    root = tmp_path_factory.mktemp("paddle_ranks")
+    _launch(root, "paddle_ranks", PADDLE_SCRIPT,
+            ["paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(root / "logs")])
+    return root
+
+
+def test_every_rank_writes_its_own_trace_with_placements(runs):
+    run = runs / "tp_clean"
+    assert sorted(p.name for p in run.iterdir()) == ["rank0.h5", "rank1.h5"]
+    for rank in (0, 1):
+        with open_trace(run / f"rank{rank}.h5") as reader:
+            assert reader.meta["distributed"]["rank"] == rank and reader.meta["distributed"]["world_size"] == 2
+            weight = next(r for r in reader.records if r["kind"] == "param"
+                          and r["path"] == "model.layers.0.self_attn.q_proj.weight")["tensors"][0]
+            assert weight["shape"] == [32, 64] and weight["placement"] == {
+                "placements": ["S(0)"], "mesh": [2], "coord": [rank], "global_shape": [64, 64]}
+
+
+def test_tensor_parallel_run_aligns_with_one_process_forward_and_backward(runs, recipe_trace):
+    report = align_files(recipe_trace(), runs / "tp_clean")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["params"]["compared"] == 21 and report["params"]["grads_compared"] == 21
+    notes = " ".join(t["metrics"].get("note", "") for r in report["records"] for t in r["tensors"])
+    assert "ranks' shards joined on axis 2" in notes and "partial sums added" in notes
+
+
+@pytest.mark.parametrize("defect", ["shard", "eps", "no_reduce", "backward"])
+def test_tensor_parallel_defects_named_with_their_ranks(runs, recipe_trace, defect):
+    from layerdiff.recipes.torch_llama_tp import DEFECTS
+
+    direction, module, ranks = DEFECTS[defect]
+    origin = align_files(recipe_trace(), runs / f"tp_{defect}")[direction]["first_divergence"]
+    assert origin["module"] == module and origin["ranks"] == ranks
+    if defect == "shard":
+        assert origin["description"] == "rank 1's shard of model.layers.1.mlp.up_proj"
+    if defect == "no_reduce":
+        assert "a reduction (all-reduce) is missing" in origin["hint"]
+
+
+def test_statistics_traces_of_ranks(runs, recipe_trace):
+    assert align_files(recipe_trace(mode="stats"), runs / "tp_stats")["verdict"] == "aligned"
+
+
+def test_data_parallel_desync_is_named_with_its_rank(runs):
+    code, out, err = run_cli("align", runs / "dp_clean", "-q")
+    assert code == 0 and out.startswith("aligned: all 2 ranks agree with rank 0"), out + err
+    code, out, err = run_cli("align", runs / "dp_weight", "--json", runs / "dp.json")
+    assert code == 1, out + err
+    result = json.loads((runs / "dp.json").read_text())
+    first = result["first_divergence"]
+    assert first["module"] == "module.model.layers.1.mlp.up_proj" and first["ranks"] == [1]
+    assert "first desync (forward): module.model.layers.1.mlp.up_proj on rank(s) 1" in out
+    code, out, _ = run_cli("align", runs / "dp_input", "-q")
+    assert code == 1 and "<root>: the runs were given different inputs on rank(s) 1" in out
+
+
+DP3_SCRIPT = """
+import sys
+import layerdiff
+from layerdiff.recipes import torch_llama_dp
+
+built = torch_llama_dp.build("weight")
+with layerdiff.trace(built["model"], f"{sys.argv[1]}/dp3"):
+    built["step"]()
+"""
+
+
+def test_ranks_are_compared_in_parallel_processes(tmp_path):
+    _launch(tmp_path, "dp3", DP3_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "3"])
+    results = []
+    for workers in ("1", "2"):
+        code, out, err = run_cli("align", tmp_path / "dp3", "--workers", workers, "--json", tmp_path / f"w{workers}.json")
+        assert code == 1, out + err
+        results.append(json.loads((tmp_path / f"w{workers}.json").read_text()))
+        assert "rank 1: differs" in out and "rank 2: agrees with rank 0" in out
+    assert results[0]["ranks"] == results[1]["ranks"]  # two worker processes give what one gives
+    assert results[1]["first_divergence"]["ranks"] == [1]
+
+
+def test_ranks_of_a_tensor_parallel_run_agree_on_what_they_replicate(runs):
+    code, out, err = run_cli("align", runs / "tp_clean", "-q")
+    assert code == 0, out + err  # shards differ by design and are left out
+    code, out, _ = run_cli("align", runs / "tp_no_reduce", "-q")
+    assert code == 1 and "model.layers.0.self_attn.o_proj" in out  # unreduced "copies" disagree
+
+
+def test_an_incomplete_run_is_one_line_exit_2(runs, recipe_trace, tmp_path):
+    import shutil
+
+    broken = tmp_path / "run"
+    shutil.copytree(runs / "tp_clean", broken)
+    (broken / "rank1.h5").unlink()
+    code, out, err = run_cli("align", recipe_trace(), broken)
+    assert code == 2 and "incomplete run" in err and len(err.strip().splitlines()) == 1 and not out
+
+
+def test_bisect_uses_a_multi_rank_reference(runs, tmp_path):
+    code, out, err = run_cli("bisect", runs / "tp_clean", "torch_llama", "--arg", "defect=eps", "-q",
+                             "--workdir", tmp_path / "w")
+    assert code == 1 and out.startswith("own_error: forward model.layers.1.post_attention_layernorm"), out + err
+
+
+@pytest.mark.paddle
+def test_paddle_tensor_parallel_against_one_torch_process(paddle_runs, recipe_trace):
+    from layerdiff.recipes.paddle_llama_tp import DEFECTS
+
+    report = align_files(recipe_trace(), paddle_runs / "pd_clean")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    for defect, (direction, module, ranks) in DEFECTS.items():
+        origin = align_files(recipe_trace(), paddle_runs / f"pd_{defect}")[direction]["first_divergence"]
+        assert (origin["module"], origin["ranks"]) == (module, ranks), defect
