@@ -197,7 +197,7 @@ def cmd_align(args) -> int:
             raise LayerdiffError(f"{out} exists; pass --force to replace it")
     if args.b is None:
         return _align_ranks(args, policy)
-    with open_run(args.a) as ra, open_run(args.b) as rb:
+    with open_run(args.a, rules) as ra, open_run(args.b, rules) as rb:
         progress = ByteProgress("aligning", enabled=None if not args.quiet else False)
         try:
             report = align(ra, rb, rename=rename, policy=policy, progress=progress, auto_map=not args.no_auto_map,

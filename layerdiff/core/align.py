@@ -108,7 +108,11 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
                                          reader_b.tensor_chunks(b.entry, CHUNK_ELEMS), a.dtype, b.dtype)
             metrics = dict(memo[key])
         else:
-            va, vb = relation.views(a.values(reader_a), b.values(reader_b))
+            try:
+                va, vb = relation.views(a.values(reader_a), b.values(reader_b))
+            except ValueError as exc:  # a fused split that the sizes do not allow
+                return {"basis": "shape", "mismatch": f"cannot derive the compared tensor: {exc}",
+                        "numel": math.prod(a.shape)}
             metrics = _compare_values(va, vb)
         per_rank = _per_rank_metrics(a, b, relation, reader_a, reader_b)
         if per_rank:
@@ -123,7 +127,9 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
         merge = operand.entry.get("merge") if operand.op == "value" else None
         if merge and len(operand.entry.get("parts", ())) > 1:
             notes.append(f"{side}: {len(operand.entry['parts'])} ranks' " + {
-                "concat": f"shards joined on axis {merge['dim']}", "replicate": "copies (rank 0's compared; each "
+                "concat": f"shards joined on axis {merge['dim']}",
+                "concat_parts": f"shards joined part by part on axis {merge['dim']}",
+                "replicate": "copies (rank 0's compared; each "
                 "rank's checked)", "sum": "partial sums added", "ranks": "tensors, unresolved"}[merge["how"]])
     if a.transposed != b.transposed:
         notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
@@ -168,8 +174,9 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
                 return None
             copies.append(mine)
             out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
-        out["how"] = "shards" if operand.entry["merge"]["how"] == "concat" else "copies"
-        if operand.entry["merge"]["how"] != "concat" and any(not np.array_equal(copies[0], c) for c in copies[1:]):
+        sharded = operand.entry["merge"]["how"] in ("concat", "concat_parts")
+        out["how"] = "shards" if sharded else "copies"
+        if not sharded and any(not np.array_equal(copies[0], c) for c in copies[1:]):
             # copies that should be equal are not: do they add up to the other run's (a missing all-reduce)?
             total = np.sum(np.stack([c.astype(np.float64) for c in copies]), axis=0)
             out["sum"] = _compare_values(pieces[0].reshape(-1).astype(np.float64), total)

@@ -21,7 +21,7 @@ def check_run(path, policy: TolerancePolicy | None = None, rule_files=(), worker
               progress=None) -> dict:
     """A report of every rank against rank 0 (see the module docstring)."""
     policy = policy or TolerancePolicy()
-    with open_run(path) as run:
+    with open_run(path, ruleset(rule_files)) as run:
         if not isinstance(run, RankedRun):
             raise LayerdiffError(f"{path}: a single trace; align it with another one (layerdiff align A B), or "
                                  "give a run directory of several ranks to compare its ranks")
@@ -56,9 +56,10 @@ def _execution_order(run: RankedRun) -> dict:
 
 
 def _rank_against_rank0(path: str, rank: int, policy: dict, rule_files: list) -> dict:
-    with open_run(path) as run:
+    rules = ruleset(rule_files)
+    with open_run(path, rules) as run:
         report = align(RankView(run, 0), RankView(run, rank), policy=TolerancePolicy.from_description(policy),
-                       rules=ruleset(rule_files))
+                       rules=rules)
     return {"rank": rank, "verdict": report["verdict"], "forward": report["forward"]["first_divergence"],
             "backward": report["backward"]["first_divergence"],
             "failing_tensors": report["forward"]["failing_tensors"] + report["backward"]["failing_tensors"],

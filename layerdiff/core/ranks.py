@@ -41,15 +41,15 @@ def rank_files(path) -> list | None:
     return [p for _, p in found] if found else None
 
 
-def open_run(path):
-    """A trace file's reader, or a run directory's merged reader."""
+def open_run(path, rules=None):
+    """A trace file's reader, or a run directory's merged reader (``rules``: the rule set, for fused layers)."""
     files = rank_files(path)
     if files is None:
         if Path(path).is_dir():
             raise TraceFormatError(f"{path}: a directory without rank*.h5 traces (a multi-rank run writes "
                                    "RUN/rank0.h5, RUN/rank1.h5, ...)")
         return TraceReader(path)
-    return RankedRun(path, files)
+    return RankedRun(path, files, rules)
 
 
 def _placement_kind(entry: dict):
@@ -71,8 +71,12 @@ def _placement_kind(entry: dict):
 class RankedRun:
     """The ``TraceReader`` interface over a directory of per-rank traces (see the module docstring)."""
 
-    def __init__(self, path, files):
+    def __init__(self, path, files, rules=None):
+        from .rules import builtin
+
         self.path = Path(path)
+        self.rules = rules or builtin()
+        self.every_part: dict = {}  # module -> number of parts each shard holds a slice of
         self.readers = []
         try:
             for f in files:
@@ -116,6 +120,7 @@ class RankedRun:
         sharded_weights = self._sharded_weights()
         shards_by_region: dict = {}
         forward_how: dict = {}  # (path, call, role, key) -> how: a gradient is spread as its tensor is
+        param_how: dict = {}  # parameter name -> how: its gradient is spread as it is
         out = []
         for rec in self.readers[0].records:
             twins = [index.get(_key(rec)) for index in per_rank]
@@ -133,9 +138,12 @@ class RankedRun:
                     tensors.append(self._per_rank_entry([entry]))
                     continue
                 how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, shards_by_region) \
-                    or forward_how.get(_forward_key(rec, entry)) \
+                    or forward_how.get(_forward_key(rec, entry)) or param_how.get(_param_of(rec)) \
                     or (None if rec["path"] in sharded_weights else _like_input(entry, known))
+                how = self._every_part(rec, how)
                 merged_entry = self._merged_entry(parts, how)
+                if rec["kind"] == "param" and how:
+                    param_how[rec["path"]] = how
                 if how and how[0] == "concat":
                     known[tuple(entry["shape"])] = how
                     if "offset" in entry:
@@ -149,14 +157,28 @@ class RankedRun:
         return out
 
     def _sharded_weights(self) -> dict:
-        """module path -> (placement dim of its weight, the weight's local shape) for sharded weights."""
+        """module path -> (placement dim of its weight, the weight's local shape) for sharded weights; modules
+        whose shards hold a slice of every part of a fused weight (Megatron's gated linear_fc1: [gate_r; up_r])
+        go to ``self.every_part`` with the number of parts."""
         out = {}
         for rec in self.readers[0].records:
             if rec["kind"] == "param" and rec["path"].rpartition(".")[2] in ("weight", "gamma") and rec["tensors"]:
-                how = _placement_kind(rec["tensors"][0])
+                entry = rec["tensors"][0]
+                how = _placement_kind(entry)
                 if how and how[0] == "concat":
-                    out[rec.get("module", rec["path"].rpartition(".")[0])] = (how[1], rec["tensors"][0]["shape"])
+                    module = rec.get("module", rec["path"].rpartition(".")[0])
+                    out[module] = (how[1], entry["shape"])
+                    rule = self.rules.fused_rule(module.rpartition(".")[2])
+                    if rule is not None and rule.tp_every_part and entry["placement"].get("source") == "megatron":
+                        self.every_part[module] = len(rule.parts)
         return out
+
+    def _every_part(self, rec: dict, how):
+        """A shard of a fused tensor that holds a slice of every part is joined part by part."""
+        module = rec["path"] if rec["kind"] == "call" else rec.get("module", "")
+        if how and how[0] == "concat" and module in self.every_part:
+            return "concat_parts", how[1], self.every_part[module]
+        return how
 
     def _inferred(self, rec: dict, entry: dict, weights: dict, regions: dict):
         """The placement of a plain tensor: that of the same stored bytes elsewhere, or the layer's by its weight
@@ -176,9 +198,9 @@ class RankedRun:
     def _merged_entry(self, parts: list, how) -> dict:
         entry = dict(parts[0])
         entry.pop("placement", None)
-        kind, dim = how if how else ("ranks", None)
+        kind, dim = how[:2] if how else ("ranks", None)
         shape = list(parts[0]["shape"])
-        if kind == "concat":
+        if kind in ("concat", "concat_parts"):
             dim %= max(len(shape), 1)
             shape[dim] = sum(p["shape"][dim] for p in parts)
             stats = combine_stats([p.get("stats") for p in parts])
@@ -187,8 +209,10 @@ class RankedRun:
                      "nan": sum(p["stats"].get("nan", 0) for p in parts), "inf": sum(p["stats"].get("inf", 0) for p in parts)}
         else:
             stats = parts[0].get("stats")
-        entry.update(shape=shape, stats=stats or parts[0].get("stats"), merge={"how": kind, "dim": dim},
-                     parts=parts)
+        merge = {"how": kind, "dim": dim}
+        if kind == "concat_parts":
+            merge["parts"] = how[2]
+        entry.update(shape=shape, stats=stats or parts[0].get("stats"), merge=merge, parts=parts)
         if parts[0].get("placement"):
             entry["placement_b"] = parts[0]["placement"]
         return self._register(entry, parts)
@@ -220,6 +244,10 @@ class RankedRun:
         values = self.part_values(entry) if merge["how"] != "ranks" else [self.readers[0].tensor(entry["parts"][0])]
         if merge["how"] == "concat":
             return np.concatenate(values, axis=merge["dim"])
+        if merge["how"] == "concat_parts":  # [g0; u0], [g1; u1] -> [g0; g1; u0; u1]
+            pieces = [np.split(v, merge["parts"], axis=merge["dim"]) for v in values]
+            return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge["dim"])
+                                   for i in range(merge["parts"])], axis=merge["dim"])
         if merge["how"] == "sum":
             return np.sum(np.stack(values), axis=0).astype(values[0].dtype)
         return values[0]
@@ -276,10 +304,19 @@ def rank_slices(entry: dict, values_in_b_layout: np.ndarray) -> list | None:
     if merge.get("how") == "concat":
         sizes = [p["shape"][merge["dim"]] for p in entry["parts"]]
         return np.split(values_in_b_layout, list(itertools.accumulate(sizes))[:-1], axis=merge["dim"])
+    if merge.get("how") == "concat_parts":
+        per_part = [np.array_split(part, n, axis=merge["dim"])
+                    for part in np.split(values_in_b_layout, merge["parts"], axis=merge["dim"])]
+        return [np.concatenate([chunks[rank] for chunks in per_part], axis=merge["dim"]) for rank in range(n)]
     return None
 
 
 _GRAD_OF = {"grad_output": "output", "grad_input": "input"}
+
+
+def _param_of(rec: dict):
+    """A parameter gradient (whole or one use) is spread over the ranks as its parameter is."""
+    return rec["path"] if rec["kind"] in ("param_grad", "param_grad_use") else None
 
 
 def _forward_key(rec: dict, entry: dict):
@@ -319,8 +356,12 @@ class RankView:
         self.reader = run.readers[rank]
         self.path = Path(f"{run.path}/rank{rank}.h5")
         self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
+        kinds = {(t.get("merge") or {}).get("how") for rec in run.records for t in rec["tensors"]}
+        left_out = {"concat", "concat_parts", "sum"}
+        if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
+            left_out.add("ranks")
         spread = {(_key(rec), t["role"], t["key"]) for rec in run.records for t in rec["tensors"]
-                  if (t.get("merge") or {}).get("how") in ("concat", "sum")}
+                  if (t.get("merge") or {}).get("how") in left_out}
         self.records = [{**rec, "tensors": [t for t in rec["tensors"] if (_key(rec), t["role"], t["key"]) not in spread]}
                         for rec in self.reader.records]
 

@@ -36,6 +36,7 @@ class FusedRule:
     parts: tuple
     groups: tuple = ()
     source: str = ""
+    tp_every_part: bool = False  # a tensor-parallel shard holds a slice of every part (Megatron's fc1)
 
     def matches(self, local_name: str) -> bool:
         return bool(self.module.search(local_name))
@@ -164,8 +165,12 @@ def from_dict(data: dict, source: str) -> RuleSet:
         if not all(isinstance(g, (int, str)) and not isinstance(g, bool) and (not isinstance(g, int) or g > 0)
                    for g in groups):
             raise LayerdiffError(f"{where}: 'groups' lists positive integers or hyper-parameter names")
+        split = entry.get("tp_shards", "slice")
+        if split not in ("slice", "every_part"):
+            raise LayerdiffError(f"{where}: 'tp_shards' is \"slice\" (a shard is a slice of the fused tensor) or "
+                                 "\"every_part\" (a shard holds a slice of every part)")
         fused.append(FusedRule(str(entry.get("name") or "+".join(parts)), _compile(entry["module"], where),
-                               parts, groups, source))
+                               parts, groups, source, split == "every_part"))
     angles = []
     for i, entry in enumerate(data.get("rotary") or []):
         where = f"{source}: [[rotary]] entry {i + 1}"

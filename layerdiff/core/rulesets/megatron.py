@@ -30,7 +30,8 @@ RULES = {
         {"name": "qkv", "module": "^linear_qkv$", "parts": ["q", "k", "v"],
          "groups": ["num_query_groups_per_partition", "num_query_groups", "num_key_value_heads",
                     "min_part/hidden_size_per_attention_head", "min_part/head_dim", "min_part/kv_channels"]},
-        {"name": "gate_up", "module": "^linear_fc1$", "parts": ["gate", "up"]},
+        # under tensor parallelism each rank holds [its gate rows; its up rows]
+        {"name": "gate_up", "module": "^linear_fc1$", "parts": ["gate", "up"], "tp_shards": "every_part"},
     ],
     "masks": [{"keys": ["attention_mask"], "model_class": "^megatron\\.", "bool_masked": True}],
     "sequence_first": ["^megatron\\."],
