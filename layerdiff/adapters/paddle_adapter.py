@@ -76,11 +76,29 @@ def _placement_text(p) -> str:
     return "R" if text.startswith("Replicate") else text
 
 
+def _fleet_placement(t):
+    """A ``fleet`` model-parallel parameter (``ColumnParallelLinear``, ``RowParallelLinear``,
+    ``VocabParallelEmbedding``): fleet marks it ``is_distributed`` with the ``split_axis`` it was cut along."""
+    if not getattr(t, "is_distributed", False) or getattr(t, "split_axis", None) is None:
+        return None
+    try:
+        group = paddle.distributed.fleet.get_hybrid_communicate_group()
+        size, rank = group.get_model_parallel_world_size(), group.get_model_parallel_rank()
+    except Exception:  # fleet not initialised: no model-parallel group to place it in
+        return None
+    if size < 2:
+        return None
+    shape = list(t.shape)
+    shape[t.split_axis] *= size
+    return {"placements": [f"S({t.split_axis})"], "mesh": [size], "coord": [rank], "global_shape": shape,
+            "source": "fleet"}
+
+
 def placement(t):
     """How a distributed tensor is spread over the ranks of its process mesh (1-D meshes: ``S(d)``, ``R``,
-    ``P(sum)``), or None."""
+    ``P(sum)``), a fleet model-parallel parameter's split axis, or None."""
     if not _is_dist(t):
-        return None
+        return _fleet_placement(t)
     mesh = t.process_mesh
     ids = list(mesh.process_ids)
     rank = paddle.distributed.get_rank()

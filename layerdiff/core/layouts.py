@@ -58,9 +58,10 @@ def canonical_param_name(name: str) -> str:
     return f"{module}.{leaf}" if module else leaf
 
 
-def is_transposed(framework: str | None, type_name: str | None, param_name: str) -> bool:
+def is_transposed(framework: str | None, type_name: str | None, param_name: str, family=None) -> bool:
+    """``family``: a type-family resolver (a rule set's ``family``) instead of the built-in table."""
     leaf = canonical_param_name(param_name).rpartition(".")[2]
-    return (framework, type_family(type_name), leaf) in TRANSPOSED
+    return (framework, (family or type_family)(type_name), leaf) in TRANSPOSED
 
 
 class LayoutRules:

@@ -116,7 +116,7 @@ class TraceSide:
     def transposed(self, rec: dict, entry: dict) -> bool:
         """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
         return (rec["kind"] in PARAM_KINDS and len(entry["shape"]) == 2
-                and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"]))
+                and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"], self.rules.family))
 
     def operand(self, rec: dict, entry: dict) -> Operand:
         return Operand.stored(entry, self.transposed(rec, entry))

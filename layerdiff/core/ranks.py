@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import TraceFormatError
+from .layouts import is_transposed
 from .operands import combine_stats
 from .traceformat import TraceReader
 
@@ -86,6 +87,7 @@ class RankedRun:
             raise
         self._check_complete(files)
         first = self.readers[0]
+        self.meta_framework = first.meta.get("framework")
         self.meta = {**first.meta, "ranks": len(self.readers)}
         self.crashed = any(r.crashed for r in self.readers)
         self.end = self._end()
@@ -167,7 +169,11 @@ class RankedRun:
                 how = _placement_kind(entry)
                 if how and how[0] == "concat":
                     module = rec.get("module", rec["path"].rpartition(".")[0])
-                    out[module] = (how[1], entry["shape"])
+                    dim, local = how[1], list(entry["shape"])
+                    if len(local) == 2 and is_transposed(self.meta_framework, rec.get("module_type"), rec["path"],
+                                                         self.rules.family):
+                        dim, local = 1 - dim % 2, local[::-1]  # Paddle's [in, out]: as PyTorch's [out, in]
+                    out[module] = (dim, local)
                     rule = self.rules.fused_rule(module.rpartition(".")[2])
                     if rule is not None and rule.tp_every_part and entry["placement"].get("source") == "megatron":
                         self.every_part[module] = len(rule.parts)
