@@ -78,6 +78,22 @@ class Workdir:
         return self.path / f"{name}.h5"
 
 
+def default_workdir(reference, command: dict) -> str:
+    """``REF.bisect`` for the first command on a reference; a second candidate (another target, other
+    arguments) gets its own directory next to it instead of being refused: ``REF.bisect-<hash>``."""
+    first = Path(f"{Path(reference).name}.bisect")
+    state = first / "state.json"
+    if not state.exists():
+        return str(first)
+    try:
+        if json.loads(state.read_text()).get("command") == command:
+            return str(first)
+    except (OSError, ValueError):
+        return str(first)  # a damaged state: Workdir says so
+    digest = hashlib.sha256(json.dumps(command, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{first}-{digest}"
+
+
 def reference_identity(path) -> dict:
     """Enough to notice that the reference changed between an interrupted bisect and its resumption."""
     files = rank_files(path) or [Path(path)]  # a multi-rank run: every rank's trace
@@ -90,12 +106,12 @@ def reference_identity(path) -> dict:
 
 
 def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backward=True, include=None,
-                  exclude=None, params=True, layers=None, mode="full") -> dict:
+                  exclude=None, params=True, layers=None, mode="full", strict_filters=True) -> dict:
     """Build the candidate, run one step under the tracer, close the trace. A step that raises is a result
     (the trace records where), not an error of bisect."""
     model, step, meta = runner.build(target, kwargs)
     tracer = Tracer(model, path, mode=mode, backward=backward, include=include, exclude=exclude, params=params,
-                    layers=layers, one_process=True,
+                    layers=layers, one_process=True, strict_filters=strict_filters,
                     overwrite=True, meta={"target": target, "bisect": True, **(meta or {})}, forcer=forcer)
     with _Guard(tracer) as guard:
         step()
@@ -232,11 +248,11 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
                 forcer = None if spliced is None else Forcer(ref, rename, layouts, backward=False, rules=rules,
                                                              where=_splice_at(blocks[spliced]), **names.forcing())
                 run = run_candidate(target, kwargs, workdir.trace_path(name), forcer=forcer, backward=False,
-                                    include=names.include(watched), params=False)
+                                    include=names.include(watched), params=False, strict_filters=False)
                 if spliced is None and not names.found(workdir.trace_path(name), watched):
                     names.learn(target, kwargs, workdir, progress)  # a port: its own names for the blocks
                     run = run_candidate(target, kwargs, workdir.trace_path(name), backward=False,
-                                        include=names.include(watched), params=False)
+                                        include=names.include(watched), params=False, strict_filters=False)
                 with open_trace(workdir.trace_path(name)) as cand:
                     measured = measure(ref, cand, rename, auto_map=False, layouts=layouts, rules=rules,
                                        mapping=names.mapping)

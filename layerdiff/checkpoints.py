@@ -52,7 +52,7 @@ import pickle
 import re
 import tempfile
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -191,14 +191,27 @@ def _torch_stored(t):
     return to_stored(t)
 
 
-def _flatten(obj, prefix, out, is_tensor, skipped):
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, is_tensor, skipped)
-    elif is_tensor(obj):
-        out[prefix] = obj
-    elif prefix:
-        skipped.append(prefix)
+_MAX_NESTING = 64  # real checkpoints nest dicts a few levels ({"model": {"module": state_dict}})
+
+
+def _flatten(obj, prefix, out, is_tensor, skipped, source="checkpoint"):
+    """Nested dicts -> ``out`` {dotted name: tensor}, in order; other leaves' names go to ``skipped``. Iterative
+    and at most ``_MAX_NESTING`` levels deep: a hostile (deep or cyclic) pickle is one error naming ``source``."""
+    stack = [(obj, prefix, 0)]
+    while stack:
+        obj, prefix, depth = stack.pop()
+        if isinstance(obj, dict):
+            if depth >= _MAX_NESTING:
+                raise LayerdiffError(f"{source}: dictionaries nested more than {_MAX_NESTING} levels deep (cyclic?)")
+            try:
+                children = [(v, f"{prefix}.{k}" if prefix else str(k), depth + 1) for k, v in obj.items()]
+            except ValueError:  # a key that is an integer too long to print
+                raise LayerdiffError(f"{source}: a dictionary key cannot be turned into a name") from None
+            stack.extend(reversed(children))
+        elif is_tensor(obj):
+            out[prefix] = obj
+        elif prefix:
+            skipped.append(prefix)
 
 
 def _megatron_globals() -> tuple:
@@ -251,7 +264,7 @@ class _TorchFile(Checkpoint):
         self.whole = not mmapped
         skipped = []
         self._tensors = {}
-        _flatten(obj, "", self._tensors, lambda x: isinstance(x, torch.Tensor), skipped)
+        _flatten(obj, "", self._tensors, lambda x: isinstance(x, torch.Tensor), skipped, source=path)
         if not self._tensors:
             raise LayerdiffError(f"{path}: no tensors in this PyTorch file")
         from .adapters.torch_adapter import _DTYPE_NAMES
@@ -297,7 +310,7 @@ def _load_pdparams(path) -> _InMemory:
         raise LayerdiffError(f"{path}: a .pdparams file should hold a dict of arrays, not {type(obj).__name__}")
     tensors, skipped = {}, []
     _flatten({k: v for k, v in obj.items() if k != "StructuredToParameterName@@"}, "", tensors,
-             lambda x: isinstance(x, np.ndarray), skipped)
+             lambda x: isinstance(x, np.ndarray), skipped, source=path)
     out = {}
     for name, arr in tensors.items():
         if arr.dtype == object:
@@ -336,10 +349,12 @@ class _TraceParams(Checkpoint):
         super().__init__(path)
         from .core.traceformat import open_trace
         self._reader = open_trace(path)
-        records = [r for r in self._reader.records if r["kind"] == "param"]
+        records = [r for r in self._reader.records if r["kind"] == "param" and r["tensors"]]
         if not records:
+            crashed = self._reader.crashed
             self._reader.close()
-            raise LayerdiffError(f"{path}: this trace holds no parameter values")
+            raise LayerdiffError(f"{path}: this trace holds no parameter values" + (
+                " (its index ends early: a damaged record, or the writing process died)" if crashed else ""))
         steps = sorted({r.get("step", r["call"]) for r in records})
         chosen = steps[0] if step == "first" else steps[-1]
         self._entries = {}
@@ -381,10 +396,14 @@ def megatron_partition_dim(name: str):
 def _megatron_iter_dir(path: Path) -> Path:
     tracker = path / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        try:
+            with open(tracker, "rb") as f:
+                text = f.read(100).decode("utf-8", errors="replace").strip()
+        except OSError as exc:
+            raise LayerdiffError(f"{tracker}: cannot read ({exc.strerror or exc})") from None
         if text == "release":
             sub = path / "release"
-        elif text.isdigit():
+        elif re.fullmatch(r"[0-9]{1,12}", text):
             sub = path / f"iter_{int(text):07d}"
         else:
             raise LayerdiffError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
@@ -436,7 +455,7 @@ def _load_megatron(path: Path) -> _InMemory:
             flat = {}
             for key in models:
                 part = {}
-                _flatten(obj[key], "", part, lambda x: isinstance(x, torch.Tensor), [])
+                _flatten(obj[key], "", part, lambda x: isinstance(x, torch.Tensor), [], source=file)
                 prefix = f"{key}." if len(models) > 1 else ""
                 flat.update({prefix + k: v for k, v in part.items()})
             states.append((file, flat))
@@ -451,13 +470,19 @@ def _load_megatron(path: Path) -> _InMemory:
             dim = megatron_partition_dim(name)
             parts = [flat[name] for _, flat in states]
             if dim is not None and parts[0].dim() > dim:
-                value = torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+                try:
+                    value = torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+                except RuntimeError:
+                    raise LayerdiffError(f"{it}: the TP shards of {name!r} cannot be joined on dim {dim} (shapes "
+                                         f"{[list(p.shape) for p in parts][:4]})") from None
             else:
                 if any(p.shape != parts[0].shape for p in parts[1:]):
                     raise LayerdiffError(f"{it}: {name!r} has different shapes on TP ranks but no partition "
                                          "rule (see megatron_partition_dim)")
                 value = parts[0]
             m = _LAYER.search(name)
+            if m and len(m.group(2)) > 9:
+                raise LayerdiffError(f"{it}: layer number of {name[:120]!r} is implausibly large")
             if m:
                 local_layers = max(local_layers, int(m.group(2)) + 1)
                 name = name[:m.start(2)] + str(int(m.group(2)) + layer_offset) + name[m.end(2):]
@@ -515,14 +540,11 @@ def open_checkpoint(path, *, trace_step: str = "first") -> Checkpoint:
 def _open_dir(path: Path) -> Checkpoint:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({path / f for f in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise LayerdiffError(f"{index}: not a valid safetensors index") from None
+        weight_map = _read_index(index)
+        files = sorted({path / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
-                raise LayerdiffError(f"{index}: shard {f.name} is missing")
+                raise LayerdiffError(f"{index}: shard {f.relative_to(path)} is missing")
         ck = _Safetensors(path, files)
         missing = set(weight_map) - set(ck.names())
         if missing:
@@ -542,6 +564,41 @@ def _open_dir(path: Path) -> Checkpoint:
         return _Safetensors(path, single)
     raise LayerdiffError(f"{path}: folder holds no known checkpoint (model.safetensors, an index, "
                          "pytorch_model.bin, or a Megatron layout)")
+
+
+_MAX_INDEX_BYTES = 100 << 20  # a real index lists a few thousand names: a few hundred KB
+
+
+def _read_index(index: Path) -> dict:
+    """``weight_map`` of a Hugging Face ``model.safetensors.index.json``: tensor name -> shard file, each shard a
+    relative path inside the folder (no absolute path, no ``..``); anything else is one error naming the file."""
+    def bad(what):
+        return LayerdiffError(f"{index}: not a valid safetensors index ({what})")
+
+    try:
+        if index.stat().st_size > _MAX_INDEX_BYTES:
+            raise bad(f"larger than {_MAX_INDEX_BYTES >> 20} MB")
+        data = json.loads(index.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise bad("not UTF-8 text") from None
+    except RecursionError:
+        raise bad("JSON nested too deeply") from None
+    except ValueError as exc:  # not JSON, or an integer of more than 4300 digits
+        raise bad(f"not JSON: {_first_line(exc)[:100]}") from None
+    except OSError as exc:
+        raise LayerdiffError(f"{index}: cannot read ({exc.strerror or exc})") from None
+    if not isinstance(data, dict) or "weight_map" not in data:
+        raise bad("no weight_map object")
+    weight_map = data["weight_map"]
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise bad("weight_map must be a non-empty object mapping tensor names to shard files")
+    for name, shard in weight_map.items():
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        if not isinstance(shard, str) or not shard or "\0" in shard:
+            raise bad(f"the shard of {shown!r} is not a file name")
+        if "\\" in shard or PurePosixPath(shard).is_absolute() or ".." in PurePosixPath(shard).parts:
+            raise bad(f"shard {shard[:80]!r} of {shown!r} is not a relative path inside the folder")
+    return weight_map
 
 
 def _open_file(path: Path, trace_step: str) -> Checkpoint:
@@ -626,7 +683,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
     """
     from .core.metrics import compare_arrays
     rename = mapping or RenameRules()
-    patterns = [re.compile(p) for p in (transpose or ())]
+    patterns = _transpose_patterns(transpose)
     a_names = {canonical_param_name(n): n for n in a.names()}
     b_to_a = {}
     for n in b.names():
@@ -695,6 +752,18 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
         "max_abs_diff": max_all, "exact": exact, "notes": a.notes + b.notes,
     }
     return result
+
+
+def _transpose_patterns(transpose) -> list:
+    """``--transpose`` regexes, compiled; a bad one is one error naming it."""
+    patterns = []
+    for p in transpose or ():
+        try:
+            patterns.append(re.compile(p))
+        except (re.error, OverflowError, RecursionError, ValueError) as exc:
+            shown = p if len(p) <= 80 else p[:77] + "..."
+            raise LayerdiffError(f"bad --transpose {shown!r}: {_first_line(exc)[:100]}") from None
+    return patterns
 
 
 def _plan_names(a: Checkpoint, b: Checkpoint, a_names: dict, b_to_a: dict, rename, rules):
@@ -773,6 +842,7 @@ def run(args) -> int:
                 raise LayerdiffError(f"{shown}: SHA-256 mismatch (expected {expected[target]}, got {digest})")
     rename = RenameRules.parse(getattr(args, "map", None))
     exact = bool(getattr(args, "exact", False))
+    _transpose_patterns(getattr(args, "transpose", None))  # a bad regex is refused before any file is read
     a = open_checkpoint(args.a)
     try:
         if a.whole:  # held in memory: move it to a temporary safetensors file before B is loaded

@@ -1,17 +1,20 @@
 """The ``layerdiff`` command line.
 
-Exit codes: 0 aligned / success, 1 divergent (or the traced run raised), 2 bad input. Bad input is reported as
-one line on stderr, never a traceback.
+Exit codes: 0 aligned / success, 1 divergent (or the traced run raised), 2 bad input, 3 aligned but the result
+cannot be trusted (a run that did not finish, a phase on one side only, the same file twice). Bad input is reported
+as one line on stderr, never a traceback (``--debug`` shows it).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
 from . import __version__
 from .errors import LayerdiffError
 
-EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_UNTRUSTED = 0, 1, 2, 3  # 3: aligned, but see report["trust"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,6 +37,7 @@ def _add_tolerance_flags(p):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="layerdiff", description="Find where two runs of the same model start to differ.")
     parser.add_argument("--version", action="version", version=f"layerdiff {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     t = sub.add_parser("trace", help="run a model step under the tracer and write an HDF5 trace")
@@ -128,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--restart", action="store_true", help="ignore the work directory's finished runs")
     _add_tolerance_flags(b)
 
+    sub.add_parser("recipes", help="list the built-in recipes (runnable TARGETs) and the defects each can inject")
+
     d = sub.add_parser("demo", help="trace a small Llama twice (one with an injected defect) and align them")
     d.add_argument("--defect", default="eps", help="which defect to inject (see recipes/torch_llama.py)")
     d.add_argument("--keep", metavar="DIR", help="keep the traces and report in DIR (default: a temp dir)")
@@ -171,16 +177,20 @@ def _finish_report(report, args) -> int:
 
     if args.json:
         write_json(report, args.json, overwrite=args.force)
+    problems = (report.get("trust") or {}).get("problems", [])
     if args.quiet:
         f = report["forward"]["first_divergence"]
         b = report["backward"]["first_divergence"]
         differ = report.get("params", {}).get("differ", [])
         print(f"{report['verdict']}: forward {f['description'] if f else report['forward']['status']}; "
               f"backward {b['description'] if b else report['backward']['status']}"
-              + (f"; {len(differ)} parameter values differ (first: {differ[0]})" if differ else ""))
+              + (f"; {len(differ)} parameter values differ (first: {differ[0]})" if differ else "")
+              + "".join(f"; WARNING: {p}" for p in problems))
     else:
         render(report, make_console())
-    return EXIT_OK if report["verdict"] == "aligned" else EXIT_DIVERGENT
+    if report["verdict"] != "aligned":
+        return EXIT_DIVERGENT
+    return EXIT_UNTRUSTED if problems else EXIT_OK
 
 
 def cmd_align(args) -> int:
@@ -207,7 +217,9 @@ def cmd_align(args) -> int:
     if args.save_map:
         from .core.mapping import rules_text
 
-        Path(args.save_map).write_text(rules_text(report.get("mapping", [])))
+        from .core.files import write_atomically
+
+        write_atomically(args.save_map, rules_text(report.get("mapping", [])), overwrite=args.force)
     return _finish_report(report, args)
 
 
@@ -248,8 +260,8 @@ def cmd_trace(args) -> int:
 
     if args.steps < 1:
         raise LayerdiffError("--steps must be at least 1")
-    if args.flush_interval < 0:
-        raise LayerdiffError("--flush-interval must be >= 0")
+    if not (math.isfinite(args.flush_interval) and args.flush_interval >= 0):
+        raise LayerdiffError(f"--flush-interval must be a finite number of seconds >= 0, not {args.flush_interval}")
     try:
         layers = parse_layers(args.layers) if args.layers else None
     except ValueError as exc:
@@ -284,6 +296,10 @@ def cmd_trace(args) -> int:
             step()
             progress.advance(tracer.session.writer)
     except Exception as exc:
+        if isinstance(exc, (LayerdiffError, OSError)) and not isinstance(exc, (FileNotFoundError,)):
+            _close_quietly(tracer, exc)  # writing the trace failed (a full disk): keep what is readable
+            raise LayerdiffError(f"writing {out} failed ({_one_line(exc)}); the records written before are "
+                                 "readable") from None
         tracer.__exit__(type(exc), exc, exc.__traceback__)  # the user's model raised: the trace is closed and keeps what ran
         failure = tracer.session.failure or {}
         where = failure.get("module")
@@ -295,9 +311,16 @@ def cmd_trace(args) -> int:
     finally:
         progress.close()
     writer = tracer.session.writer
-    print(f"wrote {writer.path}: {writer.records_written} records, {writer.tensor_bytes / 1e6:.1f} MB of tensors "
-          f"({args.mode} mode)")
+    print(f"wrote {writer.path}: {writer.records_written - 1} records, {writer.tensor_bytes / 1e6:.1f} MB of "
+          f"tensors ({args.mode} mode)")  # records as `show` counts them: the end marker is not one
     return EXIT_OK
+
+
+def _close_quietly(tracer, exc):
+    try:
+        tracer.__exit__(type(exc), exc, exc.__traceback__)
+    except Exception:  # the disk is still full: the file keeps what it had
+        pass
 
 
 def cmd_bisect(args) -> int:
@@ -322,7 +345,8 @@ def cmd_bisect(args) -> int:
                "exclude": args.exclude, "blocks": args.blocks, "auto_map": not args.no_auto_map,
                "rules": [str(p) for p in args.rules or ()],
                "tolerances": policy.describe() if args.search else None}
-    workdir = bisect.Workdir(args.workdir or f"{Path(args.reference).name}.bisect", command, restart=args.restart)
+    workdir = bisect.Workdir(args.workdir or bisect.default_workdir(args.reference, command), command,
+                             restart=args.restart)
     progress = RunProgress(enabled=not args.quiet)
     try:
         if args.search:
@@ -376,13 +400,55 @@ def cmd_show(args) -> int:
     return EXIT_OK
 
 
+def cmd_recipes(args) -> int:  # noqa: ARG001
+    """Each recipe of ``layerdiff.recipes``: its first docstring line and its DEFECTS, read from the source (no
+    framework is imported: listing stays instant and works where a framework is missing)."""
+    from pathlib import Path
+
+    from . import recipes
+
+    for path in sorted(Path(recipes.__path__[0]).glob("*.py")):
+        if path.stem.startswith("_") or path.stem == "llama_shared":
+            continue
+        summary, defects = _recipe_summary(path)
+        print(f"{path.stem:22} {summary}" + (f"\n{'':22} --arg defect= {', '.join(defects)}" if defects else ""))
+    return EXIT_OK
+
+
+def _recipe_summary(path) -> tuple[str, list]:
+    """(first docstring line, DEFECTS keys) from a recipe's source: dict literals, comprehensions over a tuple of
+    names, ``shared.DEFECTS`` and later ``DEFECTS[...] = ...`` assignments."""
+    import ast
+
+    from .recipes import llama_shared
+
+    tree = ast.parse(Path(path).read_text())
+    summary = ((ast.get_docstring(tree) or "").strip().splitlines() or [""])[0].removeprefix("Recipe: ")
+    defects: list = []
+    for node in tree.body:
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], node.value
+        if isinstance(target, ast.Name) and target.id == "DEFECTS":
+            if isinstance(value, ast.Dict):
+                defects = [k.value for k in value.keys if isinstance(k, ast.Constant)]
+            elif isinstance(value, ast.Attribute) and value.attr == "DEFECTS":
+                defects = list(llama_shared.DEFECTS)
+            elif isinstance(value, ast.DictComp) and isinstance(value.generators[0].iter, ast.Tuple):
+                defects = [e.value for e in value.generators[0].iter.elts if isinstance(e, ast.Constant)]
+        elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) \
+                and target.value.id == "DEFECTS" and isinstance(target.slice, ast.Constant):
+            defects.append(target.slice.value)
+    return summary, defects
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(defect=args.defect, keep=args.keep, framework=args.framework)
 
 
-COMMANDS = {"trace": cmd_trace, "align": cmd_align, "bisect": cmd_bisect, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,
+COMMANDS = {"recipes": cmd_recipes, "trace": cmd_trace, "align": cmd_align, "bisect": cmd_bisect, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,
             "weights": cmd_weights, "logs": cmd_logs}
 
 
@@ -394,12 +460,26 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     try:
         return COMMANDS[args.command](args)
-    except LayerdiffError as exc:
-        print(f"layerdiff: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("layerdiff: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # one line, never a traceback (--debug shows it)
+        if args.debug:
+            raise
+        print(f"layerdiff: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _one_line(exc: BaseException) -> str:
+    """What to tell the user: our own errors as they are; a file the system refused (disk full, permission) by
+    name; anything else as an internal error to report."""
+    if isinstance(exc, LayerdiffError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}"
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"internal error ({type(exc).__name__}: {first}); rerun with --debug for the traceback and report it"
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ All atol default to 0. Override per metric: ``--tol loss:rtol=1e-3,atol=0`` (rep
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import html
 import io
@@ -60,14 +61,17 @@ _MAX_BYTES_SNIFF = 1 << 16
 # parsing
 # ---------------------------------------------------------------------------------------------------------
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf|infinity)"
+# "key: [value" with the bracket optional: (?:\s*\[)?\s* rather than \s*\[?\s*, whose two adjacent \s* make a
+# long run of spaces with no number after it quadratic (a hostile line would hang the parser)
+_VALUE = r"(?:\s*\[)?\s*(" + _NUM + r")"
 
 _MEGATRON_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
 _MEGATRON_KEYS = {"lm loss": "loss", "loss": "loss", "learning rate": "lr", "lr": "lr", "grad norm": "grad_norm"}
 
 _MS_RE = re.compile(r"Epoch:\[\s*(\d+)\s*/\s*(\d+)\s*\],\s*step:\[\s*(\d+)\s*/\s*(\d+)\s*\],(.*)$")
-_MS_LOSS_RE = re.compile(r"(?<![\w])loss:\s*\[?\s*(" + _NUM + r")", re.I)
-_MS_LR_RE = re.compile(r"(?<![\w])lr:\s*\[?\s*(" + _NUM + r")", re.I)
-_MS_NORM_RE = re.compile(r"global[_ ]norm:\s*\[?\s*(" + _NUM + r")", re.I)
+_MS_LOSS_RE = re.compile(r"(?<![\w])loss:" + _VALUE, re.I)
+_MS_LR_RE = re.compile(r"(?<![\w])lr:" + _VALUE, re.I)
+_MS_NORM_RE = re.compile(r"global[_ ]norm:" + _VALUE, re.I)
 _MS_OVERFLOW_RE = re.compile(r"overflow cond:\s*(True|False)", re.I)
 
 _ALIASES = {
@@ -77,6 +81,17 @@ _ALIASES = {
     "grad_norm": "grad_norm", "grad norm": "grad_norm", "global_norm": "grad_norm", "global norm": "grad_norm",
     "gradnorm": "grad_norm",
 }
+_MAX_ITERATION = 1 << 53  # exact as a float (plots, JSON); no run takes that many steps
+_MAX_CSV_LINE = 1 << 16  # characters; a CSV log line holds a few numbers
+_MAX_DIGITS = 15  # an iteration, epoch or step count of more digits is a corrupt or hostile line
+
+
+class LogLineError(LayerdiffError):
+    """A line recognised as a log record whose content is unusable; ``load_log`` adds the file's name."""
+
+    def __init__(self, line: int, message: str):
+        super().__init__(f"line {line}: {message}")
+        self.line, self.detail = line, message
 
 
 def _alias(name) -> str | None:
@@ -85,13 +100,21 @@ def _alias(name) -> str | None:
 
 
 def _num(text) -> float | None:
+    """A metric value: a float (an integer too large for one is +-inf), or None when not a number."""
     if text is None:
         return None
     if isinstance(text, bool):
         return None
-    if isinstance(text, (int, float)):
-        return float(text)
-    text = str(text).strip().strip("[]").strip()
+    if isinstance(text, int):
+        try:
+            return float(text)
+        except OverflowError:
+            return math.inf if text > 0 else -math.inf
+    if isinstance(text, float):
+        return text
+    if not isinstance(text, str):  # a list or object in a JSON record
+        return None
+    text = text.strip().strip("[]").strip()
     if not text:
         return None
     try:
@@ -100,13 +123,36 @@ def _num(text) -> float | None:
         return None
 
 
+def _count(text: str, line: int, what: str) -> int:
+    """A run of digits matched by a log-line regex: bounded before ``int()`` (which refuses more than 4300)."""
+    if len(text) > _MAX_DIGITS:
+        raise LogLineError(line, f"{what} {text[:20]}... has {len(text)} digits, not a plausible {what}")
+    return int(text)
+
+
+def _iteration(value, line: int) -> int | None:
+    """A CSV/JSONL row's iteration: None when absent or not a number (the row is skipped, as a NaN is); a
+    number beyond 2**53 or infinite is an error naming the line."""
+    number = _num(value)
+    if number is None or math.isnan(number):
+        return None
+    if not abs(number) <= _MAX_ITERATION:
+        try:
+            text = str(value)
+        except ValueError:  # an integer of more than 4300 digits
+            text = "of over 4300 digits"
+        shown = text if len(text) <= 20 else f"{text[:20]}... ({len(text)} characters)"
+        raise LogLineError(line, f"iteration {shown} is out of range")
+    return int(number)
+
+
 def _record(loss=None, lr=None, grad_norm=None) -> dict:
     return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
 
 
 def parse_megatron(lines) -> dict:
     out = {}
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         m = _MEGATRON_RE.search(line)
         if not m:
             continue
@@ -123,18 +169,21 @@ def parse_megatron(lines) -> dict:
         nan = (_num(fields.get("number of nan iterations")) or 0) > 0
         if skipped or nan:
             rec["loss"] = rec["grad_norm"] = math.nan
-        out[int(m.group(1))] = rec
+        out[_count(m.group(1), n, "iteration")] = rec
     return out
 
 
 def parse_mindspore(lines) -> dict:
     out = {}
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         m = _MS_RE.search(line)
         if not m:
             continue
-        epoch, step, steps_per_epoch, rest = int(m.group(1)), int(m.group(3)), int(m.group(4)), m.group(5)
+        epoch, step = _count(m.group(1), n, "epoch"), _count(m.group(3), n, "step")
+        steps_per_epoch, rest = _count(m.group(4), n, "steps per epoch"), m.group(5)
         iteration = (epoch - 1) * steps_per_epoch + step
+        if abs(iteration) > _MAX_ITERATION:
+            raise LogLineError(n, f"iteration (epoch {epoch} - 1) x {steps_per_epoch} + {step} is out of range")
 
         def grab(rx):
             g = rx.search(rest)
@@ -149,58 +198,84 @@ def parse_mindspore(lines) -> dict:
 
 
 def _from_rows(rows) -> dict:
+    """``rows``: (line number, {column: value}) pairs."""
     out = {}
-    for row in rows:
+    for n, row in rows:
         named = {}
         for k, v in row.items():
             metric = _alias(k) if k is not None else None
             if metric and metric not in named:
                 named[metric] = v
-        it = _num(named.get("iteration"))
-        if it is None or not math.isfinite(it):
+        it = _iteration(named.get("iteration"), n)
+        if it is None:
             continue
         rec = _record(*(_num(named.get(m)) for m in METRICS))
         if all(v is None for v in rec.values()):
             continue
-        out[int(it)] = rec
+        out[it] = rec
     return out
 
 
 def parse_jsonl(lines) -> dict:
     rows = []
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line.startswith("{"):
             continue
         try:
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, nested too deeply, an integer of over 4300 digits
             continue
         if isinstance(obj, dict):
-            rows.append(obj)
+            rows.append((n, obj))
     return _from_rows(rows)
 
 
 def parse_csv(lines) -> dict:
-    body = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    if not body:
+    body = [(n, ln) for n, ln in enumerate(lines, 1) if ln.strip() and not ln.lstrip().startswith("#")]
+    if not body or len(body[0][1]) > _MAX_CSV_LINE:
         return {}
-    header = body[0]
+    header = body[0][1]
     delim = max([",", "\t", ";"], key=header.count)
     if header.count(delim) == 0:
         return {}
-    reader = csv.DictReader(io.StringIO("\n".join(body)), delimiter=delim)
-    fields = [_alias(f) for f in (reader.fieldnames or [])]
+    reader = csv.DictReader(io.StringIO("\n".join(ln for _, ln in body)), delimiter=delim)
+    try:
+        fields = [_alias(f) for f in (reader.fieldnames or [])]
+    except csv.Error:  # the first line is not a CSV header
+        return {}
     if "iteration" not in fields or not any(f in METRICS for f in fields):
         return {}
-    return _from_rows(reader)
+    # csv's own field limit is process-wide (another library may have raised it): bound lines here
+    n, long = next(((n, ln) for n, ln in body if len(ln) > _MAX_CSV_LINE), (0, None))
+    if long is not None:
+        raise LogLineError(n, f"{len(long)} characters, too long for a CSV log line (at most {_MAX_CSV_LINE})")
+    rows = []
+    try:
+        for row in reader:
+            n = body[min(reader.line_num, len(body)) - 1][0]
+            if any(len(v) > _MAX_CSV_LINE for v in row.values() if isinstance(v, str)):  # quoted over many lines
+                raise LogLineError(n, f"a field of over {_MAX_CSV_LINE} characters, too long for a CSV log")
+            rows.append((n, row))
+    except csv.Error as exc:  # over csv's own field limit, ...
+        where = body[min(reader.line_num, len(body) - 1)][0]  # line_num counts the lines parsed before it
+        raise LogLineError(where, f"malformed CSV ({_first_line(exc)})") from None
+    return _from_rows(rows)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
 
 
 PARSERS = {"megatron": parse_megatron, "mindspore": parse_mindspore, "jsonl": parse_jsonl, "csv": parse_csv}
 FORMAT_NAMES = {"megatron": "Megatron-LM", "mindspore": "MindSpore Transformers", "jsonl": "JSONL", "csv": "CSV"}
+_EXPECTED = "expected Megatron-LM, MindSpore Transformers, CSV or JSONL"
 
 
 def _read_text(path: Path) -> str:
+    """The log as text: UTF-8 (a BOM is skipped, and so is a multi-byte character cut off at the very end of a
+    log still being written); a binary or otherwise encoded file is one error naming it."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -210,9 +285,17 @@ def _read_text(path: Path) -> str:
     except OSError as exc:
         raise LayerdiffError(f"cannot read {path}: {exc.strerror or exc}") from None
     if b"\0" in data[:_MAX_BYTES_SNIFF]:
-        raise LayerdiffError(f"{path}: binary file, not a training log "
-                             "(expected Megatron-LM, MindSpore Transformers, CSV or JSONL)")
-    return data.decode("utf-8", errors="replace")
+        raise LayerdiffError(f"{path}: binary file, not a training log ({_EXPECTED})")
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.end == len(data) and exc.reason == "unexpected end of data":  # a torn last character
+            return data[:exc.start].decode("utf-8")
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise LayerdiffError(f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02X}); training logs are "
+                             f"read as UTF-8 ({_EXPECTED})") from None
 
 
 def detect_format(lines) -> str | None:
@@ -236,8 +319,11 @@ def load_log(path, fmt: str | None = None) -> tuple[str, dict]:
     """(format, {iteration: {"loss", "lr", "grad_norm"}}) of a training log; LayerdiffError if none recognised."""
     path = Path(path)
     lines = _read_text(path).splitlines()
-    fmt = fmt or detect_format(lines)
-    data = PARSERS[fmt](lines) if fmt else {}
+    try:
+        fmt = fmt or detect_format(lines)
+        data = PARSERS[fmt](lines) if fmt else {}
+    except LogLineError as exc:
+        raise LayerdiffError(f"{path}: line {exc.line}: {exc.detail}") from None
     if not data:
         raise LayerdiffError(f"no training-log lines recognised in {path} "
                              "(expected Megatron-LM, MindSpore Transformers, CSV or JSONL)")
@@ -383,11 +469,14 @@ def _svg_panel(its, curves, title, ylabel, width=760, height=240) -> str:
     xs = np.asarray(its, dtype=float)
     finite = [v for _, vals, _ in curves for v in vals if v is not None and math.isfinite(v)]
     y0, y1 = (min(finite), max(finite)) if finite else (0.0, 1.0)
-    if y0 == y1:
-        y0, y1 = y0 - (abs(y0) or 1) * 0.05, y1 + (abs(y1) or 1) * 0.05
+    if not y1 - y0 > 0:  # one value (or values too close to tell apart): a band around it
+        pad = abs(y0) * 0.05
+        y0, y1 = (y0 - pad, y1 + pad) if y1 + pad - (y0 - pad) > 0 else (y0 - 1.0, y1 + 1.0)
     x0, x1 = (xs.min(), xs.max()) if xs.size else (0.0, 1.0)
     if x0 == x1:
         x0, x1 = x0 - 1, x1 + 1
+    x_step = max(1, math.ceil((x1 - x0) / 4))  # iterations are integers: integer ticks, none repeated
+    x_ticks = list(range(math.ceil(x0), math.floor(x1) + 1, x_step))
 
     def px(x):
         return ml + (x - x0) / (x1 - x0) * pw
@@ -402,10 +491,10 @@ def _svg_panel(its, curves, title, ylabel, width=760, height=240) -> str:
            f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>']
     for k in range(5):
         yv = y0 + (y1 - y0) * k / 4
-        xv = x0 + (x1 - x0) * k / 4
         out.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{py(yv):.1f}" y2="{py(yv):.1f}" stroke="#eee"/>')
         out.append(f'<text x="{ml - 4}" y="{py(yv) + 4:.1f}" text-anchor="end">{_nice(yv)}</text>')
-        out.append(f'<text x="{px(xv):.1f}" y="{mt + ph + 14}" text-anchor="middle">{xv:.0f}</text>')
+    for xv in x_ticks:
+        out.append(f'<text x="{px(xv):.1f}" y="{mt + ph + 14}" text-anchor="middle">{xv}</text>')
     out.append(f'<text x="{ml + pw / 2}" y="{height - 6}" text-anchor="middle">iteration</text>')
     out.append(f'<text x="14" y="{mt + ph / 2}" text-anchor="middle" '
                f'transform="rotate(-90 14 {mt + ph / 2})">{e(ylabel)}</text>')
@@ -489,6 +578,7 @@ def write_plot(report: dict, path, label_a: str, label_b: str, *, overwrite: boo
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise LayerdiffError(f"--plot {path}: PNG needs matplotlib, which is not installed; "
                              "use an .html plot or pip install matplotlib") from None
@@ -504,6 +594,8 @@ def write_plot(report: dict, path, label_a: str, label_b: str, *, overwrite: boo
         axes[1][col].plot(its, vb - va, color=_COLORS["diff"], label="B - A")
         axes[1][col].set(title=f"{m}: B - A", xlabel="iteration", ylabel=f"{m} difference")
         axes[1][col].legend(fontsize="small")
+        for row in (0, 1):  # iterations are integers: no 1.5 between 1 and 2
+            axes[row][col].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=100)

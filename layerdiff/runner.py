@@ -49,10 +49,38 @@ def _load_file(path: Path):
     if spec is None or spec.loader is None:
         raise LayerdiffError(f"{path}: cannot be imported as Python")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent.resolve()))  # so the file's own sibling imports work
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    with _on_path(path.parent.resolve()):  # so the file's own sibling imports work
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise LayerdiffError(f"{path}: importing it raised {_where(exc)}") from None
     return module
+
+
+def _where(exc: BaseException) -> str:
+    """``SyntaxError: invalid syntax (line 3)``: the error and, for syntax errors, where."""
+    text = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        text += f" (line {exc.lineno})"
+    return text
+
+
+class _on_path:
+    """Put a directory first on ``sys.path`` while a target is imported, and take it off again."""
+
+    def __init__(self, directory):
+        self.directory = str(directory)
+
+    def __enter__(self):
+        self.added = self.directory not in sys.path
+        if self.added:
+            sys.path.insert(0, self.directory)
+
+    def __exit__(self, *exc):
+        if self.added and self.directory in sys.path:
+            sys.path.remove(self.directory)
 
 
 def resolve(target: str):
@@ -68,11 +96,14 @@ def resolve(target: str):
         module = None
         for candidate in (f"layerdiff.recipes.{location}", location):
             try:
-                module = importlib.import_module(candidate)
+                with _on_path(Path.cwd()):  # package.module targets next to where the command runs
+                    module = importlib.import_module(candidate)
                 break
             except ModuleNotFoundError as exc:
                 if exc.name not in (candidate, candidate.rpartition(".")[0]):
-                    raise
+                    raise LayerdiffError(f"{location}: importing it raised {_where(exc)}") from None
+            except Exception as exc:
+                raise LayerdiffError(f"{location}: importing it raised {_where(exc)}") from None
         if module is None:
             raise LayerdiffError(f"{location!r} is neither a file, a recipe (see recipes/) nor an importable module")
     func = getattr(module, func_name, None)

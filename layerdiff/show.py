@@ -23,14 +23,15 @@ def _mb(n: int) -> str:
 def module_tree(records) -> Tree:
     """Module paths as a tree, each with its type and how many forward calls it recorded."""
     calls = Counter()
-    types = {}
+    types, first_call = {}, {}
     for r in records:
         if r["kind"] == "call" and r["phase"] == "forward":
             calls[r["path"]] += 1
             types[r["path"]] = r["type"]
+            first_call[r["path"]] = min(first_call.get(r["path"], r["begin"]), r["begin"])
     root = Tree(f"<root> [dim]{types.get('', '')}[/] x{calls.get('', 0)}")
     nodes = {"": root}
-    for path in sorted(p for p in calls if p):
+    for path in sorted((p for p in calls if p), key=lambda p: first_call[p]):  # in the order the model ran
         parts = path.split(".")
         parent = ""
         for i in range(1, len(parts) + 1):
@@ -59,7 +60,7 @@ def show(path, records: bool = False, nan: bool = False):
         for key in _META_KEYS:
             if key in meta:
                 console.print(f"[dim]{key}:[/] {meta[key]}")
-        kinds = Counter((r["kind"], r.get("phase")) for r in reader.records)
+        kinds = Counter((r["kind"], r.get("phase")) for r in reader.records)  # the end marker is no record
         tensors = sum(len(r.get("tensors", ())) for r in reader.records)
         data = sum(t.get("nbytes", 0) for r in reader.records for t in r.get("tensors", ()))
         console.print(f"records: {len(reader.records)} ("

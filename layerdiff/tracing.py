@@ -24,7 +24,8 @@ class Tracer:
 
     def __init__(self, model, path, *, mode: str = "full", backward: bool = True, include=None, exclude=None,
                  overwrite: bool = False, compression: str | None = None, flush_interval: float = 1.0,
-                 params: bool = True, meta: dict | None = None, forcer=None, layers=None, one_process: bool = False):
+                 params: bool = True, meta: dict | None = None, forcer=None, layers=None, one_process: bool = False,
+                 strict_filters: bool = True):
         if mode not in MODES:
             raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.model = model
@@ -37,6 +38,7 @@ class Tracer:
         self.user_meta = meta or {}
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
         self.one_process = one_process  # bisect's runs: a candidate spread over ranks is refused
+        self.strict_filters = strict_filters
         self.session: TraceSession | None = None
         self._hooks = None
 
@@ -45,10 +47,11 @@ class Tracer:
         meta = run_metadata()
         meta.update(adapter.metadata(self.model))
         meta.update(mode=self.options["mode"], options=self.options, user=self.user_meta)
-        try:  # resolves a --layers window against the model's modules, before any file is created
+        try:  # resolves filters and a --layers window against the model's modules, before any file is created
+            path_filter = PathFilter(self.options["include"], self.options["exclude"], self.options["layers"],
+                                     self.strict_filters)
             hooks = adapter.Hooks(self.model, None, backward=self.options["backward"], params=self.options["params"],
-                                  path_filter=PathFilter(self.options["include"], self.options["exclude"],
-                                                         self.options["layers"]), forcer=self.forcer)
+                                  path_filter=path_filter, forcer=self.forcer)
         except ValueError as exc:
             raise LayerdiffError(str(exc)) from None
         meta["window"] = hooks.path_filter.window_paths

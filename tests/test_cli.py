@@ -55,10 +55,17 @@ def cli_traces(tmp_path_factory):
 
 def test_align_exit_codes_and_json_contract(cli_traces):
     d = cli_traces
-    code, out, err = run_cli("align", d / "ref.h5", d / "ref.h5", "--json", d / "same.json")
+    import shutil
+
+    shutil.copy(d / "ref.h5", d / "ref_copy.h5")
+    code, out, err = run_cli("align", d / "ref.h5", d / "ref_copy.h5", "--json", d / "same.json")
     assert code == 0, err
     report = json.loads((d / "same.json").read_text())
     assert report["forward"]["first_divergence"] is None and report["backward"]["first_divergence"] is None
+    assert report["trust"] == {"ok": True, "problems": []}
+    # the same file twice: the runs trivially agree, which proves nothing: exit 3 with a warning
+    code, out, err = run_cli("align", d / "ref.h5", d / "ref.h5")
+    assert code == 3 and "WARNING: A and B are the same file" in out, out + err
     code, out, err = run_cli("align", d / "ref.h5", d / "bad.h5", "--json", d / "diff.json")
     assert code == 1, err
     report = json.loads((d / "diff.json").read_text())
@@ -130,3 +137,33 @@ def test_align_works_without_any_framework_importable(cli_traces):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.startswith("divergent: forward norm")
+
+
+def test_recipes_are_listed_with_their_defects():
+    code, out, err = run_cli("recipes")
+    assert code == 0, err
+    for name in ("torch_llama ", "megatron_llama ", "mindformers_llama ", "torch_llama_tp ", "paddle_llama_tp "):
+        assert name in out, out
+    assert "--arg defect= eps, act, weight" in out
+
+
+def test_show_lists_modules_in_the_order_they_ran(recipe_trace):
+    code, out, err = run_cli("show", recipe_trace())
+    assert code == 0, err
+    tree = out[out.index("<root>"):]
+    assert tree.index("model ") < tree.index("lm_head"), tree  # not alphabetical: model runs first
+
+
+def test_a_second_candidate_gets_its_own_bisect_directory(tmp_path, monkeypatch):
+    import json
+
+    from layerdiff.bisect import default_workdir
+
+    monkeypatch.chdir(tmp_path)
+    first = {"target": "a", "args": {}}
+    assert default_workdir(tmp_path / "ref.h5", first) == "ref.h5.bisect"
+    (tmp_path / "ref.h5.bisect").mkdir()
+    (tmp_path / "ref.h5.bisect" / "state.json").write_text(json.dumps({"command": first}))
+    assert default_workdir(tmp_path / "ref.h5", first) == "ref.h5.bisect"  # the same command resumes
+    other = default_workdir(tmp_path / "ref.h5", {"target": "b", "args": {}})
+    assert other.startswith("ref.h5.bisect-") and other != default_workdir(tmp_path / "ref.h5", {"target": "c"})

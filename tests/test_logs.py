@@ -270,3 +270,17 @@ def test_nonfinite_mismatch_counted_apart():
     r = logs.diff(a, b)["metrics"]["loss"]
     assert r["nonfinite_mismatch"] == 1 and r["first_over"] == 2 and r["over"] == 1
     assert r["max_abs"] == pytest.approx(0.004) and r["max_abs_at"] == 3
+
+
+def test_html_plot_ticks_each_iteration_once(tmp_path):
+    import re
+
+    from layerdiff import logs
+
+    for name, values in (("a", [5.0, 4.0, 3.5, 3.2]), ("b", [5.0, 4.1, 3.5, 3.2])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            f'{{"iteration": {i}, "loss": {v}}}\n' for i, v in enumerate(values, 1)))
+    report = logs.diff(logs.load_log(tmp_path / "a.jsonl")[1], logs.load_log(tmp_path / "b.jsonl")[1])
+    page = logs.render_html(report, "a", "b")
+    ticks = re.findall(r'text-anchor="middle">(\d+)</text>', page)
+    assert ticks[:4] == ["1", "2", "3", "4"]  # not "1 2 2 3 4"

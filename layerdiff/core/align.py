@@ -14,6 +14,7 @@ inputs plus the module's own parameter gradients (the outputs of backward).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -273,16 +274,26 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
         records.append(row)
         if progress is not None:
             progress.advance(_data_bytes(ra) + sum(_data_bytes(r) for r in pair.b))
-    bases = {t["metrics"]["basis"] for r in records for t in r["tensors"]} - {"shape"}
+    bases = {t["metrics"]["basis"] for r in records if r["kind"] != "param_grad_use" for t in r["tensors"]} - {"shape"}
     same_model = reader_a.meta.get("model_class") == reader_b.meta.get("model_class")
+    phases = {phase: {side: any(r["kind"] == "call" and r["phase"] == phase for r in reader.records)
+                      for side, reader in (("a", reader_a), ("b", reader_b))} for phase in ("forward", "backward")}
     return {"report_version": REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
             "map": rename.as_list(), "layouts": layouts.as_list(), "rules": rules.describe(), "records": records,
-            "structure": "same_model" if same_model else "ported",
+            "structure": "same_model" if same_model else "ported", "phases": phases,
+            "same_file": _same_file(reader_a.path, reader_b.path),
             "mapping": [m.as_dict() for m in mapping.renamed()],
             "unmatched_modules": {"a": mapping.only_a, "b": mapping.only_b},
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
             "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)}}
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _check_related(matching, reader_a, reader_b, rules: RuleSet):
@@ -298,6 +309,15 @@ def _check_related(matching, reader_a, reader_b, rules: RuleSet):
     if same_type < 0.5 * len(calls):
         raise LayerdiffError(f"only {same_type} of {len(calls)} matched module calls have the same type: the "
                              "traces look like different models")
+    matched = {"a": {ra["path"] for ra, _ in calls}, "b": {rb["path"] for _, rb in calls}}
+    shares = []
+    for side, reader in (("a", reader_a), ("b", reader_b)):
+        paths = {r["path"] for r in reader.records if r["kind"] == "call" and r["path"]}
+        shares.append(len(matched[side] & paths) / max(len(paths), 1))
+    if max(shares) < 0.5:  # a shared lm_head is not a shared model
+        raise LayerdiffError(f"only {len(matched['a'])} modules of A and B could be matched ({shares[0]:.0%} of A's, "
+                             f"{shares[1]:.0%} of B's): the traces look like different models; if they are one "
+                             "model renamed, map names with --map or a rule file")
 
 
 def first_nonfinite(records, phase: str | None = None) -> dict | None:
@@ -454,7 +474,13 @@ def _describe(node: Node, where: str, after, before, ranks: tuple | None = None)
         return f"{owner} {'shard' if how == 'shards' else 'copy'}{'s' if len(numbers) > 1 else ''} of {path}"
     if where != "own_code":
         return path
-    short = lambda n: n.row["path"].rsplit(".", 1)[-1] if n else None  # noqa: E731
+    repeated = after is not None and before is not None and after.row["path"] == before.row["path"]
+
+    def short(n):  # a module called several times is named with its call
+        if n is None:
+            return None
+        name = n.row["path"].rsplit(".", 1)[-1]
+        return f"{name} (call {n.row['call']})" if repeated or n.row["call"] else name
     if after and before:
         return f"{path}, own code between {short(after)} and {short(before)}"
     if before:
@@ -491,6 +517,9 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
         (type_family(row.get("type_a")), type_family(row.get("type_b")))
     if families[0] != families[1]:  # Linear vs Dense is no difference
         diff = {"type": [row.get("type_a"), row.get("type_b")], **diff}
+    same_family_types = None
+    if families[0] == families[1] and row.get("type_a") != row.get("type_b") and row.get("type_b"):
+        same_family_types = [row.get("type_a"), row.get("type_b")]  # NewGELU vs GELU: worth a look
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
             "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
@@ -499,6 +528,7 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
                                "metrics": bad["metrics"]},
             "ranks": bad.get("ranks") if bad else None, "hint": bad.get("hint") if bad else None,
             "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
+            "class_diff": same_family_types,
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
 
@@ -594,6 +624,7 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
             "chain": [p or "<root>" for p in crash["module_stack"]], "hparam_diff": {}, "param_diffs": []}
     param_values = params["param"]
     report = dict(measurements)
+    report["trust"] = trust(measurements, forward, backward)
     report["next_pass"] = window_suggestion(measurements, forward["first_divergence"])
     report.update(
         tolerances=policy.describe(), forward=forward, backward=backward,
@@ -606,6 +637,27 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
         verdict="divergent" if {"divergent", "failed"} & {forward["status"], backward["status"]}
         or any(not p["passed"] for p in param_values) else "aligned")
     return report
+
+
+def trust(measurements: dict, forward: dict, backward: dict) -> dict:
+    """Why an "aligned" verdict could still be wrong: a run that did not finish, a phase recorded on one side
+    only, the same trace twice. ``{"ok": bool, "problems": [...]}``; the CLI exits 3 for aligned-but-not-ok."""
+    problems = []
+    for side, name in (("a", "A"), ("b", "B")):
+        summary = measurements[side]
+        if not summary.get("complete", True):
+            problems.append(f"{name} ({summary['path']}) is incomplete: its run did not finish, so only what it "
+                            "recorded before was compared")
+    phases = measurements.get("phases") or {}
+    for phase in ("forward", "backward"):
+        present = phases.get(phase, {})
+        if present.get("a") != present.get("b"):
+            only = "A" if present.get("a") else "B"
+            problems.append(f"{phase} was recorded in {only} only (traced with --no-backward, or no backward "
+                            "pass run?): it was not compared")
+    if measurements.get("same_file"):
+        problems.append("A and B are the same file: nothing was compared with another run")
+    return {"ok": not problems, "problems": problems}
 
 
 def window_suggestion(measurements: dict, origin: dict | None) -> dict | None:

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from ..errors import LayerdiffError
+from .files import write_atomically
 
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
@@ -43,49 +44,251 @@ def _from_json(obj):
 
 def write_json(report: dict, path, *, overwrite: bool = False):
     """Write atomically (temp file + rename) and never over an existing file unless asked."""
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise LayerdiffError(f"{path} exists; pass --force to replace it")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(_json_safe(report), indent=1))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise LayerdiffError(f"cannot write {path}: {exc.strerror or exc}") from None
+    write_atomically(path, json.dumps(_json_safe(report), indent=1), overwrite=overwrite)
 
 
 def read_json(path) -> dict:
+    """A JSON report written by ``layerdiff align --json``, checked before anything reads it: a foreign, damaged
+    or hostile file (wrong shapes, wrong types, nesting too deep) is one ``LayerdiffError`` naming the file."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise LayerdiffError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise LayerdiffError(f"{path}: is a directory, not a JSON report") from None
+    except RecursionError:
+        raise LayerdiffError(f"{path}: not a JSON report (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise LayerdiffError(f"{path}: not a JSON report ({type(exc).__name__})") from None
-    if not _valid_report(data):
-        raise LayerdiffError(f"{path}: JSON, but not a layerdiff align report")
-    return _from_json(data)
+    if _too_deep(data, _MAX_JSON_DEPTH):  # _from_json and evaluate recurse: bound the depth first
+        raise LayerdiffError(f"{path}: JSON, but not a layerdiff align report (nested more than {_MAX_JSON_DEPTH} "
+                             "levels)")
+    data = _from_json(data)
+    problem = _report_problem(data)
+    if problem:
+        raise LayerdiffError(f"{path}: JSON, but not a layerdiff align report ({problem})")
+    return data
 
 
 _REPORT_KEYS = ("report_version", "a", "b", "records", "only_a", "only_b", "first_nonfinite")
 _ROW_KEYS = ("kind", "phase", "path", "call", "step", "begin", "end", "parent", "tensors")
 _TENSOR_KEYS = ("role", "key", "dtype_a", "dtype_b", "metrics")
+_MAX_JSON_DEPTH = 64  # a real report nests about 8 levels (records, tensors, metrics, per-rank metrics)
+_MAX_TREE_DEPTH = 128  # module nesting; evaluate descends the call tree recursively
+_NUMBER_METRICS = ("max_abs", "ref_max_abs", "cosine", "mean_abs", "max_rel")
 
 
 def _valid_report(data) -> bool:
-    """The structure ``evaluate`` needs, checked up front so a foreign JSON file is one clear error."""
-    if not isinstance(data, dict) or any(k not in data for k in _REPORT_KEYS):
-        return False
-    if not (isinstance(data["a"], dict) and isinstance(data["b"], dict) and isinstance(data["records"], list)):
-        return False
-    for row in data["records"]:
-        if not isinstance(row, dict) or any(k not in row for k in _ROW_KEYS) or not isinstance(row["tensors"], list):
-            return False
-        for t in row["tensors"]:
-            if not isinstance(t, dict) or any(k not in t for k in _TENSOR_KEYS) or not isinstance(t["metrics"], dict):
-                return False
-    return True
+    """The structure ``evaluate`` and ``render`` need, checked up front so a foreign JSON file is one clear
+    error (after ``_from_json``: "inf"/"nan" strings are numbers by then)."""
+    return _report_problem(data) is None
+
+
+def _too_deep(data, limit: int) -> bool:
+    """Whether containers nest more than ``limit`` levels (iterative: no recursion on hostile input)."""
+    stack = [(data, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, (dict, list)):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
+    return False
+
+
+def _is_int(x) -> bool:
+    return type(x) is int and -(1 << 63) <= x < (1 << 63)
+
+
+def _is_number(x) -> bool:  # what arithmetic and "{:.3g}" accept (a 400-digit integer overflows a float)
+    return type(x) is float or _is_int(x)
+
+
+def _str_or_none(x) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def _str_list(x) -> bool:
+    return x is None or (isinstance(x, list) and all(isinstance(v, str) for v in x))
+
+
+def _call_ref(x) -> bool:  # [path, call] of a parent or ancestor
+    return isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1])
+
+
+def _metrics_problem(m, where: str) -> str | None:
+    """What ``judge``, the growth table and the origin lines read from a tensor's metrics."""
+    if not isinstance(m, dict):
+        return f"{where} is not an object"
+    for key in _NUMBER_METRICS:
+        if m.get(key) is not None and not _is_number(m[key]):
+            return f"{where}.{key} is not a number"
+    if not (m.get("mismatch") or m.get("nonfinite_mismatch") or m.get("identical")):  # judge compares numbers
+        if m.get("max_abs") is None:
+            return f"{where} has no max_abs"
+        if "ref_max_abs" in m and m["ref_max_abs"] is None:
+            return f"{where}.ref_max_abs is not a number"
+    return None
+
+
+def _tensor_problem(t, where: str) -> str | None:
+    if not isinstance(t, dict):
+        return f"{where} is not an object"
+    missing = next((k for k in _TENSOR_KEYS if k not in t), None)
+    if missing:
+        return f"{where} has no {missing}"
+    if not (isinstance(t["role"], str) and isinstance(t["key"], str)):
+        return f"{where}: role and key must be strings"
+    if not (_str_or_none(t["dtype_a"]) and _str_or_none(t["dtype_b"])):
+        return f"{where}: dtype_a and dtype_b must be strings"
+    if not (t.get("ranks") is None or (isinstance(t["ranks"], list) and all(_is_int(r) for r in t["ranks"]))):
+        return f"{where}.ranks must be a list of rank numbers"
+    problem = _metrics_problem(t["metrics"], f"{where}.metrics")
+    if problem:
+        return problem
+    per_rank = t["metrics"].get("ranks", {})
+    if not isinstance(per_rank, dict):
+        return f"{where}.metrics.ranks is not an object"
+    for rank, m in per_rank.items():
+        if rank.isdigit() or rank == "sum":
+            if rank != "sum" and not re.fullmatch(r"[0-9]{1,9}", rank):
+                return f"{where}.metrics.ranks has a bad rank number"
+            problem = _metrics_problem(m, f"{where}.metrics.ranks.{rank}")
+            if problem:
+                return problem
+    return None
+
+
+def _row_problem(row, where: str) -> str | None:
+    if not isinstance(row, dict):
+        return f"{where} is not an object"
+    missing = next((k for k in _ROW_KEYS if k not in row), None)
+    if missing:
+        return f"{where} has no {missing}"
+    if not (isinstance(row["kind"], str) and isinstance(row["path"], str)):
+        return f"{where}: kind and path must be strings"
+    if row["kind"] == "call" and row["phase"] not in ("forward", "backward"):
+        return f"{where}.phase must be forward or backward"
+    if row["kind"] == "call" and "type_a" not in row:  # the growth table reads it
+        return f"{where} has no type_a"
+    if not _str_or_none(row["phase"]):
+        return f"{where}.phase must be a string"
+    if not (_is_int(row["call"]) and _is_int(row["step"]) and _is_number(row["begin"]) and _is_number(row["end"])):
+        return f"{where}: call, step, begin and end must be numbers"
+    if not (row["parent"] in (None, []) or _call_ref(row["parent"])):
+        return f"{where}.parent must be null or [path, call]"
+    ancestors = row.get("ancestors")
+    if not (ancestors is None or (isinstance(ancestors, list) and all(_call_ref(a) for a in ancestors))):
+        return f"{where}.ancestors must be a list of [path, call]"
+    for key in ("module", "path_b", "type_a", "type_b", "family_a", "family_b"):
+        if not _str_or_none(row.get(key)):
+            return f"{where}.{key} must be a string"
+    if row["kind"] in ("param", "param_grad", "param_grad_use") and not isinstance(row.get("module"), str):
+        return f"{where}.module must be a string"
+    for key in ("hparams_a", "hparams_b"):
+        if not (row.get(key) is None or isinstance(row[key], dict)):
+            return f"{where}.{key} must be an object"
+    for key in ("only_a", "only_b", "tied"):
+        if not _str_list(row.get(key)):
+            return f"{where}.{key} must be a list of strings"
+    if not isinstance(row["tensors"], list):
+        return f"{where}.tensors is not a list"
+    for j, t in enumerate(row["tensors"]):
+        problem = _tensor_problem(t, f"{where}.tensors[{j}]")
+        if problem:
+            return problem
+    return None
+
+
+def _side_problem(side, name: str) -> str | None:
+    """A run's summary ("a"/"b"): what the header lines, the trust check and a crash's origin read."""
+    if not isinstance(side, dict) or not isinstance(side.get("path"), str):
+        return f"{name} must be an object with a path"
+    for key in ("framework", "framework_version", "model_class", "target"):
+        if not _str_or_none(side.get(key)):
+            return f"{name}.{key} must be a string"
+    if not (side.get("target_args") is None or isinstance(side["target_args"], dict)):
+        return f"{name}.target_args must be an object"
+    if not isinstance(side.get("warnings", []), list):
+        return f"{name}.warnings must be a list"
+    failure = side.get("failure")
+    if failure is not None:
+        stack = failure.get("module_stack", []) if isinstance(failure, dict) else None
+        if not (isinstance(failure, dict) and _str_or_none(failure.get("module")) and isinstance(stack, list)
+                and all(_str_or_none(p) for p in stack)):
+            return f"{name}.failure must be an object with module and module_stack"
+    return None
+
+
+def _tree_too_deep(rows: list, limit: int) -> bool:
+    """Whether the call tree ``align.call_tree`` builds from these rows (a call hangs under its nearest recorded
+    ancestor) nests deeper than ``limit``; cycles never reach a root, so they do not count."""
+    for phase in ("forward", "backward"):
+        nodes = {(r["path"], r["call"]): r for r in rows if r["kind"] == "call" and r["phase"] == phase}
+        parent_of = {}
+        for key, r in nodes.items():
+            chain = r.get("ancestors")
+            if chain is None:
+                chain = [r["parent"]] if r.get("parent") else []
+            parent_of[key] = next((tuple(up) for up in chain if tuple(up) in nodes), None)
+        depth: dict = {}  # call -> depth below its root, None when no root is above it (a cycle)
+        for key in nodes:
+            walk, seen, k = [], set(), key
+            while k is not None and k not in depth and k not in seen:
+                walk.append(k)
+                seen.add(k)
+                k = parent_of[k]
+            base = -1 if k is None else depth.get(k)  # None: k is on a cycle, or under one
+            for w in reversed(walk):
+                base = None if base is None else base + 1
+                depth[w] = base
+                if base is not None and base > limit:
+                    return True
+    return False
+
+
+def _report_problem(data) -> str | None:
+    if not isinstance(data, dict):
+        return "not an object"
+    missing = next((k for k in _REPORT_KEYS if k not in data), None)
+    if missing:
+        return f"no {missing!r}"
+    for name in ("a", "b"):
+        problem = _side_problem(data[name], name)
+        if problem:
+            return problem
+    if not isinstance(data["records"], list):
+        return "records is not a list"
+    for i, row in enumerate(data["records"]):
+        problem = _row_problem(row, f"records[{i}]")
+        if problem:
+            return problem
+    for name in ("only_a", "only_b"):
+        if not (isinstance(data[name], list) and all(isinstance(r, dict) and isinstance(r.get("path"), str)
+                                                     for r in data[name])):
+            return f"{name} must be a list of records with a path"
+    nonfinite = data["first_nonfinite"]
+    if not isinstance(nonfinite, dict) or not all(
+            nonfinite.get(s) is None or (isinstance(nonfinite[s], dict) and all(
+                k in nonfinite[s] for k in ("module", "phase", "tensor", "nan", "inf"))) for s in ("a", "b")):
+        return "first_nonfinite must hold null or {module, phase, tensor, nan, inf} per run"
+    mapping = data.get("mapping")
+    if not (mapping is None or (isinstance(mapping, list) and all(
+            isinstance(m, dict) and isinstance(m.get("a"), str) and isinstance(m.get("b"), str) and "reason" in m
+            and _is_number(m.get("confidence")) and _str_list(m.get("a_parts")) and _str_list(m.get("b_parts"))
+            for m in mapping))):
+        return "mapping must be a list of {a, b, confidence, reason}"
+    unmatched = data.get("unmatched_modules")
+    if not (unmatched is None or (isinstance(unmatched, dict) and _str_list(unmatched.get("a"))
+                                  and _str_list(unmatched.get("b")))):
+        return "unmatched_modules must hold lists of module paths"
+    phases = data.get("phases")
+    if not (phases is None or (isinstance(phases, dict) and all(isinstance(v, dict) for v in phases.values()))):
+        return "phases must map each phase to an object"
+    if _tree_too_deep(data["records"], _MAX_TREE_DEPTH):
+        return f"calls nested more than {_MAX_TREE_DEPTH} levels"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -120,29 +323,33 @@ def _trace_line(side: dict) -> str:
     parts = [side.get("framework") or "?", side.get("framework_version") or "",
              (side.get("model_class") or "").rsplit(".", 1)[-1], f"mode={side.get('mode')}"]
     state = "" if side.get("complete") else " [yellow](incomplete: run did not finish)[/]"
-    return f"{side['path']}  ({' '.join(p for p in parts if p)}){state}"
+    return f"{_e(side['path'])}  ({_e(' '.join(str(p) for p in parts if p))}){state}"
+
+
+def _e(value) -> str:
+    """A value from a report (a module path, a file name, an error message) shown as text, never as markup."""
+    return escape(str(value))
 
 
 def _origin_lines(origin: dict) -> list[str]:
-    lines = [f"[bold red]{origin['description']}[/]" + (f"  [dim]({origin['type']})[/]" if origin.get("type") else "")]
+    lines = [f"[bold red]{_e(origin['description'])}[/]"
+             + (f"  [dim]({_e(origin['type'])})[/]" if origin.get("type") else "")]
     where = origin.get("where")
     tensor = origin.get("tensor")
     if where == "inputs":
         lines.append("the two runs start from different inputs: check data, seeds and preprocessing first")
         if tensor:
-            lines.append(f"{tensor['role']} [cyan]{tensor['key']}[/]: {tensor['reason']}")
+            lines.append(f"{_e(tensor['role'])} [cyan]{_e(tensor['key'])}[/]: {_e(tensor['reason'])}")
     elif where == "raised":
         lines.append("the run stopped with this exception; modules active when it was raised are the chain below")
     elif where == "forward":
         lines.append("backward differs because forward already does; fix the forward origin first")
-        if origin.get("backward_candidate"):
-            lines.append(f"[dim]then check the backward of {origin['backward_candidate']}[/]")
     elif tensor:
         if origin["phase"] == "forward":
             lead = "inputs agree; " if where == "module" else "its children agree up to here; "
         else:
             lead = "gradient w.r.t. outputs agrees; " if where == "module" else "children agree up to here; "
-        lines.append(f"{lead}{tensor['role']} [cyan]{tensor['key']}[/] differs: {tensor['reason']}")
+        lines.append(f"{lead}{_e(tensor['role'])} [cyan]{_e(tensor['key'])}[/] differs: {_e(tensor['reason'])}")
         m = tensor.get("metrics") or {}
         if m.get("basis") == "data":
             lines.append(f"max abs {fmt_number(m.get('max_abs'))}  mean abs {fmt_number(m.get('mean_abs'))}  "
@@ -150,18 +357,22 @@ def _origin_lines(origin: dict) -> list[str]:
         if origin.get("ranks"):
             ranks = origin["ranks"]
             lines.append(f"[yellow]on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-                         + (f": {origin['hint']}" if origin.get("hint") else "") + "[/]")
+                         + (f": {_e(origin['hint'])}" if origin.get("hint") else "") + "[/]")
         path_b = origin.get("path_b")
         if path_b is not None and (path_b != origin["module"] or m.get("note")):
-            lines.append(f"[dim]in B: {path_b or '<root>'}" + (f" ({m['note']})" if m.get("note") else "") + "[/]")
+            lines.append(f"[dim]in B: {_e(path_b or '<root>')}" + (f" ({_e(m['note'])})" if m.get("note") else "")
+                         + "[/]")
     if origin.get("error") and where != "raised":
-        lines.append(f"[red]raised:[/] {origin['error']}")
+        lines.append(f"[red]raised:[/] {_e(origin['error'])}")
     for key, (a, b) in (origin.get("hparam_diff") or {}).items():
-        lines.append(f"[yellow]{key}: {a!r} (A) vs {b!r} (B)[/]")
+        lines.append(f"[yellow]{_e(key)}: {_e(repr(a))} (A) vs {_e(repr(b))} (B)[/]")
+    if origin.get("class_diff"):
+        a, b = origin["class_diff"]
+        lines.append(f"[yellow]class: {_e(a)} (A) vs {_e(b)} (B), the same type family[/]")
     for p in (origin.get("param_diffs") or [])[:4]:
-        lines.append(f"[yellow]parameter {p['name']} differs: {p['reason']}[/]")
+        lines.append(f"[yellow]parameter {_e(p['name'])} differs: {_e(p['reason'])}[/]")
     if origin.get("chain") and len(origin["chain"]) > 1:
-        lines.append("[dim]chain: " + " > ".join(origin["chain"]) + "[/]")
+        lines.append("[dim]chain: " + _e(" > ".join(origin["chain"])) + "[/]")
     return lines
 
 
@@ -173,6 +384,14 @@ def make_console(**kwargs) -> Console:
 
 def render(report: dict, console: Console | None = None):
     console = console or make_console()
+    _render_body(report, console)
+    for problem in (report.get("trust") or {}).get("problems", []):
+        console.print(f"[bold yellow]WARNING: {_e(problem)}[/]")
+    if (report.get("trust") or {}).get("problems") and report["verdict"] == "aligned":
+        console.print("[bold yellow]the runs agree on what was compared, but the comparison is incomplete (exit 3)[/]")
+
+
+def _render_body(report: dict, console: Console):
     console.print(f"[bold]A[/] {_trace_line(report['a'])}")
     console.print(f"[bold]B[/] {_trace_line(report['b'])}")
     basis = report.get("basis")
@@ -200,16 +419,16 @@ def render(report: dict, console: Console | None = None):
                 console.print("          " + line)
             first = res.get("first_over_tolerance")
             if first and first["module"] != origin["module"] and origin.get("where") not in ("forward",):
-                console.print(f"          [dim](first over tolerance in execution order: {first['module'] or '<root>'};"
+                console.print(f"          [dim](first over tolerance in execution order: {_e(first['module'] or '<root>')};"
                               " the origin is where inputs still agree)[/]")
         failure = res.get("failure")
         if failure and (origin or {}).get("where") != "raised":
-            console.print(f"  [red]run B raised in {failure['module'] or '<root>'}: {failure['error']}[/]")
+            console.print(f"  [red]run B raised in {_e(failure['module'] or '<root>')}: {_e(failure['error'])}[/]")
     for side in ("a", "b"):
         nf = report.get("first_nonfinite", {}).get(side)
         if nf:
-            console.print(f"[red]first NaN/Inf in {side.upper()}:[/] {nf['module'] or '<root>'} ({nf['phase']}) "
-                          f"{nf['tensor']}: {nf['nan']} NaN, {nf['inf']} Inf")
+            console.print(f"[red]first NaN/Inf in {side.upper()}:[/] {_e(nf['module'] or '<root>')} ({nf['phase']}) "
+                          f"{_e(nf['tensor'])}: {nf['nan']} NaN, {nf['inf']} Inf")
     _render_growth(report, console)
     _render_next_pass(report, console)
     _render_footer(report, console)
@@ -235,13 +454,13 @@ def _render_mapping(report: dict, console: Console, shown: int = 12):
                       f"(lowest confidence {low:.2f}); --save-map writes them as --map rules[/]")
         for (b, a), g in list(groups.items())[:shown]:
             count = f" x{g['n']}" if g["n"] > 1 else ""
-            console.print(f"  [dim]{b} -> {a}{count}  ({g['low']:.2f}: {g['why']})[/]")
+            console.print(f"  [dim]{_e(b)} -> {_e(a)}{count}  ({g['low']:.2f}: {_e(g['why'])})[/]")
         if len(groups) > shown:
             console.print(f"  [dim]... {len(groups) - shown} more[/]")
     unmatched = (report.get("unmatched_modules") or {}).get("b") or []
     if mapping and unmatched:
         names = list(dict.fromkeys(collapse_indices(p) for p in unmatched))
-        console.print(f"  [dim]B modules with no counterpart in A: {', '.join(names[:6])}"
+        console.print(f"  [dim]B modules with no counterpart in A: {_e(', '.join(names[:6]))}"
                       + (f" (+{len(names) - 6})" if len(names) > 6 else "") + "[/]")
 
 
@@ -260,7 +479,7 @@ def _render_growth(report: dict, console: Console):
         style = "bold red" if r["origin"] else ("" if r["passed"] else "red")
         mark = Text("<- origin", style="bold red") if r["origin"] else Text("ok" if r["passed"] else "x",
                                                                             style="green" if r["passed"] else "red")
-        table.add_row(Text(indent + name, style=style), r["type"] or "", fmt_number(r["max_abs"]), fmt_number(r["rel"]),
+        table.add_row(Text(indent + name, style=style), _e(r["type"] or ""), fmt_number(r["max_abs"]), fmt_number(r["rel"]),
                       _fmt_cos(r["cosine"]), mark)
     console.print(table)
 
@@ -299,7 +518,7 @@ def _render_footer(report: dict, console: Console):
         for w in report[side].get("warnings", []):
             notes.append(f"warning ({side.upper()}): {w}")
     for n in notes:
-        console.print(f"[dim]{n}[/]")
+        console.print(f"[dim]{_e(n)}[/]")
     verdict = report["verdict"]
     console.print(f"verdict: [bold {'green' if verdict == 'aligned' else 'red'}]{verdict}[/]")
 
@@ -403,9 +622,9 @@ class RunProgress:
 def _segment_line(seg: dict) -> str:
     t = seg.get("tensor") or {}
     m = t.get("metrics") or {}
-    detail = f"{t.get('role')} [cyan]{t.get('key')}[/]: {t.get('reason')}" if t else seg.get("error", "")
+    detail = f"{_e(t.get('role'))} [cyan]{_e(t.get('key'))}[/]: {_e(t.get('reason'))}" if t else _e(seg.get("error", ""))
     extra = f"  (max abs {fmt_number(m.get('max_abs'))}, cosine {_fmt_cos(m.get('cosine'))})" if m.get("basis") == "data" else ""
-    return f"[bold red]{seg['description']}[/]\n      {detail}{extra}"
+    return f"[bold red]{_e(seg['description'])}[/]\n      {detail}{extra}"
 
 
 def render_replay(result: dict, console: Console | None = None, shown: int = 6):
@@ -415,7 +634,7 @@ def render_replay(result: dict, console: Console | None = None, shown: int = 6):
     console.print(f"[bold]B[/] replayed on A's recorded values (inputs, outputs and gradients forced at every "
                   f"module boundary; {result['forcing'].get('forced_tensors', 0)} tensors forced)")
     for note in result["forcing"].get("not_forced", [])[:3]:
-        console.print(f"  [yellow]not forced: {note}[/]")
+        console.print(f"  [yellow]not forced: {_e(note)}[/]")
     for phase in ("forward", "backward"):
         segs = result[phase]["segments"]
         if not segs:
@@ -432,7 +651,7 @@ def render_replay(result: dict, console: Console | None = None, shown: int = 6):
         confirms = (result.get("confirms") or {}).get(phase)
         if origin is not None and confirms is not None:
             text = "[green]confirms[/]" if confirms else "[yellow]disagrees with[/]"
-            console.print(f"  replay {text} align's origin: {origin['description']}")
+            console.print(f"  replay {text} align's origin: {_e(origin['description'])}")
     _render_amplification(result, console)
     verdict = result["verdict"]
     console.print(f"verdict: [bold {'green' if verdict == 'clean' else 'red'}]{verdict}[/]")
@@ -475,7 +694,7 @@ def render_search(result: dict, console: Console | None = None):
     answer = result["answer"]
     style = "green" if answer["where"] == "none" else "bold red"
     name = f"{result['block']}: " if result.get("block") else ""
-    console.print(f"[{style}]{name}{answer['description']}[/]")
+    console.print(f"[{style}]{_e(name)}{_e(answer['description'])}[/]")
     if result.get("block"):
         block_b = re.escape(result.get("block_b") or result["block"])
         console.print(f"[dim]next: replay that block module by module: layerdiff bisect {result['a']['path']} "
@@ -485,7 +704,7 @@ def render_search(result: dict, console: Console | None = None):
 
 def render_ranks(result: dict, console: Console):
     """``layerdiff align RUN``: one line per rank against rank 0, then the first desync."""
-    console.print(f"[bold]{result['path']}[/]: {result['world_size']} ranks, each compared with rank 0 on what "
+    console.print(f"[bold]{_e(result['path'])}[/]: {result['world_size']} ranks, each compared with rank 0 on what "
                   "replicas must agree on (shards and partial sums left out)")
     for r in result["ranks"]:
         if r["verdict"] == "aligned":
@@ -493,9 +712,9 @@ def render_ranks(result: dict, console: Console):
             continue
         parts = [f"{phase} {r[phase]['description']}" for phase in ("forward", "backward") if r[phase]]
         differ = f"; parameters differ: {', '.join(r['params_differ'][:3])}" if r["params_differ"] else ""
-        console.print(f"  rank {r['rank']}: [red]differs[/]: {'; '.join(parts) or 'parameters only'}{differ}")
+        console.print(f"  rank {r['rank']}: [red]differs[/]: {_e('; '.join(parts) or 'parameters only')}{_e(differ)}")
     first = result["first_divergence"]
     if first:
-        console.print(f"[bold red]first desync ({first['phase']}): {first['description']}[/] on rank(s) "
+        console.print(f"[bold red]first desync ({first['phase']}): {_e(first['description'])}[/] on rank(s) "
                       f"{', '.join(map(str, first['ranks']))}")
     console.print(f"verdict: {result['verdict']}")

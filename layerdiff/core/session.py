@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from .traceformat import TraceWriter
 
 MODES = ("full", "stats")
+USE_DATA_LIMIT = 1 << 22  # elements: a tied weight's per-use gradient is stored whole up to this size
+
+
+def _numel(t) -> int:
+    n = 1
+    for d in getattr(t, "shape", ()):
+        n *= int(d)
+    return n
 
 
 @dataclass
@@ -78,14 +86,22 @@ class PathFilter:
     ``bind`` (adapters call it when they install hooks).
     """
 
-    def __init__(self, include=None, exclude=None, layers=None):
-        self.include = [re.compile(p) for p in _as_list(include)]
-        self.exclude = [re.compile(p) for p in _as_list(exclude)]
+    def __init__(self, include=None, exclude=None, layers=None, strict: bool = True):
+        self.strict = strict  # a filter that keeps no module is an error (bisect's own probes allow it)
+        self.include = [_compile(p, "--include") for p in _as_list(include)]
+        self.exclude = [_compile(p, "--exclude") for p in _as_list(exclude)]
         self.layers = tuple(layers) if layers is not None else None
         self.window: list | None = None
         self.window_paths: list[str] = []
 
     def bind(self, paths):
+        paths = list(paths)
+        if self.strict and (self.include or self.exclude):  # keeping no module is a mistake, not an empty trace
+            if not any(self(p) for p in paths if p):
+                flags = " ".join([f"--include {p.pattern!r}" for p in self.include]
+                                 + [f"--exclude {p.pattern!r}" for p in self.exclude])
+                raise ValueError(f"{flags} keeps none of the model's {len(paths) - 1} modules (e.g. "
+                                 f"{', '.join(p for p in paths[1:4] if p)})")
         if self.layers is None:
             return
         container, blocks = find_blocks(paths)
@@ -102,6 +118,13 @@ class PathFilter:
         if self.include and not any(p.search(path) for p in self.include):
             return False
         return not any(p.search(path) for p in self.exclude)
+
+
+def _compile(pattern: str, flag: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"bad {flag} regular expression {pattern!r}: {exc}") from None
 
 
 def _as_list(x):
@@ -304,7 +327,8 @@ class TraceSession:
     def param_use(self, name: str, frame: CallFrame, grad, tied: list):
         """One call's own contribution to a tied parameter's gradient (before it is summed with the other
         users'): what localizes a gradient defect in one user of a shared weight."""
-        entries = self._entries("param_grad", [("value", grad)], frame.full)
+        small = _numel(grad) <= USE_DATA_LIMIT  # a vocabulary-sized tied embedding: its statistics suffice
+        entries = self._entries("param_grad", [("value", grad)], frame.full and small)
         if entries:
             self.writer.write_record({"kind": "param_grad_use", "path": name, "module": frame.path,
                                       "module_type": frame.type, "call": frame.call, "step": frame.step,

@@ -9,13 +9,16 @@ Layout (readable with plain h5py, see docs/trace-format.md):
 A tensor entry in a record names ``offset``/``nbytes`` into /data plus ``dtype`` and ``shape``, so
 ``np.frombuffer(f["data"][off:off + n], dtype).reshape(shape)`` reads it back (bfloat16 is stored as uint16).
 
-The file is written in HDF5's single-writer/multiple-reader (SWMR) mode: whatever the writer has flushed is
-consistent on disk, so a run killed mid-way (even kill -9) leaves a file that holds every record completed
-before the last flush. Readers open such a file with ``h5py.File(path, "r", swmr=True)``.
+Both datasets have their chunks reserved ahead of the data and the writer puts bytes straight into them, so a run
+killed mid-way (even kill -9) leaves a file that opens normally and holds every record completed before the kill
+(the index ends in zeros where the reserve was not used). Read a live or killed trace with
+``h5py.File(path, "r", locking=False)``.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import threading
 import time
@@ -52,17 +55,18 @@ class _AppendOnlyBytes:
     def size(self) -> int:
         return self.on_disk + len(self.buffer)
 
-    def append(self, raw) -> int:
-        """Append bytes (any buffer); return their offset."""
+    def append(self, buffers) -> int:
+        """Append byte buffers one after the other; return the first one's offset."""
         offset = self.size
-        view = memoryview(raw).cast("B")
-        if len(view) >= self.buffer_limit:  # big tensors skip the copy into the buffer
-            self.drain()
-            self._write(np.frombuffer(view, dtype=np.uint8))
-        else:
-            self.buffer += view
-            if len(self.buffer) >= self.buffer_limit:
+        for raw in buffers:
+            view = memoryview(raw).cast("B")
+            if len(view) >= self.buffer_limit:  # big tensors skip the copy into the buffer
                 self.drain()
+                self._write(np.frombuffer(view, dtype=np.uint8))
+            else:
+                self.buffer += view
+                if len(self.buffer) >= self.buffer_limit:
+                    self.drain()
         return offset
 
     def drain(self):
@@ -81,34 +85,140 @@ class _AppendOnlyBytes:
         self.dataset.flush()
 
 
+class _ReservedBytes:
+    """A growable 1-D byte dataset written straight into the file.
+
+    Its chunks are allocated ahead of the data (early allocation, never filled: the reserve is a hole in the file
+    and costs no disk blocks), and bytes go to their place with ``pwrite``. Once ``pwrite`` returns they are in
+    the operating system's page cache, so a process killed right after keeps them, with no HDF5 flush per record.
+    HDF5's own metadata changes only when the reserve grows (rarely: by an eighth or more at a time), and is
+    flushed then. A reader sees the reserve's unused tail as zeros.
+    """
+
+    def __init__(self, h5file, name: str, fd: int, chunk: int, reserve: int):
+        _preallocate(fd, reserve)
+        h5py = _h5py()
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((chunk,))
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        dcpl.set_obj_track_times(False)  # no timestamps to update in the object header
+        space = h5py.h5s.create_simple((reserve,), (h5py.h5s.UNLIMITED,))
+        self.dataset = h5py.Dataset(h5py.h5d.create(h5file.id, name.encode(), h5py.h5t.NATIVE_UINT8, space, dcpl=dcpl))
+        self.h5file, self.fd, self.chunk = h5file, fd, chunk
+        self.size = 0
+        self._map()
+
+    def _map(self, since: int = 0):
+        """File addresses of the chunks from logical offset ``since`` on, added to the runs of consecutive chunks
+        (logical start, address, length). Chunks allocated together usually sit back to back: the first and
+        last chunk tell, and only when they do not is every chunk asked."""
+        runs = [] if since == 0 else self.runs
+        self.capacity = self.dataset.shape[0]
+        starts = range(since, self.capacity, self.chunk)
+        if not starts:
+            self.runs = runs
+            return
+        first = self.dataset.id.get_chunk_info_by_coord((starts[0],)).byte_offset
+        last = self.dataset.id.get_chunk_info_by_coord((starts[-1],)).byte_offset
+        if last - first == starts[-1] - starts[0]:
+            pieces = [(starts[0], first, self.capacity - since)]
+        else:
+            pieces = [(s, self.dataset.id.get_chunk_info_by_coord((s,)).byte_offset, self.chunk) for s in starts]
+        for start, address, length in pieces:
+            if runs and runs[-1][0] + runs[-1][2] == start and runs[-1][1] + runs[-1][2] == address:
+                runs[-1][2] += length
+            else:
+                runs.append([start, address, length])
+        self.runs = runs
+
+    def _reserve(self, needed: int):
+        if needed <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < needed:
+            capacity += max(capacity // 8 // self.chunk * self.chunk, 2 * self.chunk)
+        _preallocate(self.fd, capacity - self.capacity)  # a full disk fails here, before HDF5 writes anything
+        old = self.capacity
+        self.dataset.resize((capacity,))
+        self.h5file.flush()  # the grown dataset's metadata is on disk before any byte is written into it
+        self._map(old)
+
+    def append(self, buffers) -> int:
+        """Write ``buffers`` (contiguous byte buffers) one after the other; return the first one's offset."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(len(v) for v in views)
+        start = self.size
+        self._reserve(start + total)
+        position = start
+        for view in views:
+            done = 0
+            while done < len(view):
+                address, room = self._address(position + done)
+                n = min(room, len(view) - done)
+                try:
+                    done += os.pwrite(self.fd, view[done:done + n], address)
+                except OSError as exc:
+                    raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+            position += len(view)
+        self.size = position
+        return start
+
+    def _address(self, logical: int) -> tuple[int, int]:
+        """(file address, bytes left in that run of chunks) of a logical offset."""
+        for start, address, length in self.runs:  # few runs: the file grows at its end
+            if start <= logical < start + length:
+                return address + logical - start, start + length - logical
+        raise TraceFormatError("internal: offset outside the reserved chunks")
+
+    def finish(self):
+        """Give the reserve's unused tail back (the dataset's length becomes what was written)."""
+        self.dataset.resize((self.size,))
+
+
 class TraceWriter:
     """Streams records and tensor bytes into a trace; memory use does not grow with the trace.
 
-    Thread-safe: autograd may call back from its own thread.
+    Crash safety: tensor bytes and each record's index line are written straight into chunks reserved ahead of
+    them (``_ReservedBytes``), tensors before the line that points at them, so a process killed at any moment
+    leaves a file holding every record completed before it; only the record being written is lost. A compressed
+    trace cannot be written that way (its chunks go through HDF5's filters): it is buffered and flushed at least
+    every ``flush_interval`` seconds instead.
+
+    The file is created exclusively and locked for the whole run: a second writer on the same path is refused
+    before it writes anything. Thread-safe: autograd may call back from its own thread.
     """
 
     def __init__(self, path, meta: dict, *, overwrite: bool = False, compression: str | None = None,
                  flush_interval: float = 1.0, buffer_bytes: int = 8 << 20):
         if compression not in COMPRESSIONS:
             raise LayerdiffError(f"unknown compression {compression!r}; choose gzip or lzf")
+        if not (isinstance(flush_interval, (int, float)) and math.isfinite(flush_interval) and flush_interval >= 0):
+            raise LayerdiffError(f"flush interval must be a finite number of seconds >= 0, not {flush_interval!r}")
         self.path = Path(path)
-        if self.path.exists() and not overwrite:
-            raise LayerdiffError(f"{self.path} exists; pass overwrite=True (CLI: --force) to replace it")
         if self.path.parent and not self.path.parent.exists():
             raise LayerdiffError(f"directory {self.path.parent} does not exist")
-        h5py = _h5py()
-        self._file = h5py.File(self.path, "w", libver="latest")
-        self._file.attrs["format"] = FORMAT_NAME
-        self._file.attrs["format_version"] = FORMAT_VERSION
-        self._file.attrs["meta"] = json.dumps(meta, default=str)
-        data = self._file.create_dataset("data", shape=(0,), maxshape=(None,), dtype="u1",
-                                         chunks=(DATA_CHUNK,), compression=compression)
-        index = self._file.create_dataset("index", shape=(0,), maxshape=(None,), dtype="u1",
-                                          chunks=(INDEX_CHUNK,))
-        self._file.swmr_mode = True
-        self._data = _AppendOnlyBytes(data, buffer_bytes)
-        self._index = _AppendOnlyBytes(index, 1 << 20)
+        self._fd = _open_exclusively(self.path, overwrite)
+        try:
+            h5py = _h5py()
+            self._file = h5py.File(self.path, "w", libver="earliest", locking=False)
+            self._file.attrs["format"] = FORMAT_NAME
+            self._file.attrs["format_version"] = FORMAT_VERSION
+            self._file.attrs["meta"] = json.dumps(meta, default=str)
+            if compression is None:
+                self._data = _ReservedBytes(self._file, "data", self._fd, DATA_CHUNK, 0)  # none until a tensor
+            else:
+                data = self._file.create_dataset("data", shape=(0,), maxshape=(None,), dtype="u1",
+                                                 chunks=(DATA_CHUNK,), compression=compression)
+                self._data = _AppendOnlyBytes(data, buffer_bytes)
+            self._index = _ReservedBytes(self._file, "index", self._fd, INDEX_CHUNK, 4 * INDEX_CHUNK)
+            self._file.flush()
+        except OSError as exc:
+            self._release()
+            raise LayerdiffError(f"cannot write {self.path}: {exc.strerror or _first_line(exc)}") from None
         self._lock = threading.RLock()
+        self._pending: list[bytes] = []
+        self.compressed = compression is not None
         self.flush_interval = flush_interval
         self._last_flush = time.perf_counter()
         self.records_written = 0
@@ -121,7 +231,7 @@ class TraceWriter:
         if store_data:
             contiguous = np.ascontiguousarray(stored)
             with self._lock:
-                entry["offset"] = self._data.append(contiguous)
+                entry["offset"] = self._data.append([contiguous])
                 entry["nbytes"] = contiguous.nbytes
                 self.tensor_bytes += contiguous.nbytes
         return entry
@@ -134,28 +244,86 @@ class TraceWriter:
     def write_record(self, record: dict):
         line = (json.dumps(record, separators=(",", ":"), default=_json_default) + "\n").encode()
         with self._lock:
-            self._index.append(line)
-            self.records_written += 1
-            if time.perf_counter() - self._last_flush >= self.flush_interval:
-                self.flush()
+            if self.compressed:  # the index may only point at data that is on disk: lines wait for a flush
+                self._pending.append(line)
+                self.records_written += 1
+                if time.perf_counter() - self._last_flush >= self.flush_interval:
+                    self.flush()
+                return
+            self._index.append([line])
+            self.records_written += 1  # counted once its line is in the file
 
     def flush(self):
-        """Make everything written so far durable against a crash of this process."""
+        """Make everything written so far durable against a crash of this process (uncompressed traces are
+        already: their bytes go straight into the file)."""
         with self._lock:
             if self.closed:
                 return
-            self._data.flush()  # data before the index lines that point into it
-            self._index.flush()
+            if self.compressed:
+                self._data.flush()  # data before the index lines that point into it
+                pending, self._pending = self._pending, []
+                if pending:
+                    self._index.append(pending)
+                self._file.flush()
             self._last_flush = time.perf_counter()
 
     def close(self, end_record: dict):
         with self._lock:
             if self.closed:
                 return
-            self.write_record(end_record)
-            self.flush()
-            self._file.close()
-            self.closed = True
+            try:
+                self.write_record(end_record)
+                self.flush()
+                if not self.compressed:
+                    self._data.finish()
+                self._index.finish()
+                self._file.close()
+            except OSError as exc:  # a full disk: what was written before stays readable
+                raise LayerdiffError(f"cannot finish {self.path}: {exc.strerror or _first_line(exc)}; the "
+                                     "records written before are readable") from None
+            finally:
+                self.closed = True
+                self._release()
+
+    def _release(self):
+        if self._fd is not None:
+            os.close(self._fd)  # also drops the lock
+            self._fd = None
+
+
+_METADATA_ROOM = 1 << 17  # room past the reserved chunks for HDF5's own metadata (chunk index nodes)
+
+
+def _preallocate(fd: int, nbytes: int):
+    """Claim disk space for ``nbytes`` more at the end of the file (and room for HDF5's metadata) before HDF5
+    is told about it: a full disk or a file-size limit is then one clear error while the file still describes
+    only what it holds, instead of a half-written HDF5 structure."""
+    end = os.fstat(fd).st_size
+    try:
+        os.posix_fallocate(fd, end, nbytes + _METADATA_ROOM)
+    except OSError as exc:
+        raise LayerdiffError(f"cannot grow the trace by {(nbytes + _METADATA_ROOM) / 1e6:.0f} MB: "
+                             f"{exc.strerror or exc} (disk full, or a file-size limit)") from None
+
+
+def _open_exclusively(path: Path, overwrite: bool) -> int:
+    """A descriptor of the trace file, locked for this writer: an existing file is refused unless
+    ``overwrite``, and a file another process is writing is refused always. Nothing is truncated here."""
+    flags = os.O_RDWR | os.O_CREAT | (0 if overwrite else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        raise LayerdiffError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it") from None
+    except IsADirectoryError:
+        raise LayerdiffError(f"{path} is a directory; name a trace file") from None
+    except OSError as exc:
+        raise LayerdiffError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise LayerdiffError(f"{path} is being written by another process; choose another path") from None
+    return fd
 
 
 def _json_default(obj):
@@ -179,14 +347,18 @@ class TraceReader:
         if not h5py.is_hdf5(str(self.path)):
             raise TraceFormatError(f"{self.path}: not an HDF5 file (is it a layerdiff trace?)")
         self.crashed = False
-        try:
-            self._file = h5py.File(self.path, "r")
-        except Exception:  # h5py raises OSError, RuntimeError, ... for damaged files
-            try:  # a writer that died leaves the "open for writing" flag; SWMR read mode accepts it
-                self._file = h5py.File(self.path, "r", swmr=True, libver="latest")
-                self.crashed = True
-            except Exception as exc:
+        try:  # no HDF5 file lock: a trace can be read while its writer runs (the writer holds its own lock)
+            self._file = h5py.File(self.path, "r", locking=False)
+        except PermissionError:
+            raise TraceFormatError(f"{self.path}: permission denied (cannot read it)") from None
+        except Exception as exc:  # h5py raises OSError, RuntimeError, ... for damaged files
+            if "already open for write" not in str(exc):  # truncated or damaged (SWMR would retry for ever)
                 raise TraceFormatError(f"{self.path}: damaged HDF5 file ({_first_line(exc)})") from None
+            try:  # a format-1 writer that died left the "open for writing" flag; SWMR read mode accepts it
+                self._file = h5py.File(self.path, "r", swmr=True, libver="latest", locking=False)
+                self.crashed = True
+            except Exception as exc2:
+                raise TraceFormatError(f"{self.path}: damaged HDF5 file ({_first_line(exc2)})") from None
         try:
             attrs = self._file.attrs
             if attrs.get("format") != FORMAT_NAME:
@@ -332,14 +504,16 @@ class _RawChunkReader:
 
 
 def _parse_index(raw: bytes, data_size: int):
-    """Records up to the last complete, consistent line; a torn tail (crash mid-write) is dropped."""
+    """Records up to the last complete, consistent line; a torn tail (crash mid-write) is dropped, and so is
+    everything from the first line that is not JSON (or is nested too deeply to decode), fails
+    ``_valid_record`` or points past the end of /data."""
     records, end = [], None
-    for line in raw.split(b"\n"):
+    for line in raw.rstrip(b"\x00").split(b"\n"):  # a killed writer's reserve ends in zeros
         if not line:
             continue
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # also UnicodeDecodeError, integers over 4300 digits
             break
         if not _valid_record(rec):
             break
@@ -359,14 +533,71 @@ _TENSOR_FIELDS = ("role", "key", "dtype", "shape", "stats")
 
 
 def _valid_record(rec) -> bool:
-    """A structural check, so a damaged line ends the readable part instead of crashing a later pass."""
-    if not isinstance(rec, dict) or rec.get("kind") not in _RECORD_FIELDS:
+    """A structural check, so a damaged line ends the readable part instead of crashing a later pass.
+
+    The record: a known ``kind`` with its fields, ``path`` a string, ``call`` (and ``step``, ``begin``, ``end``
+    when present) non-negative integers, ``phase`` forward/backward, ``parent`` null or [path, call]. Each
+    tensor entry: ``role``/``key`` strings, ``dtype`` a known storage dtype, ``shape`` a list of non-negative
+    integers whose element count fits int64, ``stats`` an object of numbers, and in full mode ``offset`` and
+    ``nbytes`` non-negative integers with nbytes = elements x itemsize.
+    """
+    def count(x):  # a non-negative int (JSON true/false are not counts)
+        return type(x) is int and x >= 0
+
+    kind = rec.get("kind") if isinstance(rec, dict) else None
+    if not isinstance(kind, str) or kind not in _RECORD_FIELDS or any(k not in rec for k in _RECORD_FIELDS[kind]):
         return False
-    if any(k not in rec for k in _RECORD_FIELDS[rec["kind"]]):
+    if kind == "end":  # read by show / align: status, failure {module, error, module_stack}, warnings, steps
+        return (rec.get("tensors", []) == [] and isinstance(rec.get("status", ""), str)
+                and isinstance(rec.get("failure") or {}, dict) and isinstance(rec.get("warnings", []), list))
+    if not isinstance(rec["path"], str) or not count(rec["call"]):
         return False
-    tensors = rec.get("tensors", [])
-    return isinstance(tensors, list) and all(isinstance(t, dict) and all(k in t for k in _TENSOR_FIELDS)
-                                             for t in tensors)
+    if any(k in rec and not count(rec[k]) for k in ("step", "begin", "end")):
+        return False
+    if kind == "call":
+        parent = rec.get("parent")
+        if rec["phase"] not in ("forward", "backward") or not (
+                parent is None or (isinstance(parent, list) and len(parent) == 2 and isinstance(parent[0], str)
+                                   and count(parent[1]))):
+            return False
+        if any(k in rec and not isinstance(rec[k], dict) for k in ("hparams", "scalars")):
+            return False
+        if "arg_names" in rec and not (isinstance(rec["arg_names"], list)
+                                       and all(isinstance(a, str) for a in rec["arg_names"])):
+            return False
+    if "module" in rec and not isinstance(rec["module"], str):
+        return False
+    tensors = rec["tensors"]
+    if not isinstance(tensors, list):
+        return False
+    for t in tensors:
+        if not isinstance(t, dict) or any(k not in t for k in _TENSOR_FIELDS):
+            return False
+        if not (isinstance(t["role"], str) and isinstance(t["key"], str) and isinstance(t["dtype"], str)):
+            return False
+        try:
+            itemsize = storage_dtype(t["dtype"]).itemsize
+        except ValueError:  # a dtype name this reader does not know
+            return False
+        shape = t["shape"]
+        if not isinstance(shape, list) or len(shape) > 64 or not all(count(d) for d in shape):
+            return False
+        numel = 1
+        for d in shape:
+            numel *= d
+            if numel > (1 << 63) - 1:
+                return False
+        stats = t["stats"]
+        if not isinstance(stats, dict) or not all(v is None or (type(v) in (int, float)) for v in stats.values()):
+            return False
+        stored = ("offset" in t, "nbytes" in t)
+        if stored == (True, True):
+            if not (count(t["offset"]) and count(t["nbytes"]) and t["nbytes"] == numel * itemsize
+                    and len(shape) <= 32):  # numpy reads at most 32 dimensions
+                return False
+        elif stored != (False, False):
+            return False
+    return True
 
 
 def _first_line(exc: BaseException) -> str:

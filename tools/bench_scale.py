@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Tracing cost at the size people debug: a Qwen2-0.5B-shaped model (transformers, random init, 494M parameters,
+fp32), batch 1 x 32 tokens, one forward + backward on the CPU. Prints numbers; asserts nothing.
+
+    python tools/bench_scale.py               # untraced, stats, full: each in a fresh interpreter (~5 min)
+    python tools/bench_scale.py --layers 4    # a smaller variant of the same shape (quick look)
+
+For each mode: warm-up steps, then the median of timed steps (a traced mode times steps inside one trace, after
+its first step, which also records every parameter's value), peak RSS (VmHWM) and the bytes written. The
+"serial limit" of a full trace is the untraced step plus writing its bytes at the page-cache speed this
+filesystem reaches with plain numpy writes of the same size (measured here, in the same run): what tracing
+would cost if recording were free and writing were not overlapped with compute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT = "@@RESULT "
+
+CHILD = r'''
+import json, os, statistics, sys, time
+import torch
+import transformers
+import layerdiff
+
+mode, path, layers, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+config = transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                  max_position_embeddings=4096, tie_word_embeddings=True)
+model = transformers.Qwen2ForCausalLM(config)
+ids = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+
+def step():
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+
+def vm_hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+for _ in range(2):
+    step()
+times, written = [], 0
+if mode == "untraced":
+    for _ in range(steps):
+        t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+else:
+    tracer = layerdiff.trace(model, path, mode=mode, overwrite=True)
+    with tracer:
+        step()  # the first traced step also records every parameter's value
+        first = tracer.session.writer.tensor_bytes
+        for _ in range(steps):
+            t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+        written = (tracer.session.writer.tensor_bytes - first) / steps
+print("@@RESULT " + json.dumps({"mode": mode, "step_s": statistics.median(times), "steps": times,
+                                "peak_rss": vm_hwm(), "bytes_per_step": written,
+                                "params": sum(p.numel() for p in model.parameters())}), flush=True)
+'''
+
+
+def run_child(mode: str, path: Path, layers: int, steps: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(path), str(layers), str(steps)],
+                          capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    raise RuntimeError(f"{mode} child failed:\n{proc.stderr[-3000:]}")
+
+
+def page_cache_speed(directory: Path, nbytes: int) -> float:
+    """Bytes per second of plain sequential numpy writes of ``nbytes`` (64 MB blocks) to this filesystem."""
+    import numpy as np
+
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    path = directory / "raw.bin"
+    os.sync()
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, block.size)
+            f.write(memoryview(block)[:n])
+            left -= n
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / seconds
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen2-0.5B)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mode")
+    p.add_argument("--json", help="also save the numbers as JSON")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="layerdiff-scale-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
+        tmp = Path(d)
+        res = {mode: run_child(mode, tmp / f"{mode}.h5", args.layers, args.steps)
+               for mode in ("untraced", "stats", "full")}
+        for mode in ("stats", "full"):
+            res[mode]["file_bytes"] = (tmp / f"{mode}.h5").stat().st_size
+        speed = page_cache_speed(tmp, int(res["full"]["bytes_per_step"]) or 1)
+    base = res["untraced"]["step_s"]
+    limit = base + res["full"]["bytes_per_step"] / speed
+    print(f"model: Qwen2-0.5B shape, {args.layers} layers, {res['untraced']['params'] / 1e6:.0f}M parameters, fp32, "
+          "batch 1 x 32, forward + backward, CPU")
+    print(f"untraced step: {base:.2f} s (peak RSS {res['untraced']['peak_rss'] / 1e9:.2f} GB)")
+    for mode in ("stats", "full"):
+        r = res[mode]
+        print(f"{mode:5} trace: {r['step_s']:.2f} s = {r['step_s'] / base:.2f}x; {r['bytes_per_step'] / 1e9:.2f} GB "
+              f"of tensors per step; peak RSS {r['peak_rss'] / 1e9:.2f} GB "
+              f"(+{(r['peak_rss'] - res['untraced']['peak_rss']) / 1e9:.2f} GB over untraced)")
+    print(f"page-cache write speed of this filesystem: {speed / 1e9:.2f} GB/s; serial limit of a full step: "
+          f"{limit:.2f} s = {limit / base:.2f}x; full trace = {res['full']['step_s'] / limit:.2f}x that limit")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": res, "write_speed": speed, "serial_limit_s": limit},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
