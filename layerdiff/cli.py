@@ -423,7 +423,10 @@ def _recipe_summary(path) -> tuple[str, list]:
     from .recipes import llama_shared
 
     tree = ast.parse(Path(path).read_text())
-    summary = ((ast.get_docstring(tree) or "").strip().splitlines() or [""])[0].removeprefix("Recipe: ")
+    paragraph = " ".join((ast.get_docstring(tree) or "").strip().split("\n\n")[0].split())
+    summary = paragraph.removeprefix("Recipe: ").split(". ")[0].rstrip(".:")
+    if len(summary) > 100:
+        summary = summary[:100].rsplit(" ", 1)[0] + " ..."
     defects: list = []
     for node in tree.body:
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:

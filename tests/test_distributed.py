@@ -211,3 +211,39 @@ def test_paddle_tensor_parallel_against_one_torch_process(paddle_runs, recipe_tr
     for defect, (direction, module, ranks) in DEFECTS.items():
         origin = align_files(recipe_trace(), paddle_runs / f"pd_{defect}")[direction]["first_divergence"]
         assert (origin["module"], origin["ranks"]) == (module, ranks), defect
+
+
+MINDSPORE_SCRIPT = """
+import sys
+import layerdiff
+from layerdiff.recipes import mindspore_llama_dp
+
+for defect in (None, "weight"):
+    built = mindspore_llama_dp.build(defect)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/ms_{defect or 'clean'}"):
+        built["step"]()
+"""
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.mindspore
+def test_mindspore_data_parallel_ranks_under_msrun(tmp_path):
+    pytest.importorskip("mindspore")
+    _launch(tmp_path, "ms_dp", MINDSPORE_SCRIPT,
+            ["mindspore.parallel.cluster.run", "--worker_num=2", "--local_worker_num=2", "--join=True",
+             f"--master_port={_free_port()}", f"--log_dir={tmp_path / 'logs'}"])
+    for rank in (0, 1):
+        with open_trace(tmp_path / "ms_clean" / f"rank{rank}.h5") as reader:
+            assert reader.meta["distributed"] == {**reader.meta["distributed"], "rank": rank, "world_size": 2}
+    code, out, err = run_cli("align", tmp_path / "ms_clean", "-q")
+    assert code == 0 and out.startswith("aligned: all 2 ranks agree with rank 0"), out + err
+    code, out, err = run_cli("align", tmp_path / "ms_weight", "--json", tmp_path / "ms.json")
+    first = json.loads((tmp_path / "ms.json").read_text())["first_divergence"]
+    assert code == 1 and (first["module"], first["ranks"]) == ("model.layers.1.mlp.up_proj", [1]), out + err

@@ -59,6 +59,24 @@ def identify(t):
 TENSORS = TensorAdapter(to_stored, identify, None)
 
 
+def distributed() -> dict | None:
+    """This process's place in a MindSpore job of several ranks, launched by msrun (None when it runs alone).
+
+    Asks the communication module only once it is initialized (``init()`` ran): calling ``get_rank`` earlier
+    raises, and a worker that never initialized communication writes an ordinary single trace."""
+    import os
+
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+    if not GlobalComm.INITED:
+        return None
+    world = get_group_size()
+    if world < 2:
+        return None
+    return {"rank": get_rank(), "world_size": world, "backend": str(GlobalComm.BACKEND),
+            "local_rank": int(os.environ.get("MS_LOCAL_RANK_ID", os.environ.get("RANK_ID", get_rank())))}
+
+
 def parameters(model):
     """(name, parameter, type name of its cell) for weight transfer."""
     return typed_parameters(model.cells_and_names(), model.parameters_and_names())
