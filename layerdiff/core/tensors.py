@@ -63,11 +63,24 @@ def as_float(stored: np.ndarray, dtype: str) -> np.ndarray:
     return stored.astype(np.float64)
 
 
+_DOT_PIECE = 1 << 16  # elements: BLAS dot accumulates in the input's precision, so float32 goes piece by piece
+
+
+def _sum_of_squares(x: np.ndarray) -> float:
+    """Sum of squares accurate to ~1e-7 relative: dot products of short pieces added in float64 (one float32
+    dot over millions of elements drifts by ~1e-5)."""
+    if x.dtype == np.float64:
+        return float(np.dot(x, x)) if x.flags.c_contiguous else float(np.einsum("i,i->", x, x))
+    x = np.ascontiguousarray(x)
+    return float(sum(float(np.dot(piece, piece)) for piece in np.split(x, range(_DOT_PIECE, x.size, _DOT_PIECE))))
+
+
 def summarize(stored: np.ndarray, dtype: str) -> dict:
     """min, max, mean, l2 norm and NaN/Inf counts: kept for every tensor in every mode.
 
     NaN/Inf are counted only when min or max is non-finite, which keeps the common all-finite case at
-    four cheap reductions. Float32 data is summed in float32 (numpy's pairwise sum: ~1e-7 relative).
+    four cheap reductions. Float32 data is summed in float32 (numpy's pairwise sum: ~1e-7 relative), its squares
+    piece by piece (``_sum_of_squares``).
     """
     n = int(stored.size)
     stats = {"numel": n, "min": None, "max": None, "mean": None, "l2": None, "nan": 0, "inf": 0}
@@ -87,6 +100,6 @@ def summarize(stored: np.ndarray, dtype: str) -> dict:
     if max(-lo, hi) > 1e18:  # float32 sums of squares could overflow: accumulate wide
         x = x.astype(np.float64)
     total = float(np.add.reduce(x))
-    sq = float(np.dot(x, x)) if x.flags.c_contiguous else float(np.einsum("i,i->", x, x))
+    sq = _sum_of_squares(x)
     stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(max(sq, 0.0)))
     return stats
