@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .api import EXIT_DIVERGENT, EXIT_OK, EXIT_UNTRUSTED  # 3: aligned, but see report["trust"]
 from .errors import LayerdiffError
 
-EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_UNTRUSTED = 0, 1, 2, 3  # 3: aligned, but see report["trust"]
+EXIT_BAD_INPUT = 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -142,113 +143,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _policy(args):
-    import re
-
-    from .core.tolerance import TolerancePolicy, check_value, parse_rule
-
-    try:
-        rules = [parse_rule(text) for text in args.tol]
-        for name in ("atol", "rtol", "cos"):
-            if getattr(args, name) is not None:
-                check_value(name, getattr(args, name))
-    except (ValueError, re.error) as exc:
-        raise LayerdiffError(f"bad tolerance: {exc}") from None
-    return TolerancePolicy(args.atol, args.rtol, args.cos, rules)
-
-
 def _comparison(args):
     """(tolerance policy, B->A rename rules, layout rules, rule set) from the flags align and bisect share."""
-    from .core.layouts import LayoutRules
-    from .core.match import RenameRules
-    from .core.rules import ruleset
+    from .api import comparison
 
-    policy = _policy(args)
-    rename = RenameRules.parse(args.map)
-    try:
-        layouts = LayoutRules(args.layout)
-    except ValueError as exc:
-        raise LayerdiffError(str(exc)) from None
-    return policy, rename, layouts, ruleset(args.rules)
+    how = comparison(atol=args.atol, rtol=args.rtol, cos=args.cos, tol=args.tol, map=args.map or (),
+                     layout=args.layout or (), rules=args.rules or ())
+    return how.policy, how.rename, how.layouts, how.rules
+
+
+def _tolerances(args) -> dict:
+    return {"atol": args.atol, "rtol": args.rtol, "cos": args.cos, "tol": args.tol}
 
 
 def _finish_report(report, args) -> int:
     from .core.report import make_console, render, write_json
 
     if args.json:
-        write_json(report, args.json, overwrite=args.force)
-    problems = (report.get("trust") or {}).get("problems", [])
+        write_json(report.data, args.json, overwrite=args.force)
     if args.quiet:
-        f = report["forward"]["first_divergence"]
-        b = report["backward"]["first_divergence"]
-        differ = report.get("params", {}).get("differ", [])
-        print(f"{report['verdict']}: forward {f['description'] if f else report['forward']['status']}; "
-              f"backward {b['description'] if b else report['backward']['status']}"
+        data = report.data
+        f, b = report.forward, report.backward
+        differ = data.get("params", {}).get("differ", [])
+        print(f"{report.verdict}: forward {f['description'] if f else data['forward']['status']}; "
+              f"backward {b['description'] if b else data['backward']['status']}"
               + (f"; {len(differ)} parameter values differ (first: {differ[0]})" if differ else "")
-              + "".join(f"; WARNING: {p}" for p in problems))
+              + "".join(f"; WARNING: {p}" for p in report.problems))
     else:
-        render(report, make_console())
-    if report["verdict"] != "aligned":
-        return EXIT_DIVERGENT
-    return EXIT_UNTRUSTED if problems else EXIT_OK
+        render(report.data, make_console())
+    return report.exit_code
 
 
 def cmd_align(args) -> int:
     from pathlib import Path
 
-    from .core.align import align
-    from .core.report import ByteProgress
-    from .core.ranks import open_run
-
-    policy, rename, layouts, rules = _comparison(args)
+    from . import api
 
     for out in (args.json, args.save_map):
         if out and Path(out).exists() and not args.force:
             raise LayerdiffError(f"{out} exists; pass --force to replace it")
     if args.b is None:
-        return _align_ranks(args, policy)
-    with open_run(args.a, rules) as ra, open_run(args.b, rules) as rb:
-        progress = ByteProgress("aligning", enabled=None if not args.quiet else False)
-        try:
-            report = align(ra, rb, rename=rename, policy=policy, progress=progress, auto_map=not args.no_auto_map,
-                           layouts=layouts, rules=rules)
-        finally:
-            progress.close()
+        return _align_ranks(args)
+    report = api.align(args.a, args.b, **_tolerances(args), map=args.map or (), layout=args.layout or (),
+                       rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet)
     if args.save_map:
+        from .core.files import write_atomically
         from .core.mapping import rules_text
 
-        from .core.files import write_atomically
-
-        write_atomically(args.save_map, rules_text(report.get("mapping", [])), overwrite=args.force)
+        write_atomically(args.save_map, rules_text(report.mapping), overwrite=args.force)
     return _finish_report(report, args)
 
 
-def _align_ranks(args, policy) -> int:
+def _align_ranks(args) -> int:
     """``layerdiff align RUN``: every rank of a multi-rank run against rank 0."""
-    from .core.desync import check_run
+    from . import api
     from .core.report import make_console, render_ranks, write_json
 
-    if args.workers is not None and args.workers < 1:
-        raise LayerdiffError("--workers must be at least 1")
-    result = check_run(args.a, policy, args.rules or (), workers=args.workers)
+    report = api.align(args.a, **_tolerances(args), rules=args.rules or (), workers=args.workers)
     if args.json:
-        write_json(result, args.json, overwrite=args.force)
+        write_json(report.data, args.json, overwrite=args.force)
     if args.quiet:
-        first = result["first_divergence"]
-        print(f"{result['verdict']}: " + (f"{first['phase']} {first['description']} on rank(s) "
-                                          f"{', '.join(map(str, first['ranks']))}" if first else
-                                          f"all {result['world_size']} ranks agree with rank 0"))
+        print(report.summary())
     else:
-        render_ranks(result, make_console())
-    return EXIT_OK if result["verdict"] == "aligned" else EXIT_DIVERGENT
+        render_ranks(report.data, make_console())
+    return EXIT_OK if report.verdict == "aligned" else EXIT_DIVERGENT
 
 
 def cmd_report(args) -> int:
-    from .core.align import evaluate
-    from .core.report import read_json
+    from . import api
 
-    saved = read_json(args.report)
-    return _finish_report(evaluate(saved, _policy(args)), args)
+    return _finish_report(api.rethreshold(args.report, **_tolerances(args)), args)
 
 
 def cmd_trace(args) -> int:

@@ -42,9 +42,14 @@ def _from_json(obj):
     return obj
 
 
+def json_text(report: dict) -> str:
+    """The report as JSON text (non-finite numbers as "nan", "inf", "-inf": strict JSON readers accept it)."""
+    return json.dumps(_json_safe(report), indent=1)
+
+
 def write_json(report: dict, path, *, overwrite: bool = False):
     """Write atomically (temp file + rename) and never over an existing file unless asked."""
-    write_atomically(path, json.dumps(_json_safe(report), indent=1), overwrite=overwrite)
+    write_atomically(path, json_text(report), overwrite=overwrite)
 
 
 def read_json(path) -> dict:

@@ -1,0 +1,181 @@
+"""The Python face of the CLI: ``layerdiff.align`` and ``layerdiff.rethreshold`` return a ``Report``.
+
+The CLI's ``align`` and ``report`` commands are thin layers over these functions; options carry the flags' names
+(``--map`` is ``map=``, ``--no-auto-map`` is ``auto_map=False``). Framework-free: aligning imports no framework.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LayerdiffError
+
+EXIT_OK, EXIT_DIVERGENT, EXIT_UNTRUSTED = 0, 1, 3
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How two traces are compared: tolerances, B->A renames, layouts and rules (the flags align and bisect
+    share)."""
+
+    policy: object
+    rename: object
+    layouts: object
+    rules: object
+
+
+def comparison(*, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=()) -> Comparison:  # noqa: A002
+    """Validate the comparison options once; a bad value is a ``LayerdiffError`` naming the option."""
+    from .core.layouts import LayoutRules
+    from .core.match import RenameRules
+    from .core.rules import ruleset
+    from .core.tolerance import TolerancePolicy, check_value, parse_rule
+
+    try:
+        parsed = [parse_rule(text) for text in tol or ()]
+        for name, value in (("atol", atol), ("rtol", rtol), ("cos", cos)):
+            if value is not None:
+                check_value(name, value)
+    except (ValueError, re.error) as exc:
+        raise LayerdiffError(f"bad tolerance: {exc}") from None
+    try:
+        layouts = LayoutRules(list(layout or ()))
+    except ValueError as exc:
+        raise LayerdiffError(str(exc)) from None
+    return Comparison(TolerancePolicy(atol, rtol, cos, parsed), RenameRules.parse(list(map or ())), layouts,
+                      ruleset(list(rules or ())))
+
+
+@dataclass(frozen=True)
+class Report:
+    """An align report. ``data`` is exactly the JSON report (``layerdiff align --json``); the properties read it.
+
+    Re-judging under other tolerances needs no trace: ``report.rethreshold(atol=1e-3)``."""
+
+    data: dict
+
+    @property
+    def verdict(self) -> str:
+        return self.data["verdict"]
+
+    @property
+    def multi_rank(self) -> bool:
+        """A comparison of one run's ranks with each other (``align(RUN)``), not of two runs."""
+        return "ranks" in self.data and "forward" not in self.data
+
+    def origin(self, phase: str = "forward") -> dict | None:
+        """The first divergence of ``phase`` ("forward" or "backward"): module, description, metrics, ..."""
+        if self.multi_rank:
+            first = self.data.get("first_divergence")
+            return first if first and first.get("phase") == phase else None
+        return self.data[phase]["first_divergence"]
+
+    @property
+    def forward(self) -> dict | None:
+        return self.origin("forward")
+
+    @property
+    def backward(self) -> dict | None:
+        return self.origin("backward")
+
+    @property
+    def records(self) -> list:
+        """Every compared record pair with its tensors' metrics and verdicts."""
+        return self.data.get("records", [])
+
+    @property
+    def mapping(self) -> list:
+        """The module mapping used (B's module -> A's), with the evidence for each pair."""
+        return self.data.get("mapping", [])
+
+    @property
+    def problems(self) -> list:
+        """Why an "aligned" result cannot be trusted (incomplete run, one-sided phase, ...); empty if it can."""
+        return (self.data.get("trust") or {}).get("problems", [])
+
+    @property
+    def exit_code(self) -> int:
+        """What ``layerdiff align`` exits with: 0 aligned, 1 divergent, 3 aligned but not trustworthy."""
+        if self.verdict != "aligned":
+            return EXIT_DIVERGENT
+        return EXIT_UNTRUSTED if self.problems else EXIT_OK
+
+    def rethreshold(self, *, atol=None, rtol=None, cos=None, tol=()) -> Report:
+        return rethreshold(self, atol=atol, rtol=rtol, cos=cos, tol=tol)
+
+    def to_json(self, path=None, *, overwrite: bool = False) -> str:
+        """The JSON report as text; with ``path``, also written there atomically (never over a file unless
+        ``overwrite``)."""
+        from .core.report import json_text, write_json
+
+        if path is not None:
+            write_json(self.data, path, overwrite=overwrite)
+        return json_text(self.data)
+
+    def summary(self) -> str:
+        """One line per phase: what ``layerdiff align -q`` prints, without the exit code."""
+        if self.multi_rank:
+            first = self.data["first_divergence"]
+            return f"{self.verdict}: " + (
+                f"{first['phase']} {first['description']} on rank(s) {', '.join(map(str, first['ranks']))}"
+                if first else f"all {self.data['world_size']} ranks agree with rank 0")
+        lines = [f"{self.verdict}"]
+        for phase in ("forward", "backward"):
+            first = self.origin(phase)
+            lines.append(f"  {phase:8} " + (f"origin {first['description']}" if first else self.data[phase]["status"]))
+        lines += [f"  WARNING: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<layerdiff.Report {self.summary()}>"
+
+    def _repr_pretty_(self, printer, cycle):  # IPython / Jupyter
+        printer.text(repr(self) if cycle else self.summary())
+
+
+def align(a, b=None, *, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=(),  # noqa: A002
+          auto_map: bool = True, workers: int | None = None, progress: bool = False) -> Report:
+    """Compare trace ``b`` (the candidate) with trace ``a`` (the reference), as ``layerdiff align A B``.
+
+    Either may be a multi-rank run directory. With ``b`` omitted, ``a`` is a multi-rank run whose ranks are
+    compared with rank 0 (``workers`` processes)."""
+    from .core.align import align as align_traces
+    from .core.ranks import open_run
+    from .core.report import ByteProgress
+
+    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
+    if b is None:
+        from .core.desync import check_run
+
+        if workers is not None and workers < 1:
+            raise LayerdiffError("--workers must be at least 1")
+        return Report(check_run(a, how.policy, list(rules or ()), workers=workers))
+    with open_run(a, how.rules) as ra, open_run(b, how.rules) as rb:
+        bar = ByteProgress("aligning", enabled=None if progress else False)
+        try:
+            data = align_traces(ra, rb, rename=how.rename, policy=how.policy, progress=bar, auto_map=auto_map,
+                                layouts=how.layouts, rules=how.rules)
+        finally:
+            bar.close()
+    return Report(data)
+
+
+def rethreshold(report, *, atol=None, rtol=None, cos=None, tol=()) -> Report:
+    """Judge a report's measurements again under other tolerances (``layerdiff report REPORT --atol ...``).
+
+    ``report`` is a ``Report``, a report dict, or the path of a JSON report."""
+    from .core.align import evaluate
+    from .core.report import read_json
+
+    if isinstance(report, Report):
+        data = report.data
+    elif isinstance(report, dict):
+        data = report
+    else:
+        data = read_json(Path(report))
+    if "forward" not in data:
+        raise LayerdiffError("a comparison of ranks is judged when it is made: align the run again instead")
+    policy = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol).policy
+    return Report(evaluate(copy.deepcopy(data), policy))  # a copy: the report given is not changed
