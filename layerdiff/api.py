@@ -81,6 +81,13 @@ class Report:
         return self.origin("backward")
 
     @property
+    def steps(self) -> int:
+        """How many steps the compared traces span (an origin's ``step`` is 0-based)."""
+        from .core.report import step_count
+
+        return step_count(self.data)
+
+    @property
     def records(self) -> list:
         """Every compared record pair with its tensors' metrics and verdicts."""
         return self.data.get("records", [])

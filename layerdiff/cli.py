@@ -165,8 +165,9 @@ def _finish_report(report, args) -> int:
         data = report.data
         f, b = report.forward, report.backward
         differ = data.get("params", {}).get("differ", [])
-        print(f"{report.verdict}: forward {f['description'] if f else data['forward']['status']}; "
-              f"backward {b['description'] if b else data['backward']['status']}"
+        at = (lambda o: f" at step {o.get('step', 0) + 1}") if report.steps > 1 else (lambda o: "")
+        print(f"{report.verdict}: forward {f['description'] + at(f) if f else data['forward']['status']}; "
+              f"backward {b['description'] + at(b) if b else data['backward']['status']}"
               + (f"; {len(differ)} parameter values differ (first: {differ[0]})" if differ else "")
               + "".join(f"; WARNING: {p}" for p in report.problems))
     else:

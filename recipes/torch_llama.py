@@ -118,14 +118,29 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
 
 def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
           vocab: int = 256, intermediate: int | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
-          dtype: str = "float32", backward: bool = True, defect_layer: int | None = None):
+          dtype: str = "float32", backward: bool = True, defect_layer: int | None = None, defect_step: int = 1,
+          lr: float = 0.0):
+    """``defect_step=K`` injects the defect just before step K (counted from 1): steps before it are clean.
+    ``lr`` > 0 makes each step a training step (plain SGD), so steps differ from each other."""
     attn = "eager" if defect == "reimpl" else "sdpa"
     model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                              intermediate=intermediate, seed=seed, attn=attn, dtype=dtype)
-    _inject(model, defect, defect_layer)
+    if defect_step <= 1:
+        _inject(model, defect, defect_layer)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr) if lr > 0 else None
+    steps_taken = [0]
 
     def step():
+        steps_taken[0] += 1
+        if defect_step > 1 and steps_taken[0] == defect_step:
+            _inject(model, defect, defect_layer)
+        loss = train_step()
+        if optimizer is not None:
+            optimizer.step()
+        return loss
+
+    def train_step():
         if backward:
             model.zero_grad(set_to_none=True)
             loss = model(input_ids=input_ids, labels=input_ids).loss

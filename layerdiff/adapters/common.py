@@ -221,8 +221,7 @@ class ModuleHooks:
             if module is not self.model and not selected:
                 continue
             # the model itself is always hooked (it delimits steps), with statistics only when not selected
-            hparams = hyper_parameters(module, safe_extra_repr(module))
-            pre_hook = self._pre_hook(path, type(module).__name__, hparams, selected, self.positional_names(module))
+            pre_hook = self._pre_hook(path, type(module).__name__, selected, self.positional_names(module))
             self.handles.extend(self.register_forward_hooks(module, pre_hook, self._post_hook(path)))
         if self.backward and self.record_params:
             self.register_param_grad_hooks()
@@ -234,18 +233,22 @@ class ModuleHooks:
         self.handles.clear()
 
     # -- hooks ---------------------------------------------------------------------------------------------
-    def _pre_hook(self, path, type_name, hparams, full=True, arg_names=()):
+    def _pre_hook(self, path, type_name, full=True, arg_names=()):
         session = self.session
         is_tensor = self.is_tensor
+        read = {"step": None, "hparams": {}}  # hyper-parameters are read again in every step (they may change)
 
         def hook(module, args, kwargs):
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             if not session.stack:
                 self.start_step()
+            step = session.step + (0 if session.stack else 1)
+            if read["step"] != step:
+                read["step"], read["hparams"] = step, hyper_parameters(module, safe_extra_repr(module))
             tensors, scalars = [], {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, hparams, tensors, scalars, full, arg_names)
+            frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names)
             self.open_frames.setdefault(id(module), []).append(frame)
             forced = self._forced(frame, "input", tensors, frame.inputs)
             swap = {}

@@ -192,6 +192,9 @@ def _tensor_row(tp: TensorPair, metrics: dict) -> dict:
     row = {"role": tp.role, "key": tp.key, "dtype_a": tp.a.dtype, "dtype_b": tp.b.dtype,
            "shape_a": list(tp.a.shape), "shape_b": list(tp.b.shape), "metrics": metrics,
            "nonfinite_a": nonfinite(tp.a), "nonfinite_b": nonfinite(tp.b)}
+    for side, op in (("a", tp.a), ("b", tp.b)):  # a loss or a scalar: its value, shown step by step
+        if len(op.entries) == 1 and (op.entries[0].get("stats") or {}).get("numel") == 1:
+            row[f"value_{side}"] = op.entries[0]["stats"].get("mean")
     if tp.key_b != tp.key:
         row["key_b"] = tp.key_b
         if tp.a.plain and tp.b.plain and not tp.notes:

@@ -336,9 +336,15 @@ def _e(value) -> str:
     return escape(str(value))
 
 
-def _origin_lines(origin: dict) -> list[str]:
+def step_count(report: dict) -> int:
+    """How many steps the compared records span (a multi-step trace names the step where divergence starts)."""
+    return max((r.get("step", 0) for r in report.get("records", ())), default=0) + 1
+
+
+def _origin_lines(origin: dict, steps: int = 1) -> list[str]:
     lines = [f"[bold red]{_e(origin['description'])}[/]"
-             + (f"  [dim]({_e(origin['type'])})[/]" if origin.get("type") else "")]
+             + (f"  [dim]({_e(origin['type'])})[/]" if origin.get("type") else "")
+             + (f"  [bold]at step {origin.get('step', 0) + 1} of {steps}[/]" if steps > 1 else "")]
     where = origin.get("where")
     tensor = origin.get("tensor")
     if where == "inputs":
@@ -381,6 +387,51 @@ def _origin_lines(origin: dict) -> list[str]:
     return lines
 
 
+def scalar_outputs_by_step(report: dict) -> list[tuple[int, str, float, float, bool]]:
+    """(step, key, A's value, B's value, within tolerance) of the model's one-element outputs (the loss) in
+    every step: what a training comparison looks at first."""
+    out = []
+    for row in report.get("records", ()):
+        if row.get("kind") == "call" and row.get("phase") == "forward" and row.get("path") == "" and \
+                row.get("parent") is None:
+            out += [(row.get("step", 0), t["key"], t["value_a"], t["value_b"], bool(t.get("passed")))
+                    for t in row["tensors"] if t.get("role") == "output" and "value_a" in t and "value_b" in t]
+    return sorted(out)
+
+
+def _render_steps(report: dict, console: Console):
+    steps = step_count(report)
+    if steps < 2:
+        return
+    rows = scalar_outputs_by_step(report)
+    differing = sorted({r.get("step", 0) for r in report["records"] if not _row_passed(r)})
+    origins = [report[p]["first_divergence"] for p in ("forward", "backward")
+               if (report.get(p) or {}).get("first_divergence")]
+    if origins:
+        first = min(origins, key=lambda o: o.get("step", 0))
+        console.print(f"[bold]steps[/] {steps}: first diverges at step {first.get('step', 0) + 1}: "
+                      f"{_e(first['description'])}")
+    elif differing:
+        console.print(f"[bold]steps[/] {steps}: first differs at step {differing[0] + 1}")
+    else:
+        console.print(f"[bold]steps[/] {steps}: every step agrees")
+    if rows:
+        table = Table(box=None, padding=(0, 2), show_edge=False)
+        for column in ("step", "output", "A", "B", ""):
+            table.add_column(column, justify="right" if column in ("step", "A", "B") else "left")
+        for step, key, a, b, ok in rows:
+            table.add_row(str(step + 1), _e(key), _value(a), _value(b), "ok" if ok else "[red]x[/]")
+        console.print(table)
+
+
+def _value(x) -> str:
+    return "-" if x is None else f"{x:.7g}"  # a loss: enough digits to see a difference in the 6th
+
+
+def _row_passed(row: dict) -> bool:
+    return all(t.get("passed", True) for t in row.get("tensors", ()))
+
+
 def make_console(**kwargs) -> Console:
     """Wide enough for module paths when piped (rich would default to 80 columns)."""
     probe = Console(**kwargs)
@@ -418,7 +469,7 @@ def _render_body(report: dict, console: Console):
         console.print(f"[bold]{phase.upper():9}[/]{mark}")
         origin = res.get("first_divergence")
         if origin:
-            lines = _origin_lines(origin)
+            lines = _origin_lines(origin, step_count(report))
             console.print("  origin: " + lines[0])
             for line in lines[1:]:
                 console.print("          " + line)
@@ -434,6 +485,7 @@ def _render_body(report: dict, console: Console):
         if nf:
             console.print(f"[red]first NaN/Inf in {side.upper()}:[/] {_e(nf['module'] or '<root>')} ({nf['phase']}) "
                           f"{_e(nf['tensor'])}: {nf['nan']} NaN, {nf['inf']} Inf")
+    _render_steps(report, console)
     _render_growth(report, console)
     _render_next_pass(report, console)
     _render_footer(report, console)
