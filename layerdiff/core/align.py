@@ -27,6 +27,7 @@ from .match import RenameRules, TensorPair, TraceSide, match_records
 from .operands import Operand
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from .rules import RuleSet, ruleset
+from .settings import settings_report
 from .session import find_blocks
 from .tensors import as_float
 from .tolerance import TolerancePolicy, judge
@@ -289,7 +290,8 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
             "mapping": [m.as_dict() for m in mapping.renamed()],
             "unmatched_modules": {"a": mapping.only_a, "b": mapping.only_b},
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
-            "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)}}
+            "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)},
+            "settings": settings_report(reader_a.meta, reader_b.meta)}
 
 
 def _same_file(a, b) -> bool:

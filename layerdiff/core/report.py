@@ -324,6 +324,22 @@ def _fmt_cos(x) -> str:
     return f"{x:.6f}"
 
 
+def _render_settings(report: dict, console: Console):
+    """Run settings that differ (seeds, deterministic switches, versions, ...) and the runs' own notes."""
+    settings = report.get("settings") or {}
+    differ = settings.get("differ") or []
+    if differ:
+        console.print("[bold yellow]run settings that differ[/] (they can explain a difference by themselves):")
+        for d in differ:
+            console.print(f"  [yellow]{_e(d['key'])}: {_e(d['a'])} (A) vs {_e(d['b'])} (B)[/]  [dim]{_e(d['why'])}[/]")
+    notes = settings.get("notes") or {}
+    a, b = notes.get("a") or {}, notes.get("b") or {}
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    if keys:
+        console.print("notes that differ: " + "; ".join(f"{_e(k)}: {_e(a.get(k))} (A) vs {_e(b.get(k))} (B)"
+                                                       for k in keys))
+
+
 def _trace_line(side: dict) -> str:
     parts = [side.get("framework") or "?", side.get("framework_version") or "",
              (side.get("model_class") or "").rsplit(".", 1)[-1], f"mode={side.get('mode')}"]
@@ -455,6 +471,7 @@ def _render_body(report: dict, console: Console):
     note = ("[yellow]statistics only (a 'stats' trace): min/max/mean/RMS compared, values were not; a defect "
             "that keeps the statistics can hide[/]" if basis in ("stats", "mixed") else "stored tensor values")
     console.print(f"compared {n_tensors} tensor pairs in {len(report['records'])} records from {note}")
+    _render_settings(report, console)
     _render_mapping(report, console)
     for phase in ("forward", "backward"):
         res = report[phase]

@@ -1,0 +1,62 @@
+"""Run settings that break parity, compared between two traces' metadata.
+
+Two runs of the same code differ for reasons outside the model more often than inside it: another seed, a
+deterministic switch, TF32, the thread count, a framework version, an environment variable. Each adapter records
+its framework's switches at trace time; this compares what both traces hold (framework-specific keys are
+compared only when both runs recorded them) and says why each one matters.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# key in the trace metadata -> why a difference matters
+WHY = {
+    "framework_version": "kernels and their numerics change between versions",
+    "seed": "random initialization, dropout and sampling (an unseeded run gets a random seed)",
+    "deterministic_algorithms": "nondeterministic kernels (atomics) reorder sums run to run",
+    "float32_matmul_precision": "'high'/'medium' lets fp32 matmuls run in TF32 or bf16",
+    "tf32_matmul": "TF32 matmuls keep 10 mantissa bits",
+    "tf32_cudnn": "TF32 convolutions keep 10 mantissa bits",
+    "cudnn_deterministic": "nondeterministic cuDNN algorithms",
+    "cudnn_benchmark": "cuDNN picks its algorithm by timing, run by run",
+    "embedding_deterministic": "nondeterministic embedding gradients",
+    "deterministic": "nondeterministic kernels",
+    "jit_level": "graph compilation fuses and reorders operations",
+    "execution_mode": "graph mode compiles and fuses operations",
+    "default_dtype": "tensors created without a dtype",
+    "param_dtypes": "parameters held in another precision",
+    "devices": "another device runs other kernels",
+    "num_threads": "CPU reductions are split by thread count",
+    "training": "dropout and batch-norm statistics act only in training mode",
+    "mode": "a stats trace compares statistics only",
+}
+_ENV_WHY = "an environment variable that changes kernels or their determinism"
+_FLAG_WHY = "a framework flag"
+
+
+@dataclass(frozen=True)
+class SettingDiff:
+    key: str
+    a: object
+    b: object
+    why: str
+
+
+def differing_settings(meta_a: dict, meta_b: dict) -> list[SettingDiff]:
+    """Settings both runs recorded with different values, plus environment variables and framework flags set
+    differently (set on one side only counts)."""
+    out = [SettingDiff(key, meta_a[key], meta_b[key], why) for key, why in WHY.items()
+           if key in meta_a and key in meta_b and meta_a[key] != meta_b[key]]
+    if meta_a.get("framework") == meta_b.get("framework"):
+        for group, why in (("env", _ENV_WHY), ("flags", _FLAG_WHY)):
+            a, b = meta_a.get(group) or {}, meta_b.get(group) or {}
+            if isinstance(a, dict) and isinstance(b, dict):
+                out += [SettingDiff(key, a.get(key), b.get(key), why) for key in sorted(set(a) | set(b))
+                        if a.get(key) != b.get(key)]
+    return out
+
+
+def settings_report(meta_a: dict, meta_b: dict) -> dict:
+    """``report["settings"]``: what differs, and each run's own notes (``meta={...}`` given to trace)."""
+    return {"differ": [asdict(d) for d in differing_settings(meta_a, meta_b)],
+            "notes": {"a": meta_a.get("user") or {}, "b": meta_b.get("user") or {}}}

@@ -1,0 +1,65 @@
+"""Run settings that break parity (seeds, deterministic switches, versions, environment, flags) are compared
+between the two traces and shown by align, with the runs' own notes."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from layerdiff.core.settings import differing_settings, settings_report
+
+
+def _meta(**kw):
+    base = {"framework": "torch", "framework_version": "2.13.0", "seed": 0, "deterministic_algorithms": False,
+            "num_threads": 2, "env": {}, "user": {}}
+    return {**base, **kw}
+
+
+def test_only_what_differs_is_listed_with_why():
+    diffs = differing_settings(_meta(), _meta(deterministic_algorithms=True, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}))
+    assert [(d.key, d.a, d.b) for d in diffs] == [("deterministic_algorithms", False, True),
+                                                  ("CUBLAS_WORKSPACE_CONFIG", None, ":4096:8")]
+    assert all(d.why for d in diffs)
+    assert differing_settings(_meta(), _meta()) == []
+
+
+def test_keys_of_one_framework_only_are_not_compared_across_frameworks():
+    paddle = {"framework": "paddle", "framework_version": "3.3.1", "seed": 0, "flags": {"FLAGS_cudnn_deterministic": True},
+              "env": {"FLAGS_x": "1"}}
+    keys = [d.key for d in differing_settings(_meta(), paddle)]
+    assert keys == ["framework_version"]  # seeds agree; torch's switches have no Paddle counterpart
+
+
+def test_notes_are_carried():
+    report = settings_report(_meta(user={"run": "baseline"}), _meta(user={"run": "port"}))
+    assert report["notes"] == {"a": {"run": "baseline"}, "b": {"run": "port"}} and report["differ"] == []
+
+
+TARGET = """
+import torch
+from layerdiff.recipes import torch_llama
+
+def build(seed: int = 0, deterministic: bool = False):
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(deterministic)
+    return torch_llama.build()
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_runs_differing_only_in_a_seed_and_a_deterministic_switch(tmp_path):
+    pytest.importorskip("torch")
+    from conftest import run_cli
+
+    (tmp_path / "target.py").write_text(textwrap.dedent(TARGET))
+    for name, args in (("a", []), ("b", ["--arg", "seed=1", "--arg", "deterministic=True"])):
+        code, _, err = run_cli("trace", tmp_path / "target.py:build", "-o", tmp_path / f"{name}.h5", "-q", *args)
+        assert code == 0, err
+    code, out, err = run_cli("align", tmp_path / "a.h5", tmp_path / "b.h5", "--json", tmp_path / "r.json")
+    assert code == 0, out + err  # the numbers agree: this model uses no randomness in its step
+    assert "run settings that differ" in out
+    assert "seed: 0 (A) vs 1 (B)" in out and "deterministic_algorithms: False (A) vs True (B)" in out
+    differ = json.loads((tmp_path / "r.json").read_text())["settings"]["differ"]
+    assert {d["key"] for d in differ} == {"seed", "deterministic_algorithms"}
