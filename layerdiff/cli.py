@@ -107,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoints.register(wsub, _Parser)
 
-    from . import logs
+    from . import configdiff, logs
 
     logs.register(sub, _Parser)
+    configdiff.register(sub, _Parser)
 
     b = sub.add_parser("bisect", help="run the candidate on the reference's recorded values: each module's own "
                        "error, or a binary search over blocks (--search)")
@@ -358,6 +359,12 @@ def cmd_logs(args) -> int:
     return logs.run(args)
 
 
+def cmd_config(args) -> int:
+    from . import configdiff
+
+    return configdiff.run(args)
+
+
 def cmd_show(args) -> int:
     from .show import show
 
@@ -417,7 +424,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"recipes": cmd_recipes, "trace": cmd_trace, "align": cmd_align, "bisect": cmd_bisect, "report": cmd_report, "show": cmd_show, "demo": cmd_demo,
-            "weights": cmd_weights, "logs": cmd_logs}
+            "weights": cmd_weights, "logs": cmd_logs, "config": cmd_config}
 
 
 def main(argv=None) -> int:

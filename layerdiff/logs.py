@@ -721,12 +721,7 @@ def run(args) -> int:
     report = compare_files(args.a, args.b, tol)
     if args.plot:
         write_plot(report, args.plot, Path(args.a).name, Path(args.b).name, overwrite=args.force)
-    if args.json:
-        from .core.report import write_json
+    from .core.report import publish
 
-        write_json(report, args.json, overwrite=args.force)
-    if args.quiet:
-        print(verdict_line(report))
-    else:
-        render(report)
+    publish(report, json_path=args.json, overwrite=args.force, quiet=args.quiet, line=verdict_line, render=render)
     return EXIT_DIFFERENT if report["verdict"] == "different" else EXIT_OK

@@ -52,6 +52,17 @@ def write_json(report: dict, path, *, overwrite: bool = False):
     write_atomically(path, json_text(report), overwrite=overwrite)
 
 
+def publish(report: dict, *, json_path=None, overwrite: bool = False, quiet: bool = False, line=None, render=None):
+    """What a comparing command does with its result: the JSON file if asked, then one verdict line (quiet) or
+    the full rendering."""
+    if json_path:
+        write_json(report, json_path, overwrite=overwrite)
+    if quiet:
+        print(line(report))
+    else:
+        render(report)
+
+
 def read_json(path) -> dict:
     """A JSON report written by ``layerdiff align --json``, checked before anything reads it: a foreign, damaged
     or hostile file (wrong shapes, wrong types, nesting too deep) is one ``LayerdiffError`` naming the file."""
