@@ -121,6 +121,19 @@ class Report:
             write_json(self.data, path, overwrite=overwrite)
         return json_text(self.data)
 
+    def to_html(self, path=None, *, overwrite: bool = False) -> str:
+        """The report as one self-contained HTML page (no script, no network); with ``path``, also written
+        there atomically."""
+        from .core.files import write_atomically
+        from .core.html import report_html
+
+        if self.multi_rank:
+            raise LayerdiffError("a comparison of ranks has no HTML page yet: align two runs for one")
+        page = report_html(self.data)
+        if path is not None:
+            write_atomically(path, page, overwrite=overwrite)
+        return page
+
     def summary(self) -> str:
         """One line per phase: what ``layerdiff align -q`` prints, without the exit code."""
         if self.multi_rank:

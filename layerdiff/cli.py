@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--layout", action="append", metavar="REGEX=TRANSFORM",
                    help="compare B's tensors of records whose (A) path matches REGEX after transpose, "
                         "permute(3,2,0,1) or reshape(-1,64) (repeatable)")
+    a.add_argument("--html", metavar="FILE", help="also write the report as one self-contained HTML page (refuses "
+                   "to overwrite; see --force)")
     a.add_argument("--save-map", metavar="FILE",
                    help="write the module mapping inferred for renamed modules as an editable --map file")
     a.add_argument("--no-auto-map", action="store_true",
@@ -181,10 +183,12 @@ def cmd_align(args) -> int:
 
     from . import api
 
-    for out in (args.json, args.save_map):
+    for out in (args.json, args.save_map, args.html):
         if out and Path(out).exists() and not args.force:
             raise LayerdiffError(f"{out} exists; pass --force to replace it")
     if args.b is None:
+        if args.html:
+            raise LayerdiffError("--html is for two runs (layerdiff align A B); a run's ranks have no HTML page yet")
         return _align_ranks(args)
     report = api.align(args.a, args.b, **_tolerances(args), map=args.map or (), layout=args.layout or (),
                        rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet)
@@ -193,6 +197,8 @@ def cmd_align(args) -> int:
         from .core.mapping import rules_text
 
         write_atomically(args.save_map, rules_text(report.mapping), overwrite=args.force)
+    if args.html:
+        report.to_html(args.html, overwrite=args.force)
     return _finish_report(report, args)
 
 

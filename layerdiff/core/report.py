@@ -368,7 +368,7 @@ def step_count(report: dict) -> int:
     return max((r.get("step", 0) for r in report.get("records", ())), default=0) + 1
 
 
-def _origin_lines(origin: dict, steps: int = 1) -> list[str]:
+def origin_lines(origin: dict, steps: int = 1) -> list[str]:
     lines = [f"[bold red]{_e(origin['description'])}[/]"
              + (f"  [dim]({_e(origin['type'])})[/]" if origin.get("type") else "")
              + (f"  [bold]at step {origin.get('step', 0) + 1} of {steps}[/]" if steps > 1 else "")]
@@ -497,7 +497,7 @@ def _render_body(report: dict, console: Console):
         console.print(f"[bold]{phase.upper():9}[/]{mark}")
         origin = res.get("first_divergence")
         if origin:
-            lines = _origin_lines(origin, step_count(report))
+            lines = origin_lines(origin, step_count(report))
             console.print("  origin: " + lines[0])
             for line in lines[1:]:
                 console.print("          " + line)

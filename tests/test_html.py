@@ -1,0 +1,72 @@
+"""``layerdiff align A B --html``: one self-contained page (no script, no network) that shows the origin with its
+explanation, the error-growth plot and the module tree; checked as HTML and, where Chromium is installed, as
+what a real headless browser renders."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import pytest
+
+pytest.importorskip("torch")
+
+from conftest import run_cli  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+ORIGIN = "model.layers.1.post_attention_layernorm"
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.urls, self.text, self.ids = [], [], [], {}
+        self._stack = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        attrs = dict(attrs)
+        self.urls += [v for k, v in attrs.items() if k in ("src", "href") and v]
+        if "id" in attrs:
+            self.ids[attrs["id"]] = len(self.text)
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+@pytest.fixture(scope="module")
+def page(recipe_trace, tmp_path_factory):
+    out = tmp_path_factory.mktemp("html") / "report.html"
+    code, _, err = run_cli("align", recipe_trace(), recipe_trace("eps"), "--html", out, "-q")
+    assert code == 1, err
+    return out
+
+
+def test_the_page_is_self_contained_and_names_the_origin(page):
+    parsed = _Page()
+    parsed.feed(page.read_text())
+    assert "script" not in parsed.tags and not parsed.urls  # nothing to run, nothing to fetch
+    text = " ".join("".join(parsed.text).split())
+    assert f"origin: {ORIGIN} (LlamaRMSNorm)" in text and "eps: 1e-06 (A) vs 1e-05 (B)" in text
+    assert "forward-origin" in parsed.ids and "svg" in parsed.tags and "polyline" in parsed.tags
+    assert "out.logits" in text  # per-tensor metrics are in the page (folded)
+    code, _, err = run_cli("align", page, page, "--html", page)  # never over a file without --force
+    assert code == 2 and "exists" in err
+
+
+def test_a_real_browser_renders_the_origin_and_the_plot(page, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("Chromium is not installed (apt-get install -y chromium): the page was not rendered")
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu"]
+    dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    rendered = _Page()
+    rendered.feed(dom)
+    text = " ".join("".join(rendered.text).split())
+    assert f"origin: {ORIGIN}" in text and "layerdiff: divergent" in text
+    assert "polyline" in rendered.tags and "circle" in rendered.tags
+    shot = tmp_path / "page.png"
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()], capture_output=True,
+                   timeout=120)
+    assert shot.exists() and shot.stat().st_size > 20_000  # a page with content, not a blank image
