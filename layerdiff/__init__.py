@@ -2,6 +2,7 @@
 __version__ = "0.1.0"
 
 from .tracing import trace  # noqa: E402  (needs __version__)
-from .api import Report, align, rethreshold  # noqa: E402
+from .api import Report, align, bisect, config_diff, logs_diff, rethreshold, weights_diff  # noqa: E402
 
-__all__ = ["trace", "align", "rethreshold", "Report", "__version__"]
+__all__ = ["trace", "align", "rethreshold", "bisect", "weights_diff", "logs_diff", "config_diff", "Report",
+           "__version__"]

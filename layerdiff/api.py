@@ -199,3 +199,68 @@ def rethreshold(report, *, atol=None, rtol=None, cos=None, tol=()) -> Report:
         raise LayerdiffError("a comparison of ranks is judged when it is made: align the run again instead")
     policy = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol).policy
     return Report(evaluate(copy.deepcopy(data), policy))  # a copy: the report given is not changed
+
+
+def bisect(reference, target, *, args=(), search: bool = False, blocks=None, include=None, exclude=None,
+           workdir=None, restart: bool = False, json=None, force: bool = False, atol=None, rtol=None, cos=None,
+           tol=(), map=(), layout=(), rules=(), auto_map: bool = True, progress: bool = False) -> dict:  # noqa: A002
+    """``layerdiff bisect REFERENCE TARGET``: replay the candidate on the reference's recorded values (or, with
+    ``search``, splice blocks) and return the result the CLI writes with ``--json`` (``json=`` writes it too).
+    ``args`` are the target's ``NAME=VALUE`` arguments, as ``--arg``."""
+    from . import bisection
+    from . import runner
+    from .core.report import RunProgress, write_json
+
+    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
+    if json and Path(json).exists() and not force:
+        raise LayerdiffError(f"{json} exists; pass --force to replace it")
+    if json and not Path(json).resolve().parent.is_dir():
+        raise LayerdiffError(f"directory {Path(json).parent} does not exist")
+    if blocks and not search:
+        raise LayerdiffError("--blocks goes with --search")
+    bisection.check_reference(reference)
+    runner.resolve(target)
+    kwargs = runner.parse_args(list(args or ()))
+    command = {"strategy": "search" if search else "replay", "reference": bisection.reference_identity(reference),
+               "target": target, "args": kwargs, "map": list(map or ()), "layout": list(layout or ()),
+               "include": include, "exclude": exclude, "blocks": blocks, "auto_map": auto_map,
+               "rules": [str(p) for p in rules or ()], "tolerances": how.policy.describe() if search else None}
+    work = bisection.Workdir(workdir or bisection.default_workdir(reference, command), command, restart=restart)
+    bar = RunProgress(enabled=progress)
+    try:
+        if search:
+            result = bisection.search(reference, target, kwargs, work, rename=how.rename, layouts=how.layouts,
+                                      policy=how.policy, container=blocks, progress=bar, rules=how.rules)
+        else:
+            result = bisection.replay(reference, target, kwargs, work, rename=how.rename, layouts=how.layouts,
+                                      policy=how.policy, auto_map=auto_map, include=include, exclude=exclude,
+                                      progress=bar, rules=how.rules)
+    finally:
+        bar.close()
+    if json:
+        write_json(result, json, overwrite=force)
+    return result
+
+
+def weights_diff(a, b, *, map=(), exact: bool = False, transpose=(), rules=()) -> dict:  # noqa: A002
+    """``layerdiff weights diff A B``: the per-parameter report (``-o``) of two checkpoints of any supported
+    kind (safetensors, HF index, torch with ``weights_only``, Paddle, MindSpore, Megatron, a trace)."""
+    from .checkpoints import compare_files
+
+    return compare_files(a, b, mapping=list(map or ()), exact=exact, transpose=list(transpose or ()),
+                         rules=list(rules or ()))
+
+
+def logs_diff(a, b, *, tol=()) -> dict:
+    """``layerdiff logs diff A B``: loss, lr and grad norm of two training logs, iteration by iteration."""
+    from .logs import compare_files, tolerances
+
+    return compare_files(a, b, tolerances(tol))
+
+
+def config_diff(a, b) -> dict:
+    """``layerdiff config diff A B``: two model configurations (Megatron-LM, MindSpore Transformers, HF) in
+    canonical keys."""
+    from .configdiff import compare_files
+
+    return compare_files(a, b)

@@ -823,6 +823,23 @@ def _parse_digests(specs, paths):
     return expected
 
 
+def compare_files(path_a, path_b, *, mapping=None, exact: bool = False, transpose=None, rules=None) -> dict:
+    """The per-parameter report of ``layerdiff weights diff A B`` (what ``-o`` writes)."""
+    rename = RenameRules.parse(mapping)
+    _transpose_patterns(transpose)  # a bad regex is refused before any file is read
+    a = open_checkpoint(path_a)
+    try:
+        if a.whole:  # held in memory: move it to a temporary safetensors file before B is loaded
+            a = _spill(a)
+        b = open_checkpoint(path_b)
+        try:
+            return diff(a, b, mapping=rename, exact=exact, transpose=transpose, rules=ruleset(rules))
+        finally:
+            _cleanup(b)
+    finally:
+        _cleanup(a)
+
+
 def run(args) -> int:
     """``layerdiff weights diff A B``: 0 when every compared parameter is identical and none is missing, 1 else."""
     from .core.report import make_console, write_json
@@ -840,21 +857,9 @@ def run(args) -> int:
             console.print(f"sha256 {digest}  {shown}")
             if target in expected and expected[target] != digest:
                 raise LayerdiffError(f"{shown}: SHA-256 mismatch (expected {expected[target]}, got {digest})")
-    rename = RenameRules.parse(getattr(args, "map", None))
     exact = bool(getattr(args, "exact", False))
-    _transpose_patterns(getattr(args, "transpose", None))  # a bad regex is refused before any file is read
-    a = open_checkpoint(args.a)
-    try:
-        if a.whole:  # held in memory: move it to a temporary safetensors file before B is loaded
-            a = _spill(a)
-        b = open_checkpoint(args.b)
-        try:
-            report = diff(a, b, mapping=rename, exact=exact, transpose=getattr(args, "transpose", None),
-                          rules=ruleset(getattr(args, "rules", None)))
-        finally:
-            _cleanup(b)
-    finally:
-        _cleanup(a)
+    report = compare_files(args.a, args.b, mapping=getattr(args, "map", None), exact=exact,
+                           transpose=getattr(args, "transpose", None), rules=getattr(args, "rules", None))
     summary = report["__summary__"]
     if output:
         write_json(report, output, overwrite=getattr(args, "force", False))

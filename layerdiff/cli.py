@@ -296,44 +296,16 @@ def _close_quietly(tracer, exc):
 
 
 def cmd_bisect(args) -> int:
-    from pathlib import Path
+    from . import api, bisection
+    from .core.report import make_console, render_replay, render_search
 
-    from . import bisect, runner
-    from .core.report import RunProgress, make_console, render_replay, render_search, write_json
-
-    policy, rename, layouts, rules = _comparison(args)
-    if args.json and Path(args.json).exists() and not args.force:
-        raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise LayerdiffError(f"directory {Path(args.json).parent} does not exist")
-    if args.blocks and not args.search:
-        raise LayerdiffError("--blocks goes with --search")
-    bisect.check_reference(args.reference)
-    runner.resolve(args.target)
-    kwargs = runner.parse_args(args.arg)
-    strategy = "search" if args.search else "replay"
-    command = {"strategy": strategy, "reference": bisect.reference_identity(args.reference), "target": args.target,
-               "args": kwargs, "map": args.map or [], "layout": args.layout or [], "include": args.include,
-               "exclude": args.exclude, "blocks": args.blocks, "auto_map": not args.no_auto_map,
-               "rules": [str(p) for p in args.rules or ()],
-               "tolerances": policy.describe() if args.search else None}
-    workdir = bisect.Workdir(args.workdir or bisect.default_workdir(args.reference, command), command,
-                             restart=args.restart)
-    progress = RunProgress(enabled=not args.quiet)
-    try:
-        if args.search:
-            result = bisect.search(args.reference, args.target, kwargs, workdir, rename=rename, layouts=layouts,
-                                   policy=policy, container=args.blocks, progress=progress, rules=rules)
-        else:
-            result = bisect.replay(args.reference, args.target, kwargs, workdir, rename=rename, layouts=layouts,
-                                   policy=policy, auto_map=not args.no_auto_map, include=args.include,
-                                   exclude=args.exclude, progress=progress, rules=rules)
-    finally:
-        progress.close()
-    if args.json:
-        write_json(result, args.json, overwrite=args.force)
+    result = api.bisect(args.reference, args.target, args=args.arg or (), search=args.search, blocks=args.blocks,
+                        include=args.include, exclude=args.exclude, workdir=args.workdir, restart=args.restart,
+                        json=args.json, force=args.force, map=args.map or (), layout=args.layout or (),
+                        rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet,
+                        **_tolerances(args))
     if args.quiet:
-        print(bisect.summary_line(result))
+        print(bisection.summary_line(result))
     else:
         (render_search if args.search else render_replay)(result, make_console())
     return EXIT_OK if result["verdict"] in ("clean", "aligned") else EXIT_DIVERGENT

@@ -705,13 +705,19 @@ def compare_files(path_a, path_b, tolerances: dict | None = None) -> dict:
     return report
 
 
+def tolerances(texts=()) -> dict:
+    """The default tolerances with ``--tol`` overrides applied in order."""
+    tol = {k: dict(v) for k, v in DEFAULT_TOLERANCES.items()}
+    for text in texts or ():
+        tol = parse_tolerance(text, tol)
+    return tol
+
+
 def run(args) -> int:
     """``layerdiff logs diff``: 0 identical or within tolerance, 1 different; LayerdiffError for bad input."""
     if getattr(args, "logs_command", "diff") != "diff":
         raise LayerdiffError(f"unknown logs action {args.logs_command!r}")
-    tol = {k: dict(v) for k, v in DEFAULT_TOLERANCES.items()}
-    for text in args.tol or []:
-        tol = parse_tolerance(text, tol)
+    tol = tolerances(args.tol)
     outputs = [p for p in (args.json, args.plot) if p]
     if args.plot:
         _plot_kind(Path(args.plot))

@@ -66,3 +66,38 @@ def test_bad_options_and_files_are_one_error(recipe_trace, tmp_path):
     with pytest.raises(LayerdiffError, match="exists"):
         report.to_json(tmp_path / "r.json")  # never over a file unless asked
     report.to_json(tmp_path / "r.json", overwrite=True)
+
+
+def test_bisect_equals_the_cli_json(recipe_trace, tmp_path):
+    result = layerdiff.bisect(recipe_trace(), "torch_llama", args=["defect=eps"], workdir=tmp_path / "api")
+    code, out, err = run_cli("bisect", recipe_trace(), "torch_llama", "--arg", "defect=eps", "--workdir",
+                             tmp_path / "cli", "--json", tmp_path / "b.json", "-q")
+    cli = json.loads((tmp_path / "b.json").read_text())
+    assert code == 1, err
+    assert result["verdict"] == cli["verdict"] and result["forward"]["culprit"]["module"] == \
+        cli["forward"]["culprit"]["module"] == "model.layers.1.post_attention_layernorm"
+    assert [s["module"] for s in result["forward"]["segments"]] == [s["module"] for s in cli["forward"]["segments"]]
+    with pytest.raises(LayerdiffError, match="--blocks goes with --search"):
+        layerdiff.bisect(recipe_trace(), "torch_llama", blocks="model.layers")
+
+
+def test_weights_logs_and_config_diffs_equal_the_cli_json(recipe_trace, tmp_path):
+    a, b = recipe_trace(), recipe_trace("weight")
+    code, _, err = run_cli("weights", "diff", a, b, "-o", tmp_path / "w.json", "-q")
+    assert code == 1, err
+    assert _without_timing(json.loads(json.dumps(layerdiff.weights_diff(a, b), default=str))) == \
+        _without_timing(json.loads((tmp_path / "w.json").read_text()))
+    for name, drift in (("a.csv", 1.0), ("b.csv", 1.02)):
+        (tmp_path / name).write_text("iteration,loss,lr\n" + "".join(
+            f"{i},{(10 - i * 0.1) * (drift if i >= 3 else 1):.6f},1e-4\n" for i in range(1, 6)))
+    code, _, err = run_cli("logs", "diff", tmp_path / "a.csv", tmp_path / "b.csv", "--json", tmp_path / "l.json", "-q")
+    logs = layerdiff.logs_diff(tmp_path / "a.csv", tmp_path / "b.csv")
+    cli = json.loads((tmp_path / "l.json").read_text())
+    assert code == 1 and logs["verdict"] == cli["verdict"] == "different", err
+    assert {k: v for k, v in json.loads(json.dumps(logs, default=str)).items() if k not in ("a", "b")} == \
+        {k: v for k, v in cli.items() if k not in ("a", "b")}
+    (tmp_path / "c1.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "rms_norm_eps": 1e-6}))
+    (tmp_path / "c2.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "rms_norm_eps": 1e-5}))
+    code, _, _ = run_cli("config", "diff", tmp_path / "c1.json", tmp_path / "c2.json", "--json", tmp_path / "c.json")
+    assert code == 1 and layerdiff.config_diff(tmp_path / "c1.json", tmp_path / "c2.json") == \
+        json.loads((tmp_path / "c.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import run_cli  # noqa: E402
-from layerdiff import bisect  # noqa: E402
+from layerdiff import bisection as bisect  # noqa: E402
 from layerdiff.core.layouts import LayoutRules  # noqa: E402
 from layerdiff.core.match import RenameRules  # noqa: E402
 from layerdiff.core.tolerance import TolerancePolicy  # noqa: E402

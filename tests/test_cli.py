@@ -157,7 +157,7 @@ def test_show_lists_modules_in_the_order_they_ran(recipe_trace):
 def test_a_second_candidate_gets_its_own_bisect_directory(tmp_path, monkeypatch):
     import json
 
-    from layerdiff.bisect import default_workdir
+    from layerdiff.bisection import default_workdir
 
     monkeypatch.chdir(tmp_path)
     first = {"target": "a", "args": {}}

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import layerdiff  # noqa: E402
-from layerdiff import bisect  # noqa: E402
+from layerdiff import bisection as bisect  # noqa: E402
 from layerdiff.core.layouts import LayoutRules  # noqa: E402
 from layerdiff.core.match import RenameRules  # noqa: E402
 from layerdiff.core.tolerance import TolerancePolicy  # noqa: E402
