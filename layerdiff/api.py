@@ -264,3 +264,11 @@ def config_diff(a, b) -> dict:
     from .configdiff import compare_files
 
     return compare_files(a, b)
+
+
+def show(path) -> dict:
+    """``layerdiff show TRACE`` as data: status, metadata, record counts, NaN/Inf origins and the modules in call
+    order (a multi-rank run shown merged); no tensor data is read."""
+    from .show import summary
+
+    return summary(path)

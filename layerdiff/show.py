@@ -43,38 +43,67 @@ def module_tree(records) -> Tree:
     return root
 
 
+def summary(path) -> dict:
+    """What ``layerdiff show`` prints, as data (``layerdiff.show`` in Python); no tensor data is read."""
+    with open_run(path) as reader:
+        return _summary(reader)
+
+
+def _summary(reader) -> dict:
+    meta, end = reader.meta, reader.end or {}
+    kinds = Counter((r["kind"], r.get("phase")) for r in reader.records)  # the end marker is no record
+    holding = {id(r) for r in reader.records for t in r.get("tensors", ())
+               if t["stats"].get("nan") or t["stats"].get("inf")}
+    calls, types, first_call = Counter(), {}, {}
+    for r in reader.records:
+        if r["kind"] == "call" and r["phase"] == "forward":
+            calls[r["path"]] += 1
+            types[r["path"]] = r["type"]
+            first_call[r["path"]] = min(first_call.get(r["path"], r["begin"]), r["begin"])
+    return {"path": str(reader.path), "size_bytes": reader.size_bytes(), "ranks": meta.get("ranks"),
+            "status": end.get("status", "interrupted"), "failure": end.get("failure"),
+            "meta": {key: meta[key] for key in _META_KEYS if key in meta},
+            "records": len(reader.records),
+            "record_kinds": {f"{k}/{p}" if p else k: n for (k, p), n in sorted(kinds.items(), key=str)},
+            "tensors": sum(len(r.get("tensors", ())) for r in reader.records),
+            "tensor_bytes": sum(t.get("nbytes", 0) for r in reader.records for t in r.get("tensors", ())),
+            "steps": end.get("steps"), "warnings": end.get("warnings", []),
+            "nonfinite_records": len(holding),
+            "nonfinite_origin": {phase: first_nonfinite(reader.records, phase) for phase in ("forward", "backward")},
+            "modules": [{"path": p, "type": types[p], "calls": calls[p]}
+                        for p in sorted(calls, key=lambda p: first_call[p])]}
+
+
 def show(path, records: bool = False, nan: bool = False):
     console = make_console()
     with open_run(path) as reader:
-        meta, end = reader.meta, reader.end or {}
-        console.print(f"[bold]{reader.path}[/]  {_mb(reader.size_bytes())} on disk")
-        if meta.get("ranks"):
-            console.print(f"a run of {meta['ranks']} ranks, shown merged (tensor-parallel shards joined by placement)")
-        status = end.get("status", "interrupted (the writing process died; records up to its last flush)")
+        info = _summary(reader)
+        console.print(f"[bold]{reader.path}[/]  {_mb(info['size_bytes'])} on disk")
+        if info["ranks"]:
+            console.print(f"a run of {info['ranks']} ranks, shown merged (tensor-parallel shards joined by placement)")
+        status = info["status"] if info["status"] != "interrupted" else \
+            "interrupted (the writing process died; records up to its last flush)"
         console.print(f"status: {status}")
-        if end.get("failure"):
-            f = end["failure"]
+        if info["failure"]:
+            f = info["failure"]
             console.print(f"[red]failed in {f.get('module') or '<root>'}: {f.get('error')}[/]")
             if f.get("module_stack"):
                 console.print(f"[red]modules active: {' > '.join(p or '<root>' for p in f['module_stack'])}[/]")
-        for key in _META_KEYS:
-            if key in meta:
-                console.print(f"[dim]{key}:[/] {meta[key]}")
-        kinds = Counter((r["kind"], r.get("phase")) for r in reader.records)  # the end marker is no record
-        tensors = sum(len(r.get("tensors", ())) for r in reader.records)
-        data = sum(t.get("nbytes", 0) for r in reader.records for t in r.get("tensors", ()))
-        console.print(f"records: {len(reader.records)} ("
-                      + ", ".join(f"{n} {k}{'/' + p if p else ''}" for (k, p), n in sorted(kinds.items(), key=str))
-                      + f"), {tensors} tensors, {_mb(data)} of tensor data, steps: {end.get('steps', '?')}")
-        holding = {id(r) for r in reader.records for t in r.get("tensors", ()) if t["stats"].get("nan") or t["stats"].get("inf")}
+        for key, value in info["meta"].items():
+            console.print(f"[dim]{key}:[/] {value}")
+        data = info["tensor_bytes"]
+        console.print(f"records: {info['records']} ("
+                      + ", ".join(f"{n} {k}" for k, n in info["record_kinds"].items())
+                      + f"), {info['tensors']} tensors, {_mb(data)} of tensor data, "
+                      f"steps: {info['steps'] if info['steps'] is not None else '?'}")
+        holding = info["nonfinite_records"]
         if holding or nan:
-            console.print(f"[{'red' if holding else 'green'}]{len(holding)} records hold NaN/Inf[/]")
-            for phase in ("forward", "backward"):
-                origin = first_nonfinite(reader.records, phase)
+            console.print(f"[{'red' if holding else 'green'}]{holding} records hold NaN/Inf[/]")
+            for phase, origin in info["nonfinite_origin"].items():
                 if origin:
                     console.print(f"[red]  {phase} NaN/Inf origin: {origin['module'] or '<root>'} (call {origin['call']}) "
                                   f"{origin['tensor']}: {origin['nan']} NaN, {origin['inf']} Inf; its inputs are finite[/]")
-        for w in end.get("warnings", []):
+        for w in info["warnings"]:
             console.print(f"[yellow]warning: {w}[/]")
         console.print(module_tree(reader.records))
         by_module = defaultdict(int)

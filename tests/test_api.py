@@ -101,3 +101,13 @@ def test_weights_logs_and_config_diffs_equal_the_cli_json(recipe_trace, tmp_path
     code, _, _ = run_cli("config", "diff", tmp_path / "c1.json", tmp_path / "c2.json", "--json", tmp_path / "c.json")
     assert code == 1 and layerdiff.config_diff(tmp_path / "c1.json", tmp_path / "c2.json") == \
         json.loads((tmp_path / "c.json").read_text())
+
+
+def test_show_gives_what_the_cli_prints(recipe_trace):
+    info = layerdiff.show(recipe_trace())
+    code, out, err = run_cli("show", recipe_trace())
+    assert code == 0, err
+    assert info["status"] == "complete" and f"records: {info['records']} (" in out
+    assert f"{info['tensors']} tensors" in out and info["meta"]["framework"] == "torch"
+    assert [m["path"] for m in info["modules"][:3]] == ["", "model", "model.embed_tokens"]  # in call order
+    assert info["modules"][0] == {"path": "", "type": "LlamaForCausalLM", "calls": 1}
