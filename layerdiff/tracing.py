@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .adapters import detect_framework, load_adapter
+from .adapters.common import model_config
 from .core.session import MODES, PathFilter, TraceSession
 from .core.traceformat import TraceWriter
 from .errors import LayerdiffError
@@ -46,6 +47,9 @@ class Tracer:
         adapter = load_adapter(self.framework)
         meta = run_metadata()
         meta.update(adapter.metadata(self.model))
+        config = model_config(self.model)
+        if config is not None:
+            meta["model_config"] = config
         meta.update(mode=self.options["mode"], options=self.options, user=self.user_meta)
         try:  # resolves filters and a --layers window against the model's modules, before any file is created
             path_filter = PathFilter(self.options["include"], self.options["exclude"], self.options["layers"],

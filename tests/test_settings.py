@@ -63,3 +63,35 @@ def test_runs_differing_only_in_a_seed_and_a_deterministic_switch(tmp_path):
     assert "seed: 0 (A) vs 1 (B)" in out and "deterministic_algorithms: False (A) vs True (B)" in out
     differ = json.loads((tmp_path / "r.json").read_text())["settings"]["differ"]
     assert {d["key"] for d in differ} == {"seed", "deterministic_algorithms"}
+
+
+CONFIG_TARGET = """
+import torch
+import transformers
+
+def build(eps: float = 1e-6):
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=eps)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.arange(16).reshape(2, 8)
+    return model, lambda: model(input_ids=ids, labels=ids).loss.backward()
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_the_models_own_configs_are_compared_next_to_the_origin(tmp_path):
+    pytest.importorskip("transformers")
+    from conftest import run_cli
+
+    (tmp_path / "target.py").write_text(textwrap.dedent(CONFIG_TARGET))
+    for name, eps in (("a", "1e-6"), ("b", "1e-5")):
+        code, _, err = run_cli("trace", tmp_path / "target.py:build", "-o", tmp_path / f"{name}.h5", "-q",
+                               "--arg", f"eps={eps}")
+        assert code == 0, err
+    code, out, err = run_cli("align", tmp_path / "a.h5", tmp_path / "b.h5", "--json", tmp_path / "r.json")
+    assert code == 1, out + err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [d["key"] for d in report["config_diff"]] == ["norm_epsilon"]
+    assert "the models' own configs differ: norm_epsilon 1e-06 (A) vs 1e-05 (B)" in out

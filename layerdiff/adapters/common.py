@@ -66,6 +66,29 @@ def hyper_parameters(module, extra_repr: str = "") -> dict:
     return out
 
 
+def model_config(model) -> dict | None:
+    """The model's own configuration object, as plain values: ``{"kind": "hf", "values": {...}}`` for a Hugging
+    Face / PaddleFormers ``PretrainedConfig`` (``to_dict``), ``"mcore"`` for a dataclass such as Megatron-core's
+    ``TransformerConfig``; None when the model has none. Lets align compare the two runs' configurations."""
+    import dataclasses
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    try:
+        if callable(getattr(config, "to_dict", None)):
+            kind, values = "hf", config.to_dict()
+        elif dataclasses.is_dataclass(config):
+            kind, values = "mcore", {f.name: getattr(config, f.name, None) for f in dataclasses.fields(config)}
+        else:
+            return None
+    except Exception:  # a user's config object must never break tracing
+        return None
+    plain = {k: v for k, v in values.items() if isinstance(k, str) and (
+        _scalar(v) or (isinstance(v, (list, tuple)) and len(v) <= 16 and all(_scalar(x) for x in v)))}
+    return {"kind": kind, "values": plain}
+
+
 def safe_extra_repr(module) -> str:
     try:
         return module.extra_repr()

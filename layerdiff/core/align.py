@@ -26,6 +26,7 @@ from .mapping import ModuleMapping, match_modules
 from .match import RenameRules, TensorPair, TraceSide, match_records
 from .operands import Operand
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
+from .configs import diff_configs, from_values
 from .rules import RuleSet, ruleset
 from .settings import settings_report
 from .session import find_blocks
@@ -291,7 +292,20 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
             "unmatched_modules": {"a": mapping.only_a, "b": mapping.only_b},
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
             "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)},
-            "settings": settings_report(reader_a.meta, reader_b.meta)}
+            "settings": settings_report(reader_a.meta, reader_b.meta),
+            "config_diff": _config_diff(reader_a.meta, reader_b.meta)}
+
+
+def _config_diff(meta_a: dict, meta_b: dict) -> list | None:
+    """The hyper-parameters the two models' own configurations set differently (None: a trace holds none)."""
+    a, b = meta_a.get("model_config"), meta_b.get("model_config")
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return None
+    try:
+        return diff_configs(from_values(a.get("values") or {}, a.get("kind", "hf"), "A"),
+                            from_values(b.get("values") or {}, b.get("kind", "hf"), "B"))["differ"]
+    except (TypeError, ValueError, AttributeError):  # a damaged or foreign config in a trace: not compared
+        return None
 
 
 def _same_file(a, b) -> bool:

@@ -110,6 +110,14 @@ def read_config(path) -> CanonicalConfig:
                          ".yaml of MindSpore Transformers, or an HF config.json)")
 
 
+def from_values(values: dict, kind: str, source: str = "trace") -> CanonicalConfig:
+    """A configuration held in memory: ``kind`` "hf" (a ``PretrainedConfig.to_dict()``) or "mcore"
+    (Megatron-core / MindSpore Transformers names, e.g. a ``TransformerConfig``)."""
+    if kind == "hf":
+        return _from_hf(Path(source), values)
+    return _from_mindformers(Path(source), values)
+
+
 def _yaml(path: Path, text: str) -> dict:
     try:
         import yaml

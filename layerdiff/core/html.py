@@ -195,7 +195,9 @@ def report_html(report: dict) -> str:
     head = (f"<h1>layerdiff: <span class='{'ok' if verdict == 'aligned' else 'bad'}'>{escape(verdict)}</span></h1>"
             f"<p>A <code>{escape(str(report['a'].get('path')))}</code> &nbsp; B "
             f"<code>{escape(str(report['b'].get('path')))}</code></p>"
-            + "".join(f"<p class='bad'>WARNING: {escape(p)}</p>" for p in problems))
+            + "".join(f"<p class='bad'>WARNING: {escape(p)}</p>" for p in problems)
+            + "".join(f"<p class='bad'>the models' own configs differ: {escape(d['key'])} {escape(str(d['a']))} (A) "
+                      f"vs {escape(str(d['b']))} (B)</p>" for d in report.get("config_diff") or ()))
     body = [head, _origin_block(report, "forward", steps), _origin_block(report, "backward", steps),
             "<h2>How the error grows</h2>", error_plot(report),
             "<h2>Module tree (forward)</h2>", _tree(report, "forward"),

@@ -508,6 +508,9 @@ def _render_body(report: dict, console: Console):
         failure = res.get("failure")
         if failure and (origin or {}).get("where") != "raised":
             console.print(f"  [red]run B raised in {_e(failure['module'] or '<root>')}: {_e(failure['error'])}[/]")
+    if report.get("config_diff"):
+        console.print("[yellow]the models' own configs differ: " + "; ".join(
+            f"{_e(d['key'])} {_e(d['a'])} (A) vs {_e(d['b'])} (B)" for d in report["config_diff"]) + "[/]")
     for side in ("a", "b"):
         nf = report.get("first_nonfinite", {}).get(side)
         if nf:
