@@ -226,6 +226,14 @@ def summary(results: list[dict]):
         others = max(o for n in s for o in s[n]["others"])
         log(f"{r['framework']:10} {rat(s['stats']):>26} {rat(s['full']):>26} {cpu:>32} {recs:>13} "
             f"{r['rounds']:>6} {others:10.2f}")
+    log("-" * 112)
+    for r in results:  # the fixed cost a traced module call adds, whatever the model's size
+        if "error" in r:
+            continue
+        s = r["steps"]
+        per_record = (s["stats"]["median"] - s["untraced"]["median"]) / max(s["stats"]["records_per_step"], 1)
+        log(f"{r['framework']:10} stats-mode cost per record (median step difference / records per step): "
+            f"{per_record * 1e3:.3f} ms")
     log("=" * 112)
     log("cpu ms = process CPU time per step (all threads), median; less sensitive than wall time to other processes")
 
