@@ -419,6 +419,25 @@ def _is_megatron(path: Path) -> bool:
     return any(_RANK_DIR.match(p.name) and p.is_dir() for p in path.iterdir())
 
 
+def megatron_args(path) -> dict:
+    """The training arguments a Megatron-LM checkpoint stores (``args``, an argparse.Namespace), as a dict with
+    Megatron's underscore names; from a checkpoint directory (its latest iteration, first rank) or one
+    ``model_optim_rng.pt``. Loaded with ``weights_only`` and only Megatron's own extra types admitted."""
+    path = Path(path)
+    if path.is_dir():
+        it = _megatron_iter_dir(path)
+        files = sorted(f for d in sorted(it.iterdir()) if _RANK_DIR.match(d.name) and d.is_dir()
+                       for f in d.glob("*.pt"))
+        if not files:
+            raise LayerdiffError(f"{path}: no mp_rank_XX/*.pt file (not a Megatron checkpoint)")
+        path = files[0]
+    state, _ = _torch_load(path, _megatron_globals())
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        raise LayerdiffError(f"{path}: holds no Megatron args (a checkpoint saved without them?)")
+    return {k: v for k, v in vars(args).items() if isinstance(k, str)}
+
+
 def _load_megatron(path: Path) -> _InMemory:
     import torch
     it = _megatron_iter_dir(path)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .core.configs import diff_configs, read_config
+from .core.configs import diff_configs, from_megatron_args, read_config
 from .errors import LayerdiffError
 
 EXIT_SAME, EXIT_DIFFERENT = 0, 1
@@ -17,8 +17,8 @@ def register(sub, parser_class=None):
                             "MindSpore Transformers, Hugging Face)")
     actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True, **kwargs)
     d = actions.add_parser("diff", help="the hyper-parameters two configuration files set differently")
-    d.add_argument("a", help="a Megatron-LM launch script or args file, a MindSpore Transformers .yaml, or a "
-                   "config.json (Hugging Face, PaddleFormers)")
+    d.add_argument("a", help="a Megatron-LM launch script or args file, a Megatron-LM checkpoint (its stored "
+                   "args), a MindSpore Transformers .yaml, or a config.json (Hugging Face, PaddleFormers)")
     d.add_argument("b", help="the other configuration, any of the same kinds")
     d.add_argument("--json", metavar="FILE", help="write the comparison as JSON (refuses to overwrite; see --force)")
     d.add_argument("--force", action="store_true", help="overwrite an existing --json file")
@@ -26,8 +26,18 @@ def register(sub, parser_class=None):
     return config
 
 
+def _read(path) -> object:
+    """A configuration file, or the args stored in a Megatron-LM checkpoint (a directory or a ``.pt`` file)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".pt":
+        from .checkpoints import megatron_args
+
+        return from_megatron_args(megatron_args(path), str(path))
+    return read_config(path)
+
+
 def compare_files(path_a, path_b) -> dict:
-    return diff_configs(read_config(path_a), read_config(path_b))
+    return diff_configs(_read(path_a), _read(path_b))
 
 
 def verdict_line(report: dict) -> str:

@@ -157,3 +157,30 @@ def test_cli_exit_codes_json_and_bad_input(configs, tmp_path):
         assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     with pytest.raises(LayerdiffError):
         read_config(tmp_path)
+
+
+@pytest.mark.torch
+def test_the_args_stored_in_a_megatron_checkpoint(configs, tmp_path):
+    torch = pytest.importorskip("torch")
+    import argparse
+
+    from conftest import run_cli
+
+    args = argparse.Namespace(  # what Megatron-LM's argparse stores for the launch script above
+        num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, group_query_attention=True,
+        num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=4096,
+        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
+        norm_epsilon=1e-5, swiglu=True, squared_relu=False, openai_gelu=False, add_bias_linear=False,
+        add_qkv_bias=False, untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0,
+        init_method_std=0.02, vocab_size=32000, padded_vocab_size=32000, qk_layernorm=False, lr=1e-4,
+        tensor_model_parallel_size=2, micro_batch_size=1)
+    folder = tmp_path / "ckpt" / "iter_0000010" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"args": args, "iteration": 10, "model": {}}, folder / "model_optim_rng.pt")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("10\n")
+    code, out, err = run_cli("config", "diff", tmp_path / "ckpt", configs["hf"], "-q")
+    assert code == 0 and out.startswith("same:"), out + err
+    args.norm_epsilon = 1e-6
+    torch.save({"args": args, "iteration": 10, "model": {}}, folder / "model_optim_rng.pt")
+    code, out, err = run_cli("config", "diff", folder / "model_optim_rng.pt", configs["mindformers"], "-q")
+    assert code == 1 and out.startswith("differ: 1 of") and "norm_epsilon: 1e-06 vs 1e-05" in out, out + err

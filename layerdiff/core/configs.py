@@ -110,6 +110,17 @@ def read_config(path) -> CanonicalConfig:
                          ".yaml of MindSpore Transformers, or an HF config.json)")
 
 
+def from_megatron_args(args: dict, source: str) -> CanonicalConfig:
+    """The ``args`` a Megatron-LM checkpoint stores (underscore names, every default filled in by argparse)."""
+    flags = {k.replace("_", "-"): v for k, v in args.items()}
+    if "add-bias-linear" in flags:  # --disable-bias-linear stores add_bias_linear=False
+        flags["disable-bias-linear"] = not flags.pop("add-bias-linear")
+    for name in _MEGATRON_FLAGS:  # stored as booleans: a False flag is an absent one
+        if flags.get(name) is False:
+            del flags[name]
+    return _from_megatron(Path(source), flags)
+
+
 def from_values(values: dict, kind: str, source: str = "trace") -> CanonicalConfig:
     """A configuration held in memory: ``kind`` "hf" (a ``PretrainedConfig.to_dict()``) or "mcore"
     (Megatron-core / MindSpore Transformers names, e.g. a ``TransformerConfig``)."""
