@@ -146,15 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _comparison(args):
-    """(tolerance policy, B->A rename rules, layout rules, rule set) from the flags align and bisect share."""
-    from .api import comparison
-
-    how = comparison(atol=args.atol, rtol=args.rtol, cos=args.cos, tol=args.tol, map=args.map or (),
-                     layout=args.layout or (), rules=args.rules or ())
-    return how.policy, how.rename, how.layouts, how.rules
-
-
 def _tolerances(args) -> dict:
     return {"atol": args.atol, "rtol": args.rtol, "cos": args.cos, "tol": args.tol}
 

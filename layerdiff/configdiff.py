@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .core.configs import diff_configs, from_megatron_args, read_config
+from .core.configs import CanonicalConfig, diff_configs, from_megatron_args, read_config
 from .errors import LayerdiffError
 
 EXIT_SAME, EXIT_DIFFERENT = 0, 1
@@ -26,7 +26,7 @@ def register(sub, parser_class=None):
     return config
 
 
-def _read(path) -> object:
+def _read(path) -> CanonicalConfig:
     """A configuration file, or the args stored in a Megatron-LM checkpoint (a directory or a ``.pt`` file)."""
     path = Path(path)
     if path.is_dir() or path.suffix == ".pt":

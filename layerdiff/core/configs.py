@@ -206,10 +206,9 @@ def _from_megatron(path: Path, args: dict) -> CanonicalConfig:
     config = CanonicalConfig(str(path), "megatron")
     used = _take(config, args, "megatron")
     flag = lambda name: bool(_number(args.get(name, False)))  # noqa: E731
-    config.values["add_bias_linear"], config.names["add_bias_linear"] = not flag("disable-bias-linear"), \
-        "disable-bias-linear (absent: biases on)"
-    if "disable-bias-linear" in args:
-        config.names["add_bias_linear"] = "disable-bias-linear"
+    config.values["add_bias_linear"] = not flag("disable-bias-linear")
+    config.names["add_bias_linear"] = "disable-bias-linear" + ("" if "disable-bias-linear" in args else
+                                                               " (absent: biases on)")
     activation = ("swiglu" if flag("swiglu") else "squared_relu" if flag("squared-relu") else "gelu")
     config.values["activation"], config.names["activation"] = activation, (
         "swiglu" if flag("swiglu") else "squared-relu" if flag("squared-relu") else "(default: gelu)")

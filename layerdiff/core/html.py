@@ -138,6 +138,8 @@ def _tensor_table(row: dict) -> str:
 
 def _tree(report: dict, phase: str) -> str:
     """Each call of ``phase`` under its parent call, with its verdict and (folded) its tensors."""
+    from .report import row_passed
+
     origin = (report.get(phase) or {}).get("first_divergence") or {}
     rows = [r for r in report.get("records", ()) if r.get("kind") == "call" and r.get("phase") == phase]
     children: dict = {}
@@ -146,7 +148,7 @@ def _tree(report: dict, phase: str) -> str:
         children.setdefault((r.get("step", 0), parent), []).append(r)
 
     def node(r) -> str:
-        ok = all(t.get("passed", True) for t in r.get("tensors", ()))
+        ok = row_passed(r)
         is_origin = r["path"] == origin.get("module") and r.get("step", 0) == origin.get("step", 0)
         mark = "<span class='ok'>ok</span>" if ok else "<span class='bad'>differs</span>"
         label = escape(r["path"] or "<root>") + (f" #{r['call']}" if r.get("call") else "")

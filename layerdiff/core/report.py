@@ -148,12 +148,18 @@ def _metrics_problem(m, where: str) -> str | None:
     return None
 
 
-def _tensor_problem(t, where: str) -> str | None:
-    if not isinstance(t, dict):
+def _object_problem(obj, keys, where: str) -> str | None:
+    """Not a JSON object, or one without all of ``keys``."""
+    if not isinstance(obj, dict):
         return f"{where} is not an object"
-    missing = next((k for k in _TENSOR_KEYS if k not in t), None)
-    if missing:
-        return f"{where} has no {missing}"
+    missing = next((k for k in keys if k not in obj), None)
+    return f"{where} has no {missing}" if missing else None
+
+
+def _tensor_problem(t, where: str) -> str | None:
+    problem = _object_problem(t, _TENSOR_KEYS, where)
+    if problem:
+        return problem
     if not (isinstance(t["role"], str) and isinstance(t["key"], str)):
         return f"{where}: role and key must be strings"
     if not (_str_or_none(t["dtype_a"]) and _str_or_none(t["dtype_b"])):
@@ -177,11 +183,9 @@ def _tensor_problem(t, where: str) -> str | None:
 
 
 def _row_problem(row, where: str) -> str | None:
-    if not isinstance(row, dict):
-        return f"{where} is not an object"
-    missing = next((k for k in _ROW_KEYS if k not in row), None)
-    if missing:
-        return f"{where} has no {missing}"
+    problem = _object_problem(row, _ROW_KEYS, where)
+    if problem:
+        return problem
     if not (isinstance(row["kind"], str) and isinstance(row["path"], str)):
         return f"{where}: kind and path must be strings"
     if row["kind"] == "call" and row["phase"] not in ("forward", "backward"):
@@ -431,7 +435,7 @@ def _render_steps(report: dict, console: Console):
     if steps < 2:
         return
     rows = scalar_outputs_by_step(report)
-    differing = sorted({r.get("step", 0) for r in report["records"] if not _row_passed(r)})
+    differing = sorted({r.get("step", 0) for r in report["records"] if not row_passed(r)})
     origins = [report[p]["first_divergence"] for p in ("forward", "backward")
                if (report.get(p) or {}).get("first_divergence")]
     if origins:
@@ -455,7 +459,8 @@ def _value(x) -> str:
     return "-" if x is None else f"{x:.7g}"  # a loss: enough digits to see a difference in the 6th
 
 
-def _row_passed(row: dict) -> bool:
+def row_passed(row: dict) -> bool:
+    """Every tensor of a report row within tolerance."""
     return all(t.get("passed", True) for t in row.get("tensors", ()))
 
 
