@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compression", choices=["gzip", "lzf"], help="compress tensor data (slower to write)")
     t.add_argument("--flush-interval", type=float, default=1.0, metavar="SECONDS",
                    help="flush to disk at most this often (0: after every record); a crash keeps what was flushed")
+    t.add_argument("--write-behind", type=float, metavar="MB",
+                   help="full mode: tensor bytes go through a ring of this size to a writer thread (O_DIRECT where "
+                        "the filesystem allows), so the disk works while the model computes (default 256); a process "
+                        "killed outright loses what is queued: 0 writes every record before the step goes on")
     t.add_argument("--steps", type=int, default=1, help="call the step function this many times")
     t.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target function")
     t.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -225,6 +229,8 @@ def cmd_trace(args) -> int:
         raise LayerdiffError("--steps must be at least 1")
     if not (math.isfinite(args.flush_interval) and args.flush_interval >= 0):
         raise LayerdiffError(f"--flush-interval must be a finite number of seconds >= 0, not {args.flush_interval}")
+    if args.write_behind is not None and not (math.isfinite(args.write_behind) and 0 <= args.write_behind < 2**20):
+        raise LayerdiffError(f"--write-behind must be a number of MB >= 0, not {args.write_behind}")
     try:
         layers = parse_layers(args.layers) if args.layers else None
     except ValueError as exc:
@@ -249,7 +255,8 @@ def cmd_trace(args) -> int:
         raise LayerdiffError("--map goes with --weights")
     tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
                    exclude=args.exclude, layers=layers, overwrite=args.force, compression=args.compression,
-                   flush_interval=args.flush_interval, params=not args.no_params, meta=meta)
+                   flush_interval=args.flush_interval, params=not args.no_params, meta=meta,
+                   write_behind=args.write_behind)
     from .core.report import StepProgress
 
     progress = StepProgress(args.steps, enabled=None if not args.quiet else False)

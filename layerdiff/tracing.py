@@ -12,7 +12,7 @@ from . import __version__
 from .adapters import detect_framework, load_adapter
 from .adapters.common import model_config
 from .core.session import MODES, PathFilter, TraceSession
-from .core.traceformat import TraceWriter
+from .core.traceformat import WRITE_BEHIND, TraceWriter
 from .errors import LayerdiffError
 
 
@@ -26,15 +26,20 @@ class Tracer:
     def __init__(self, model, path, *, mode: str = "full", backward: bool = True, include=None, exclude=None,
                  overwrite: bool = False, compression: str | None = None, flush_interval: float = 1.0,
                  params: bool = True, meta: dict | None = None, forcer=None, layers=None, one_process: bool = False,
-                 strict_filters: bool = True):
+                 strict_filters: bool = True, write_behind: float | None = None):
         if mode not in MODES:
             raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.model = model
         self.path = os.fspath(path)
         self.framework = detect_framework(model)
+        if write_behind is None:
+            write_behind = WRITE_BEHIND / 2**20 if mode == "full" else 0
+        if not (isinstance(write_behind, (int, float)) and 0 <= write_behind < 2**20):
+            raise LayerdiffError(f"write_behind must be a number of MB >= 0 (0: every record is in the file before "
+                                 f"the step goes on), not {write_behind!r}")
         self.options = dict(mode=mode, backward=backward, include=include, exclude=exclude,
                             compression=compression, flush_interval=flush_interval, params=params,
-                            layers=list(layers) if layers is not None else None)
+                            layers=list(layers) if layers is not None else None, write_behind=write_behind)
         self.overwrite = overwrite
         self.user_meta = meta or {}
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
@@ -66,7 +71,8 @@ class Tracer:
                                  "reference, or align the multi-rank run (layerdiff align REF RUN)")
         meta["distributed"] = ranks
         writer = TraceWriter(self._file_path(ranks), meta, overwrite=self.overwrite,
-                             compression=self.options["compression"], flush_interval=self.options["flush_interval"])
+                             compression=self.options["compression"], flush_interval=self.options["flush_interval"],
+                             write_behind=int(self.options["write_behind"] * 2**20))
         self.session = hooks.session = TraceSession(writer, adapter.TENSORS, self.options["mode"])
         self._hooks = hooks
         hooks.install()
@@ -104,7 +110,10 @@ def trace(model, path, **options) -> Tracer:
     Options: mode="full"|"stats", backward=True, include/exclude (module-path regexes), layers=(start, end)
     (only blocks start..end-1 of the model's main module list: the second pass of two-pass tracing), overwrite=False,
     compression=None|"gzip"|"lzf", flush_interval=1.0 (seconds; 0 flushes after every record),
-    params=True (parameter values and gradients), meta={...} (your own notes, stored in the trace).
+    params=True (parameter values and gradients), meta={...} (your own notes, stored in the trace),
+    write_behind=MB (full mode: tensor bytes are written by a thread of their own through a ring of this size,
+    256 by default, so the disk works while the model computes; 0 writes every record before the step goes on,
+    for hunting a crash that kills the process outright).
     """
     return Tracer(model, path, **options)
 

@@ -34,9 +34,9 @@ import time
 import layerdiff
 from layerdiff.recipes import torch_llama
 
-path, counter = sys.argv[1], sys.argv[2]
+path, counter, write_behind = sys.argv[1], sys.argv[2], float(sys.argv[3])
 built = torch_llama.build()
-tracer = layerdiff.trace(built["model"], path)
+tracer = layerdiff.trace(built["model"], path, write_behind=write_behind)
 with tracer, open(counter, "r+b") as f:
     shared = mmap.mmap(f.fileno(), 8)
     writer = tracer.session.writer
@@ -129,11 +129,13 @@ class _Run:
     """A traced endless loop in a subprocess that publishes how many records it has written (an 8-byte counter
     in a shared file); ``kill`` reads the counter, then SIGKILLs: every record counted must be in the file."""
 
-    def __init__(self, tmp: Path, name: str):
+    def __init__(self, tmp: Path, name: str, write_behind: float):
         self.path = tmp / f"{name}.h5"
         self.counter = tmp / f"{name}.count"
         self.counter.write_bytes(b"\0" * 8)
-        self.proc = subprocess.Popen([sys.executable, str(tmp / "loop.py"), str(self.path), str(self.counter)],
+        self.write_behind = write_behind
+        self.proc = subprocess.Popen([sys.executable, str(tmp / "loop.py"), str(self.path), str(self.counter),
+                                      str(write_behind)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), bufsize=0)
         self.written_at_kill = None
 
@@ -148,14 +150,15 @@ class _Run:
 
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory):
-    """Endless traced loops SIGKILLed at spread-out moments (two at a time: 2 cores)."""
+    """Endless traced loops SIGKILLed at spread-out moments (two at a time: 2 cores); in each pair one writes
+    behind the step (a 1 MB ring, so records are queued at the kill) and one writes inline."""
     tmp = tmp_path_factory.mktemp("crash")
     (tmp / "loop.py").write_text(LOOP_SCRIPT)
     delays = [0.05, 0.4, 0.9, 1.3, 1.8, 2.6][:KILLS]
     runs = []
     try:
         for first in range(0, KILLS, 2):
-            batch = [_Run(tmp, f"run{i}") for i in range(first, min(first + 2, KILLS))]
+            batch = [_Run(tmp, f"run{i}", 1.0 if i % 2 == 0 else 0) for i in range(first, min(first + 2, KILLS))]
             runs += batch
             deadline = time.monotonic() + 120
             for run in batch:
@@ -183,7 +186,8 @@ def test_sigkill_loses_no_record_that_was_written(killed_runs):
             assert _check_tensors(reader) >= 0
             steps = {r["step"] for r in reader.records if r["kind"] == "call" and r["path"] == ""}
             assert steps == set(range(len(steps))), "whole steps, in order, up to the kill"
-    print(f"records lost per kill (counted before the kill - in the file): {lost}")
+    print(f"records lost per kill (counted before the kill - in the file; write-behind ring MB): "
+          f"{list(zip(lost, [run.write_behind for run in killed_runs]))}")
     assert all(n <= 0 for n in lost)
     assert sum(run.written_at_kill for run in killed_runs) > 0
 

@@ -5,9 +5,10 @@ fp32), batch 1 x 32 tokens, one forward + backward on the CPU. Prints numbers; a
     python tools/bench_scale.py               # untraced, stats, full: each in a fresh interpreter (~5 min)
     python tools/bench_scale.py --layers 4    # a smaller variant of the same shape (quick look)
 
-For each mode: warm-up steps, then the median of timed steps (a traced mode times steps inside one trace, after
-its first step, which also records every parameter's value), peak RSS (VmHWM) and the bytes written. The
-"serial limit" of a full trace is the untraced step plus writing one step's bytes at the speed plain numpy
+For each mode: warm-up steps, the median of timed untraced steps, then (a traced mode) the median of timed steps
+inside one trace, after its first step, which also records every parameter's value; peak RSS (VmHWM) and the
+bytes written. Ratios are against the same process's untraced steps: this VM's speed drifts between processes
+(the untraced step has measured 1.0-2.3 s). The "serial limit" of a full trace is that untraced step plus writing one step's bytes at the speed plain numpy
 writes reach on this filesystem over the same volume the trace wrote (measured here, in the same run): what
 tracing would cost if recording were free and writing were not overlapped with compute. The speed of one
 step's bytes into a clean page cache is printed too; a trace of several GB per step outruns the kernel's
@@ -51,21 +52,27 @@ def vm_hwm():
             return int(line.split()[1]) * 1024
     return 0
 
+def timed_steps():
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter(); step(); out.append(time.perf_counter() - t0)
+    return out
+
 for _ in range(2):
     step()
-times, written = [], 0
+written = 0
+base = timed_steps()  # this process's own untraced steps: the machine's speed drifts between processes
 if mode == "untraced":
-    for _ in range(steps):
-        t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+    times = base
 else:
     tracer = layerdiff.trace(model, path, mode=mode, overwrite=True)
     with tracer:
         step()  # the first traced step also records every parameter's value
         first = tracer.session.writer.tensor_bytes
-        for _ in range(steps):
-            t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+        times = timed_steps()
         written = (tracer.session.writer.tensor_bytes - first) / steps
 print("@@RESULT " + json.dumps({"mode": mode, "step_s": statistics.median(times), "steps": times,
+                                "base_s": statistics.median(base),
                                 "peak_rss": vm_hwm(), "bytes_per_step": written,
                                 "params": sum(p.numel() for p in model.parameters())}), flush=True)
 '''
@@ -133,20 +140,21 @@ def main() -> int:
         first = max(res["full"]["file_bytes"] - per_step * args.steps, 0)
         clean, sustained = write_speeds(tmp, first, per_step, args.steps)
     base = res["untraced"]["step_s"]
-    limit = base + per_step / sustained
+    limit = res["full"]["base_s"] + per_step / sustained
     print(f"model: Qwen2-0.5B shape, {args.layers} layers, {res['untraced']['params'] / 1e6:.0f}M parameters, fp32, "
           f"batch 1 x 32, forward + backward, CPU; median of {args.steps} steps per mode"
           + (f"; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
     print(f"untraced step: {base:.2f} s (peak RSS {res['untraced']['peak_rss'] / 1e9:.2f} GB)")
     for mode in ("stats", "full"):
         r = res[mode]
-        print(f"{mode:5} trace: {r['step_s']:.2f} s = {r['step_s'] / base:.2f}x; {r['bytes_per_step'] / 1e9:.2f} GB "
+        print(f"{mode:5} trace: {r['step_s']:.2f} s = {r['step_s'] / r['base_s']:.2f}x the same process's untraced "
+              f"step ({r['base_s']:.2f} s; {r['step_s'] / base:.2f}x the untraced process's); {r['bytes_per_step'] / 1e9:.2f} GB "
               f"of tensors per step, {r['file_bytes'] / 1e9:.2f} GB file; peak RSS {r['peak_rss'] / 1e9:.2f} GB "
               f"(+{(r['peak_rss'] - res['untraced']['peak_rss']) / 1e9:.2f} GB over untraced)")
     print(f"plain writes of the same bytes on this filesystem: {clean / 1e9:.2f} GB/s for one step into a clean page "
           f"cache, {sustained / 1e9:.2f} GB/s sustained over the trace's volume")
-    print(f"serial limit of a full step (untraced + its bytes at the sustained speed): {limit:.2f} s = "
-          f"{limit / base:.2f}x; full trace = {res['full']['step_s'] / limit:.2f}x that limit")
+    print(f"serial limit of a full step (its process's untraced step + its bytes at the sustained speed): {limit:.2f} s "
+          f"= {limit / res['full']['base_s']:.2f}x; full trace = {res['full']['step_s'] / limit:.2f}x that limit")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": res, "write_speed_clean": clean, "write_speed_sustained": sustained,
                                                "serial_limit_s": limit},

@@ -16,6 +16,7 @@ killed mid-way (even kill -9) leaves a file that opens normally and holds every 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -28,12 +29,14 @@ import numpy as np
 
 from ..errors import LayerdiffError, TraceFormatError
 from .tensors import storage_dtype, summarize
+from .writebehind import BLOCK, WriteBehind
 
 FORMAT_NAME = "layerdiff-trace"
 FORMAT_VERSION = 2  # 2: param_grad_use records (a tied weight's gradient per use), arg_names, tied
 DATA_CHUNK = 1 << 20
 INDEX_CHUNK = 1 << 16
 COMPRESSIONS = (None, "gzip", "lzf")
+WRITE_BEHIND = 256 << 20  # bytes of tensor data a full trace may hold in memory while the disk catches up
 
 
 def _h5py():
@@ -147,22 +150,29 @@ class _ReservedBytes:
     def append(self, buffers) -> int:
         """Write ``buffers`` (contiguous byte buffers) one after the other; return the first one's offset."""
         views = [memoryview(b).cast("B") for b in buffers]
-        total = sum(len(v) for v in views)
         start = self.size
-        self._reserve(start + total)
+        try:
+            self.write_at(start, views, self.fd)
+        except OSError as exc:
+            raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+        self.size = start + sum(len(v) for v in views)
+        return start
+
+    def write_at(self, start: int, views, fd: int):
+        """Write byte views back to back from logical offset ``start`` through ``fd`` (OSError as raised)."""
+        self._reserve(start + sum(len(v) for v in views))
         position = start
         for view in views:
             done = 0
             while done < len(view):
                 address, room = self._address(position + done)
                 n = min(room, len(view) - done)
-                try:
-                    done += os.pwrite(self.fd, view[done:done + n], address)
-                except OSError as exc:
-                    raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+                done += os.pwrite(fd, view[done:done + n], address)
             position += len(view)
-        self.size = position
-        return start
+
+    def aligned(self, block: int) -> bool:
+        """Every run of chunks starts at a file address that is a multiple of ``block`` (for O_DIRECT)."""
+        return all(address % block == 0 for _, address, _ in self.runs)
 
     def _address(self, logical: int) -> tuple[int, int]:
         """(file address, bytes left in that run of chunks) of a logical offset."""
@@ -185,12 +195,16 @@ class TraceWriter:
     trace cannot be written that way (its chunks go through HDF5's filters): it is buffered and flushed at least
     every ``flush_interval`` seconds instead.
 
+    With ``write_behind`` > 0 (bytes), tensor bytes and index lines are written by a thread of their own
+    (``WriteBehind``), in the same order, while the step goes on; a process killed outright then loses the
+    records still queued. ``records_written`` counts the records in the file either way.
+
     The file is created exclusively and locked for the whole run: a second writer on the same path is refused
     before it writes anything. Thread-safe: autograd may call back from its own thread.
     """
 
     def __init__(self, path, meta: dict, *, overwrite: bool = False, compression: str | None = None,
-                 flush_interval: float = 1.0, buffer_bytes: int = 8 << 20):
+                 flush_interval: float = 1.0, buffer_bytes: int = 8 << 20, write_behind: int = 0):
         if compression not in COMPRESSIONS:
             raise LayerdiffError(f"unknown compression {compression!r}; choose gzip or lzf")
         if not (isinstance(flush_interval, (int, float)) and math.isfinite(flush_interval) and flush_interval >= 0):
@@ -201,7 +215,9 @@ class TraceWriter:
         self._fd = _open_exclusively(self.path, overwrite)
         try:
             h5py = _h5py()
-            self._file = h5py.File(self.path, "w", libver="earliest", locking=False)
+            behind = write_behind > 0 and compression is None
+            aligned = dict(alignment_threshold=DATA_CHUNK, alignment_interval=BLOCK) if behind else {}
+            self._file = h5py.File(self.path, "w", libver="earliest", locking=False, **aligned)
             self._file.attrs["format"] = FORMAT_NAME
             self._file.attrs["format_version"] = FORMAT_VERSION
             self._file.attrs["meta"] = json.dumps(meta, default=str)
@@ -219,6 +235,12 @@ class TraceWriter:
         self._lock = threading.RLock()
         self._pending: list[bytes] = []
         self.compressed = compression is not None
+        self._data_size = 0  # the data's logical size once everything queued is written
+        self._direct_fd = None
+        self._behind = None
+        if behind:
+            self._direct_fd = _open_direct(self.path)
+            self._behind = WriteBehind(write_behind, self._write_behind_data, self._write_behind_lines)
         self.flush_interval = flush_interval
         self._last_flush = time.perf_counter()
         self.records_written = 0
@@ -229,12 +251,34 @@ class TraceWriter:
         """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
-            contiguous = np.ascontiguousarray(stored)
             with self._lock:
-                entry["offset"] = self._data.append([contiguous])
-                entry["nbytes"] = contiguous.nbytes
-                self.tensor_bytes += contiguous.nbytes
+                entry["offset"], entry["nbytes"] = self._data_size, stored.nbytes
+                if self._behind is None:
+                    self._data.append([np.ascontiguousarray(stored)])
+                else:
+                    self._behind.put_bytes(stored)
+                self._data_size += stored.nbytes
+                self.tensor_bytes += stored.nbytes
         return entry
+
+    def _write_behind_data(self, start: int, view: memoryview):
+        """The writer thread's data: whole blocks, with O_DIRECT while the file and filesystem allow it."""
+        if self._direct_fd is not None and self._data.aligned(BLOCK):
+            try:
+                self._data.write_at(start, [view], self._direct_fd)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no direct I/O after all
+                    raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+            self._close_direct()
+        try:
+            self._data.write_at(start, [view], self._fd)
+        except OSError as exc:
+            raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+
+    def _write_behind_lines(self, lines: list):
+        self._index.append(lines)
+        self.records_written += len(lines)
 
     @staticmethod
     def summary_entry(dtype: str, shape, stats: dict) -> dict:
@@ -250,6 +294,9 @@ class TraceWriter:
                 if time.perf_counter() - self._last_flush >= self.flush_interval:
                     self.flush()
                 return
+            if self._behind is not None:
+                self._behind.put_line(line)
+                return
             self._index.append([line])
             self.records_written += 1  # counted once its line is in the file
 
@@ -259,6 +306,8 @@ class TraceWriter:
         with self._lock:
             if self.closed:
                 return
+            if self._behind is not None:
+                self._behind.drain()
             if self.compressed:
                 self._data.flush()  # data before the index lines that point into it
                 pending, self._pending = self._pending, []
@@ -274,7 +323,9 @@ class TraceWriter:
             try:
                 self.write_record(end_record)
                 self.flush()
+                self._stop_writer()
                 if not self.compressed:
+                    self._data.size = self._data_size  # the written stream's end (whole blocks may pass it)
                     self._data.finish()
                 self._index.finish()
                 self._file.close()
@@ -283,7 +334,19 @@ class TraceWriter:
                                      "records written before are readable") from None
             finally:
                 self.closed = True
+                self._stop_writer()
                 self._release()
+
+    def _stop_writer(self):
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.close()
+        self._close_direct()
+
+    def _close_direct(self):
+        if self._direct_fd is not None:
+            os.close(self._direct_fd)
+            self._direct_fd = None
 
     def _release(self):
         if self._fd is not None:
@@ -324,6 +387,17 @@ def _open_exclusively(path: Path, overwrite: bool) -> int:
         os.close(fd)
         raise LayerdiffError(f"{path} is being written by another process; choose another path") from None
     return fd
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor of the trace that bypasses the page cache, or None where the system has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:  # tmpfs and some other filesystems refuse O_DIRECT: buffered writes then
+        return None
 
 
 def _json_default(obj):

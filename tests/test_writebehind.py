@@ -1,0 +1,156 @@
+"""The write-behind path of a full trace (no framework): the same file as inline writes, whatever the ring's size,
+the arrays' sizes and layouts; errors of the writer thread reach the caller as one line."""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from layerdiff.core.traceformat import TraceWriter, open_trace
+from layerdiff.core.writebehind import BATCH, WriteBehind
+
+
+def _arrays():
+    """Sizes around the ring's (2 MB + 2 blocks at the smallest): tiny, block-odd, larger than the ring, empty,
+    non-contiguous, bfloat16 bits as uint16."""
+    rng = np.random.default_rng(0)
+    out = []
+    for n in (1, 3, 1023, 4097, 300_001, 700_000, 5, 1_200_000, 0, 17):
+        out.append(("float32", rng.standard_normal(n, dtype=np.float32)))
+    out.append(("float32", rng.standard_normal((512, 300), dtype=np.float32)[:, ::3]))  # strided
+    out.append(("float32", np.asfortranarray(rng.standard_normal((300, 301), dtype=np.float32))))
+    out.append(("bfloat16", rng.integers(0, 2**16, 77_777, dtype=np.uint16)))
+    out.append(("int64", np.arange(123_457, dtype=np.int64)))
+    return out * 3
+
+
+def _write(path: Path, write_behind: int) -> TraceWriter:
+    writer = TraceWriter(path, {"case": "writebehind"}, write_behind=write_behind)
+    for i, (dtype, arr) in enumerate(_arrays()):
+        entry = writer.write_tensor(arr, dtype, store_data=True, stats={"min": 0.0})
+        writer.write_record({"kind": "param", "path": f"p{i}", "module": "", "call": 0, "step": 0, "seq": i,
+                             "tensors": [{**entry, "role": "param", "key": "value"}]})
+    writer.close({"kind": "end", "status": "complete"})
+    return writer
+
+
+@pytest.mark.parametrize("ring", [1, 3 << 20, 64 << 20])
+def test_write_behind_writes_what_inline_writes(tmp_path, ring):
+    inline = _write(tmp_path / "inline.h5", 0)
+    behind = _write(tmp_path / "behind.h5", ring)
+    assert behind.records_written == inline.records_written == len(_arrays()) + 1
+    with open_trace(tmp_path / "inline.h5") as a, open_trace(tmp_path / "behind.h5") as b:
+        assert a.records == b.records  # the same index lines: offsets, sizes, order
+        arrays = _arrays()
+        for rec in b.records:
+            if rec["kind"] == "param":
+                expected = arrays[int(rec["path"][1:])][1]
+                got = b.tensor(rec["tensors"][0])
+                assert got.shape == expected.shape and np.array_equal(got, expected)
+        assert b.size_bytes() - a.size_bytes() < 1 << 20  # alignment pads a little, no more
+
+
+def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
+    """The writer hands lines over only after every byte put before them, and the step never gets more than the
+    ring's size ahead of the disk (a slow sink makes the step wait)."""
+    written: list = []
+    events: list = []
+
+    def write_data(start, view):
+        assert start % 4096 == 0 and len(view) % 4096 == 0
+        written.append((start, bytes(view)))
+        events.append(("data", start + len(view)))
+
+    def write_lines(lines):
+        events.append(("lines", len(lines)))
+
+    behind = WriteBehind(0, write_data, write_lines)  # the smallest ring
+    stream = np.random.default_rng(1).integers(0, 256, 5 * behind.capacity + 123, dtype=np.uint8)
+    put = 0
+    for piece in np.array_split(stream, 37):
+        behind.put_bytes(piece)
+        put += piece.size
+        assert put - behind.done <= behind.capacity + 4096
+        behind.put_line(b"x")
+    behind.drain()
+    behind.close()
+    data_end = 0
+    for kind, value in events:
+        if kind == "data":
+            data_end = max(data_end, value)
+    assert sum(n for kind, n in events if kind == "lines") == 37
+    image = bytearray(-(-stream.size // 4096) * 4096)
+    for start, raw in written:  # later writes of a block replace the partial earlier ones
+        image[start:start + len(raw)] = raw
+    assert bytes(image[:stream.size]) == stream.tobytes()
+    assert BATCH < behind.capacity
+
+
+def test_an_error_in_the_writer_thread_reaches_the_step():
+    def failing(start, view):
+        raise OSError(28, "No space left on device")
+
+    behind = WriteBehind(0, failing, lambda lines: None)
+    with pytest.raises(OSError, match="No space"):
+        for _ in range(64):
+            behind.put_bytes(np.zeros(BATCH, dtype=np.uint8))
+            behind.put_line(b"x")
+        behind.drain()
+    behind.close()
+
+
+def test_a_full_disk_behind_the_step_is_one_line_and_the_trace_stays_readable(tmp_path):
+    script = (
+        "import numpy as np, sys\n"
+        "from layerdiff.core.traceformat import TraceWriter\n"
+        "from layerdiff.errors import LayerdiffError\n"
+        "w = TraceWriter(sys.argv[1], {}, write_behind=4 << 20)\n"
+        "try:\n"
+        "    for i in range(200):\n"
+        "        e = w.write_tensor(np.full(100_000, i, np.float32), 'float32', store_data=True, stats={})\n"
+        "        w.write_record({'kind': 'param', 'path': f'p{i}', 'module': '', 'call': 0, 'step': 0, 'seq': i,\n"
+        "                        'tensors': [{**e, 'role': 'param', 'key': 'value'}]})\n"
+        "    w.close({'kind': 'end', 'status': 'complete'})\n"
+        "except LayerdiffError as exc:\n"
+        "    print('ERROR', exc)\n"
+        "    try:\n"
+        "        w.close({'kind': 'end', 'status': 'error'})\n"
+        "    except LayerdiffError:\n"
+        "        pass\n"
+    )
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (12 << 20, 12 << 20))
+
+    path = tmp_path / "t.h5"
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                          preexec_fn=limit, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("ERROR ") and len(proc.stdout.strip().splitlines()) == 1, proc.stdout
+    with open_trace(path) as reader:  # what was written before the error reads back, each with its own values
+        params = [r for r in reader.records if r["kind"] == "param"]
+        assert 0 < len(params) < 200
+        for rec in params:
+            assert np.all(reader.tensor(rec["tensors"][0]) == int(rec["path"][1:]))
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm")
+def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path):
+    shm = Path("/dev/shm") / f"layerdiff-{os.getpid()}.h5"
+    try:
+        writer = _write(shm, 3 << 20)
+        assert writer.records_written == len(_arrays()) + 1
+        with open_trace(shm) as b:
+            arrays = _arrays()
+            for rec in b.records:
+                if rec["kind"] == "param":
+                    assert np.array_equal(b.tensor(rec["tensors"][0]), arrays[int(rec["path"][1:])][1])
+    finally:
+        shm.unlink(missing_ok=True)
