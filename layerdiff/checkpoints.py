@@ -267,9 +267,9 @@ class _TorchFile(Checkpoint):
         _flatten(obj, "", self._tensors, lambda x: isinstance(x, torch.Tensor), skipped, source=path)
         if not self._tensors:
             raise LayerdiffError(f"{path}: no tensors in this PyTorch file")
-        from .adapters.torch_adapter import _DTYPE_NAMES
+        from .adapters.torch_adapter import dtype_name
         for name, t in self._tensors.items():
-            dtype = _DTYPE_NAMES.get(t.dtype)
+            dtype = dtype_name(t)
             if dtype is None:
                 raise LayerdiffError(f"{path}: tensor {name!r} has unsupported dtype {t.dtype}")
             self._index[name] = (dtype, list(t.shape))

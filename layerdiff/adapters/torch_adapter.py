@@ -62,6 +62,11 @@ def placement(t: torch.Tensor):
     return None
 
 
+def dtype_name(t: torch.Tensor) -> str | None:
+    """The trace's name of the tensor's dtype ("bfloat16", "float8_e4m3fn", ...), or None if a trace cannot hold it."""
+    return _DTYPE_NAMES.get(t.dtype)
+
+
 def to_stored(t: torch.Tensor):
     """(numpy array of the tensor's bits, dtype name), or None for dtypes a trace cannot hold."""
     name = _DTYPE_NAMES.get(t.dtype)

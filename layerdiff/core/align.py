@@ -25,11 +25,11 @@ from .layouts import LayoutRules, relate_shapes, type_family
 from .mapping import ModuleMapping, match_modules
 from .match import RenameRules, TensorPair, TraceSide, match_records
 from .operands import Operand
-from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
+from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats, relative_error
 from .configs import diff_configs, from_values
 from .rules import RuleSet, ruleset
 from .settings import settings_report
-from .session import find_blocks
+from .modules import find_blocks
 from .tensors import as_float
 from .tolerance import TolerancePolicy, judge
 
@@ -485,7 +485,7 @@ def _locate(node: Node, chain: list):
     return None
 
 
-def _describe(node: Node, where: str, after, before, ranks: tuple | None = None) -> str:
+def describe_origin(node: Node, where: str, after, before, ranks: tuple | None = None) -> str:
     path = node.row["path"] or "<root>"
     if ranks and where != "own_code":
         numbers, how = ranks
@@ -542,7 +542,7 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
             "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
-            "description": _describe(node, where, after, before, _partial_ranks(bad)),
+            "description": describe_origin(node, where, after, before, _partial_ranks(bad)),
             "tensor": bad and {"role": bad["role"], "key": bad["key"], "reason": bad["reason"],
                                "metrics": bad["metrics"]},
             "ranks": bad.get("ranks") if bad else None, "hint": bad.get("hint") if bad else None,
@@ -719,23 +719,15 @@ def growth_table(rows: list, origin: dict | None, max_rows: int = 16) -> list:
         if depth(r) > chosen and r["path"] not in near:
             continue
         outs = [t for t in r["tensors"] if t["role"] == "output"]
-        worst = max(outs, key=lambda t: _rel_error(t["metrics"]), default=None)
+        worst = max(outs, key=lambda t: relative_error(t["metrics"]), default=None)
         table.append({"module": r["path"], "call": r["call"], "type": r["type_a"],
                       "depth": tree_depth[(r["path"], r["call"])],
                       "passed": all(t["passed"] for t in r["tensors"]) and not r.get("error_b"),
                       "max_abs": worst and worst["metrics"].get("max_abs"),
-                      "rel": worst and _rel_error(worst["metrics"]),
+                      "rel": worst and relative_error(worst["metrics"]),
                       "cosine": worst and worst["metrics"].get("cosine"),
                       "origin": bool(origin and r["path"] == origin["module"] and r["call"] == origin.get("call"))})
     return table
-
-
-def _rel_error(m: dict) -> float:
-    if m.get("mismatch") or m.get("nonfinite_mismatch"):
-        return math.inf
-    ref = m.get("ref_max_abs") or 0.0
-    mx = m.get("max_abs") or 0.0
-    return mx / ref if ref else (0.0 if mx == 0 else math.inf)
 
 
 def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,

@@ -142,3 +142,13 @@ def compare_stats(sa: dict, sb: dict) -> dict:
             "max_abs": max(diffs), "mean_abs": abs(sa["mean"] - sb["mean"]),
             "l2_rel": abs(sa["l2"] - sb["l2"]) / sa["l2"] if sa["l2"] else abs(sb["l2"]),
             "ref_max_abs": ref, "cosine": None, "nonfinite_mismatch": nonfinite, "numel": sa["numel"]}
+
+
+def relative_error(m: dict) -> float:
+    """Worst absolute difference over the reference's largest magnitude (inf for a mismatch): how errors are
+    ranked along the model."""
+    if m.get("mismatch") or m.get("nonfinite_mismatch"):
+        return math.inf
+    ref = m.get("ref_max_abs") or 0.0
+    mx = m.get("max_abs") or 0.0
+    return mx / ref if ref else (0.0 if mx == 0 else math.inf)

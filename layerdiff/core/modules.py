@@ -154,3 +154,17 @@ def from_params(params) -> dict:
                                               Fingerprint.of_stats(stats)))
     _link_children(infos)
     return infos
+
+
+def find_blocks(paths, container: str | None = None) -> tuple[str, list[str]]:
+    """The model's ordered top-level blocks (``model.layers.0`` ...): the integer-named children of the module
+    that has the most of them (the shallowest on a tie), or of ``container`` if given."""
+    children: dict[str, set] = {}
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        if leaf.isdigit() and (container is None or parent == container):
+            children.setdefault(parent, set()).add(int(leaf))
+    if not children:
+        return container or "", []
+    parent = max(children, key=lambda p: (len(children[p]), -p.count(".")))
+    return parent, [f"{parent}.{i}" for i in sorted(children[parent])]

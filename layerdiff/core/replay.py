@@ -18,12 +18,13 @@ import math
 import numpy as np
 
 from . import fusion
-from .align import _describe, _rel_error, call_tree, judge_rows
+from .align import call_tree, describe_origin, judge_rows
+from .metrics import relative_error
 from .layouts import LayoutRules, relate_shapes
 from .mapping import Match, ModuleMapping
 from .match import FusedLinks, RenameRules, TraceSide, absorbed_child, canonical_key, pair_role, transforms_step
 from .rules import RuleSet, ruleset
-from .session import find_blocks as blocks_of
+from .modules import find_blocks as blocks_of
 from .tensors import FLOAT_DTYPES, as_float
 from .tolerance import TolerancePolicy
 
@@ -232,7 +233,7 @@ class Forcer:
 # ---------------------------------------------------------------------------------------------------------
 def _worst(tensors) -> dict | None:
     failing = [t for t in tensors if not t["passed"]]
-    return max(failing, key=lambda t: _rel_error(t["metrics"]), default=None)
+    return max(failing, key=lambda t: relative_error(t["metrics"]), default=None)
 
 
 def _segment(node, where: str, description: str, tensor: dict | None, order: int, phase: str) -> dict:
@@ -241,7 +242,7 @@ def _segment(node, where: str, description: str, tensor: dict | None, order: int
             "description": description, "order": order,
             "tensor": tensor and {"role": tensor["role"], "key": tensor["key"], "reason": tensor["reason"],
                                   "metrics": tensor["metrics"]},
-            "rel_error": _rel_error(tensor["metrics"]) if tensor else math.inf}
+            "rel_error": relative_error(tensor["metrics"]) if tensor else math.inf}
 
 
 def _forward_segments(roots) -> list:
@@ -254,7 +255,7 @@ def _forward_segments(roots) -> list:
                 out.append(_segment(node, "inputs", f"{node.row['path'] or '<root>'}: the runs were given "
                                     "different inputs", bad_in, node.row["begin"], "forward"))
             else:
-                out.append(_segment(parent, "own_code", _describe(parent, "own_code", previous, node), bad_in,
+                out.append(_segment(parent, "own_code", describe_origin(parent, "own_code", previous, node), bad_in,
                                     node.row["begin"], "forward"))
         before = None
         for child in node.children:
@@ -270,7 +271,7 @@ def _forward_segments(roots) -> list:
         bad_out = _worst(node.outs)
         if bad_out is not None:
             where = "own_code" if node.children else "module"
-            text = _describe(node, where, before, None) if node.children else (node.row["path"] or "<root>")
+            text = describe_origin(node, where, before, None) if node.children else (node.row["path"] or "<root>")
             out.append(_segment(node, where, text, bad_out, node.row["end"], "forward"))
 
     for root in roots:
@@ -300,7 +301,7 @@ def _backward_segments(roots) -> list:
         weights = [t for t in node.outs if t["role"] != "grad_input"]
         bad_grad = _worst(grads_in)
         if bad_grad is not None:
-            text = (_describe(node, "own_code", None, later) + " (backward)") if node.children \
+            text = (describe_origin(node, "own_code", None, later) + " (backward)") if node.children \
                 else f"{node.row['path'] or '<root>'} (backward)"
             out.append(_segment(node, "own_code" if node.children else "module", text, bad_grad,
                                 node.row["end"], "backward"))
@@ -321,8 +322,8 @@ def amplification(free_report: dict | None) -> dict:
     for row in (free_report or {}).get("records", []):
         if row["kind"] != "call" or row["phase"] != "forward":
             continue
-        ins = [_rel_error(t["metrics"]) for t in row["tensors"] if t["role"] == "input"]
-        outs = [_rel_error(t["metrics"]) for t in row["tensors"] if t["role"] == "output"]
+        ins = [relative_error(t["metrics"]) for t in row["tensors"] if t["role"] == "input"]
+        outs = [relative_error(t["metrics"]) for t in row["tensors"] if t["role"] == "output"]
         if not outs:
             continue
         rin, rout = max(ins, default=0.0), max(outs)
@@ -352,7 +353,7 @@ def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, f
     for row in sorted((r for r in rows if r["kind"] == "call" and r["phase"] == "forward"), key=lambda r: r["begin"]):
         key = (row["path"], row["call"])
         outs = [t for t in row["tensors"] if t["role"] == "output"]
-        own = max((_rel_error(t["metrics"]) for t in outs), default=None)
+        own = max((relative_error(t["metrics"]) for t in outs), default=None)
         modules.append({"module": row["path"], "call": row["call"], "type": row.get("type_a"),
                         "depth": row["path"].count(".") + 1 if row["path"] else 0,
                         "own_rel": own, "own_error": key in own_forward, **amp.get(key, {})})
@@ -388,7 +389,7 @@ def _confirms(culprit: dict | None, origin: dict | None) -> bool | None:
 # Binary search over top-level blocks
 # ---------------------------------------------------------------------------------------------------------
 def find_blocks(records, container: str | None = None) -> tuple[str, list[str]]:
-    """The ordered top-level blocks among a trace's forward calls (see ``session.find_blocks``)."""
+    """The ordered top-level blocks among a trace's forward calls (see ``modules.find_blocks``)."""
     return blocks_of([r["path"] for r in records if r["kind"] == "call" and r["phase"] == "forward"], container)
 
 

@@ -13,6 +13,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from .traceformat import TraceWriter
+from .modules import find_blocks
 
 MODES = ("full", "stats")
 USE_DATA_LIMIT = 1 << 22  # elements: a tied weight's per-use gradient is stored whole up to this size
@@ -49,20 +50,6 @@ class PendingBackward:
     frame: CallFrame
     begin: int
     grad_outputs: list
-
-
-def find_blocks(paths, container: str | None = None) -> tuple[str, list[str]]:
-    """The model's ordered top-level blocks (``model.layers.0`` ...): the integer-named children of the module
-    that has the most of them (the shallowest on a tie), or of ``container`` if given."""
-    children: dict[str, set] = {}
-    for path in paths:
-        parent, _, leaf = path.rpartition(".")
-        if leaf.isdigit() and (container is None or parent == container):
-            children.setdefault(parent, set()).add(int(leaf))
-    if not children:
-        return container or "", []
-    parent = max(children, key=lambda p: (len(children[p]), -p.count(".")))
-    return parent, [f"{parent}.{i}" for i in sorted(children[parent])]
 
 
 def parse_layers(text: str) -> tuple[int, int]:
