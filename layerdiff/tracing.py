@@ -12,8 +12,10 @@ from . import __version__
 from .adapters import detect_framework, load_adapter
 from .adapters.common import model_config
 from .core.session import MODES, PathFilter, TraceSession
-from .core.traceformat import WRITE_BEHIND, TraceWriter
+from .core.traceformat import TraceWriter
 from .errors import LayerdiffError
+
+WRITE_BEHIND_MB = 256  # tensor data a full trace may hold in memory while the disk catches up
 
 
 class Tracer:
@@ -33,7 +35,7 @@ class Tracer:
         self.path = os.fspath(path)
         self.framework = detect_framework(model)
         if write_behind is None:
-            write_behind = WRITE_BEHIND / 2**20 if mode == "full" else 0
+            write_behind = WRITE_BEHIND_MB if mode == "full" else 0
         if not (isinstance(write_behind, (int, float)) and 0 <= write_behind < 2**20):
             raise LayerdiffError(f"write_behind must be a number of MB >= 0 (0: every record is in the file before "
                                  f"the step goes on), not {write_behind!r}")

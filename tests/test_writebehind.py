@@ -60,16 +60,19 @@ def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
     """The writer hands lines over only after every byte put before them, and the step never gets more than the
     ring's size ahead of the disk (a slow sink makes the step wait)."""
     written: list = []
-    events: list = []
+    data_end = [0]
 
     def write_data(start, view):
         assert start % 4096 == 0 and len(view) % 4096 == 0
         written.append((start, bytes(view)))
-        events.append(("data", start + len(view)))
+        data_end[0] = max(data_end[0], start + len(view))
 
-    def write_lines(lines):
-        events.append(("lines", len(lines)))
+    def write_lines(lines):  # each line names how many stream bytes were put before it
+        for line in lines:
+            assert data_end[0] >= int(line), "a line was written before its bytes"
+        lines_seen.extend(lines)
 
+    lines_seen: list = []
     behind = WriteBehind(0, write_data, write_lines)  # the smallest ring
     stream = np.random.default_rng(1).integers(0, 256, 5 * behind.capacity + 123, dtype=np.uint8)
     put = 0
@@ -77,19 +80,14 @@ def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
         behind.put_bytes(piece)
         put += piece.size
         assert put - behind.done <= behind.capacity + 4096
-        behind.put_line(b"x")
-    behind.drain()
+        behind.put_line(str(put).encode())
+    behind.drain()  # raises an assertion the writer thread met
     behind.close()
-    data_end = 0
-    for kind, value in events:
-        if kind == "data":
-            data_end = max(data_end, value)
-    assert sum(n for kind, n in events if kind == "lines") == 37
+    assert len(lines_seen) == 37
     image = bytearray(-(-stream.size // 4096) * 4096)
     for start, raw in written:  # later writes of a block replace the partial earlier ones
         image[start:start + len(raw)] = raw
     assert bytes(image[:stream.size]) == stream.tobytes()
-    assert BATCH < behind.capacity
 
 
 def test_an_error_in_the_writer_thread_reaches_the_step():

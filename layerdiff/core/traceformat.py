@@ -36,7 +36,6 @@ FORMAT_VERSION = 2  # 2: param_grad_use records (a tied weight's gradient per us
 DATA_CHUNK = 1 << 20
 INDEX_CHUNK = 1 << 16
 COMPRESSIONS = (None, "gzip", "lzf")
-WRITE_BEHIND = 256 << 20  # bytes of tensor data a full trace may hold in memory while the disk catches up
 
 
 def _h5py():
@@ -154,7 +153,7 @@ class _ReservedBytes:
         try:
             self.write_at(start, views, self.fd)
         except OSError as exc:
-            raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+            raise _write_error(exc) from None
         self.size = start + sum(len(v) for v in views)
         return start
 
@@ -235,7 +234,6 @@ class TraceWriter:
         self._lock = threading.RLock()
         self._pending: list[bytes] = []
         self.compressed = compression is not None
-        self._data_size = 0  # the data's logical size once everything queued is written
         self._direct_fd = None
         self._behind = None
         if behind:
@@ -252,12 +250,11 @@ class TraceWriter:
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
             with self._lock:
-                entry["offset"], entry["nbytes"] = self._data_size, stored.nbytes
+                entry["offset"], entry["nbytes"] = self.tensor_bytes, stored.nbytes  # the data's end: all it holds
                 if self._behind is None:
                     self._data.append([np.ascontiguousarray(stored)])
                 else:
                     self._behind.put_bytes(stored)
-                self._data_size += stored.nbytes
                 self.tensor_bytes += stored.nbytes
         return entry
 
@@ -269,12 +266,12 @@ class TraceWriter:
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no direct I/O after all
-                    raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+                    raise _write_error(exc) from None
             self._close_direct()
         try:
             self._data.write_at(start, [view], self._fd)
         except OSError as exc:
-            raise LayerdiffError(f"cannot write the trace: {exc.strerror or exc}") from None
+            raise _write_error(exc) from None
 
     def _write_behind_lines(self, lines: list):
         self._index.append(lines)
@@ -322,10 +319,9 @@ class TraceWriter:
                 return
             try:
                 self.write_record(end_record)
-                self.flush()
-                self._stop_writer()
+                self.flush()  # drains the writer thread; it stays idle (the lock is held) until stopped below
                 if not self.compressed:
-                    self._data.size = self._data_size  # the written stream's end (whole blocks may pass it)
+                    self._data.size = self.tensor_bytes  # the written stream's end (whole blocks may pass it)
                     self._data.finish()
                 self._index.finish()
                 self._file.close()
@@ -387,6 +383,10 @@ def _open_exclusively(path: Path, overwrite: bool) -> int:
         os.close(fd)
         raise LayerdiffError(f"{path} is being written by another process; choose another path") from None
     return fd
+
+
+def _write_error(exc: OSError) -> LayerdiffError:
+    return LayerdiffError(f"cannot write the trace: {exc.strerror or exc}")
 
 
 def _open_direct(path: Path) -> int | None:
