@@ -56,6 +56,26 @@ def test_write_behind_writes_what_inline_writes(tmp_path, ring):
         assert b.size_bytes() - a.size_bytes() < 1 << 20  # alignment pads a little, no more
 
 
+def test_pieces_read_through_the_mapping_or_preadv_equal_the_written_arrays(tmp_path):
+    """Pieces come from the mapped file where chunks sit back to back, through preadv where they do not (or no
+    mapping could be made); both give the bytes written, in order."""
+    _write(tmp_path / "t.h5", 0)
+    arrays = _arrays()
+    with open_trace(tmp_path / "t.h5") as reader:
+        original = reader._raw.mapped
+        assert reader._raw is not None and original is not None
+        for mapping in (original, None):
+            reader._raw.mapped = mapping
+            for rec in reader.records:
+                if rec["kind"] != "param":
+                    continue
+                entry, expected = rec["tensors"][0], arrays[int(rec["path"][1:])][1]
+                got = [piece.copy() for piece in reader.tensor_chunks(entry, 1000)]
+                got = np.concatenate(got) if got else np.empty(0, expected.dtype)
+                assert np.array_equal(got.view(np.uint8), np.ascontiguousarray(expected).reshape(-1).view(np.uint8))
+        reader._raw.mapped = original
+
+
 def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
     """The writer hands lines over only after every byte put before them, and the step never gets more than the
     ring's size ahead of the disk (a slow sink makes the step wait)."""

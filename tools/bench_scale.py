@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,10 +34,11 @@ import transformers
 import layerdiff
 
 mode, path, layers, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+eps = float(sys.argv[5]) if len(sys.argv) > 5 else 1e-6
 torch.manual_seed(0)
 config = transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                                  max_position_embeddings=4096, tie_word_embeddings=True)
+                                  max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=eps)
 model = transformers.Qwen2ForCausalLM(config)
 ids = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
 
@@ -58,6 +58,10 @@ def timed_steps():
         t0 = time.perf_counter(); step(); out.append(time.perf_counter() - t0)
     return out
 
+if mode == "pair":  # one full step for the align measurement
+    with layerdiff.trace(model, path, mode="full", overwrite=True):
+        step()
+    sys.exit(0)
 for _ in range(2):
     step()
 written = 0
@@ -85,6 +89,48 @@ def run_child(mode: str, path: Path, layers: int, steps: int, env: dict) -> dict
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
     raise RuntimeError(f"{mode} child failed:\n{proc.stderr[-3000:]}")
+
+
+def align_speed(directory: Path, layers: int, env: dict) -> dict:
+    """Two one-step full traces that differ in the RMSNorm epsilon, aligned by the CLI in a fresh process: first
+    with the traces evicted from the page cache (``POSIX_FADV_DONTNEED``: read from the disk), then again with
+    them in it."""
+    a, b = directory / "pair_a.h5", directory / "pair_b.h5"
+    for path, eps in ((a, "1e-6"), (b, "1e-3")):
+        subprocess.run([sys.executable, "-c", CHILD, "pair", str(path), str(layers), "0", eps], check=True,
+                       capture_output=True, env=env)
+    out = {"bytes_per_side": a.stat().st_size}
+    os.sync()  # no writeback of earlier measurements competes for the disk
+    for path in (a, b):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    for cache in ("cold", "warm"):  # the cold run reads the traces into the page cache for the warm one
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", ALIGN_CHILD, str(a), str(b), str(directory / "align.json")],
+                              capture_output=True, text=True, env=env)
+        seconds = time.perf_counter() - t0
+        result = next((json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)),
+                      None)
+        if result is None:
+            raise RuntimeError(f"align failed:\n{proc.stderr[-3000:]}")
+        out[cache] = {"seconds": seconds, **result}
+    for path in (a, b):
+        path.unlink()
+    return out
+
+
+ALIGN_CHILD = r'''
+import json, resource, sys
+from layerdiff import cli
+try:
+    code = cli.main(["align", sys.argv[1], sys.argv[2], "--json", sys.argv[3], "--force"])
+except SystemExit as exc:
+    code = exc.code
+status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+          if line.startswith("VmHWM")}
+print("@@RESULT " + json.dumps({"exit": code, "peak_rss": status.get("VmHWM", 0)}), flush=True)
+'''
 
 
 def write_speeds(directory: Path, first: int, per_step: int, steps: int) -> tuple[float, float]:
@@ -122,6 +168,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen2-0.5B)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode")
     p.add_argument("--json", help="also save the numbers as JSON")
+    p.add_argument("--no-align", action="store_true", help="skip the align measurement (two more traces)")
     p.add_argument("--mmap-threshold", type=int, default=0,
                    help="run every child with MALLOC_MMAP_THRESHOLD_=N (e.g. 131072): glibc's fixed threshold "
                         "instead of its dynamic one, which loading libhdf5 raises (see the README)")
@@ -139,6 +186,7 @@ def main() -> int:
         per_step = int(res["full"]["bytes_per_step"]) or 1
         first = max(res["full"]["file_bytes"] - per_step * args.steps, 0)
         clean, sustained = write_speeds(tmp, first, per_step, args.steps)
+        aligned = None if args.no_align else align_speed(tmp, args.layers, env)
     base = res["untraced"]["step_s"]
     limit = res["full"]["base_s"] + per_step / sustained
     print(f"model: Qwen2-0.5B shape, {args.layers} layers, {res['untraced']['params'] / 1e6:.0f}M parameters, fp32, "
@@ -155,9 +203,16 @@ def main() -> int:
           f"cache, {sustained / 1e9:.2f} GB/s sustained over the trace's volume")
     print(f"serial limit of a full step (its process's untraced step + its bytes at the sustained speed): {limit:.2f} s "
           f"= {limit / res['full']['base_s']:.2f}x; full trace = {res['full']['step_s'] / limit:.2f}x that limit")
+    if aligned:
+        side = aligned["bytes_per_side"]
+        for cache in ("cold", "warm"):
+            r = aligned[cache]
+            print(f"align of two one-step full traces ({side / 1e9:.2f} GB each), {cache} page cache: "
+                  f"{r['seconds']:.2f} s = {side / r['seconds'] / 1e9:.2f} GB/s per side, peak RSS "
+                  f"{r['peak_rss'] / 1e6:.0f} MB (exit {r['exit']})")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": res, "write_speed_clean": clean, "write_speed_sustained": sustained,
-                                               "serial_limit_s": limit},
+                                               "serial_limit_s": limit, "align": aligned},
                                               indent=1))
     return 0
 

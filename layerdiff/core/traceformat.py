@@ -20,6 +20,7 @@ import errno
 import fcntl
 import json
 import math
+import mmap
 import os
 import threading
 import time
@@ -454,7 +455,6 @@ class TraceReader:
         if self.end is None:
             self.crashed = True
         self._raw = _RawChunkReader.open(self.path, self._data)
-        self._executor = None
 
     @property
     def mode(self) -> str:
@@ -480,40 +480,35 @@ class TraceReader:
     def tensor_chunks(self, entry: dict, chunk_elems: int):
         """The stored bits of a tensor, flattened, in pieces of ``chunk_elems`` (bounded memory).
 
-        Pieces share one buffer (no fresh pages to fault in per read): each is valid until the next one.
+        Each piece is valid until the next one. Where the file's chunks sit back to back, a piece is a read-only
+        view of the file mapped into memory: no copy out of the page cache, the pages of the next few MB are asked
+        for ahead (``MADV_WILLNEED``) and those compared are let go (``MADV_DONTNEED``): resident memory stays flat.
         """
         dt = storage_dtype(entry["dtype"])
         start, n = entry["offset"], entry["nbytes"]
         step = chunk_elems * dt.itemsize
         pieces = [(pos, min(step, start + n - pos)) for pos in range(start, start + n, step)]
-        if len(pieces) < 2 or self._raw is None:
-            scratch = np.empty(min(step, n), dtype=np.uint8)
-            for pos, length in pieces:
-                yield self._read(pos, length, scratch[:length]).view(dt)
-            return
-        # double buffering: the next piece is read (preadv releases the GIL) while this one is compared
-        buffers = (np.empty(step, dtype=np.uint8), np.empty(step, dtype=np.uint8))
-        pending = self._prefetcher().submit(self._read, *pieces[0], buffers[0][:pieces[0][1]])
-        for i in range(len(pieces)):
-            current = pending.result()
-            if i + 1 < len(pieces):
-                pos, length = pieces[i + 1]
-                pending = self._prefetcher().submit(self._read, pos, length, buffers[(i + 1) % 2][:length])
-            yield current.view(dt)
-
-    def _prefetcher(self):
-        if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerdiff-read")
-        return self._executor
+        raw = self._raw if self._raw is not None and self._raw.mapped is not None else None
+        scratch = None
+        ahead = max(_READ_AHEAD // step, 1)
+        if raw is not None:
+            for piece in pieces[:ahead]:
+                raw.will_need(*piece)
+        for i, piece in enumerate(pieces):
+            if raw is not None and i + ahead < len(pieces):
+                raw.will_need(*pieces[i + ahead])
+            view = raw.view(*piece) if raw is not None else None
+            if view is None:
+                scratch = np.empty(min(step, n), dtype=np.uint8) if scratch is None else scratch
+                view = self._read(*piece, scratch[:piece[1]])
+            yield view.view(dt)
+            if raw is not None:
+                raw.let_go(*piece)
 
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)
 
     def close(self):
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
         if self._raw is not None:
             self._raw.close()
         self._file.close()
@@ -523,6 +518,10 @@ class TraceReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+_FAULT_AROUND = 64 << 10  # Linux's fault_around_bytes default
+_READ_AHEAD = 8 << 20  # how far ahead of the compared piece the disk is asked to read
 
 
 class _RawChunkReader:
@@ -538,6 +537,13 @@ class _RawChunkReader:
         self.chunk = dataset.chunks[0]
         self.fd = fd
         self.addresses: dict[int, int | None] = {}
+        self.file_size = os.fstat(fd).st_size
+        try:
+            self.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self.file_size else None
+            if self.mapped is not None:
+                self.mapped.madvise(mmap.MADV_SEQUENTIAL)  # the kernel reads ahead further on a fault
+        except (OSError, ValueError):
+            self.mapped = None
 
     @classmethod
     def open(cls, path, dataset):
@@ -573,7 +579,45 @@ class _RawChunkReader:
             done += take
         return out
 
+    def _file_range(self, start: int, length: int) -> tuple[int, int] | None:
+        """(file address, length) of logical bytes that sit back to back in the file, or None."""
+        first, last = start // self.chunk, (start + length - 1) // self.chunk
+        a, b = self._address(first), self._address(last)
+        if a is None or b is None or b - a != (last - first) * self.chunk:
+            return None
+        address = a + start - first * self.chunk
+        return (address, length) if address + length <= self.file_size else None
+
+    def view(self, start: int, length: int) -> np.ndarray | None:
+        """A read-only view of logical bytes in the mapped file (None where they are not back to back)."""
+        where = self._file_range(start, length)
+        if where is None:
+            return None
+        return np.frombuffer(self.mapped, dtype=np.uint8, count=length, offset=where[0])
+
+    def _advise(self, advice: int, start: int, length: int, margin: int):
+        """madvise the file pages of logical bytes, widened to multiples of ``margin`` (a multiple of the page)."""
+        where = self._file_range(start, length)
+        if where is not None:
+            first = where[0] // margin * margin
+            end = min(-(-(where[0] + where[1]) // margin) * margin, self.file_size)
+            self.mapped.madvise(advice, first, end - first)
+
+    def will_need(self, start: int, length: int):
+        self._advise(mmap.MADV_WILLNEED, start, length, mmap.PAGESIZE)
+
+    def let_go(self, start: int, length: int):
+        """Unmap pages already compared (the page cache keeps them): resident memory does not grow. The kernel
+        maps pages around each fault (up to 64 KB, neighbouring tensors' too), so the window is widened to that;
+        unmapping a page still in use is harmless, it is faulted in again from the page cache."""
+        self._advise(mmap.MADV_DONTNEED, start, length, _FAULT_AROUND)
+
     def close(self):
+        if self.mapped is not None:
+            try:
+                self.mapped.close()
+            except BufferError:  # a caller still holds a piece; the mapping goes with it
+                pass
         os.close(self.fd)
 
 
