@@ -5,11 +5,11 @@ The CLI's ``align`` and ``report`` commands are thin layers over these functions
 """
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .core.files import refuse_existing
 from .errors import LayerdiffError
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_UNTRUSTED = 0, 1, 3
@@ -198,7 +198,7 @@ def rethreshold(report, *, atol=None, rtol=None, cos=None, tol=()) -> Report:
     if "forward" not in data:
         raise LayerdiffError("a comparison of ranks is judged when it is made: align the run again instead")
     policy = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol).policy
-    return Report(evaluate(copy.deepcopy(data), policy))  # a copy: the report given is not changed
+    return Report(evaluate(data, policy))  # evaluate returns a new report: the one given is not changed
 
 
 def bisect(reference, target, *, args=(), search: bool = False, blocks=None, include=None, exclude=None,
@@ -212,8 +212,8 @@ def bisect(reference, target, *, args=(), search: bool = False, blocks=None, inc
     from .core.report import RunProgress, write_json
 
     how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
-    if json and Path(json).exists() and not force:
-        raise LayerdiffError(f"{json} exists; pass --force to replace it")
+    if json:
+        refuse_existing(json, force)
     if json and not Path(json).resolve().parent.is_dir():
         raise LayerdiffError(f"directory {Path(json).parent} does not exist")
     if blocks and not search:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 from . import runner
 from .core.align import align, measure, module_mapping
+from .core.files import write_atomically
 from .core.layouts import LayoutRules
 from .core.match import RenameRules, TraceSide
 from .core.ranks import open_run, rank_files
@@ -70,9 +70,7 @@ class Workdir:
 
     def record(self, name: str, run: dict):
         self.state["runs"][name] = {**run, "status": "done"}
-        tmp = self.state_file.with_name(f".state.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.state, indent=1, default=str))
-        os.replace(tmp, self.state_file)
+        write_atomically(self.state_file, json.dumps(self.state, indent=1, default=str), overwrite=True)
 
     def trace_path(self, name: str) -> Path:
         return self.path / f"{name}.h5"

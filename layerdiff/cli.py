@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import __version__
 from .api import EXIT_DIVERGENT, EXIT_OK, EXIT_UNTRUSTED  # 3: aligned, but see report["trust"]
+from .core.files import refuse_existing
 from .errors import LayerdiffError
 
 EXIT_BAD_INPUT = 2
@@ -179,8 +180,8 @@ def cmd_align(args) -> int:
     from . import api
 
     for out in (args.json, args.save_map, args.html):
-        if out and Path(out).exists() and not args.force:
-            raise LayerdiffError(f"{out} exists; pass --force to replace it")
+        if out:
+            refuse_existing(out, args.force)
     if args.b is None:
         if args.html:
             raise LayerdiffError("--html is for two runs (layerdiff align A B); a run's ranks have no HTML page yet")
@@ -321,8 +322,7 @@ def cmd_weights(args) -> int:
         return checkpoints.run(args)
 
     out = Path(args.output)
-    if out.exists() and not args.force:
-        raise LayerdiffError(f"{out} exists; pass --force to replace it")
+    refuse_existing(out, args.force)
     model, _, _ = runner.build(args.target, runner.parse_args(args.arg))
     export_weights(model, out, overwrite=args.force)
     print(f"wrote {out}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .core.configs import CanonicalConfig, diff_configs, from_megatron_args, read_config
-from .errors import LayerdiffError
+from .core.files import refuse_existing
 
 EXIT_SAME, EXIT_DIFFERENT = 0, 1
 _SHOWN = 12
@@ -49,8 +49,8 @@ def verdict_line(report: dict) -> str:
 
 def run(args) -> int:
     """0 the configurations agree, 1 they differ; LayerdiffError for bad input."""
-    if args.json and Path(args.json).exists() and not args.force:
-        raise LayerdiffError(f"{args.json} exists; pass --force to replace it")
+    if args.json:
+        refuse_existing(args.json, args.force)
     report = compare_files(args.a, args.b)
     from .core.report import publish
 

@@ -868,3 +868,21 @@ def test_fuzz_report_read_json(scratch):
             evaluate_and_render(copy.deepcopy(result))
 
     check()
+
+
+def test_evaluate_leaves_the_measurements_alone_and_rejudges_independently():
+    """Judging is a pure function: a report re-thresholded twice gives each policy its own verdict, and the
+    measurements it was given are unchanged (no tensor keeps another judgement's "passed" or "tolerance")."""
+    from layerdiff.core.align import evaluate
+    from layerdiff.core.tolerance import TolerancePolicy
+
+    saved = small_report()
+    before = json.dumps(saved, sort_keys=True)
+    strict = evaluate(saved, TolerancePolicy())
+    loose = evaluate(saved, TolerancePolicy(atol=10.0, rtol=1.0, cos=0.0))
+    assert json.dumps(saved, sort_keys=True) == before
+    assert strict["verdict"] == "divergent" and strict["forward"]["first_divergence"]["module"] == "fc"
+    assert loose["forward"]["first_divergence"] is None
+    judged = [t for r in strict["records"] for t in r["tensors"]]
+    assert judged and all("passed" in t for t in judged) and not all(t["passed"] for t in judged)
+    assert all(t["passed"] for r in loose["records"] for t in r["tensors"])

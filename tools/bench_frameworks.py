@@ -39,9 +39,9 @@ TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 for p in (str(ROOT), str(TOOLS)):
     if p not in sys.path:
-        sys.path.insert(0, p)  # `recipes` and `bench` (stdlib-only at import time)
+        sys.path.insert(0, p)  # `recipes` and `benchlib` (stdlib-only at import time)
 
-import bench  # noqa: E402  (helpers: run_block, timed_steps, Load, QuietWaiter, hot_functions, ...)
+import benchlib  # noqa: E402  (run_block, timed_steps, Load, QuietWaiter, hot_functions, ...)
 
 SELF = str(Path(__file__).resolve())
 FRAMEWORKS = ("torch", "paddle", "mindspore")
@@ -52,7 +52,7 @@ PLAN = {"torch": dict(warmup=3, k=3, rounds=4, min_rounds=3, budget=40.0),
         "paddle": dict(warmup=2, k=2, rounds=4, min_rounds=3, budget=45.0),
         "mindspore": dict(warmup=2, k=2, rounds=3, min_rounds=2, budget=75.0)}
 RESULT = "@@RESULT "
-log = bench.log
+log = benchlib.log
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,16 +83,16 @@ def child(fw: str, profile: bool, quiet_budget: float, rounds_override: int | No
 
     env = framework_env(fw)
     t_import = time.perf_counter() - t0
-    b = recipe.build(None, **bench.MODEL_KW)
+    b = recipe.build(None, **benchlib.MODEL_KW)
     model, step = b["model"], b["step"]
     t_build = time.perf_counter() - t0 - t_import
     plan = dict(PLAN[fw])
     if rounds_override:
         plan["rounds"] = rounds_override
-    bench.WAITER.budget = quiet_budget
+    benchlib.WAITER.budget = quiet_budget
     log(f"  {fw} {env}: import {t_import:.1f} s, build {t_build:.1f} s; warm-up {plan['warmup']} steps, up to "
         f"{plan['rounds']} rounds x {plan['k']} timed steps per configuration (budget {plan['budget']:.0f} s)")
-    warm, _ = bench.timed_steps(step, plan["warmup"])
+    warm, _ = benchlib.timed_steps(step, plan["warmup"])
     tmp = Path(tempfile.mkdtemp(prefix=f"layerdiff-bench-{fw}-", dir="/tmp"))
     blocks = {name: [] for name, _ in CONFIGS}
     t_rounds = time.perf_counter()
@@ -102,29 +102,29 @@ def child(fw: str, profile: bool, quiet_budget: float, rounds_override: int | No
                 break
             order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
             for name, opts in order:
-                blk = bench.run_block(model, step, opts, plan["k"], tmp / f"{fw}_{name}.h5")
+                blk = benchlib.run_block(model, step, opts, plan["k"], tmp / f"{fw}_{name}.h5")
                 blocks[name].append(blk)
-                log(f"    round {r + 1} {name:8} walls {bench.fmt_list(blk['walls'])}  others {blk['others']:.2f} cores"
+                log(f"    round {r + 1} {name:8} walls {benchlib.fmt_list(blk['walls'])}  others {blk['others']:.2f} cores"
                     + (f"  first traced step {blk['first_step']:.3f}s, close {blk['close_s']:.3f}s"
                        if opts else ""))
         prof_rows = None
         if profile:
             import cProfile
 
-            bench.quiet_disk()
+            benchlib.quiet_disk()
             with layerdiff.trace(model, tmp / f"{fw}_profile.h5", mode="stats", overwrite=True):
                 step()  # first traced step (parameter values) not profiled
                 prof = cProfile.Profile()
                 prof.enable()
                 step()
                 prof.disable()
-            prof_rows = bench.hot_functions(prof, top=12)
+            prof_rows = benchlib.hot_functions(prof, top=12)
             # the same step untraced, for the framework's own share
             uprof = cProfile.Profile()
             uprof.enable()
             step()
             uprof.disable()
-            prof_rows_untraced = bench.hot_functions(uprof, top=12)
+            prof_rows_untraced = benchlib.hot_functions(uprof, top=12)
     finally:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,15 +134,15 @@ def child(fw: str, profile: bool, quiet_budget: float, rounds_override: int | No
         bl = blocks[name]
         walls = [w for x in bl for w in x["walls"]]
         cpus = [c for x in bl for c in x["cpus"]]
-        quiet = [w for x in bl if x["others"] < bench.QUIET_CORES for w in x["walls"]]
-        agg[name] = {"walls": walls, "median": bench.med(walls), "min": min(walls), "cpu_median": bench.med(cpus),
-                     "quiet_median": bench.med(quiet) if quiet else None, "n_quiet": len(quiet),
+        quiet = [w for x in bl if x["others"] < benchlib.QUIET_CORES for w in x["walls"]]
+        agg[name] = {"walls": walls, "median": benchlib.med(walls), "min": min(walls), "cpu_median": benchlib.med(cpus),
+                     "quiet_median": benchlib.med(quiet) if quiet else None, "n_quiet": len(quiet),
                      "others": [x["others"] for x in bl]}
         if name != "untraced":
-            agg[name]["first_step_median"] = bench.med([x["first_step"] for x in bl])
-            agg[name]["close_median"] = bench.med([x["close_s"] for x in bl])
-            agg[name]["bytes_per_step"] = bench.med([x["tensor_bytes_per_step"] for x in bl])
-            agg[name]["records_per_step"] = bench.med([x["records_per_step"] for x in bl])
+            agg[name]["first_step_median"] = benchlib.med([x["first_step"] for x in bl])
+            agg[name]["close_median"] = benchlib.med([x["close_s"] for x in bl])
+            agg[name]["bytes_per_step"] = benchlib.med([x["tensor_bytes_per_step"] for x in bl])
+            agg[name]["records_per_step"] = benchlib.med([x["records_per_step"] for x in bl])
     u = agg["untraced"]
     for name in ("stats", "full"):
         a = agg[name]
@@ -206,7 +206,7 @@ def summary(results: list[dict]):
             continue
         s = r["steps"]
         log(f"{r['framework']:10} {cell(s['untraced']):>24} {cell(s['stats'], s['stats']['ratio_median']):>32} "
-            f"{cell(s['full'], s['full']['ratio_median']):>32} {s['full']['bytes_per_step'] / bench.MB:12.1f}")
+            f"{cell(s['full'], s['full']['ratio_median']):>32} {s['full']['bytes_per_step'] / benchlib.MB:12.1f}")
     log("-" * len(hdr))
     log(f"{'framework':10} {'stats x (med/quiet/best)':>26} {'full x (med/quiet/best)':>26} {'cpu ms u/s/f (stats x/full x)':>32} "
         f"{'rec/step s/f':>13} {'rounds':>6} {'others max':>10}")
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with open("/proc/loadavg") as f:
         la = " ".join(f.read().split()[:3])
-    log(f"layerdiff framework bench: model {bench.MODEL_KW}, CPU ({os.cpu_count()} cpus), forward+backward; "
+    log(f"layerdiff framework bench: model {benchlib.MODEL_KW}, CPU ({os.cpu_count()} cpus), forward+backward; "
         f"python {sys.version.split()[0]}; load average at start {la}")
     log("each framework runs in its own interpreter, one after the other")
     results = []
@@ -273,8 +273,8 @@ def main(argv=None) -> int:
             continue
         log(f"  {fw}: {r['rounds']} rounds, {r['wall_incl_startup_s']:.0f} s incl. interpreter start")
         if args.profile:
-            bench.print_hot(f"{fw}: one traced step, stats mode (cProfile)", r["profile_stats_step"])
-            bench.print_hot(f"{fw}: the same step untraced (cProfile)", r["profile_untraced_step"])
+            benchlib.print_hot(f"{fw}: one traced step, stats mode (cProfile)", r["profile_stats_step"])
+            benchlib.print_hot(f"{fw}: the same step untraced (cProfile)", r["profile_untraced_step"])
     summary(results)
     with open("/proc/loadavg") as f:
         log(f"total {time.perf_counter() - t0:.0f} s; load average at end {' '.join(f.read().split()[:3])}")

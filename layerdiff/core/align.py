@@ -384,18 +384,26 @@ class Node:
         return self.inputs_ok and self.outputs_ok and all(c.subtree_ok() for c in self.children)
 
 
-def judge_rows(measurements: dict, policy: TolerancePolicy):
-    for row in measurements["records"]:
-        for t in row["tensors"]:
-            tol = policy.for_tensor(row["path"], t["dtype_a"], t["dtype_b"])
-            t["passed"], t["reason"] = judge(t["metrics"], tol)
-            t["tolerance"] = tol.as_dict()
-            per_rank = t["metrics"].get("ranks")
-            if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
-                t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]
-                if t["ranks"] and "sum" in per_rank and judge(per_rank["sum"], tol)[0]:
-                    t["hint"] = ("the ranks' copies differ from each other but add up to the reference's: a "
-                                 "reduction (all-reduce) is missing")
+def judge_rows(measurements: dict, policy: TolerancePolicy) -> list:
+    """The measured rows with every tensor judged under ``policy``: new rows and tensors, the measurements are
+    left as they were (the same measurements can be judged again under other tolerances)."""
+    return [{**row, "tensors": [_judged(row["path"], t, policy) for t in row["tensors"]]}
+            for row in measurements["records"]]
+
+
+def _judged(path: str, tensor: dict, policy: TolerancePolicy) -> dict:
+    tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"])
+    passed, reason = judge(tensor["metrics"], tol)
+    t = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
+    for stale in ("ranks", "hint"):  # from an earlier judgement under other tolerances
+        t.pop(stale, None)
+    per_rank = tensor["metrics"].get("ranks")
+    if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
+        t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]
+        if t["ranks"] and "sum" in per_rank and judge(per_rank["sum"], tol)[0]:
+            t["hint"] = ("the ranks' copies differ from each other but add up to the reference's: a "
+                         "reduction (all-reduce) is missing")
+    return t
 
 
 def _one_sided(row: dict, phase: str) -> list:
@@ -621,9 +629,9 @@ def _origin(roots, phase, params) -> dict | None:
 
 
 def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
-    """Judge every tensor and locate the origin, forward and backward. Returns the full report dict."""
-    judge_rows(measurements, policy)
-    rows = measurements["records"]
+    """Judge every tensor and locate the origin, forward and backward. Returns the full report dict, a new one:
+    ``measurements`` is not changed."""
+    rows = judge_rows(measurements, policy)
     params = {kind: _param_rows(rows, kind) for kind in ("param", "param_grad", "param_grad_use")}
     strict = measurements.get("structure") == "same_model"
     forward = _phase_result(rows, "forward", call_tree(rows, "forward", strict), params, None)
@@ -642,7 +650,7 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
             "description": f"{crash['module'] or '<root>'} raised in run {run}: {crash['error']}",
             "chain": [p or "<root>" for p in crash["module_stack"]], "hparam_diff": {}, "param_diffs": []}
     param_values = params["param"]
-    report = dict(measurements)
+    report = {**measurements, "records": rows}
     report["trust"] = trust(measurements, forward, backward)
     report["next_pass"] = window_suggestion(measurements, forward["first_divergence"])
     report.update(

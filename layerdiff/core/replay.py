@@ -340,8 +340,8 @@ def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, f
     # records with statistics only were not forced (the model itself around a --layers window): its "own code"
     # would include every module outside the window
     measurements = {**measurements, "records": [r for r in measurements["records"] if not _stats_only(r)]}
-    judge_rows(measurements, policy)
-    rows = measurements["records"]
+    rows = judge_rows(measurements, policy)
+    measurements = {**measurements, "records": rows}
     strict = measurements.get("structure") == "same_model"  # a tensor given to one run only is a difference
     forward = _forward_segments(call_tree(rows, "forward", strict))
     backward = _backward_segments(call_tree(rows, "backward", strict))
@@ -396,9 +396,8 @@ def find_blocks(records, container: str | None = None) -> tuple[str, list[str]]:
 def observe(measurements: dict, policy: TolerancePolicy, blocks: list[str], spliced: int | None) -> dict:
     """What one splice run shows: whether B's input to the first block, B's own value at the splice boundary
     (before A's replaced it), the last block's output and the model's final output agree with A's."""
-    judge_rows(measurements, policy)
-    calls = {r["path"]: r for r in measurements["records"] if r["kind"] == "call" and r["phase"] == "forward"
-             and r["call"] == 0}
+    calls = {r["path"]: r for r in judge_rows(measurements, policy) if r["kind"] == "call"
+             and r["phase"] == "forward" and r["call"] == 0}
 
     def ok(path, role):
         row = calls.get(path)

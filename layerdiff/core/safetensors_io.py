@@ -6,27 +6,27 @@ Format: 8-byte little-endian header length, a JSON header {name: {"dtype", "shap
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import LayerdiffError
+from .files import atomic_output, refuse_existing
 from .tensors import storage_dtype
 
 _TO_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
           "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
           "float8_e5m2": "F8_E5M2"}
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
+STORABLE_DTYPES = frozenset(_TO_ST)  # layerdiff dtype names a safetensors file can hold
 _MAX_HEADER = 100 << 20
 
 
 def save(path, tensors: dict, metadata: dict | None = None, *, overwrite: bool = False):
     """``tensors``: name -> (storage array, dtype name). Written to a temp file, then renamed."""
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise LayerdiffError(f"{path} exists; pass --force to replace it")
+    refuse_existing(path, overwrite)
     header, offset, arrays = {}, 0, []
     for name, (array, dtype) in sorted(tensors.items()):
         array = np.ascontiguousarray(array)
@@ -38,17 +38,11 @@ def save(path, tensors: dict, metadata: dict | None = None, *, overwrite: bool =
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for array in arrays:
-                f.write(memoryview(array).cast("B"))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise LayerdiffError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with atomic_output(path, overwrite=True) as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for array in arrays:
+            f.write(memoryview(array).cast("B"))
 
 
 def read_header(path) -> tuple[dict, dict]:
