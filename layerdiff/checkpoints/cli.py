@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 from ..core.files import refuse_existing
+from ..core.report import fmt_cos, fmt_number
 from ..errors import LayerdiffError
 from .compare import compare_files
 from .formats import file_digest
@@ -81,9 +82,7 @@ def _render(report: dict, console, exact: bool, shown: int = 20):
             notes = ([f"B: {e['b_name']}"] if e.get("b_name") else []) + \
                 (["B transposed"] if e.get("transposed") else []) + \
                 (["within default tolerance"] if e.get("within_tolerance") else [])
-            cos = e["cos"]
-            cos_text = f"1-{1 - cos:.2g}" if 0.999999 < cos < 1 else f"{cos:.6f}"
-            table.add_row(name, str(e["shape"]), dtype, f"{e['max_diff']:.3g}", f"{e['l2']:.3g}", cos_text,
+            table.add_row(name, str(e["shape"]), dtype, fmt_number(e["max_diff"]), fmt_number(e["l2"]), fmt_cos(e["cos"]),
                           ", ".join(notes))
         console.print(table)
         if len(rows) > limit:
@@ -98,7 +97,7 @@ def _render(report: dict, console, exact: bool, shown: int = 20):
                   + (f" ({s['different_within_tolerance']} within default tolerance)"
                      if s.get("different_within_tolerance") else "")
                   + f"; {len(s['missing_in_b'])} missing in B, {len(s['extra_in_b'])} extra in B; "
-                  f"max abs diff {s['max_abs_diff']:.3g} -> {verdict}")
+                  f"max abs diff {fmt_number(s['max_abs_diff'])} -> {verdict}")
 
 
 def register(sub, parser_class=None):

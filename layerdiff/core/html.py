@@ -12,6 +12,8 @@ from html import escape
 
 from rich.text import Text
 
+from .report import fmt_number, origin_lines, row_passed, step_count
+
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
 h1{font-size:22px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
@@ -31,13 +33,7 @@ def _plain(markup: str) -> str:
 
 
 def _number(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return escape(x)
-    if x == 0:
-        return "0"
-    return f"{x:.3g}"
+    return escape(x) if isinstance(x, str) else fmt_number(float(x) if isinstance(x, int) else x)
 
 
 def _rel(row: dict) -> float | None:
@@ -106,7 +102,6 @@ def error_plot(report: dict, width: int = 1000, height: int = 260) -> str:
 
 
 def _origin_block(report: dict, phase: str, steps: int) -> str:
-    from .report import origin_lines  # the terminal's explanation, as plain text
 
     res = report.get(phase) or {}
     origin = res.get("first_divergence")
@@ -138,7 +133,6 @@ def _tensor_table(row: dict) -> str:
 
 def _tree(report: dict, phase: str) -> str:
     """Each call of ``phase`` under its parent call, with its verdict and (folded) its tensors."""
-    from .report import row_passed
 
     origin = (report.get(phase) or {}).get("first_divergence") or {}
     rows = [r for r in report.get("records", ()) if r.get("kind") == "call" and r.get("phase") == phase]
@@ -189,7 +183,6 @@ def _mapping(report: dict) -> str:
 
 def report_html(report: dict) -> str:
     """The whole page for a two-run align report."""
-    from .report import step_count
 
     steps = step_count(report)
     verdict = report.get("verdict", "?")

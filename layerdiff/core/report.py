@@ -320,7 +320,7 @@ def fmt_number(x, digits=3) -> str:
         return "-"
     if isinstance(x, float):
         if math.isinf(x):
-            return "inf"
+            return "inf" if x > 0 else "-inf"
         if x == 0:
             return "0"
         if 1e-3 <= abs(x) < 1e4:
@@ -329,7 +329,8 @@ def fmt_number(x, digits=3) -> str:
     return str(x)
 
 
-def _fmt_cos(x) -> str:
+def fmt_cos(x) -> str:
+    """A cosine similarity, with the distance from 1 shown where six decimals would round it to 1."""
     if x is None:
         return "-"
     if x == 1.0:
@@ -395,7 +396,7 @@ def origin_lines(origin: dict, steps: int = 1) -> list[str]:
         m = tensor.get("metrics") or {}
         if m.get("basis") == "data":
             lines.append(f"max abs {fmt_number(m.get('max_abs'))}  mean abs {fmt_number(m.get('mean_abs'))}  "
-                         f"max rel {fmt_number(m.get('max_rel'))}  cosine {_fmt_cos(m.get('cosine'))}")
+                         f"max rel {fmt_number(m.get('max_rel'))}  cosine {fmt_cos(m.get('cosine'))}")
         if origin.get("ranks"):
             ranks = origin["ranks"]
             lines.append(f"[yellow]on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
@@ -573,7 +574,7 @@ def _render_growth(report: dict, console: Console):
         mark = Text("<- origin", style="bold red") if r["origin"] else Text("ok" if r["passed"] else "x",
                                                                             style="green" if r["passed"] else "red")
         table.add_row(Text(indent + name, style=style), _e(r["type"] or ""), fmt_number(r["max_abs"]), fmt_number(r["rel"]),
-                      _fmt_cos(r["cosine"]), mark)
+                      fmt_cos(r["cosine"]), mark)
     console.print(table)
 
 
@@ -716,7 +717,7 @@ def _segment_line(seg: dict) -> str:
     t = seg.get("tensor") or {}
     m = t.get("metrics") or {}
     detail = f"{_e(t.get('role'))} [cyan]{_e(t.get('key'))}[/]: {_e(t.get('reason'))}" if t else _e(seg.get("error", ""))
-    extra = f"  (max abs {fmt_number(m.get('max_abs'))}, cosine {_fmt_cos(m.get('cosine'))})" if m.get("basis") == "data" else ""
+    extra = f"  (max abs {fmt_number(m.get('max_abs'))}, cosine {fmt_cos(m.get('cosine'))})" if m.get("basis") == "data" else ""
     return f"[bold red]{_e(seg['description'])}[/]\n      {detail}{extra}"
 
 

@@ -8,15 +8,14 @@ from pathlib import Path
 import numpy as np
 
 from ..core.files import refuse_existing, write_atomically
+from ..core.report import fmt_number
 from ..errors import LayerdiffError
 
 _COLORS = {"a": "#1f77b4", "b": "#d62728", "diff": "#2ca02c"}
 
 
 def _nice(x) -> str:
-    if x == 0 or not math.isfinite(x):
-        return "0" if x == 0 else str(x)
-    return f"{x:.4g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
+    return fmt_number(float(x), digits=4)
 
 
 def _svg_panel(its, curves, title, ylabel, width=760, height=240) -> str:
