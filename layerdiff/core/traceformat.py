@@ -538,8 +538,10 @@ class _RawChunkReader:
         self.fd = fd
         self.addresses: dict[int, int | None] = {}
         self.file_size = os.fstat(fd).st_size
-        try:
-            self.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self.file_size else None
+        try:  # no madvise (not Linux/BSD): pieces are read with preadv
+            advice = ("MADV_WILLNEED", "MADV_DONTNEED", "MADV_SEQUENTIAL")
+            usable = self.file_size and all(hasattr(mmap, name) for name in advice)
+            self.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if usable else None
             if self.mapped is not None:
                 self.mapped.madvise(mmap.MADV_SEQUENTIAL)  # the kernel reads ahead further on a fault
         except (OSError, ValueError):
