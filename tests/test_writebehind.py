@@ -62,8 +62,8 @@ def test_pieces_read_through_the_mapping_or_preadv_equal_the_written_arrays(tmp_
     _write(tmp_path / "t.h5", 0)
     arrays = _arrays()
     with open_trace(tmp_path / "t.h5") as reader:
+        assert reader._raw is not None and reader._raw.mapped is not None
         original = reader._raw.mapped
-        assert reader._raw is not None and original is not None
         for mapping in (original, None):
             reader._raw.mapped = mapping
             for rec in reader.records:

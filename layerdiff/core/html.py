@@ -102,7 +102,6 @@ def error_plot(report: dict, width: int = 1000, height: int = 260) -> str:
 
 
 def _origin_block(report: dict, phase: str, steps: int) -> str:
-
     res = report.get(phase) or {}
     origin = res.get("first_divergence")
     if res.get("status") == "absent":
@@ -133,7 +132,6 @@ def _tensor_table(row: dict) -> str:
 
 def _tree(report: dict, phase: str) -> str:
     """Each call of ``phase`` under its parent call, with its verdict and (folded) its tensors."""
-
     origin = (report.get(phase) or {}).get("first_divergence") or {}
     rows = [r for r in report.get("records", ()) if r.get("kind") == "call" and r.get("phase") == phase]
     children: dict = {}
@@ -183,7 +181,6 @@ def _mapping(report: dict) -> str:
 
 def report_html(report: dict) -> str:
     """The whole page for a two-run align report."""
-
     steps = step_count(report)
     verdict = report.get("verdict", "?")
     problems = (report.get("trust") or {}).get("problems", [])

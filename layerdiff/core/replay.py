@@ -341,7 +341,6 @@ def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, f
     # would include every module outside the window
     measurements = {**measurements, "records": [r for r in measurements["records"] if not _stats_only(r)]}
     rows = judge_rows(measurements, policy)
-    measurements = {**measurements, "records": rows}
     strict = measurements.get("structure") == "same_model"  # a tensor given to one run only is a difference
     forward = _forward_segments(call_tree(rows, "forward", strict))
     backward = _backward_segments(call_tree(rows, "backward", strict))

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LayerdiffError
-from .files import atomic_output, refuse_existing
+from .files import atomic_output
 from .tensors import storage_dtype
 
 _TO_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
@@ -25,11 +25,8 @@ _MAX_HEADER = 100 << 20
 
 def save(path, tensors: dict, metadata: dict | None = None, *, overwrite: bool = False):
     """``tensors``: name -> (storage array, dtype name). Written to a temp file, then renamed."""
-    path = Path(path)
-    refuse_existing(path, overwrite)
     header, offset, arrays = {}, 0, []
     for name, (array, dtype) in sorted(tensors.items()):
-        array = np.ascontiguousarray(array)
         header[name] = {"dtype": _TO_ST[dtype], "shape": list(array.shape),
                         "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
@@ -38,11 +35,11 @@ def save(path, tensors: dict, metadata: dict | None = None, *, overwrite: bool =
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with atomic_output(path, overwrite=True) as f:
+    with atomic_output(path, overwrite=overwrite) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for array in arrays:
-            f.write(memoryview(array).cast("B"))
+        for array in arrays:  # a non-contiguous array is copied only while it is written
+            f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
 def read_header(path) -> tuple[dict, dict]:
