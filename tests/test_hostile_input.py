@@ -28,7 +28,7 @@ from conftest import run_cli
 from layerdiff import logs
 from layerdiff.checkpoints import open_checkpoint
 from layerdiff.core import report as report_mod
-from layerdiff.core import safetensors_io, traceformat
+from layerdiff.core import safetensors_io, schema, traceformat
 from layerdiff.core.tensors import STORAGE_DTYPES
 from layerdiff.errors import LayerdiffError
 
@@ -299,7 +299,7 @@ def evaluate_and_render(saved: dict) -> dict:
 
     result = evaluate(saved, TolerancePolicy())
     report_mod.render(result, Console(file=io.StringIO(), width=140))
-    json.dumps(report_mod._json_safe(result))
+    json.dumps(schema.json_safe(result))
     return result
 
 
@@ -541,11 +541,11 @@ BAD_REPORTS = {
 
 def test_small_report_is_valid():
     """The base of the report cases: accepted, evaluated and rendered (the forward origin is fc)."""
-    doc = report_mod._from_json(json.loads(json.dumps(small_report())))
-    assert report_mod._valid_report(doc)
+    doc = schema.loads(json.dumps(small_report()))
+    assert report_mod.report_problem(doc) is None
     result = evaluate_and_render(doc)
     assert result["forward"]["first_divergence"]["module"] == "fc" and result["verdict"] == "divergent"
-    assert report_mod._valid_report(deep_report(100))
+    assert report_mod.report_problem(deep_report(100)) is None
     evaluate_and_render(deep_report(100))  # a deep but bounded call tree: still evaluated
 
 
@@ -567,7 +567,7 @@ def test_report_refused(tmp_path, case):
 
 
 def test_report_nested_deeply_refused(tmp_path):
-    for depth in (500, 100_000):  # within json's recursion limit (then _from_json's), and beyond it
+    for depth in (500, 100_000):  # within json's recursion limit (then from_json_safe), and beyond it
         path = tmp_path / f"r{depth}.json"
         nested = "[" * depth + "]" * depth
         text = json.dumps(small_report())

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import LayerdiffError
-from . import modules, ranks
+from . import modules, ranks, schema
 from .layouts import LayoutRules, relate_shapes, type_family
 from .mapping import ModuleMapping, match_modules
 from .match import RenameRules, TensorPair, TraceSide, match_records
@@ -33,7 +33,6 @@ from .modules import find_blocks
 from .tensors import as_float
 from .tolerance import TolerancePolicy, judge
 
-REPORT_VERSION = 1
 IN_ROLES = {"forward": ("input",), "backward": ("grad_output",)}
 OUT_ROLES = {"forward": ("output",), "backward": ("grad_input", "param_grad")}
 HPARAM_ALIASES = {"epsilon": "eps", "variance_epsilon": "eps", "layer_norm_eps": "eps", "rms_norm_eps": "eps",
@@ -43,7 +42,7 @@ HPARAM_ALIASES = {"epsilon": "eps", "variance_epsilon": "eps", "layer_norm_eps":
 # ---------------------------------------------------------------------------------------------------------
 # Pass 1: measure
 # ---------------------------------------------------------------------------------------------------------
-def trace_summary(reader) -> dict:
+def trace_summary(reader) -> schema.RunSummary:
     meta = reader.meta
     end = reader.end or {}
     return {"path": str(reader.path), "framework": meta.get("framework"),
@@ -187,7 +186,7 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
     return None
 
 
-def _tensor_row(tp: TensorPair, metrics: dict) -> dict:
+def _tensor_row(tp: TensorPair, metrics: schema.Metrics) -> schema.TensorResult:
     def nonfinite(op):
         return sum(e["stats"].get("nan", 0) + e["stats"].get("inf", 0) for e in op.entries if e.get("stats"))
 
@@ -233,7 +232,7 @@ def module_mapping(reader_a, reader_b, rules: RuleSet, rename: RenameRules | Non
 
 def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True,
             layouts: LayoutRules | None = None, rules: RuleSet | None = None,
-            mapping: ModuleMapping | None = None) -> dict:
+            mapping: ModuleMapping | None = None) -> schema.Report:
     """Match the two traces (inferring renamed and fused modules) and compute metrics for every tensor pair."""
     rename = rename or RenameRules()
     layouts = layouts or LayoutRules()
@@ -283,7 +282,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
     same_model = reader_a.meta.get("model_class") == reader_b.meta.get("model_class")
     phases = {phase: {side: any(r["kind"] == "call" and r["phase"] == phase for r in reader.records)
                       for side, reader in (("a", reader_a), ("b", reader_b))} for phase in ("forward", "backward")}
-    return {"report_version": REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
+    return {"report_version": schema.REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
             "map": rename.as_list(), "layouts": layouts.as_list(), "rules": rules.describe(), "records": records,
             "structure": "same_model" if same_model else "ported", "phases": phases,
@@ -363,9 +362,9 @@ def first_nonfinite(records, phase: str | None = None) -> dict | None:
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
 class Node:
-    row: dict
-    ins: list
-    outs: list
+    row: schema.Row
+    ins: list[schema.TensorResult]
+    outs: list[schema.TensorResult]
     children: list = field(default_factory=list)
 
     @property
@@ -384,14 +383,14 @@ class Node:
         return self.inputs_ok and self.outputs_ok and all(c.subtree_ok() for c in self.children)
 
 
-def judge_rows(measurements: dict, policy: TolerancePolicy) -> list:
+def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[schema.Row]:
     """The measured rows with every tensor judged under ``policy``: new rows and tensors, the measurements are
     left as they were (the same measurements can be judged again under other tolerances)."""
     return [{**row, "tensors": [_judged(row["path"], t, policy) for t in row["tensors"]]}
             for row in measurements["records"]]
 
 
-def _judged(path: str, tensor: dict, policy: TolerancePolicy) -> dict:
+def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy) -> schema.TensorResult:
     tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"])
     passed, reason = judge(tensor["metrics"], tol)
     t = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
@@ -406,7 +405,7 @@ def _judged(path: str, tensor: dict, policy: TolerancePolicy) -> dict:
     return t
 
 
-def _one_sided(row: dict, phase: str) -> list:
+def _one_sided(row: schema.Row, phase: str) -> list[schema.TensorResult]:
     """Pseudo-tensors that fail: inputs given to one run only (a mask passed on one side)."""
     roles = IN_ROLES[phase]
     out = []
@@ -420,7 +419,7 @@ def _one_sided(row: dict, phase: str) -> list:
     return out
 
 
-def _build_tree(rows: list, phase: str, param_grads: dict, strict_inputs: bool = False, uses: dict | None = None) -> list:
+def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict, strict_inputs: bool = False, uses: dict | None = None) -> list:
     """The call tree of A's matched calls. A call whose parent has no counterpart hangs under its nearest
     ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
     root of one run only counts as a difference of the inputs."""
@@ -455,7 +454,7 @@ def _build_tree(rows: list, phase: str, param_grads: dict, strict_inputs: bool =
     return roots
 
 
-def call_tree(rows: list, phase: str, strict_inputs: bool = False) -> list:
+def call_tree(rows: list[schema.Row], phase: str, strict_inputs: bool = False) -> list[Node]:
     """The judged call tree of one phase (``_build_tree``) with parameter gradients placed on the calls they
     belong to: a module's own on its first call of the step; a tied weight's per use, on the call that used it
     (its total, the sum of its uses, then stays off the tree)."""
@@ -533,7 +532,7 @@ def hparam_diff(a: dict | None, b: dict | None) -> dict:
     return {k: [na[k], nb[k]] for k in sorted(set(na) & set(nb)) if na[k] != nb[k]}
 
 
-def _origin_dict(node: Node, where: str, after, before, chain, phase: str, params: list) -> dict:
+def _origin_dict(node: Node, where: str, after, before, chain, phase: str, params: list) -> schema.Origin:
     row = node.row
     if where == "inputs":
         bad = _first_failing(node.ins)
@@ -580,7 +579,7 @@ def _param_rows(rows, kind):
     return out
 
 
-def _phase_result(rows, phase, roots, params, forward_origin) -> dict:
+def _phase_result(rows, phase, roots, params, forward_origin) -> schema.PhaseResult:
     present = any(r["kind"] == "call" and r["phase"] == phase for r in rows)
     failing = [t for r in rows if r["kind"] == "call" and r["phase"] == phase for t in r["tensors"]
                if not t["passed"]]
@@ -605,7 +604,7 @@ def _phase_result(rows, phase, roots, params, forward_origin) -> dict:
     return result
 
 
-def _origin(roots, phase, params) -> dict | None:
+def _origin(roots, phase, params) -> schema.Origin | None:
     for root in roots:
         if not root.inputs_ok:
             what = "inputs" if phase == "forward" else "gradient of the loss w.r.t. the outputs"
@@ -628,7 +627,7 @@ def _origin(roots, phase, params) -> dict | None:
     return None
 
 
-def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
+def evaluate(measurements: schema.Report, policy: TolerancePolicy) -> schema.Report:
     """Judge every tensor and locate the origin, forward and backward. Returns the full report dict, a new one:
     ``measurements`` is not changed."""
     rows = judge_rows(measurements, policy)
@@ -666,7 +665,7 @@ def evaluate(measurements: dict, policy: TolerancePolicy) -> dict:
     return report
 
 
-def trust(measurements: dict, forward: dict, backward: dict) -> dict:
+def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: schema.PhaseResult) -> schema.Trust:
     """Why an "aligned" verdict could still be wrong: a run that did not finish, a phase recorded on one side
     only, the same trace twice. ``{"ok": bool, "problems": [...]}``; the CLI exits 3 for aligned-but-not-ok."""
     problems = []
@@ -687,7 +686,7 @@ def trust(measurements: dict, forward: dict, backward: dict) -> dict:
     return {"ok": not problems, "problems": problems}
 
 
-def window_suggestion(measurements: dict, origin: dict | None) -> dict | None:
+def window_suggestion(measurements: schema.Report, origin: schema.Origin | None) -> dict | None:
     """Two-pass tracing: after a statistics-only align, the block to trace again in full mode and bisect."""
     if origin is None or measurements.get("basis") not in ("stats", "mixed") or not origin.get("module"):
         return None
@@ -699,7 +698,7 @@ def window_suggestion(measurements: dict, origin: dict | None) -> dict | None:
     return {"block": blocks[index], "layers": f"{index}:{index + 1}", "container": container}
 
 
-def growth_table(rows: list, origin: dict | None, max_rows: int = 16) -> list:
+def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows: int = 16) -> list:
     """Forward calls at the coarsest depth that still shows the model's blocks, plus the origin's ancestors
     and siblings: how the error grows, block by block, and where it starts."""
     step = origin["step"] if origin and "step" in origin else 0
@@ -740,6 +739,6 @@ def growth_table(rows: list, origin: dict | None, max_rows: int = 16) -> list:
 
 def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
           progress=None, auto_map: bool = True, layouts: LayoutRules | None = None,
-          rules: RuleSet | None = None) -> dict:
+          rules: RuleSet | None = None) -> schema.Report:
     return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts, rules),
                     policy or TolerancePolicy())

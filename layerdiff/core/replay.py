@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from . import fusion
+from . import fusion, schema
 from .align import call_tree, describe_origin, judge_rows
 from .metrics import relative_error
 from .layouts import LayoutRules, relate_shapes
@@ -231,7 +231,7 @@ class Forcer:
 # ---------------------------------------------------------------------------------------------------------
 # Own errors: which segments of the candidate are wrong on the reference's numbers
 # ---------------------------------------------------------------------------------------------------------
-def _worst(tensors) -> dict | None:
+def _worst(tensors: list[schema.TensorResult]) -> schema.TensorResult | None:
     failing = [t for t in tensors if not t["passed"]]
     return max(failing, key=lambda t: relative_error(t["metrics"]), default=None)
 
@@ -315,7 +315,7 @@ def _backward_segments(roots) -> list:
     return out
 
 
-def amplification(free_report: dict | None) -> dict:
+def amplification(free_report: schema.Report | None) -> dict:
     """(path, call) -> how a module call of the free-running candidate turned its input error into output
     error: relative error in, relative error out, and their ratio."""
     out = {}
@@ -332,7 +332,7 @@ def amplification(free_report: dict | None) -> dict:
     return out
 
 
-def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, free_report: dict | None = None,
+def evaluate_replay(measurements: schema.Report, policy: TolerancePolicy | None = None, free_report: dict | None = None,
                     forcer_notes: dict | None = None) -> dict:
     """Judge the replay trace against the reference; list the segments with own error, in execution order,
     and set them against what ``align`` (the free run) blamed."""
@@ -369,7 +369,7 @@ def evaluate_replay(measurements: dict, policy: TolerancePolicy | None = None, f
     return result
 
 
-def _stats_only(row: dict) -> bool:
+def _stats_only(row: schema.Row) -> bool:
     return bool(row["tensors"]) and all(t["metrics"].get("basis") == "stats" for t in row["tensors"])
 
 
@@ -392,7 +392,7 @@ def find_blocks(records, container: str | None = None) -> tuple[str, list[str]]:
     return blocks_of([r["path"] for r in records if r["kind"] == "call" and r["phase"] == "forward"], container)
 
 
-def observe(measurements: dict, policy: TolerancePolicy, blocks: list[str], spliced: int | None) -> dict:
+def observe(measurements: schema.Report, policy: TolerancePolicy, blocks: list[str], spliced: int | None) -> dict:
     """What one splice run shows: whether B's input to the first block, B's own value at the splice boundary
     (before A's replaced it), the last block's output and the model's final output agree with A's."""
     calls = {r["path"]: r for r in judge_rows(measurements, policy) if r["kind"] == "call"

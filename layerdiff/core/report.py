@@ -17,37 +17,15 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import LayerdiffError
+from . import schema
 from .files import write_atomically
 
-_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _from_json(obj):
-    if isinstance(obj, str) and obj in _NONFINITE:
-        return _NONFINITE[obj]
-    if isinstance(obj, dict):
-        return {k: _from_json(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_from_json(v) for v in obj]
-    return obj
-
-
-def json_text(report: dict) -> str:
+def json_text(report: schema.Report) -> str:
     """The report as JSON text (non-finite numbers as "nan", "inf", "-inf": strict JSON readers accept it)."""
-    return json.dumps(_json_safe(report), indent=1)
+    return schema.dumps(report)
 
 
-def write_json(report: dict, path, *, overwrite: bool = False):
+def write_json(report: schema.Report, path, *, overwrite: bool = False):
     """Write atomically (temp file + rename) and never over an existing file unless asked."""
     write_atomically(path, json_text(report), overwrite=overwrite)
 
@@ -63,7 +41,7 @@ def publish(report: dict, *, json_path=None, overwrite: bool = False, quiet: boo
         render(report)
 
 
-def read_json(path) -> dict:
+def read_json(path) -> schema.Report:
     """A JSON report written by ``layerdiff align --json``, checked before anything reads it: a foreign, damaged
     or hostile file (wrong shapes, wrong types, nesting too deep) is one ``LayerdiffError`` naming the file."""
     path = Path(path)
@@ -77,28 +55,18 @@ def read_json(path) -> dict:
         raise LayerdiffError(f"{path}: not a JSON report (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise LayerdiffError(f"{path}: not a JSON report ({type(exc).__name__})") from None
-    if _too_deep(data, _MAX_JSON_DEPTH):  # _from_json and evaluate recurse: bound the depth first
+    if _too_deep(data, _MAX_JSON_DEPTH):  # from_json_safe and evaluate recurse: bound the depth first
         raise LayerdiffError(f"{path}: JSON, but not a layerdiff align report (nested more than {_MAX_JSON_DEPTH} "
                              "levels)")
-    data = _from_json(data)
-    problem = _report_problem(data)
+    data = schema.from_json_safe(data)
+    problem = report_problem(data)
     if problem:
         raise LayerdiffError(f"{path}: JSON, but not a layerdiff align report ({problem})")
     return data
 
 
-_REPORT_KEYS = ("report_version", "a", "b", "records", "only_a", "only_b", "first_nonfinite")
-_ROW_KEYS = ("kind", "phase", "path", "call", "step", "begin", "end", "parent", "tensors")
-_TENSOR_KEYS = ("role", "key", "dtype_a", "dtype_b", "metrics")
 _MAX_JSON_DEPTH = 64  # a real report nests about 8 levels (records, tensors, metrics, per-rank metrics)
 _MAX_TREE_DEPTH = 128  # module nesting; evaluate descends the call tree recursively
-_NUMBER_METRICS = ("max_abs", "ref_max_abs", "cosine", "mean_abs", "max_rel")
-
-
-def _valid_report(data) -> bool:
-    """The structure ``evaluate`` and ``render`` need, checked up front so a foreign JSON file is one clear
-    error (after ``_from_json``: "inf"/"nan" strings are numbers by then)."""
-    return _report_problem(data) is None
 
 
 def _too_deep(data, limit: int) -> bool:
@@ -113,135 +81,40 @@ def _too_deep(data, limit: int) -> bool:
     return False
 
 
-def _is_int(x) -> bool:
-    return type(x) is int and -(1 << 63) <= x < (1 << 63)
-
-
-def _is_number(x) -> bool:  # what arithmetic and "{:.3g}" accept (a 400-digit integer overflows a float)
-    return type(x) is float or _is_int(x)
-
-
-def _str_or_none(x) -> bool:
-    return x is None or isinstance(x, str)
-
-
-def _str_list(x) -> bool:
-    return x is None or (isinstance(x, list) and all(isinstance(v, str) for v in x))
-
-
-def _call_ref(x) -> bool:  # [path, call] of a parent or ancestor
-    return isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1])
-
-
-def _metrics_problem(m, where: str) -> str | None:
-    """What ``judge``, the growth table and the origin lines read from a tensor's metrics."""
-    if not isinstance(m, dict):
-        return f"{where} is not an object"
-    for key in _NUMBER_METRICS:
-        if m.get(key) is not None and not _is_number(m[key]):
-            return f"{where}.{key} is not a number"
-    if not (m.get("mismatch") or m.get("nonfinite_mismatch") or m.get("identical")):  # judge compares numbers
+def _metrics_problem(m: schema.Metrics, where: str) -> str | None:
+    """Beyond the declared types: ``judge`` compares max_abs unless the pair was not comparable or identical."""
+    if not (m.get("mismatch") or m.get("nonfinite_mismatch") or m.get("identical")):
         if m.get("max_abs") is None:
             return f"{where} has no max_abs"
         if "ref_max_abs" in m and m["ref_max_abs"] is None:
             return f"{where}.ref_max_abs is not a number"
-    return None
-
-
-def _object_problem(obj, keys, where: str) -> str | None:
-    """Not a JSON object, or one without all of ``keys``."""
-    if not isinstance(obj, dict):
-        return f"{where} is not an object"
-    missing = next((k for k in keys if k not in obj), None)
-    return f"{where} has no {missing}" if missing else None
-
-
-def _tensor_problem(t, where: str) -> str | None:
-    problem = _object_problem(t, _TENSOR_KEYS, where)
-    if problem:
-        return problem
-    if not (isinstance(t["role"], str) and isinstance(t["key"], str)):
-        return f"{where}: role and key must be strings"
-    if not (_str_or_none(t["dtype_a"]) and _str_or_none(t["dtype_b"])):
-        return f"{where}: dtype_a and dtype_b must be strings"
-    if not (t.get("ranks") is None or (isinstance(t["ranks"], list) and all(_is_int(r) for r in t["ranks"]))):
-        return f"{where}.ranks must be a list of rank numbers"
-    problem = _metrics_problem(t["metrics"], f"{where}.metrics")
-    if problem:
-        return problem
-    per_rank = t["metrics"].get("ranks", {})
-    if not isinstance(per_rank, dict):
-        return f"{where}.metrics.ranks is not an object"
-    for rank, m in per_rank.items():
+    for rank, per_rank in (m.get("ranks") or {}).items():  # "0", "1", ... and "sum"; other keys are notes
         if rank.isdigit() or rank == "sum":
             if rank != "sum" and not re.fullmatch(r"[0-9]{1,9}", rank):
-                return f"{where}.metrics.ranks has a bad rank number"
-            problem = _metrics_problem(m, f"{where}.metrics.ranks.{rank}")
-            if problem:
-                return problem
+                return f"{where}.ranks has a bad rank number"
+            found = schema.problem(per_rank, schema.Metrics, f"{where}.ranks.{rank}") or \
+                _metrics_problem(per_rank, f"{where}.ranks.{rank}")
+            if found:
+                return found
     return None
 
 
-def _row_problem(row, where: str) -> str | None:
-    problem = _object_problem(row, _ROW_KEYS, where)
-    if problem:
-        return problem
-    if not (isinstance(row["kind"], str) and isinstance(row["path"], str)):
-        return f"{where}: kind and path must be strings"
-    if row["kind"] == "call" and row["phase"] not in ("forward", "backward"):
+def _row_problem(row: schema.Row, where: str) -> str | None:
+    """Beyond the declared types: what depends on a row's kind."""
+    if row["kind"] == "call" and row["phase"] is None:
         return f"{where}.phase must be forward or backward"
     if row["kind"] == "call" and "type_a" not in row:  # the growth table reads it
         return f"{where} has no type_a"
-    if not _str_or_none(row["phase"]):
-        return f"{where}.phase must be a string"
-    if not (_is_int(row["call"]) and _is_int(row["step"]) and _is_number(row["begin"]) and _is_number(row["end"])):
-        return f"{where}: call, step, begin and end must be numbers"
-    if not (row["parent"] in (None, []) or _call_ref(row["parent"])):
-        return f"{where}.parent must be null or [path, call]"
-    ancestors = row.get("ancestors")
-    if not (ancestors is None or (isinstance(ancestors, list) and all(_call_ref(a) for a in ancestors))):
-        return f"{where}.ancestors must be a list of [path, call]"
-    for key in ("module", "path_b", "type_a", "type_b", "family_a", "family_b"):
-        if not _str_or_none(row.get(key)):
-            return f"{where}.{key} must be a string"
     if row["kind"] in ("param", "param_grad", "param_grad_use") and not isinstance(row.get("module"), str):
         return f"{where}.module must be a string"
-    for key in ("hparams_a", "hparams_b"):
-        if not (row.get(key) is None or isinstance(row[key], dict)):
-            return f"{where}.{key} must be an object"
-    for key in ("only_a", "only_b", "tied"):
-        if not _str_list(row.get(key)):
-            return f"{where}.{key} must be a list of strings"
-    if not isinstance(row["tensors"], list):
-        return f"{where}.tensors is not a list"
     for j, t in enumerate(row["tensors"]):
-        problem = _tensor_problem(t, f"{where}.tensors[{j}]")
-        if problem:
-            return problem
+        found = _metrics_problem(t["metrics"], f"{where}.tensors[{j}].metrics")
+        if found:
+            return found
     return None
 
 
-def _side_problem(side, name: str) -> str | None:
-    """A run's summary ("a"/"b"): what the header lines, the trust check and a crash's origin read."""
-    if not isinstance(side, dict) or not isinstance(side.get("path"), str):
-        return f"{name} must be an object with a path"
-    for key in ("framework", "framework_version", "model_class", "target"):
-        if not _str_or_none(side.get(key)):
-            return f"{name}.{key} must be a string"
-    if not (side.get("target_args") is None or isinstance(side["target_args"], dict)):
-        return f"{name}.target_args must be an object"
-    if not isinstance(side.get("warnings", []), list):
-        return f"{name}.warnings must be a list"
-    failure = side.get("failure")
-    if failure is not None:
-        stack = failure.get("module_stack", []) if isinstance(failure, dict) else None
-        if not (isinstance(failure, dict) and _str_or_none(failure.get("module")) and isinstance(stack, list)
-                and all(_str_or_none(p) for p in stack)):
-            return f"{name}.failure must be an object with module and module_stack"
-    return None
-
-
-def _tree_too_deep(rows: list, limit: int) -> bool:
+def _tree_too_deep(rows: list[schema.Row], limit: int) -> bool:
     """Whether the call tree ``align.call_tree`` builds from these rows (a call hangs under its nearest recorded
     ancestor) nests deeper than ``limit``; cycles never reach a root, so they do not count."""
     for phase in ("forward", "backward"):
@@ -268,44 +141,16 @@ def _tree_too_deep(rows: list, limit: int) -> bool:
     return False
 
 
-def _report_problem(data) -> str | None:
-    if not isinstance(data, dict):
-        return "not an object"
-    missing = next((k for k in _REPORT_KEYS if k not in data), None)
-    if missing:
-        return f"no {missing!r}"
-    for name in ("a", "b"):
-        problem = _side_problem(data[name], name)
-        if problem:
-            return problem
-    if not isinstance(data["records"], list):
-        return "records is not a list"
+def report_problem(data) -> str | None:
+    """What keeps ``data`` (parsed JSON, non-finite numbers restored) from being a report that ``evaluate`` and
+    ``render`` can take: the declared shape (``schema.Report``), then what types alone do not say. None: nothing."""
+    found = schema.problem(data, schema.Report, "report")
+    if found:
+        return found.removeprefix("report.")
     for i, row in enumerate(data["records"]):
-        problem = _row_problem(row, f"records[{i}]")
-        if problem:
-            return problem
-    for name in ("only_a", "only_b"):
-        if not (isinstance(data[name], list) and all(isinstance(r, dict) and isinstance(r.get("path"), str)
-                                                     for r in data[name])):
-            return f"{name} must be a list of records with a path"
-    nonfinite = data["first_nonfinite"]
-    if not isinstance(nonfinite, dict) or not all(
-            nonfinite.get(s) is None or (isinstance(nonfinite[s], dict) and all(
-                k in nonfinite[s] for k in ("module", "phase", "tensor", "nan", "inf"))) for s in ("a", "b")):
-        return "first_nonfinite must hold null or {module, phase, tensor, nan, inf} per run"
-    mapping = data.get("mapping")
-    if not (mapping is None or (isinstance(mapping, list) and all(
-            isinstance(m, dict) and isinstance(m.get("a"), str) and isinstance(m.get("b"), str) and "reason" in m
-            and _is_number(m.get("confidence")) and _str_list(m.get("a_parts")) and _str_list(m.get("b_parts"))
-            for m in mapping))):
-        return "mapping must be a list of {a, b, confidence, reason}"
-    unmatched = data.get("unmatched_modules")
-    if not (unmatched is None or (isinstance(unmatched, dict) and _str_list(unmatched.get("a"))
-                                  and _str_list(unmatched.get("b")))):
-        return "unmatched_modules must hold lists of module paths"
-    phases = data.get("phases")
-    if not (phases is None or (isinstance(phases, dict) and all(isinstance(v, dict) for v in phases.values()))):
-        return "phases must map each phase to an object"
+        found = _row_problem(row, f"records[{i}]")
+        if found:
+            return found
     if _tree_too_deep(data["records"], _MAX_TREE_DEPTH):
         return f"calls nested more than {_MAX_TREE_DEPTH} levels"
     return None
@@ -340,7 +185,7 @@ def fmt_cos(x) -> str:
     return f"{x:.6f}"
 
 
-def _render_settings(report: dict, console: Console):
+def _render_settings(report: schema.Report, console: Console):
     """Run settings that differ (seeds, deterministic switches, versions, ...) and the runs' own notes."""
     settings = report.get("settings") or {}
     differ = settings.get("differ") or []
@@ -356,7 +201,7 @@ def _render_settings(report: dict, console: Console):
                                                        for k in keys))
 
 
-def _trace_line(side: dict) -> str:
+def _trace_line(side: schema.RunSummary) -> str:
     parts = [side.get("framework") or "?", side.get("framework_version") or "",
              (side.get("model_class") or "").rsplit(".", 1)[-1], f"mode={side.get('mode')}"]
     state = "" if side.get("complete") else " [yellow](incomplete: run did not finish)[/]"
@@ -368,12 +213,12 @@ def _e(value) -> str:
     return escape(str(value))
 
 
-def step_count(report: dict) -> int:
+def step_count(report: schema.Report) -> int:
     """How many steps the compared records span (a multi-step trace names the step where divergence starts)."""
     return max((r.get("step", 0) for r in report.get("records", ())), default=0) + 1
 
 
-def origin_lines(origin: dict, steps: int = 1) -> list[str]:
+def origin_lines(origin: schema.Origin, steps: int = 1) -> list[str]:
     lines = [f"[bold red]{_e(origin['description'])}[/]"
              + (f"  [dim]({_e(origin['type'])})[/]" if origin.get("type") else "")
              + (f"  [bold]at step {origin.get('step', 0) + 1} of {steps}[/]" if steps > 1 else "")]
@@ -419,7 +264,7 @@ def origin_lines(origin: dict, steps: int = 1) -> list[str]:
     return lines
 
 
-def scalar_outputs_by_step(report: dict) -> list[tuple[int, str, float, float, bool]]:
+def scalar_outputs_by_step(report: schema.Report) -> list[tuple[int, str, float, float, bool]]:
     """(step, key, A's value, B's value, within tolerance) of the model's one-element outputs (the loss) in
     every step: what a training comparison looks at first."""
     out = []
@@ -431,7 +276,7 @@ def scalar_outputs_by_step(report: dict) -> list[tuple[int, str, float, float, b
     return sorted(out)
 
 
-def _render_steps(report: dict, console: Console):
+def _render_steps(report: schema.Report, console: Console):
     steps = step_count(report)
     if steps < 2:
         return
@@ -460,7 +305,7 @@ def _value(x) -> str:
     return "-" if x is None else f"{x:.7g}"  # a loss: enough digits to see a difference in the 6th
 
 
-def row_passed(row: dict) -> bool:
+def row_passed(row: schema.Row) -> bool:
     """Every tensor of a report row within tolerance."""
     return all(t.get("passed", True) for t in row.get("tensors", ()))
 
@@ -471,7 +316,7 @@ def make_console(**kwargs) -> Console:
     return probe if probe.is_terminal else Console(width=max(probe.width, 140), **kwargs)
 
 
-def render(report: dict, console: Console | None = None):
+def render(report: schema.Report, console: Console | None = None):
     console = console or make_console()
     _render_body(report, console)
     for problem in (report.get("trust") or {}).get("problems", []):
@@ -480,7 +325,7 @@ def render(report: dict, console: Console | None = None):
         console.print("[bold yellow]the runs agree on what was compared, but the comparison is incomplete (exit 3)[/]")
 
 
-def _render_body(report: dict, console: Console):
+def _render_body(report: schema.Report, console: Console):
     console.print(f"[bold]A[/] {_trace_line(report['a'])}")
     console.print(f"[bold]B[/] {_trace_line(report['b'])}")
     basis = report.get("basis")
@@ -528,7 +373,7 @@ def _render_body(report: dict, console: Console):
     _render_footer(report, console)
 
 
-def _render_mapping(report: dict, console: Console, shown: int = 12):
+def _render_mapping(report: schema.Report, console: Console, shown: int = 12):
     """The inferred mapping, with repeated blocks shown once (``layers.*``), in A's execution order."""
     from .mapping import collapse_indices
 
@@ -558,7 +403,7 @@ def _render_mapping(report: dict, console: Console, shown: int = 12):
                       + (f" (+{len(names) - 6})" if len(names) > 6 else "") + "[/]")
 
 
-def _render_growth(report: dict, console: Console):
+def _render_growth(report: schema.Report, console: Console):
     rows = report.get("growth") or []
     if not rows or report["forward"]["status"] == "aligned":
         return
@@ -578,14 +423,14 @@ def _render_growth(report: dict, console: Console):
     console.print(table)
 
 
-def _command(side: dict, placeholder: str) -> str:
+def _command(side: schema.RunSummary, placeholder: str) -> str:
     target = side.get("target")
     if not target:
         return placeholder
     return " ".join([target] + [f"--arg {k}={v}" for k, v in (side.get("target_args") or {}).items()])
 
 
-def _render_next_pass(report: dict, console: Console):
+def _render_next_pass(report: schema.Report, console: Console):
     nxt = report.get("next_pass")
     if not nxt:
         return
@@ -597,7 +442,7 @@ def _render_next_pass(report: dict, console: Console):
                   soft_wrap=True)
 
 
-def _render_footer(report: dict, console: Console):
+def _render_footer(report: schema.Report, console: Console):
     notes = []
     p = report.get("params", {})
     if p.get("compared"):

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LayerdiffError, TraceFormatError
+from .schema import Stats, TensorEntry, TraceRecord
 from .tensors import storage_dtype, summarize
 from .writebehind import BLOCK, WriteBehind
 
@@ -246,7 +247,8 @@ class TraceWriter:
         self.tensor_bytes = 0
         self.closed = False
 
-    def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool, stats: dict | None = None) -> dict:
+    def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool,
+                     stats: Stats | None = None) -> TensorEntry:
         """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
@@ -279,11 +281,11 @@ class TraceWriter:
         self.records_written += len(lines)
 
     @staticmethod
-    def summary_entry(dtype: str, shape, stats: dict) -> dict:
+    def summary_entry(dtype: str, shape, stats: Stats) -> TensorEntry:
         """A tensor entry without data: what every record keeps, in both modes."""
         return {"dtype": dtype, "shape": list(shape), "stats": stats}
 
-    def write_record(self, record: dict):
+    def write_record(self, record: TraceRecord):
         line = (json.dumps(record, separators=(",", ":"), default=_json_default) + "\n").encode()
         with self._lock:
             if self.compressed:  # the index may only point at data that is on disk: lines wait for a flush
@@ -623,7 +625,7 @@ class _RawChunkReader:
         os.close(self.fd)
 
 
-def _parse_index(raw: bytes, data_size: int):
+def _parse_index(raw: bytes, data_size: int) -> tuple[list[TraceRecord], TraceRecord | None]:
     """Records up to the last complete, consistent line; a torn tail (crash mid-write) is dropped, and so is
     everything from the first line that is not JSON (or is nested too deeply to decode), fails
     ``_valid_record`` or points past the end of /data."""
