@@ -22,12 +22,16 @@ class Int64:
     """An integer within int64 (JSON's true/false are not integers)."""
 
 
+class Count:
+    """A non-negative ``Int64``: an index, a size, a position in a file."""
+
+
 class Number:
     """An int64 or a float: what arithmetic and ``"{:.3g}"`` accept (a 400-digit integer overflows a float)."""
 
 
 class CallRef:
-    """``[module path, call index]``: a call's parent or ancestor."""
+    """``[module path, call index]``: a call's parent or ancestor (the index a ``Count``)."""
 
 
 class ParentRef:
@@ -53,14 +57,14 @@ class _TensorEntryKeys(TypedDict):
     role: str  # input, output, grad_output, grad_input, param, param_grad
     key: str  # "args.0", "kwargs.hidden_states", "out.0", "value"
     dtype: str
-    shape: List[Int64]
+    shape: List[Count]
     stats: Stats
 
 
 class TensorEntry(_TensorEntryKeys, total=False):
     """One tensor in a trace record; ``offset``/``nbytes`` locate its stored bytes (full mode only)."""
-    offset: Int64
-    nbytes: Int64
+    offset: Count
+    nbytes: Count
     placement: Dict[str, Any]  # how a distributed tensor is spread over ranks
 
 
@@ -69,16 +73,16 @@ class _TraceRecordKeys(TypedDict):
 
 
 class TraceRecord(_TraceRecordKeys, total=False):
-    """A module call (forward or backward), a parameter's value or gradient, or a tied weight's per-use
-    gradient. ``begin``/``end`` (calls) and ``seq`` (parameters) order records in time."""
+    """A module call (forward or backward), a parameter's value or gradient, a tied weight's per-use gradient,
+    or the trace's end. ``begin``/``end`` (calls) and ``seq`` (parameters) order records in time."""
     phase: Phase
     path: str
-    call: Int64
-    step: Int64
+    call: Count
+    step: Count
     type: str
-    begin: Int64
-    end: Int64
-    seq: Int64
+    begin: Count
+    end: Count
+    seq: Count
     parent: Optional[CallRef]
     module: str
     module_type: Optional[str]
@@ -89,6 +93,9 @@ class TraceRecord(_TraceRecordKeys, total=False):
     incomplete: bool
     error: str
     tensors: List[TensorEntry]
+    status: str  # the end record: complete or error, with the failure, warnings and totals
+    failure: Optional[Dict[str, Any]]
+    warnings: List[Any]
 
 
 # -- comparison: one row per matched record, one tensor result per matched tensor pair ----------------------
@@ -324,12 +331,17 @@ def _is_int(x) -> bool:
     return type(x) is int and -(1 << 63) <= x < (1 << 63)
 
 
+def _is_count(x) -> bool:
+    return _is_int(x) and x >= 0
+
+
 def _is_call_ref(x) -> bool:
-    return isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1])
+    return isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_count(x[1])
 
 
 _LEAVES = {
     Int64: (_is_int, "an integer"),
+    Count: (_is_count, "a non-negative integer"),
     Number: (lambda x: type(x) is float or _is_int(x), "a number"),
     CallRef: (_is_call_ref, "[path, call]"),
     ParentRef: (lambda x: x == [] or _is_call_ref(x), "[path, call] or []"),

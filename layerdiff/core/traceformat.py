@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LayerdiffError, TraceFormatError
+from . import schema
 from .schema import Stats, TensorEntry, TraceRecord
 from .tensors import storage_dtype, summarize
 from .writebehind import BLOCK, WriteBehind
@@ -651,75 +652,43 @@ def _parse_index(raw: bytes, data_size: int) -> tuple[list[TraceRecord], TraceRe
 _RECORD_FIELDS = {"call": ("phase", "path", "call", "tensors"), "param": ("path", "call", "tensors"),
                   "param_grad": ("path", "call", "tensors"), "end": (),
                   "param_grad_use": ("path", "module", "call", "tensors")}  # format 2
-_TENSOR_FIELDS = ("role", "key", "dtype", "shape", "stats")
 
 
 def _valid_record(rec) -> bool:
-    """A structural check, so a damaged line ends the readable part instead of crashing a later pass.
+    """A check of each line as it is read, so a damaged line ends the readable part instead of crashing a later
+    pass: the declared shape (``schema.TraceRecord``: types, non-negative counts, ``phase`` forward/backward,
+    ``parent`` null or [path, call]), the fields its ``kind`` needs, and what types alone do not say: an end
+    record holds no tensors; a tensor's ``dtype`` is one this reader knows, its ``shape`` has at most 64
+    dimensions and an element count that fits int64, its ``stats`` are numbers, and in full mode ``offset`` and
+    ``nbytes`` come together with nbytes = elements x itemsize (at most 32 dimensions: numpy's limit)."""
+    if schema.problem(rec, schema.TraceRecord) is not None:
+        return False
+    if any(k not in rec for k in _RECORD_FIELDS[rec["kind"]]):
+        return False
+    if rec["kind"] == "end":  # read by show / align: status, failure {module, error, module_stack}, warnings
+        return rec.get("tensors", []) == []
+    return all(_valid_entry(t) for t in rec["tensors"])
 
-    The record: a known ``kind`` with its fields, ``path`` a string, ``call`` (and ``step``, ``begin``, ``end``
-    when present) non-negative integers, ``phase`` forward/backward, ``parent`` null or [path, call]. Each
-    tensor entry: ``role``/``key`` strings, ``dtype`` a known storage dtype, ``shape`` a list of non-negative
-    integers whose element count fits int64, ``stats`` an object of numbers, and in full mode ``offset`` and
-    ``nbytes`` non-negative integers with nbytes = elements x itemsize.
-    """
-    def count(x):  # a non-negative int (JSON true/false are not counts)
-        return type(x) is int and x >= 0
 
-    kind = rec.get("kind") if isinstance(rec, dict) else None
-    if not isinstance(kind, str) or kind not in _RECORD_FIELDS or any(k not in rec for k in _RECORD_FIELDS[kind]):
+def _valid_entry(t: TensorEntry) -> bool:
+    try:
+        itemsize = storage_dtype(t["dtype"]).itemsize
+    except ValueError:  # a dtype name this reader does not know
         return False
-    if kind == "end":  # read by show / align: status, failure {module, error, module_stack}, warnings, steps
-        return (rec.get("tensors", []) == [] and isinstance(rec.get("status", ""), str)
-                and isinstance(rec.get("failure") or {}, dict) and isinstance(rec.get("warnings", []), list))
-    if not isinstance(rec["path"], str) or not count(rec["call"]):
+    shape = t["shape"]
+    if len(shape) > 64:
         return False
-    if any(k in rec and not count(rec[k]) for k in ("step", "begin", "end")):
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > (1 << 63) - 1:
+            return False
+    if not all(v is None or type(v) in (int, float) for v in t["stats"].values()):
         return False
-    if kind == "call":
-        parent = rec.get("parent")
-        if rec["phase"] not in ("forward", "backward") or not (
-                parent is None or (isinstance(parent, list) and len(parent) == 2 and isinstance(parent[0], str)
-                                   and count(parent[1]))):
-            return False
-        if any(k in rec and not isinstance(rec[k], dict) for k in ("hparams", "scalars")):
-            return False
-        if "arg_names" in rec and not (isinstance(rec["arg_names"], list)
-                                       and all(isinstance(a, str) for a in rec["arg_names"])):
-            return False
-    if "module" in rec and not isinstance(rec["module"], str):
-        return False
-    tensors = rec["tensors"]
-    if not isinstance(tensors, list):
-        return False
-    for t in tensors:
-        if not isinstance(t, dict) or any(k not in t for k in _TENSOR_FIELDS):
-            return False
-        if not (isinstance(t["role"], str) and isinstance(t["key"], str) and isinstance(t["dtype"], str)):
-            return False
-        try:
-            itemsize = storage_dtype(t["dtype"]).itemsize
-        except ValueError:  # a dtype name this reader does not know
-            return False
-        shape = t["shape"]
-        if not isinstance(shape, list) or len(shape) > 64 or not all(count(d) for d in shape):
-            return False
-        numel = 1
-        for d in shape:
-            numel *= d
-            if numel > (1 << 63) - 1:
-                return False
-        stats = t["stats"]
-        if not isinstance(stats, dict) or not all(v is None or (type(v) in (int, float)) for v in stats.values()):
-            return False
-        stored = ("offset" in t, "nbytes" in t)
-        if stored == (True, True):
-            if not (count(t["offset"]) and count(t["nbytes"]) and t["nbytes"] == numel * itemsize
-                    and len(shape) <= 32):  # numpy reads at most 32 dimensions
-                return False
-        elif stored != (False, False):
-            return False
-    return True
+    stored = ("offset" in t, "nbytes" in t)
+    if stored == (True, True):
+        return t["nbytes"] == numel * itemsize and len(shape) <= 32
+    return stored == (False, False)
 
 
 def _first_line(exc: BaseException) -> str:
