@@ -261,37 +261,30 @@ def cmd_trace(args) -> int:
     from .core.report import StepProgress
 
     progress = StepProgress(args.steps, enabled=None if not args.quiet else False)
-    tracer.__enter__()  # opening the file can fail (bad input); only the user's step is guarded below
+    opened = False
     try:
-        for _ in range(args.steps):
-            step()
-            progress.advance(tracer.session.writer)
-    except Exception as exc:
+        with tracer:  # opening the file can fail (bad input): raised as it is, before any step runs
+            opened = True
+            for _ in range(args.steps):
+                step()
+                progress.advance(tracer.session.writer)
+    except Exception as exc:  # the trace is closed by now and keeps every record written before
+        if not opened:
+            raise
         if isinstance(exc, (LayerdiffError, OSError)) and not isinstance(exc, (FileNotFoundError,)):
-            _close_quietly(tracer, exc)  # writing the trace failed (a full disk): keep what is readable
             raise LayerdiffError(f"writing {out} failed ({_one_line(exc)}); the records written before are "
-                                 "readable") from None
-        tracer.__exit__(type(exc), exc, exc.__traceback__)  # the user's model raised: the trace is closed and keeps what ran
-        failure = tracer.session.failure or {}
+                                 "readable") from None  # a full disk
+        failure = tracer.session.failure or {}  # the user's model raised
         where = failure.get("module")
         print(f"layerdiff: the traced run raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
               f"{f' in module {where!r}' if where else ''}; {out} holds every record before it", file=sys.stderr)
         return EXIT_DIVERGENT
-    else:
-        tracer.__exit__(None, None, None)
     finally:
         progress.close()
     writer = tracer.session.writer
     print(f"wrote {writer.path}: {writer.records_written - 1} records, {writer.tensor_bytes / 1e6:.1f} MB of "
           f"tensors ({args.mode} mode)")  # records as `show` counts them: the end marker is not one
     return EXIT_OK
-
-
-def _close_quietly(tracer, exc):
-    try:
-        tracer.__exit__(type(exc), exc, exc.__traceback__)
-    except Exception:  # the disk is still full: the file keeps what it had
-        pass
 
 
 def cmd_bisect(args) -> int:

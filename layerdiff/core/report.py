@@ -20,12 +20,13 @@ from ..errors import LayerdiffError
 from . import schema
 from .files import write_atomically
 
-def json_text(report: schema.Report) -> str:
+
+def json_text(report: dict) -> str:
     """The report as JSON text (non-finite numbers as "nan", "inf", "-inf": strict JSON readers accept it)."""
     return schema.dumps(report)
 
 
-def write_json(report: schema.Report, path, *, overwrite: bool = False):
+def write_json(report: dict, path, *, overwrite: bool = False):
     """Write atomically (temp file + rename) and never over an existing file unless asked."""
     write_atomically(path, json_text(report), overwrite=overwrite)
 
