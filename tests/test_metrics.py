@@ -85,3 +85,23 @@ def test_stats_comparison():
     assert m["basis"] == "stats" and m["cosine"] is None and m["max_abs"] > 0
     assert judge(m, DEFAULTS["float32"])[0] is False
     assert compare_stats(sa, dict(sa))["identical"]
+
+
+@pytest.mark.parametrize("values, numel", [(1e18, 100_000), (3e38, 3), (-7e37, 200_000)])
+def test_statistics_of_values_whose_float32_squares_overflow(values, numel):
+    """Summed piece by piece in float32, such squares (and sums) overflow: the statistics are then taken in
+    float64, and are finite and right."""
+    x = np.full(numel, values, np.float32)
+    stats = summarize(x, "float32")
+    exact = float(np.float32(values))
+    assert stats["min"] == stats["max"] == exact and stats["nan"] == stats["inf"] == 0
+    assert stats["mean"] == pytest.approx(exact, rel=1e-12)
+    assert stats["l2"] == pytest.approx(abs(exact) * math.sqrt(numel), rel=1e-12)
+
+
+def test_statistics_piece_by_piece_equal_float64_over_many_pieces():
+    x = (np.random.default_rng(5).standard_normal(1_000_003) * 3 + 0.25).astype(np.float32)
+    stats, wide = summarize(x, "float32"), x.astype(np.float64)
+    assert stats["min"] == float(x.min()) and stats["max"] == float(x.max())
+    assert stats["mean"] == pytest.approx(wide.mean(), rel=1e-6)
+    assert stats["l2"] == pytest.approx(math.sqrt((wide ** 2).sum()), rel=1e-7)

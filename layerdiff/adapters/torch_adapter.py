@@ -96,7 +96,7 @@ def identify(t: torch.Tensor):
 
 
 _MAX_GRAPH_WALK = 512  # autograd nodes visited per call of a module that owns a tied weight
-_FAST_STATS_MIN = 1 << 17  # below this numpy is as fast
+_FAST_STATS_MIN = 1 << 20  # elements; below, numpy's one-read statistics are faster in a traced step (measured)
 _STATS_CHUNK = 1 << 18  # 1 MB of fp32 per piece: the second and third pass read it from the cache
 
 

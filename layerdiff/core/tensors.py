@@ -63,43 +63,50 @@ def as_float(stored: np.ndarray, dtype: str) -> np.ndarray:
     return stored.astype(np.float64)
 
 
-_DOT_PIECE = 1 << 16  # elements: BLAS dot accumulates in the input's precision, so float32 goes piece by piece
+_PIECE = 1 << 16  # elements: a piece stays in the CPU cache for its four reductions (one read from memory)
 
 
-def _sum_of_squares(x: np.ndarray) -> float:
-    """Sum of squares accurate to ~1e-7 relative: dot products of short pieces added in float64 (one float32
-    dot over millions of elements drifts by ~1e-5)."""
-    if x.dtype == np.float64:
-        return float(np.dot(x, x)) if x.flags.c_contiguous else float(np.einsum("i,i->", x, x))
-    x = np.ascontiguousarray(x)
-    return float(sum(float(np.dot(piece, piece)) for piece in np.split(x, range(_DOT_PIECE, x.size, _DOT_PIECE))))
+def _moments(x: np.ndarray) -> tuple[float, float, float, float]:
+    """min, max, sum and sum of squares of a flat float32/float64 array, piece by piece.
+
+    Each piece is read from memory once and reduced four times from the cache (about twice the speed of four
+    whole-array passes). Sums of pieces are added in float64: float32 pairwise sums and dot products stay within
+    ~1e-7 relative over one piece (one float32 dot over millions of elements drifts by ~1e-5).
+    """
+    lo, hi, total, square = math.inf, -math.inf, 0.0, 0.0
+    for start in range(0, x.size, _PIECE):
+        piece = x[start:start + _PIECE]
+        lo = min(lo, float(np.minimum.reduce(piece)))
+        hi = max(hi, float(np.maximum.reduce(piece)))
+        total += float(np.add.reduce(piece))
+        square += float(np.dot(piece, piece))
+    return lo, hi, total, square
 
 
 def summarize(stored: np.ndarray, dtype: str) -> dict:
     """min, max, mean, l2 norm and NaN/Inf counts: kept for every tensor in every mode.
 
-    NaN/Inf are counted only when min or max is non-finite, which keeps the common all-finite case at
-    four cheap reductions. Float32 data is summed in float32 (numpy's pairwise sum: ~1e-7 relative), its squares
-    piece by piece (``_sum_of_squares``).
+    NaN/Inf are counted only when min or max is non-finite, which keeps the common all-finite case at one read
+    of the data (``_moments``).
     """
     n = int(stored.size)
     stats = {"numel": n, "min": None, "max": None, "mean": None, "l2": None, "nan": 0, "inf": 0}
     if n == 0:
         return stats
-    x = as_float(stored, dtype).reshape(-1)
+    x = np.ascontiguousarray(as_float(stored, dtype).reshape(-1))
     if x.dtype not in (np.float32, np.float64):
         x = x.astype(np.float64)
-    lo, hi = float(np.minimum.reduce(x)), float(np.maximum.reduce(x))
-    if not (math.isfinite(lo) and math.isfinite(hi)):
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught below, and taken wide
+        lo, hi, total, sq = _moments(x)
+    if all(math.isfinite(v) for v in (lo, hi, total, sq)):
+        stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(sq))
+        return stats
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN/Inf: counted, then left out of the statistics
         nan, inf = np.isnan(x), np.isinf(x)
         stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
         x = x[~(nan | inf)]
         if x.size == 0:
             return stats
-        lo, hi = float(np.minimum.reduce(x)), float(np.maximum.reduce(x))
-    if max(-lo, hi) > 1e18:  # float32 sums of squares could overflow: accumulate wide
-        x = x.astype(np.float64)
-    total = float(np.add.reduce(x))
-    sq = _sum_of_squares(x)
-    stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(max(sq, 0.0)))
+    lo, hi, total, sq = _moments(x.astype(np.float64))  # float32 sums (of squares) could overflow: wide
+    stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(sq))
     return stats
