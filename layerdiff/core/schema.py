@@ -142,7 +142,7 @@ class TensorResult(_TensorResultKeys, total=False):
     passed: bool
     reason: str
     tolerance: Tolerance
-    ranks: List[Int64]  # the ranks whose shard or copy is off
+    ranks: Optional[List[Int64]]  # the ranks whose shard or copy is off
     hint: str
     one_sided: bool
 

@@ -12,7 +12,7 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 
-from .schema import TensorEntry, TraceRecord
+from . import schema
 from .traceformat import TraceWriter
 from .modules import find_blocks
 
@@ -50,7 +50,7 @@ class CallFrame:
 class PendingBackward:
     frame: CallFrame
     begin: int
-    grad_outputs: list[TensorEntry]
+    grad_outputs: list[schema.TensorEntry]
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -170,7 +170,7 @@ class TraceSession:
         self.seq += 1
         return self.seq
 
-    def _entries(self, role: str, tensors, full: bool = True) -> list[TensorEntry]:
+    def _entries(self, role: str, tensors, full: bool = True) -> list[schema.TensorEntry]:
         """Entries for (key, framework tensor) pairs; tensors that cannot be stored are skipped."""
         out = []
         for key, t in tensors:
@@ -179,7 +179,7 @@ class TraceSession:
                 out.append({**entry, "role": role, "key": key})
         return out
 
-    def _tensor_entry(self, t, store: bool) -> TensorEntry | None:
+    def _tensor_entry(self, t, store: bool) -> schema.TensorEntry | None:
         identity = self.tensors.identify(t)
         if identity is not None:
             hit = self.seen.get(identity)
@@ -238,8 +238,8 @@ class TraceSession:
         elif frame in self.stack:  # a hook of an inner module did not run; drop it with this one
             del self.stack[self.stack.index(frame):]
 
-    def _call_record(self, frame: CallFrame, phase: str, begin: int, tensors: list[TensorEntry],
-                     **extra) -> TraceRecord:
+    def _call_record(self, frame: CallFrame, phase: str, begin: int, tensors: list[schema.TensorEntry],
+                     **extra) -> schema.TraceRecord:
         rec = {"kind": "call", "phase": phase, "path": frame.path, "call": frame.call, "step": frame.step,
                "type": frame.type, "begin": begin, "end": self._next_seq(),
                "parent": list(frame.parent) if frame.parent else None, "tensors": tensors}
@@ -248,7 +248,7 @@ class TraceSession:
         rec.update(extra)
         return rec
 
-    def end_call(self, frame: CallFrame, outputs, scalars: dict) -> list[TensorEntry]:
+    def end_call(self, frame: CallFrame, outputs, scalars: dict) -> list[schema.TensorEntry]:
         """Writes the call's record; returns its output entries."""
         self._pop(frame)
         entries = self._entries("output", outputs, frame.full)

@@ -30,7 +30,6 @@ import numpy as np
 
 from ..errors import LayerdiffError, TraceFormatError
 from . import schema
-from .schema import Stats, TensorEntry, TraceRecord
 from .tensors import storage_dtype, summarize
 from .writebehind import BLOCK, WriteBehind
 
@@ -249,7 +248,7 @@ class TraceWriter:
         self.closed = False
 
     def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool,
-                     stats: Stats | None = None) -> TensorEntry:
+                     stats: schema.Stats | None = None) -> schema.TensorEntry:
         """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
@@ -282,11 +281,11 @@ class TraceWriter:
         self.records_written += len(lines)
 
     @staticmethod
-    def summary_entry(dtype: str, shape, stats: Stats) -> TensorEntry:
+    def summary_entry(dtype: str, shape, stats: schema.Stats) -> schema.TensorEntry:
         """A tensor entry without data: what every record keeps, in both modes."""
         return {"dtype": dtype, "shape": list(shape), "stats": stats}
 
-    def write_record(self, record: TraceRecord):
+    def write_record(self, record: schema.TraceRecord):
         line = (json.dumps(record, separators=(",", ":"), default=_json_default) + "\n").encode()
         with self._lock:
             if self.compressed:  # the index may only point at data that is on disk: lines wait for a flush
@@ -626,7 +625,7 @@ class _RawChunkReader:
         os.close(self.fd)
 
 
-def _parse_index(raw: bytes, data_size: int) -> tuple[list[TraceRecord], TraceRecord | None]:
+def _parse_index(raw: bytes, data_size: int) -> tuple[list[schema.TraceRecord], schema.TraceRecord | None]:
     """Records up to the last complete, consistent line; a torn tail (crash mid-write) is dropped, and so is
     everything from the first line that is not JSON (or is nested too deeply to decode), fails
     ``_valid_record`` or points past the end of /data."""
@@ -670,7 +669,7 @@ def _valid_record(rec) -> bool:
     return all(_valid_entry(t) for t in rec["tensors"])
 
 
-def _valid_entry(t: TensorEntry) -> bool:
+def _valid_entry(t: schema.TensorEntry) -> bool:
     try:
         itemsize = storage_dtype(t["dtype"]).itemsize
     except ValueError:  # a dtype name this reader does not know
