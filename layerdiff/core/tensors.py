@@ -107,6 +107,6 @@ def summarize(stored: np.ndarray, dtype: str) -> dict:
         x = x[~(nan | inf)]
         if x.size == 0:
             return stats
-    lo, hi, total, sq = _moments(x.astype(np.float64))  # float32 sums (of squares) could overflow: wide
+    lo, hi, total, sq = _moments(x.astype(np.float64, copy=False))  # float32 sums could overflow: wide
     stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(sq))
     return stats
