@@ -99,6 +99,21 @@ def test_statistics_of_values_whose_float32_squares_overflow(values, numel):
     assert stats["l2"] == pytest.approx(abs(exact) * math.sqrt(numel), rel=1e-12)
 
 
+@pytest.mark.parametrize("where", [0, 65_536, 150_000])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_one_nonfinite_value_in_any_piece_is_counted(where, bad):
+    """A NaN in one piece of many was lost: its piece's NaN min lost to the other pieces' finite ones (a defect of
+    the piece-by-piece reduction, caught by the torch path's tests)."""
+    x = np.linspace(-2, 3, 200_000, dtype=np.float32)
+    x[where] = bad
+    stats = summarize(x, "float32")
+    assert (stats["nan"], stats["inf"]) == ((1, 0) if math.isnan(bad) else (0, 1))
+    finite = np.delete(x, where).astype(np.float64)
+    assert stats["min"] == finite.min() and stats["max"] == finite.max()
+    assert stats["mean"] == pytest.approx(finite.mean(), rel=1e-9)
+    assert stats["l2"] == pytest.approx(math.sqrt(float(np.dot(finite, finite))), rel=1e-9)
+
+
 def test_statistics_piece_by_piece_equal_float64_over_many_pieces():
     x = (np.random.default_rng(5).standard_normal(1_000_003) * 3 + 0.25).astype(np.float32)
     stats, wide = summarize(x, "float32"), x.astype(np.float64)

@@ -86,8 +86,9 @@ def _moments(x: np.ndarray) -> tuple[float, float, float, float]:
 def summarize(stored: np.ndarray, dtype: str) -> dict:
     """min, max, mean, l2 norm and NaN/Inf counts: kept for every tensor in every mode.
 
-    NaN/Inf are counted only when min or max is non-finite, which keeps the common all-finite case at one read
-    of the data (``_moments``).
+    NaN/Inf are counted only when a statistic came out non-finite, which keeps the common all-finite case at one
+    read of the data (``_moments``). Not "when min or max is": a piece's NaN min does not survive ``min()`` with
+    the finite min of another piece, but every sum it enters is NaN.
     """
     n = int(stored.size)
     stats = {"numel": n, "min": None, "max": None, "mean": None, "l2": None, "nan": 0, "inf": 0}
@@ -101,9 +102,9 @@ def summarize(stored: np.ndarray, dtype: str) -> dict:
     if all(math.isfinite(v) for v in (lo, hi, total, sq)):
         stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(sq))
         return stats
-    if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN/Inf: counted, then left out of the statistics
-        nan, inf = np.isnan(x), np.isinf(x)
-        stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
+    nan, inf = np.isnan(x), np.isinf(x)  # NaN/Inf: counted, then left out of the statistics
+    stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
+    if stats["nan"] or stats["inf"]:
         x = x[~(nan | inf)]
         if x.size == 0:
             return stats
