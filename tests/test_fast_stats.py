@@ -1,6 +1,7 @@
-"""The statistics torch computes itself (one pass per cache-sized piece, no host copy) equal numpy's reference
-summary: on random data of sizes that do and do not fill the last piece, on non-contiguous views, and where the
-fast path must step aside (NaN/Inf, half precision, small tensors)."""
+"""The statistics torch computes itself (one pass per cache-sized piece, no host copy; on an accelerator, where the
+tensor lives) equal numpy's reference summary: on random data of sizes that do and do not fill the last piece, on
+non-contiguous views, for every floating dtype, with NaN/Inf and with squares beyond float32's range; and CPU
+tensors take the path that is faster for them."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from layerdiff.adapters.torch_adapter import fast_stats, to_stored  # noqa: E402
+from layerdiff.adapters.torch_adapter import fast_stats, framework_stats, to_stored  # noqa: E402
 from layerdiff.core.tensors import summarize  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -55,22 +56,66 @@ def test_non_contiguous_views(threads):
         torch.set_num_threads(before)
 
 
-def test_nan_and_inf_leave_the_fast_path_and_are_counted():
+def test_nan_and_inf_are_counted_by_both_paths():
     t = torch.randn(1 << 21, generator=torch.Generator().manual_seed(2))
     t[7], t[70_000], t[1_300_001] = float("nan"), float("inf"), float("-inf")
-    assert fast_stats(t) is None  # the numpy path counts them
+    _close(fast_stats(t), _reference(t))
     stats = summarize(*to_stored(t))
     assert (stats["nan"], stats["inf"]) == (1, 2)
     _close(stats, _reference(t))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_goes_through_numpy(dtype):
-    t = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 100).to(dtype)
-    assert fast_stats(t) is None
-    stored, name = to_stored(t)
-    _close(summarize(stored, name), _reference(t), rel=1e-5)
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def test_small_tensors_use_numpy():
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("numel", [1, 1023, 1025, (1 << 18) + 1])
+def test_every_float_dtype_as_an_accelerator_would_take_it(dtype, numel):
+    """``framework_stats`` is what runs on CUDA/NPU for any size; the CPU runs the same code."""
+    t = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 4 - 1).to(dtype)
+    rel = 1e-6 if dtype in (torch.float32, torch.float64) else 1e-5
+    _close(framework_stats(t), _reference(t), rel=rel)
+    _close(summarize(*to_stored(t)), _reference(t), rel=rel)
+
+
+def test_a_zero_dimensional_tensor_and_a_strided_half_view():
+    _close(framework_stats(torch.tensor(-2.5)), _reference(torch.tensor(-2.5)))
+    view = torch.randn(700, 300, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)[:, ::7].t()
+    assert not view.is_contiguous()
+    _close(framework_stats(view), _reference(view), rel=1e-5)
+
+
+@pytest.mark.parametrize("where", [[0], [300_000], [5, 299_999], list(range(0, 300_001, 1000))])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_values_in_any_piece(where, bad):
+    t = torch.linspace(-3, 2, 300_001)
+    t[where] = bad
+    got = framework_stats(t)
+    assert (got["nan"], got["inf"]) == ((len(where), 0) if math.isnan(bad) else (0, len(where)))
+    _close(got, _reference(t))
+    _close(summarize(*to_stored(t)), _reference(t))
+
+
+def test_all_nonfinite_and_squares_beyond_float32():
+    nothing = framework_stats(torch.full((5000,), float("nan")))
+    assert nothing["nan"] == 5000 and nothing["min"] is nothing["l2"] is None
+    huge = torch.full((300_000,), 1e20)  # finite, but its float32 squares are not
+    got = framework_stats(huge)
+    assert got["min"] == got["max"] == float(torch.tensor(1e20)) and got["nan"] == got["inf"] == 0
+    assert got["l2"] == pytest.approx(float(torch.tensor(1e20)) * math.sqrt(300_000), rel=1e-12)
+
+
+def test_cpu_tensors_take_the_path_measured_faster():
+    """numpy below 1M float32 elements (its one read wins in a traced step); torch for half and 8-bit floats
+    from 128K (numpy widens them in whole-array temporaries first); never for float64, integers or booleans on
+    the CPU."""
     assert fast_stats(torch.randn(1000)) is None
+    assert fast_stats(torch.randn((1 << 20) - 1)) is None
+    assert fast_stats(torch.randn(1 << 20)) is not None
+    for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        assert fast_stats(torch.randn((1 << 17) - 1).to(dtype)) is None
+        assert fast_stats(torch.randn(1 << 17).to(dtype)) is not None
+    assert fast_stats(torch.randn(1 << 21, dtype=torch.float64)) is None
+    assert fast_stats(torch.ones(1 << 21, dtype=torch.int64)) is None
+    assert fast_stats(torch.ones(1 << 21, dtype=torch.bool)) is None
+    assert fast_stats(torch.empty(1 << 21, device="meta")) is None

@@ -4,6 +4,8 @@ fp32), batch 1 x 32 tokens, one forward + backward on the CPU. Prints numbers; a
 
     python tools/bench_scale.py               # untraced, stats, full: each in a fresh interpreter (~5 min)
     python tools/bench_scale.py --layers 4    # a smaller variant of the same shape (quick look)
+    python tools/bench_scale.py --device cuda # the same on a GPU (statistics are then reduced on the device)
+    python tools/bench_scale.py --dtype bfloat16  # the model in bf16 (what most ports are checked in)
 
 For each mode: warm-up steps, the median of timed untraced steps, then (a traced mode) the median of timed steps
 inside one trace, after its first step, which also records every parameter's value; peak RSS (VmHWM) and the
@@ -33,18 +35,20 @@ import torch
 import transformers
 import layerdiff
 
-mode, path, layers, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-eps = float(sys.argv[5]) if len(sys.argv) > 5 else 1e-6
+mode, path, layers, steps, eps, device, dtype = sys.argv[1:3] + [int(sys.argv[3]), int(sys.argv[4]),
+                                                                   float(sys.argv[5]), sys.argv[6], sys.argv[7]]
 torch.manual_seed(0)
 config = transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                                   max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=eps)
-model = transformers.Qwen2ForCausalLM(config)
-ids = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+model = transformers.Qwen2ForCausalLM(config).to(device=device, dtype=getattr(torch, dtype))
+ids = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1)).to(device)
 
 def step():
     model.zero_grad(set_to_none=True)
     model(input_ids=ids, labels=ids).loss.backward()
+    if device != "cpu":
+        torch.cuda.synchronize()  # a step's time is its kernels', not their launches'
 
 def vm_hwm():
     for line in open("/proc/self/status"):
@@ -82,8 +86,8 @@ print("@@RESULT " + json.dumps({"mode": mode, "step_s": statistics.median(times)
 '''
 
 
-def run_child(mode: str, path: Path, layers: int, steps: int, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(path), str(layers), str(steps)],
+def run_child(mode: str, path: Path, layers: int, steps: int, env: dict, where: tuple) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(path), str(layers), str(steps), "1e-6", *where],
                           capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
@@ -91,13 +95,13 @@ def run_child(mode: str, path: Path, layers: int, steps: int, env: dict) -> dict
     raise RuntimeError(f"{mode} child failed:\n{proc.stderr[-3000:]}")
 
 
-def align_speed(directory: Path, layers: int, env: dict) -> dict:
+def align_speed(directory: Path, layers: int, env: dict, where: tuple) -> dict:
     """Two one-step full traces that differ in the RMSNorm epsilon, aligned by the CLI in a fresh process: first
     with the traces evicted from the page cache (``POSIX_FADV_DONTNEED``: read from the disk), then again with
     them in it."""
     a, b = directory / "pair_a.h5", directory / "pair_b.h5"
     for path, eps in ((a, "1e-6"), (b, "1e-3")):
-        subprocess.run([sys.executable, "-c", CHILD, "pair", str(path), str(layers), "0", eps], check=True,
+        subprocess.run([sys.executable, "-c", CHILD, "pair", str(path), str(layers), "0", eps, *where], check=True,
                        capture_output=True, env=env)
     out = {"bytes_per_side": a.stat().st_size}
     os.sync()  # no writeback of earlier measurements competes for the disk
@@ -163,6 +167,13 @@ def write_speeds(directory: Path, first: int, per_step: int, steps: int) -> tupl
     return clean, sustained
 
 
+def cuda_available() -> bool:
+    """Asked in a child: importing torch here would add its memory to every measurement's parent."""
+    probe = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen2-0.5B)")
@@ -172,13 +183,21 @@ def main() -> int:
     p.add_argument("--mmap-threshold", type=int, default=0,
                    help="run every child with MALLOC_MMAP_THRESHOLD_=N (e.g. 131072): glibc's fixed threshold "
                         "instead of its dynamic one, which loading libhdf5 raises (see the README)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model runs (cuda: statistics are reduced on the GPU; full traces copy to the host)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the model's parameters and activations")
     args = p.parse_args()
+    if args.device == "cuda" and not cuda_available():
+        print("bench_scale: --device cuda: torch sees no CUDA device on this machine", file=sys.stderr)
+        return 2
     env = dict(os.environ)
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     with tempfile.TemporaryDirectory(prefix="layerdiff-scale-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
         tmp = Path(d)
-        res = {mode: run_child(mode, tmp / f"{mode}.h5", args.layers, args.steps, env)
+        where = (args.device, args.dtype)
+        res = {mode: run_child(mode, tmp / f"{mode}.h5", args.layers, args.steps, env, where)
                for mode in ("untraced", "stats", "full")}
         for mode in ("stats", "full"):
             res[mode]["file_bytes"] = (tmp / f"{mode}.h5").stat().st_size
@@ -186,11 +205,11 @@ def main() -> int:
         per_step = int(res["full"]["bytes_per_step"]) or 1
         first = max(res["full"]["file_bytes"] - per_step * args.steps, 0)
         clean, sustained = write_speeds(tmp, first, per_step, args.steps)
-        aligned = None if args.no_align else align_speed(tmp, args.layers, env)
+        aligned = None if args.no_align else align_speed(tmp, args.layers, env, where)
     base = res["untraced"]["step_s"]
     limit = res["full"]["base_s"] + per_step / sustained
-    print(f"model: Qwen2-0.5B shape, {args.layers} layers, {res['untraced']['params'] / 1e6:.0f}M parameters, fp32, "
-          f"batch 1 x 32, forward + backward, CPU; median of {args.steps} steps per mode"
+    print(f"model: Qwen2-0.5B shape, {args.layers} layers, {res['untraced']['params'] / 1e6:.0f}M parameters, {args.dtype}, "
+          f"batch 1 x 32, forward + backward, {args.device.upper()}; median of {args.steps} steps per mode"
           + (f"; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
     print(f"untraced step: {base:.2f} s (peak RSS {res['untraced']['peak_rss'] / 1e9:.2f} GB)")
     for mode in ("stats", "full"):
