@@ -34,6 +34,16 @@ for recipe, prefix in ((torch_llama_tp, "tp"), (torch_llama_dp, "dp")):
 built = torch_llama_tp.build(None)
 with layerdiff.trace(built["model"], f"{out}/tp_stats", mode="stats"):
     built["step"]()
+
+import json, torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from layerdiff.adapters.torch_adapter import describe, fast_stats, framework_stats
+full = (torch.arange(200_000) // 1000).repeat(2, 1).to(torch.bfloat16)  # column j holds j // 1000: exact in bf16
+sharded = distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(1)])  # 200K bf16 elements per rank
+with open(f"{out}/dtensor_stats_{dist.get_rank()}.json", "w") as f:
+    json.dump({"fast": fast_stats(sharded), "local": framework_stats(sharded.to_local()),
+               "shape": describe(sharded)[1]}, f)
 dist.destroy_process_group()
 """
 
@@ -109,6 +119,15 @@ def test_tensor_parallel_defects_named_with_their_ranks(runs, recipe_trace, defe
 
 def test_statistics_traces_of_ranks(runs, recipe_trace):
     assert align_files(recipe_trace(mode="stats"), runs / "tp_stats")["verdict"] == "aligned"
+
+
+def test_a_dtensors_statistics_are_its_local_shards(runs):
+    """Taken by torch where the shard lives (bf16, 200K elements per rank), never by a collective over the whole."""
+    shards = [json.loads((runs / f"dtensor_stats_{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, got in enumerate(shards):
+        assert got["shape"] == [2, 100_000]
+        assert got["fast"] == got["local"] and got["fast"]["numel"] == 200_000
+        assert (got["fast"]["min"], got["fast"]["max"]) == (100 * rank, 100 * rank + 99)  # its own columns
 
 
 def test_data_parallel_desync_is_named_with_its_rank(runs):
