@@ -125,9 +125,12 @@ def fast_stats(t: torch.Tensor):
     shard = local(t)
     if shard is None or shard.numel() == 0:
         return None
-    if not _on_accelerator(shard) and shard.numel() < _CPU_STATS_MIN.get(shard.dtype, math.inf):
-        return None
-    return framework_stats(shard)
+    if not _on_accelerator(shard):
+        return framework_stats(shard) if shard.numel() >= _CPU_STATS_MIN.get(shard.dtype, math.inf) else None
+    try:
+        return framework_stats(shard)
+    except (RuntimeError, TypeError, NotImplementedError):  # a backend without a kernel or dtype used here (MPS
+        return None  # has no float64): the tensor is summarized on the host; its own error, if any, surfaces there
 
 
 def framework_stats(t: torch.Tensor) -> dict:
