@@ -119,3 +119,30 @@ def test_cpu_tensors_take_the_path_measured_faster():
     assert fast_stats(torch.ones(1 << 21, dtype=torch.int64)) is None
     assert fast_stats(torch.ones(1 << 21, dtype=torch.bool)) is None
     assert fast_stats(torch.empty(1 << 21, device="meta")) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_recorded_statistics_equal_the_stored_bytes_over_a_whole_model(tmp_path, dtype):
+    """A full trace of a transformers Llama whose logits, embedding and MLP weights (and their gradients) are large
+    enough for torch's path: every tensor's recorded statistics are those of its stored bytes."""
+    transformers = pytest.importorskip("transformers")
+    import layerdiff
+    from layerdiff.core.traceformat import open_trace
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=1024, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with layerdiff.trace(model, tmp_path / "t.h5", mode="full"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    by_torch = 0
+    with open_trace(tmp_path / "t.h5") as trace:
+        for record in trace.records:
+            for entry in record["tensors"]:
+                if entry["dtype"] not in ("float32", "bfloat16"):
+                    continue
+                want = summarize(trace.tensor(entry), entry["dtype"])
+                _close(entry["stats"], want, rel=1e-5)
+                by_torch += entry["stats"]["numel"] >= (1 << 17 if dtype == torch.bfloat16 else 1 << 20)
+    assert by_torch >= 4  # logits and their gradient, the embedding's and the LM head's gradients at least
