@@ -122,11 +122,14 @@ def fast_stats(t: torch.Tensor):
     """
     if not t.is_floating_point() or t.layout != torch.strided or t.is_meta:
         return None
+    threshold = 0 if _on_accelerator(t) else _CPU_STATS_MIN.get(t.dtype, math.inf)
+    if t.numel() < threshold:  # before ``local``: a shard is never larger, and a subclass's is a copy
+        return None
     shard = local(t)
     if shard is None or shard.numel() == 0:
         return None
     if not _on_accelerator(shard):
-        return framework_stats(shard) if shard.numel() >= _CPU_STATS_MIN.get(shard.dtype, math.inf) else None
+        return framework_stats(shard) if shard.numel() >= threshold else None
     try:
         return framework_stats(shard)
     except (RuntimeError, TypeError, NotImplementedError):  # a backend without a kernel or dtype used here (MPS
