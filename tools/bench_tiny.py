@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Tracing cost on tiny Hugging Face models, where the fixed cost of a traced module call dominates. Prints
+numbers; asserts nothing.
+
+    python tools/bench_tiny.py            # GPT-2, BERT, T5 and ViT tiny configs (about a minute)
+    python tools/bench_tiny.py --steps 40
+
+Each model is built from a tiny config (transformers, random init, fp32, CPU), one step = zero_grad + forward
+with labels + backward. Untraced and `stats`-traced blocks of steps alternate in one process (each traced block
+is one trace; its first step, which also records every parameter's value, is not timed). Printed per model: the
+median step untraced and traced, their ratio, module calls and records per step, and the fixed cost per module
+call: (traced - untraced) / module calls per step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def models():
+    """(name, model, step function) for each tiny config; built here so the script imports torch only when run."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def lm_step(model, **inputs):
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(**inputs).loss.backward()
+        return step
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                                            bos_token_id=0, eos_token_id=0))
+    bert = tf.BertForMaskedLM(tf.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=128, max_position_embeddings=64))
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                   num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+                                                   pad_token_id=0))
+    vit = tf.ViTForImageClassification(tf.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=2,
+                                                    intermediate_size=128, num_labels=10))
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    return [("GPT-2", gpt2, lm_step(gpt2, input_ids=ids, labels=ids)),
+            ("BERT", bert, lm_step(bert, input_ids=ids, labels=ids)),
+            ("T5", t5, lm_step(t5, input_ids=ids, labels=ids)),
+            ("ViT", vit, lm_step(vit, pixel_values=pixels, labels=torch.tensor([1, 7])))]
+
+
+def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
+    import layerdiff
+    from layerdiff.core.traceformat import open_trace
+
+    def block():
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    for _ in range(3):
+        step()
+    untraced, traced, calls, records = [], [], 0, 0
+    for r in range(rounds):
+        untraced += block()
+        path = directory / f"t{r}.h5"
+        with layerdiff.trace(model, path, mode="stats", overwrite=True):
+            step()
+            traced += block()
+        with open_trace(path) as trace:
+            timed = [rec for rec in trace.records if rec.get("step", 0) > 0]
+        calls = sum(rec["kind"] == "call" and rec.get("phase") == "forward" for rec in timed) / steps
+        records = len(timed) / steps
+    base, cost = statistics.median(untraced), statistics.median(traced)
+    return {"untraced": base, "stats": cost, "calls": calls, "records": records,
+            "per_call": (cost - base) / max(calls, 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="timed steps per block")
+    p.add_argument("--rounds", type=int, default=3, help="untraced/traced block pairs per model")
+    args = p.parse_args(argv)
+    print(f"{'model':8} {'untraced':>10} {'stats':>10} {'ratio':>7} {'calls/step':>11} {'records/step':>13} "
+          f"{'cost per call':>14}")
+    with tempfile.TemporaryDirectory(prefix="layerdiff-tiny-") as d:
+        for name, model, step in models():
+            r = measure(model, step, args.steps, args.rounds, Path(d))
+            print(f"{name:8} {r['untraced'] * 1e3:8.1f}ms {r['stats'] * 1e3:8.1f}ms {r['stats'] / r['untraced']:6.2f}x "
+                  f"{r['calls']:11.0f} {r['records']:13.0f} {r['per_call'] * 1e6:11.0f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
