@@ -66,17 +66,17 @@ def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
 
     for _ in range(3):
         step()
-    untraced, traced, calls, records = [], [], 0, 0
-    for r in range(rounds):
+    untraced, traced = [], []
+    path = directory / "t.h5"
+    for _ in range(rounds):
         untraced += block()
-        path = directory / f"t{r}.h5"
         with layerdiff.trace(model, path, mode="stats", overwrite=True):
             step()
             traced += block()
-        with open_trace(path) as trace:
-            timed = [rec for rec in trace.records if rec.get("step", 0) > 0]
-        calls = sum(rec["kind"] == "call" and rec.get("phase") == "forward" for rec in timed) / steps
-        records = len(timed) / steps
+    with open_trace(path) as trace:  # every round records the same: the last trace's timed steps are counted
+        timed = [rec for rec in trace.records if rec.get("step", 0) > 0]
+    calls = sum(rec["kind"] == "call" and rec.get("phase") == "forward" for rec in timed) / steps
+    records = len(timed) / steps
     base, cost = statistics.median(untraced), statistics.median(traced)
     return {"untraced": base, "stats": cost, "calls": calls, "records": records,
             "per_call": (cost - base) / max(calls, 1)}
