@@ -1,5 +1,6 @@
 """Metrics against float64 references, tolerance judgement, dtype decoding."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -120,3 +121,42 @@ def test_statistics_piece_by_piece_equal_float64_over_many_pieces():
     assert stats["min"] == float(x.min()) and stats["max"] == float(x.max())
     assert stats["mean"] == pytest.approx(wide.mean(), rel=1e-6)
     assert stats["l2"] == pytest.approx(math.sqrt((wide ** 2).sum()), rel=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int64"])
+@pytest.mark.parametrize("numel", [1, 7, 4096, 65_536])
+def test_statistics_of_one_piece_equal_float64_and_warn_nothing(dtype, numel):
+    """Tensors of one piece take a shorter path (no ``np.errstate``): it must give the same statistics, raise no
+    warning, and hand NaN, Inf and sums that would overflow to the full path."""
+    rng = np.random.default_rng(numel)
+    wide = rng.standard_normal(numel) * 3 + 0.5
+    if dtype == "int64":
+        stored = (wide * 1000).astype(np.int64)
+    elif dtype == "bfloat16":
+        stored = (wide.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        stored = wide.astype(dtype)
+    values = as_float(stored, dtype).astype(np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = summarize(stored, dtype)
+    assert stats["min"] == values.min() and stats["max"] == values.max() and stats["nan"] == stats["inf"] == 0
+    assert stats["mean"] == pytest.approx(values.mean(), rel=1e-6, abs=1e-6)
+    assert stats["l2"] == pytest.approx(math.sqrt(float(values @ values)), rel=2e-6)  # a float32 BLAS dot: ~1e-6
+
+
+@pytest.mark.parametrize("values", [[1e20, -1e20, 3.0], [3e38] * 5, [1e34] * 60_000, [np.nan, 1.0], [np.inf, -np.inf, 2.0],
+                                    [np.nan, np.inf]])
+def test_one_piece_of_nonfinite_or_overflowing_values_is_summarized_by_the_full_path(values):
+    x = np.array(values, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = summarize(x, "float32")
+    finite = x[np.isfinite(x)].astype(np.float64)
+    assert (stats["nan"], stats["inf"]) == (int(np.isnan(x).sum()), int(np.isinf(x).sum()))
+    if finite.size == 0:
+        assert stats["min"] is stats["mean"] is stats["l2"] is None
+        return
+    assert stats["min"] == finite.min() and stats["max"] == finite.max()
+    assert stats["mean"] == pytest.approx(finite.mean(), rel=1e-9)
+    assert stats["l2"] == pytest.approx(math.sqrt(float(finite @ finite)), rel=1e-9)
