@@ -48,8 +48,9 @@ def module_entries(named_modules, named_parameters) -> list:
             for path, m in named_modules]
 
 
-def hyper_parameters(module, extra_repr: str = "") -> dict:
-    """Scalar attributes of a module (eps, p, scaling, ...) plus ``key=value`` pairs of its extra repr.
+def hyper_parameters(module, extra_repr: str = "", repr_values: dict | None = None) -> dict:
+    """Scalar attributes of a module (eps, p, scaling, ...) plus ``key=value`` pairs of its extra repr
+    (``repr_values``: those pairs already parsed, by ``extra_repr_values``).
 
     These are what a port most often gets subtly wrong, so the report shows their differences at the origin.
     """
@@ -61,6 +62,14 @@ def hyper_parameters(module, extra_repr: str = "") -> dict:
             out[key] = value
         elif isinstance(value, (tuple, list)) and len(value) <= 8 and all(_scalar(v) for v in value):
             out[key] = list(value)
+    for key, value in (extra_repr_values(extra_repr) if repr_values is None else repr_values).items():
+        out.setdefault(key, value)
+    return out
+
+
+def extra_repr_values(extra_repr: str) -> dict:
+    """The ``key=value`` pairs of a module's extra repr, as values."""
+    out = {}
     for key, text in _KV.findall(extra_repr or ""):
         out.setdefault(key, _parse_literal(text))
     return out
@@ -150,6 +159,10 @@ class ModuleHooks:
         for name, p in self.params:
             owners.setdefault(id(p), []).append(name)
         self.tied = {name: names for names in owners.values() if len(names) > 1 for name in names}
+        self.tied_in_module: dict[str, dict[int, str]] = {}  # module path -> {id(parameter): name}, its tied ones
+        for name, p in self.params:
+            if name in self.tied:
+                self.tied_in_module.setdefault(name.rpartition(".")[0], {})[id(p)] = name
         self.module_types = {path: type(m).__name__ for path, m in self.named_modules()}
 
     # -- framework-specific: subclasses override these -------------------------------------------------------
@@ -259,7 +272,8 @@ class ModuleHooks:
     def _pre_hook(self, path, type_name, full=True, arg_names=()):
         session = self.session
         is_tensor = self.is_tensor
-        read = {"step": None, "hparams": {}}  # hyper-parameters are read again in every step (they may change)
+        # hyper-parameters are read again in every step (they may change); the extra repr is parsed when it does
+        read = {"step": None, "hparams": {}, "repr": None, "repr_values": {}}
 
         def hook(module, args, kwargs):
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
@@ -267,7 +281,10 @@ class ModuleHooks:
                 self.start_step()
             step = session.step + (0 if session.stack else 1)
             if read["step"] != step:
-                read["step"], read["hparams"] = step, hyper_parameters(module, safe_extra_repr(module))
+                text = safe_extra_repr(module)
+                if text != read["repr"]:
+                    read["repr"], read["repr_values"] = text, extra_repr_values(text)
+                read["step"], read["hparams"] = step, hyper_parameters(module, repr_values=read["repr_values"])
             tensors, scalars = [], {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
@@ -310,7 +327,7 @@ class ModuleHooks:
             tensors, scalars = [], {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             entries = session.end_call(frame, tensors, scalars)
-            if self.tied and self._taps_enabled() and self.record_params:
+            if path in self.tied_in_module and self._taps_enabled() and self.record_params:
                 self.watch_param_uses(frame, module, [t for _, t in tensors])
             if self.check_in_place(frame):
                 self.no_input_taps.add(path)

@@ -309,8 +309,7 @@ class Hooks(ModuleHooks):
         """The autograd node that hands this call's contribution to a tied parameter (the edge into its
         ``AccumulateGrad``) gets a hook: its gradient there is this use's own, before the users' sum. The walk
         stays inside the call: it stops at gradient taps (the call's inputs, other modules' outputs)."""
-        own = {id(p): name for name, p in module.named_parameters(recurse=False, remove_duplicate=False)
-               if f"{frame.path}.{name}".lstrip(".") in self.tied}
+        own = self.tied_in_module.get(frame.path)
         if not own:
             return
         stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
@@ -322,8 +321,7 @@ class Hooks(ModuleHooks):
             for index, (child, _) in enumerate(node.next_functions):
                 variable = getattr(child, "variable", None) if child is not None else None
                 if variable is not None and id(variable) in own:
-                    name = f"{frame.path}.{own[id(variable)]}".lstrip(".")
-                    node.register_hook(self._use_hook(frame, name, index))
+                    node.register_hook(self._use_hook(frame, own[id(variable)], index))
                 elif child is not None:
                     stack.append(child)
 
