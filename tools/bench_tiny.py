@@ -9,7 +9,10 @@ Each model is built from a tiny config (transformers, random init, fp32, CPU), o
 with labels + backward. Untraced and `stats`-traced blocks of steps alternate in one process (each traced block
 is one trace; its first step, which also records every parameter's value, is not timed). Printed per model: the
 median step untraced and traced, their ratio, module calls and records per step, and the fixed cost per module
-call: (traced - untraced) / module calls per step.
+call: (traced - untraced) / module calls per step. "floor" is the same model with hooks that record nothing: a
+forward pre-hook and post-hook on every module that pass the first tensor argument and the output through an
+identity autograd function (the least a tracer of every module's forward and backward must add), timed in
+the same interleaved blocks.
 """
 from __future__ import annotations
 
@@ -52,6 +55,36 @@ def models():
             ("ViT", vit, lm_step(vit, pixel_values=pixels, labels=torch.tensor([1, 7])))]
 
 
+def bare_hooks(model):
+    """Hooks that record nothing: the floor of per-module forward and backward tracing (see the docstring)."""
+    import torch
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *tensors):
+            return tuple(t.detach() for t in tensors)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return grads
+
+    def pre(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            return (Identity.apply(args[0])[0], *args[1:]), kwargs
+        return None
+
+    def post(module, args, kwargs, output):
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return Identity.apply(output)[0]
+        return None
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+    return handles
+
+
 def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
     import layerdiff
     from layerdiff.core.traceformat import open_trace
@@ -66,10 +99,14 @@ def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
 
     for _ in range(3):
         step()
-    untraced, traced = [], []
+    untraced, traced, floor = [], [], []
     path = directory / "t.h5"
     for _ in range(rounds):
         untraced += block()
+        handles = bare_hooks(model)
+        floor += block()
+        for handle in handles:
+            handle.remove()
         with layerdiff.trace(model, path, mode="stats", overwrite=True):
             step()
             traced += block()
@@ -78,7 +115,7 @@ def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
     calls = sum(rec["kind"] == "call" and rec.get("phase") == "forward" for rec in timed) / steps
     records = len(timed) / steps
     base, cost = statistics.median(untraced), statistics.median(traced)
-    return {"untraced": base, "stats": cost, "calls": calls, "records": records,
+    return {"untraced": base, "stats": cost, "calls": calls, "records": records, "floor": statistics.median(floor),
             "per_call": (cost - base) / max(calls, 1)}
 
 
@@ -88,12 +125,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="untraced/traced block pairs per model")
     args = p.parse_args(argv)
     print(f"{'model':8} {'untraced':>10} {'stats':>10} {'ratio':>7} {'calls/step':>11} {'records/step':>13} "
-          f"{'cost per call':>14}")
+          f"{'cost per call':>14} {'floor':>7}")
     with tempfile.TemporaryDirectory(prefix="layerdiff-tiny-") as d:
         for name, model, step in models():
             r = measure(model, step, args.steps, args.rounds, Path(d))
             print(f"{name:8} {r['untraced'] * 1e3:8.1f}ms {r['stats'] * 1e3:8.1f}ms {r['stats'] / r['untraced']:6.2f}x "
-                  f"{r['calls']:11.0f} {r['records']:13.0f} {r['per_call'] * 1e6:11.0f} us")
+                  f"{r['calls']:11.0f} {r['records']:13.0f} {r['per_call'] * 1e6:11.0f} us "
+                  f"{r['floor'] / r['untraced']:6.2f}x")
     return 0
 
 
