@@ -181,8 +181,8 @@ def main() -> int:
     p.add_argument("--json", help="also save the numbers as JSON")
     p.add_argument("--no-align", action="store_true", help="skip the align measurement (two more traces)")
     p.add_argument("--mmap-threshold", type=int, default=0,
-                   help="run every child with MALLOC_MMAP_THRESHOLD_=N (e.g. 131072): glibc's fixed threshold "
-                        "instead of its dynamic one, which loading libhdf5 raises (see the README)")
+                   help="run every child with MALLOC_MMAP_THRESHOLD_=N (e.g. 131072): glibc's fixed threshold, so "
+                        "large tensors never enter the main heap that loading h5py mid-run fragments (see the README)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model runs (cuda: statistics are reduced on the GPU; full traces copy to the host)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

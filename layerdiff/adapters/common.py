@@ -44,13 +44,13 @@ def module_entries(named_modules, named_parameters) -> list:
     for name, p in named_parameters:
         module, _, leaf = name.rpartition(".")
         params.setdefault(module, []).append((leaf, tuple(p.shape)))
-    return [(path, type(m).__name__, hyper_parameters(m, safe_extra_repr(m)), params.get(path, []))
+    return [(path, type(m).__name__, hyper_parameters(m, extra_repr_values(safe_extra_repr(m))), params.get(path, []))
             for path, m in named_modules]
 
 
-def hyper_parameters(module, extra_repr: str = "", repr_values: dict | None = None) -> dict:
-    """Scalar attributes of a module (eps, p, scaling, ...) plus ``key=value`` pairs of its extra repr
-    (``repr_values``: those pairs already parsed, by ``extra_repr_values``).
+def hyper_parameters(module, repr_values: dict) -> dict:
+    """Scalar attributes of a module (eps, p, scaling, ...) plus the ``key=value`` pairs of its extra repr
+    (``repr_values``, from ``extra_repr_values``: a traced module's are parsed again only when the text changes).
 
     These are what a port most often gets subtly wrong, so the report shows their differences at the origin.
     """
@@ -62,7 +62,7 @@ def hyper_parameters(module, extra_repr: str = "", repr_values: dict | None = No
             out[key] = value
         elif isinstance(value, (tuple, list)) and len(value) <= 8 and all(_scalar(v) for v in value):
             out[key] = list(value)
-    for key, value in (extra_repr_values(extra_repr) if repr_values is None else repr_values).items():
+    for key, value in repr_values.items():
         out.setdefault(key, value)
     return out
 
@@ -284,7 +284,7 @@ class ModuleHooks:
                 text = safe_extra_repr(module)
                 if text != read["repr"]:
                     read["repr"], read["repr_values"] = text, extra_repr_values(text)
-                read["step"], read["hparams"] = step, hyper_parameters(module, repr_values=read["repr_values"])
+                read["step"], read["hparams"] = step, hyper_parameters(module, read["repr_values"])
             tensors, scalars = [], {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)

@@ -112,23 +112,18 @@ def summarize(stored: np.ndarray, dtype: str) -> dict:
     x = np.ascontiguousarray(as_float(stored, dtype).reshape(-1))
     if x.dtype not in (np.float32, np.float64):
         x = x.astype(np.float64)
-    if n <= _PIECE:
-        quick = _one_piece(x)
-        if quick is not None:
-            lo, hi, total, sq = quick
-            stats.update(min=lo, max=hi, mean=total / n, l2=math.sqrt(sq))
-            return stats
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught below, and taken wide
-        lo, hi, total, sq = _moments(x)
-    if all(math.isfinite(v) for v in (lo, hi, total, sq)):
-        stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(sq))
-        return stats
-    nan, inf = np.isnan(x), np.isinf(x)  # NaN/Inf: counted, then left out of the statistics
-    stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
-    if stats["nan"] or stats["inf"]:
-        x = x[~(nan | inf)]
-        if x.size == 0:
-            return stats
-    lo, hi, total, sq = _moments(x.astype(np.float64, copy=False))  # float32 sums could overflow: wide
+    moments = _one_piece(x) if n <= _PIECE else None  # None: more than a piece, or not all finite
+    if moments is None:
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught below, and taken wide
+            moments = _moments(x)
+        if not all(math.isfinite(v) for v in moments):
+            nan, inf = np.isnan(x), np.isinf(x)  # NaN/Inf: counted, then left out of the statistics
+            stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
+            if stats["nan"] or stats["inf"]:
+                x = x[~(nan | inf)]
+                if x.size == 0:
+                    return stats
+            moments = _moments(x.astype(np.float64, copy=False))  # float32 sums could overflow: wide
+    lo, hi, total, sq = moments
     stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(sq))
     return stats
