@@ -24,7 +24,7 @@ def test_data_metrics_match_float64_reference(noise):
     m = compare_arrays(a, b, "float32", "float32")
     max_abs, mean_abs, cos = _reference(a, b)
     assert m["max_abs"] == max_abs
-    assert m["mean_abs"] == pytest.approx(mean_abs, rel=1e-9)
+    assert m["mean_abs"] == pytest.approx(mean_abs, rel=1e-6)  # float32 sums per block (BLAS), float64 across
     assert 1 - m["cosine"] == pytest.approx(1 - cos, rel=1e-5)  # precise even where cos rounds to 1 in fp32
     assert m["ref_max_abs"] == np.abs(a).max() and not m["identical"]
 

@@ -107,3 +107,18 @@ def test_json_keeps_non_finite_numbers_and_stays_standard():
     back = schema.loads(text)
     assert back["max_abs"] == math.inf and back["low"] == -math.inf and math.isnan(back["cosine"])
     assert back["rows"] == [1.5, [2, math.inf]]  # a tuple comes back a list; the string "inf" is read as a number
+
+
+def test_json_text_reads_back_the_values_whichever_encoder_wrote_it():
+    """orjson writes reports; what it refuses (integers beyond 64 bits, keys that are not strings) goes to json.
+    Either way the text is standard, indented JSON that reads back the same values."""
+    common = {"path": "model.layers.0.mlp", "note": "µ-scale ✓", "max_abs": 1e-06, "numel": 2**40,
+              "rows": [{"cosine": 0.999999, "ok": True, "why": None}], "neg": -0.0}
+    for value in (common, {**common, "huge": 2**70}, {**common, 3: "int key"}):
+        text = schema.dumps(value)
+        assert text.startswith("{\n ") and "\n" in text.strip()  # indented, one value per line
+        json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+        expected = {str(k): v for k, v in value.items()}
+        assert schema.loads(text) == expected
+    with pytest.raises(TypeError):
+        schema.dumps({"x": object()})  # unknown types fail as they always did

@@ -592,7 +592,7 @@ class _RawChunkReader:
         self.dataset = dataset
         self.chunk = dataset.chunks[0]
         self.fd = fd
-        self.addresses: dict[int, int | None] = {}
+        self.addresses: dict[int, int | None] = self._all_addresses()
         self.file_size = os.fstat(fd).st_size
         try:  # no madvise (not Linux/BSD): pieces are read with preadv
             advice = ("MADV_WILLNEED", "MADV_DONTNEED", "MADV_SEQUENTIAL")
@@ -611,6 +611,22 @@ class _RawChunkReader:
             return cls(path, dataset, os.open(path, os.O_RDONLY))
         except (OSError, AttributeError, ValueError):
             return None
+
+    def _all_addresses(self) -> dict[int, int | None]:
+        """Every chunk's file address, from one walk of HDF5's chunk index (``chunk_iter``, HDF5 >= 1.14): a
+        lookup per chunk costs ~35 us on a 4 GB trace (0.3 s of a 0.5B model's align). Empty where this HDF5 has
+        no such walk; chunks are then looked up one by one as they are read."""
+        addresses: dict[int, int | None] = {}
+
+        def visit(info):
+            ok = info.byte_offset is not None and info.size == self.chunk and info.filter_mask == 0
+            addresses[info.chunk_offset[0] // self.chunk] = info.byte_offset if ok else None
+
+        try:
+            self.dataset.id.chunk_iter(visit)
+        except Exception:  # noqa: BLE001  (an older h5py or HDF5: no walk, or a damaged index)
+            return {}
+        return addresses
 
     def _address(self, index: int):
         if index not in self.addresses:
