@@ -160,23 +160,24 @@ def align(a, b=None, *, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(
     """Compare trace ``b`` (the candidate) with trace ``a`` (the reference), as ``layerdiff align A B``.
 
     Either may be a multi-rank run directory. With ``b`` omitted, ``a`` is a multi-rank run whose ranks are
-    compared with rank 0 (``workers`` processes)."""
+    compared with rank 0. ``workers``: processes comparing ranks, or the stored tensors of two large traces
+    (None: one per core; 1: all in this process)."""
     from .core.align import align as align_traces
     from .core.ranks import open_run
     from .core.report import ByteProgress
 
     how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise LayerdiffError(f"--workers must be a whole number >= 1, not {workers!r}")
     if b is None:
         from .core.desync import check_run
 
-        if workers is not None and workers < 1:
-            raise LayerdiffError("--workers must be at least 1")
         return Report(check_run(a, how.policy, list(rules or ()), workers=workers))
     with open_run(a, how.rules) as ra, open_run(b, how.rules) as rb:
         bar = ByteProgress("aligning", enabled=None if progress else False)
         try:
             data = align_traces(ra, rb, rename=how.rename, policy=how.policy, progress=bar, auto_map=auto_map,
-                                layouts=how.layouts, rules=how.rules)
+                                layouts=how.layouts, rules=how.rules, workers=workers)
         finally:
             bar.close()
     return Report(data)

@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("a", help="reference trace (a file, or the directory of a multi-rank run)")
     a.add_argument("b", nargs="?", help="candidate trace (a file or a run directory); omitted: compare the ranks "
                    "of run A with its rank 0 (data-parallel replicas that should agree)")
-    a.add_argument("--workers", type=int, metavar="N", help="with one run: processes comparing ranks (default: "
-                   "one per core)")
+    a.add_argument("--workers", type=int, metavar="N", help="processes comparing: the ranks of one run, or the "
+                   "stored tensors of two traces holding over 512 MB each (default: one per core, at most 8 for "
+                   "tensors; 1: all in this process)")
     a.add_argument("--map", action="append", metavar="B_REGEX=A_NAME",
                    help="rename B's module paths to A's (regex substitution; or a file of rules; repeatable)")
     a.add_argument("--layout", action="append", metavar="REGEX=TRANSFORM",
@@ -187,7 +188,8 @@ def cmd_align(args) -> int:
             raise LayerdiffError("--html is for two runs (layerdiff align A B); a run's ranks have no HTML page yet")
         return _align_ranks(args)
     report = api.align(args.a, args.b, **_tolerances(args), map=args.map or (), layout=args.layout or (),
-                       rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet)
+                       rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet,
+                       workers=args.workers)
     if args.save_map:
         from .core.files import write_atomically
         from .core.mapping import rules_text

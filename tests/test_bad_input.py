@@ -295,6 +295,8 @@ BAD_FLAGS = {
     "map_without_equals": ["--map", "x"],
     "map_bad_regex": ["--map", "(=x"],
     "json_without_value": ["--json"],
+    "workers_zero": ["--workers", "0"],
+    "workers_not_a_number": ["--workers", "two"],
 }
 
 

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import LayerdiffError
-from . import modules, ranks, schema
+from . import compare_workers, modules, ranks, schema
 from .layouts import LayoutRules, relate_shapes, type_family
 from .mapping import ModuleMapping, match_modules
 from .match import RenameRules, TensorPair, TraceSide, match_records
 from .operands import Operand
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats, relative_error
+from .compare_workers import StoredPair, compare_pairs, worker_count
 from .configs import diff_configs, from_values
 from .rules import RuleSet, ruleset
 from .settings import settings_report
@@ -90,21 +91,62 @@ def _compare_values(a: np.ndarray, b: np.ndarray) -> dict:
     return compare_arrays(np.ascontiguousarray(a), np.ascontiguousarray(b), str(a.dtype), str(b.dtype))
 
 
+def _prepared(tp: TensorPair, path_a: str, layouts: LayoutRules, swap: bool):
+    """(A's operand, B's operand, a declared layout rule or None, how their shapes relate)."""
+    a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
+    return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, swap and tp.activation)
+
+
+def _stored_key(a: Operand, b: Operand, rule, relation):
+    """The key of a pair compared straight from its stored bytes, element by element (None: another way)."""
+    if rule is None and relation.ok and a.has_data and b.has_data and a.plain and b.plain \
+            and relation.kind in ("same", "reshape"):
+        return (_region(a.entry), _region(b.entry), a.shape, b.shape)
+    return None
+
+
+def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: bool, workers: int | None, progress) -> dict:
+    """Metrics of the pairs compared straight from stored bytes, by worker processes (``compare_workers``), keyed
+    like ``_pair_metrics``' memo; empty when they are too few bytes to be worth it, or workers cannot be used."""
+    count = worker_count(workers)
+    if count < 2:
+        return {}
+    jobs = {}
+    for pair in pairs:
+        for tp in pair.tensors:
+            a, b, rule, relation = _prepared(tp, pair.a["path"], layouts, swap)
+            key = _stored_key(a, b, rule, relation)
+            if key is None or key in jobs:
+                continue
+            where_a, where_b = (getattr(r, "data_location", lambda e: None)(o.entry) for r, o in zip(readers, (a, b)))
+            if where_a is None or where_b is None:
+                continue
+            jobs[key] = StoredPair(where_a, a.entry["offset"], a.entry["dtype"], where_b, b.entry["offset"],
+                                   b.entry["dtype"], math.prod(a.shape))
+    total = sum(job.nbytes() for job in jobs.values())
+    if total < 2 * compare_workers.MIN_BYTES:
+        return {}
+    if progress is not None:
+        progress.start(total)
+    results = compare_pairs(list(jobs.values()), count, progress)
+    if progress is not None:
+        progress.close()
+    return dict(zip(jobs, results)) if results is not None else {}
+
+
 def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: LayoutRules, swap: bool) -> dict | None:
     """Metrics for one tensor pair (None: it cannot be compared from what the traces hold). A pair of stored
-    regions already compared (records share deduplicated tensors) is not read again."""
+    regions already compared (records share deduplicated tensors, or workers compared it) is not read again."""
     reader_a, reader_b = readers
-    a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
-    rule = layouts.find(path_a)
+    a, b, rule, relation = _prepared(tp, path_a, layouts, swap)
     if rule is not None and a.plain and b.plain:
         return _compare_declared(reader_a, reader_b, a.entry, b.entry, rule)
-    relation = relate_shapes(a.shape, b.shape, swap and tp.activation)
     if not relation.ok:
         return {"basis": "shape", "mismatch": f"shape {list(a.shape)} vs {list(b.shape)}",
                 "numel": math.prod(a.shape)}
     if a.has_data and b.has_data:
-        if a.plain and b.plain and relation.kind in ("same", "reshape"):
-            key = (_region(a.entry), _region(b.entry), a.shape, b.shape)
+        key = _stored_key(a, b, rule, relation)
+        if key is not None:
             if key not in memo:
                 memo[key] = compare_data(reader_a.tensor_chunks(a.entry, CHUNK_ELEMS),
                                          reader_b.tensor_chunks(b.entry, CHUNK_ELEMS), a.dtype, b.dtype)
@@ -232,8 +274,9 @@ def module_mapping(reader_a, reader_b, rules: RuleSet, rename: RenameRules | Non
 
 def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True,
             layouts: LayoutRules | None = None, rules: RuleSet | None = None,
-            mapping: ModuleMapping | None = None) -> schema.Report:
-    """Match the two traces (inferring renamed and fused modules) and compute metrics for every tensor pair."""
+            mapping: ModuleMapping | None = None, workers: int | None = 1) -> schema.Report:
+    """Match the two traces (inferring renamed and fused modules) and compute metrics for every tensor pair
+    (``workers`` processes compare large stored tensors: None, one per core; 1, none)."""
     rename = rename or RenameRules()
     layouts = layouts or LayoutRules()
     rules = rules or ruleset()
@@ -247,10 +290,11 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
         mapping = module_mapping(reader_a, reader_b, rules, rename, auto_map)
     matching = match_records(side_a, side_b, mapping)
     _check_related(matching, reader_a, reader_b, rules)
+    swap = side_a.sequence_first != side_b.sequence_first
+    memo = _compare_in_workers(matching.pairs, (reader_a, reader_b), layouts, swap, workers, progress)
     if progress is not None:
         progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in matching.pairs))
-    records, memo = [], {}
-    swap = side_a.sequence_first != side_b.sequence_first
+    records = []
     ancestors = _ancestors(reader_a.records)
     for pair in matching.pairs:
         ra, rb = pair.a, pair.b[0]
@@ -739,6 +783,6 @@ def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows:
 
 def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
           progress=None, auto_map: bool = True, layouts: LayoutRules | None = None,
-          rules: RuleSet | None = None) -> schema.Report:
-    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts, rules),
+          rules: RuleSet | None = None, workers: int | None = 1) -> schema.Report:
+    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts, rules, workers=workers),
                     policy or TolerancePolicy())

@@ -19,8 +19,9 @@ BLOCK_ELEMS = 1 << 15   # elements processed at a time: the two inputs and two s
 _ONES = np.ones(BLOCK_ELEMS, dtype=np.float32)  # read-only: sum |a-b| as a dot product (BLAS), ~5x a float64 sum
 
 
-class _Accumulator:
-    """Running sums for the data metrics, fed chunk by chunk.
+class DataAccumulator:
+    """Running sums for the data metrics, fed chunk by chunk; the sums of separate slices of one tensor merge
+    (``merge``), so slices can be compared in separate processes (``core.workers``).
 
     Per-element work runs in the tensors' own float precision (float32 for fp32/fp16/bf16): ``a - b`` of two
     close floats is exact (Sterbenz), so nothing is lost there, and it is several times faster than widening
@@ -41,6 +42,27 @@ class _Accumulator:
         self.nonfinite_mismatch = 0
         self.nonfinite = 0
         self._scratch: dict = {}
+
+    _SUMS = ("n", "max_abs", "sum_abs", "max_rel", "ref_max", "dd", "ds", "aa", "bb", "nonfinite_mismatch",
+             "nonfinite")
+
+    def state(self) -> dict:
+        """The running sums as plain numbers (what a worker process sends back)."""
+        return {name: getattr(self, name) for name in self._SUMS}
+
+    @classmethod
+    def from_state(cls, state: dict) -> DataAccumulator:
+        acc = cls()
+        for name in cls._SUMS:
+            setattr(acc, name, state[name])
+        return acc
+
+    def merge(self, other: DataAccumulator):
+        """Add the sums of another slice of the same pair of tensors."""
+        for name in ("n", "sum_abs", "dd", "ds", "aa", "bb", "nonfinite_mismatch", "nonfinite"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("max_abs", "max_rel", "ref_max"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
 
     def add(self, a_raw, b_raw, dtype_a, dtype_b):
         """Feed one pair of equally long chunks (stored bits). Call inside ``np.errstate(all="ignore")``:
@@ -124,13 +146,18 @@ def _sum(values: np.ndarray) -> float:
     return float(np.add.reduce(values, dtype=np.float64))
 
 
-def compare_data(chunks_a, chunks_b, dtype_a: str, dtype_b: str) -> dict:
-    """Metrics over two equally long streams of flat chunks (numpy arrays of stored bits)."""
-    acc = _Accumulator()
+def accumulate(chunks_a, chunks_b, dtype_a: str, dtype_b: str) -> DataAccumulator:
+    """The running sums over two equally long streams of flat chunks (numpy arrays of stored bits)."""
+    acc = DataAccumulator()
     with np.errstate(all="ignore"):  # overflow/NaN are counted, not warned about
         for a_raw, b_raw in _rechunk(chunks_a, chunks_b):
             acc.add(a_raw, b_raw, dtype_a, dtype_b)
-    return acc.result()
+    return acc
+
+
+def compare_data(chunks_a, chunks_b, dtype_a: str, dtype_b: str) -> dict:
+    """Metrics over two equally long streams of flat chunks (numpy arrays of stored bits)."""
+    return accumulate(chunks_a, chunks_b, dtype_a, dtype_b).result()
 
 
 def _rechunk(chunks_a, chunks_b):

@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -511,6 +512,7 @@ class TraceReader:
         if self.end is None:
             self.crashed = True
         self._raw = _RawChunkReader.open(self.path, self._data)
+        self._location: DataLocation | None | bool = None  # made on first use (False: not available)
 
     @property
     def mode(self) -> str:
@@ -540,26 +542,20 @@ class TraceReader:
         view of the file mapped into memory: no copy out of the page cache, the pages of the next few MB are asked
         for ahead (``MADV_WILLNEED``) and those compared are let go (``MADV_DONTNEED``): resident memory stays flat.
         """
-        dt = storage_dtype(entry["dtype"])
-        start, n = entry["offset"], entry["nbytes"]
-        step = chunk_elems * dt.itemsize
-        pieces = [(pos, min(step, start + n - pos)) for pos in range(start, start + n, step)]
         raw = self._raw if self._raw is not None and self._raw.mapped is not None else None
-        scratch = None
-        ahead = max(_READ_AHEAD // step, 1)
-        if raw is not None:
-            for piece in pieces[:ahead]:
-                raw.will_need(*piece)
-        for i, piece in enumerate(pieces):
-            if raw is not None and i + ahead < len(pieces):
-                raw.will_need(*pieces[i + ahead])
-            view = raw.view(*piece) if raw is not None else None
-            if view is None:
-                scratch = np.empty(min(step, n), dtype=np.uint8) if scratch is None else scratch
-                view = self._read(*piece, scratch[:piece[1]])
-            yield view.view(dt)
-            if raw is not None:
-                raw.let_go(*piece)
+        return _pieces(raw, self._read, entry["offset"], entry["nbytes"], storage_dtype(entry["dtype"]), chunk_elems)
+
+    def data_location(self, entry: dict) -> DataLocation | None:
+        """Where the tensor's bytes lie in the file, for a reader in another process (``MappedData``); None when
+        HDF5 did not report every chunk's address (compressed or damaged data, an older HDF5)."""
+        raw = self._raw
+        if raw is None or raw.mapped is None or "offset" not in entry:
+            return None
+        if self._location is None:
+            count = -(-self._data.shape[0] // raw.chunk)
+            addresses = tuple(raw.addresses.get(i) for i in range(count))
+            self._location = DataLocation(str(self.path), raw.chunk, addresses) if None not in addresses else False
+        return self._location or None
 
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)
@@ -576,8 +572,75 @@ class TraceReader:
         self.close()
 
 
+def _pieces(raw, read, start: int, n: int, dt: np.dtype, chunk_elems: int):
+    """Bytes ``start``..``start + n`` as arrays of ``dt`` of ``chunk_elems`` each: views of the mapped file through
+    ``raw`` where its chunks sit back to back (pages asked for ahead, let go after), else ``read`` into a buffer."""
+    step = chunk_elems * dt.itemsize
+    pieces = [(pos, min(step, start + n - pos)) for pos in range(start, start + n, step)]
+    scratch = None
+    ahead = max(_READ_AHEAD // step, 1)
+    if raw is not None:
+        for piece in pieces[:ahead]:
+            raw.will_need(*piece)
+    for i, piece in enumerate(pieces):
+        if raw is not None and i + ahead < len(pieces):
+            raw.will_need(*pieces[i + ahead])
+        view = raw.view(*piece) if raw is not None else None
+        if view is None:
+            scratch = np.empty(min(step, n), dtype=np.uint8) if scratch is None else scratch
+            view = read(*piece, scratch[:piece[1]])
+        yield view.view(dt)
+        if raw is not None:
+            raw.let_go(*piece)
+
+
+@dataclass(frozen=True)
+class DataLocation:
+    """Where a trace's tensor bytes lie in its file: the file address of every chunk of /data, in order. Enough
+    for another process to read them without HDF5 (``MappedData``)."""
+    path: str
+    chunk: int
+    addresses: tuple
+
+
+class MappedData:
+    """A trace's tensor bytes read straight from its file at the chunk addresses of a ``DataLocation`` (no HDF5,
+    no index): how worker processes read the slices they compare."""
+
+    def __init__(self, location: DataLocation):
+        fd = os.open(location.path, os.O_RDONLY)
+        self._raw = _RawChunkReader(fd, location.chunk, dict(enumerate(location.addresses)))
+
+    def pieces(self, offset: int, first: int, count: int, dtype: str, chunk_elems: int):
+        """Elements ``first``..``first + count`` of the tensor stored at ``offset``, as stored bits, in pieces."""
+        dt = storage_dtype(dtype)
+        return _pieces(self._raw if self._raw.mapped is not None else None, self._raw.read,
+                       offset + first * dt.itemsize, count * dt.itemsize, dt, chunk_elems)
+
+    def close(self):
+        self._raw.close()
+
+
 _FAULT_AROUND = 64 << 10  # Linux's fault_around_bytes default
 _READ_AHEAD = 8 << 20  # how far ahead of the compared piece the disk is asked to read
+
+
+def _all_addresses(dataset) -> dict[int, int | None]:
+    """Every chunk's file address, from one walk of HDF5's chunk index (``chunk_iter``, HDF5 >= 1.14): a lookup
+    per chunk costs ~35 us on a 4 GB trace (0.3 s of a 0.5B model's align). Empty where this HDF5 has no such
+    walk; chunks are then looked up one by one as they are read."""
+    addresses: dict[int, int | None] = {}
+    chunk = dataset.chunks[0]
+
+    def visit(info):
+        ok = info.byte_offset is not None and info.size == chunk and info.filter_mask == 0
+        addresses[info.chunk_offset[0] // chunk] = info.byte_offset if ok else None
+
+    try:
+        dataset.id.chunk_iter(visit)
+    except Exception:  # noqa: BLE001  (an older h5py or HDF5: no walk, or a damaged index)
+        return {}
+    return addresses
 
 
 class _RawChunkReader:
@@ -588,11 +651,11 @@ class _RawChunkReader:
     (~2x faster). Compressed data, or a chunk HDF5 does not report, goes through h5py.
     """
 
-    def __init__(self, path, dataset, fd):
-        self.dataset = dataset
-        self.chunk = dataset.chunks[0]
+    def __init__(self, fd: int, chunk: int, addresses: dict, dataset=None):
+        self.dataset = dataset  # None: only the chunks in ``addresses`` can be read (a worker's ``MappedData``)
+        self.chunk = chunk
         self.fd = fd
-        self.addresses: dict[int, int | None] = self._all_addresses()
+        self.addresses: dict[int, int | None] = addresses
         self.file_size = os.fstat(fd).st_size
         try:  # no madvise (not Linux/BSD): pieces are read with preadv
             advice = ("MADV_WILLNEED", "MADV_DONTNEED", "MADV_SEQUENTIAL")
@@ -608,35 +671,20 @@ class _RawChunkReader:
         try:
             if dataset.chunks is None or dataset.id.get_create_plist().get_nfilters() != 0:
                 return None
-            return cls(path, dataset, os.open(path, os.O_RDONLY))
+            fd = os.open(path, os.O_RDONLY)
         except (OSError, AttributeError, ValueError):
             return None
-
-    def _all_addresses(self) -> dict[int, int | None]:
-        """Every chunk's file address, from one walk of HDF5's chunk index (``chunk_iter``, HDF5 >= 1.14): a
-        lookup per chunk costs ~35 us on a 4 GB trace (0.3 s of a 0.5B model's align). Empty where this HDF5 has
-        no such walk; chunks are then looked up one by one as they are read."""
-        addresses: dict[int, int | None] = {}
-
-        def visit(info):
-            ok = info.byte_offset is not None and info.size == self.chunk and info.filter_mask == 0
-            addresses[info.chunk_offset[0] // self.chunk] = info.byte_offset if ok else None
-
-        try:
-            self.dataset.id.chunk_iter(visit)
-        except Exception:  # noqa: BLE001  (an older h5py or HDF5: no walk, or a damaged index)
-            return {}
-        return addresses
+        return cls(fd, dataset.chunks[0], _all_addresses(dataset), dataset)
 
     def _address(self, index: int):
-        if index not in self.addresses:
+        if index not in self.addresses and self.dataset is not None:
             try:
                 info = self.dataset.id.get_chunk_info_by_coord((index * self.chunk,))
                 ok = info.byte_offset is not None and info.size == self.chunk and info.filter_mask == 0
                 self.addresses[index] = info.byte_offset if ok else None
             except Exception:
                 self.addresses[index] = None
-        return self.addresses[index]
+        return self.addresses.get(index)
 
     def read(self, start: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty(length, dtype=np.uint8) if out is None else out
@@ -647,6 +695,8 @@ class _RawChunkReader:
             take = min(self.chunk - inner, length - done)
             address = self._address(index)
             if address is None:
+                if self.dataset is None:
+                    raise TraceFormatError("tensor data outside the chunks located")
                 out[done:done + take] = self.dataset[start + done:start + done + take]
             elif os.preadv(self.fd, [view[done:done + take]], address + inner) != take:
                 raise TraceFormatError("tensor data ends early (truncated file)")
