@@ -145,7 +145,7 @@ def align_child(a: str, b: str, profile: bool):
     ra, rb = open_trace(a), open_trace(b)
     t_open = time.perf_counter() - t0
     rss_open = current_rss()
-    report = align(ra, rb)
+    report = align(ra, rb, workers=None)  # as the CLI: worker processes for traces over 512 MB a side
     t_total = time.perf_counter() - t0
     if prof:
         prof.disable()

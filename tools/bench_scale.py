@@ -109,10 +109,11 @@ def align_speed(directory: Path, layers: int, env: dict, where: tuple) -> dict:
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-    for cache in ("cold", "warm"):  # the cold run reads the traces into the page cache for the warm one
+    runs = (("cold", None), ("warm", None), ("warm, --workers 1", "1"))  # cold reads the traces into the page cache
+    for cache, workers in runs:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", ALIGN_CHILD, str(a), str(b), str(directory / "align.json")],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, "-c", ALIGN_CHILD, str(a), str(b), str(directory / "align.json"),
+                               *([workers] if workers else [])], capture_output=True, text=True, env=env)
         seconds = time.perf_counter() - t0
         result = next((json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)),
                       None)
@@ -127,13 +128,16 @@ def align_speed(directory: Path, layers: int, env: dict, where: tuple) -> dict:
 ALIGN_CHILD = r'''
 import json, resource, sys
 from layerdiff import cli
+workers = ["--workers", sys.argv[4]] if len(sys.argv) > 4 else []
 try:
-    code = cli.main(["align", sys.argv[1], sys.argv[2], "--json", sys.argv[3], "--force"])
+    code = cli.main(["align", sys.argv[1], sys.argv[2], "--json", sys.argv[3], "--force", *workers])
 except SystemExit as exc:
     code = exc.code
 status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/self/status")
           if line.startswith("VmHWM")}
-print("@@RESULT " + json.dumps({"exit": code, "peak_rss": status.get("VmHWM", 0)}), flush=True)
+worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child's: a worker's
+print("@@RESULT " + json.dumps({"exit": code, "peak_rss": status.get("VmHWM", 0), "worker_peak_rss": worker_rss}),
+      flush=True)
 '''
 
 
@@ -224,11 +228,12 @@ def main() -> int:
           f"= {limit / res['full']['base_s']:.2f}x; full trace = {res['full']['step_s'] / limit:.2f}x that limit")
     if aligned:
         side = aligned["bytes_per_side"]
-        for cache in ("cold", "warm"):
+        for cache in (key for key in aligned if key != "bytes_per_side"):
             r = aligned[cache]
+            workers = "" if "workers 1" in cache else f", each worker {r['worker_peak_rss'] / 1e6:.0f} MB"
             print(f"align of two one-step full traces ({side / 1e9:.2f} GB each), {cache} page cache: "
                   f"{r['seconds']:.2f} s = {side / r['seconds'] / 1e9:.2f} GB/s per side, peak RSS "
-                  f"{r['peak_rss'] / 1e6:.0f} MB (exit {r['exit']})")
+                  f"{r['peak_rss'] / 1e6:.0f} MB{workers} (exit {r['exit']})")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": res, "write_speed_clean": clean, "write_speed_sustained": sustained,
                                                "serial_limit_s": limit, "align": aligned},

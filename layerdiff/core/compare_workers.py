@@ -137,8 +137,11 @@ class _Pool:
                     raise _WorkerFailed
                 *lines, buffers[proc.pid] = (buffers[proc.pid] + chunk).split(b"\n")
                 for line in lines:
-                    done = json.loads(line)
-                    n, nbytes = owner.pop(done["id"])
+                    try:
+                        done = json.loads(line)
+                        n, nbytes = owner.pop(done["id"])
+                    except (ValueError, KeyError, TypeError):  # not a line this protocol writes
+                        raise _WorkerFailed from None
                     pending[proc.pid] -= 1
                     yield n, done["state"], nbytes
                 feed(proc)
