@@ -187,6 +187,10 @@ def main() -> int:
     p.add_argument("--mmap-threshold", type=int, default=0,
                    help="run every child with MALLOC_MMAP_THRESHOLD_=N (e.g. 131072): glibc's fixed threshold, so "
                         "large tensors never enter the main heap that loading h5py mid-run fragments (see the README)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every child's environment (repeatable), e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/"
+                        "libjemalloc.so.2 and MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1: an allocator that "
+                        "keeps freed memory, so that page faults stop setting the step's time (see the README)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model runs (cuda: statistics are reduced on the GPU; full traces copy to the host)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
@@ -198,6 +202,12 @@ def main() -> int:
     env = dict(os.environ)
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"bench_scale: --env {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        env[key] = value
     with tempfile.TemporaryDirectory(prefix="layerdiff-scale-", dir=os.environ.get("TMPDIR", "/tmp")) as d:
         tmp = Path(d)
         where = (args.device, args.dtype)
@@ -214,7 +224,8 @@ def main() -> int:
     limit = res["full"]["base_s"] + per_step / sustained
     print(f"model: Qwen2-0.5B shape, {args.layers} layers, {res['untraced']['params'] / 1e6:.0f}M parameters, {args.dtype}, "
           f"batch 1 x 32, forward + backward, {args.device.upper()}; median of {args.steps} steps per mode"
-          + (f"; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
+          + (f"; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "")
+          + "".join(f"; {item}" for item in args.env))
     print(f"untraced step: {base:.2f} s (peak RSS {res['untraced']['peak_rss'] / 1e9:.2f} GB)")
     for mode in ("stats", "full"):
         r = res[mode]

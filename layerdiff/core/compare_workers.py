@@ -46,8 +46,14 @@ class StoredPair:
 
 
 def worker_count(requested: int | None) -> int:
-    """``requested`` processes, or one per core (at most 8) when None."""
-    return requested if requested is not None else min(os.cpu_count() or 1, 8)
+    """``requested`` processes, or one per core this process may run on (at most 8) when None."""
+    if requested is not None:
+        return requested
+    try:
+        cores = len(os.sched_getaffinity(0))  # a container's or taskset's share, not the machine's
+    except AttributeError:  # no affinity call on this system
+        cores = os.cpu_count() or 1
+    return min(cores, 8)
 
 
 def compare_pairs(pairs: list[StoredPair], workers: int, progress=None,
