@@ -501,7 +501,7 @@ class TraceReader:
                                        f"reads ({FORMAT_VERSION}); upgrade layerdiff")
             self.meta = json.loads(attrs["meta"])
             self._data = self._file["data"]
-            raw = bytes(self._file["index"][:])
+            raw = _index_bytes(self.path, self._file["index"])
         except TraceFormatError:
             self._file.close()
             raise
@@ -623,6 +623,29 @@ class MappedData:
 
 _FAULT_AROUND = 64 << 10  # Linux's fault_around_bytes default
 _READ_AHEAD = 8 << 20  # how far ahead of the compared piece the disk is asked to read
+
+
+def _index_bytes(path: Path, dataset) -> bytes:
+    """The index's bytes. A writer killed while HDF5 grew the file can leave the index's newest chunks beyond the
+    end of the file HDF5 last recorded (the superblock's end-of-file address, written at the next flush) while
+    their bytes are on disk: HDF5 then refuses to read the index ("addr overflow"). Those chunks are read at the
+    addresses HDF5's chunk index gives, up to the first chunk it does not locate or the end of the file."""
+    try:
+        return bytes(dataset[:])
+    except Exception:  # noqa: BLE001  (h5py raises OSError, RuntimeError, ... for damaged files)
+        chunk = dataset.chunks[0] if dataset.chunks else None
+        addresses = _all_addresses(dataset) if chunk else {}
+        if not addresses or dataset.id.get_create_plist().get_nfilters() != 0:
+            raise
+        pieces = []
+        with open(path, "rb") as f:
+            for index in range(-(-dataset.shape[0] // chunk)):
+                address = addresses.get(index)
+                piece = os.pread(f.fileno(), chunk, address) if address is not None else b""
+                pieces.append(piece)
+                if len(piece) < chunk:
+                    break
+        return b"".join(pieces)
 
 
 def _all_addresses(dataset) -> dict[int, int | None]:
