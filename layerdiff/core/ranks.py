@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import TraceFormatError
 from .layouts import is_transposed
 from .operands import combine_stats
+from .tensors import as_float, encode_float
 from .traceformat import TraceReader
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
@@ -254,14 +255,26 @@ class RankedRun:
             pieces = [np.split(v, merge["parts"], axis=merge["dim"]) for v in values]
             return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge["dim"])
                                    for i in range(merge["parts"])], axis=merge["dim"])
-        if merge["how"] == "sum":
-            return np.sum(np.stack(values), axis=0).astype(values[0].dtype)
+        if merge["how"] == "sum":  # added as values (bfloat16's stored bits are integers), kept as stored bits
+            total = np.sum([as_float(v, entry["dtype"]).astype(np.float64) for v in values], axis=0)
+            return encode_float(total, entry["dtype"])
         return values[0]
 
     def tensor_chunks(self, entry: dict, chunk_elems: int):
+        """The merged tensor's stored bits, flattened, in pieces (``TraceReader.tensor_chunks``). Streamed from the
+        rank files, so memory stays flat, where the parts follow one another in its flat order: one rank's copy,
+        shards joined on the first axis. Shards of another axis interleave and partial sums add up: those are
+        joined in memory first."""
+        merge, parts = entry.get("merge") or {}, entry.get("parts")
+        if not parts:
+            return self.readers[0].tensor_chunks(entry, chunk_elems)
+        if merge.get("how") == "ranks":
+            return self.readers[0].tensor_chunks(parts[0], chunk_elems)
+        if merge.get("how") == "concat" and merge.get("dim") == 0:
+            return itertools.chain.from_iterable(reader.tensor_chunks(part, chunk_elems)
+                                                 for reader, part in zip(self.readers, parts))
         flat = self.tensor(entry).reshape(-1)
-        for start in range(0, flat.size, chunk_elems):
-            yield flat[start:start + chunk_elems]
+        return (flat[start:start + chunk_elems] for start in range(0, flat.size, chunk_elems))
 
     def size_bytes(self) -> int:
         return sum(r.size_bytes() for r in self.readers)

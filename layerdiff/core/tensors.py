@@ -63,6 +63,31 @@ def as_float(stored: np.ndarray, dtype: str) -> np.ndarray:
     return stored.astype(np.float64)
 
 
+
+def encode_float(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Float values as the stored bits of ``dtype`` (``as_float``'s inverse), rounded to the nearest value it holds:
+    for values computed from stored tensors, such as partial sums added across ranks."""
+    if dtype == "bfloat16":
+        bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # to nearest, ties to even
+        return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+    if dtype.startswith("float8"):
+        codes = np.arange(256, dtype=np.uint8)
+        decoded = as_float(codes, dtype).astype(np.float64)
+        order = [i for i in np.argsort(decoded, kind="stable") if np.isfinite(decoded[i])]
+        grid, grid_codes = decoded[order], codes[order]
+        x = values.astype(np.float64)
+        clipped = np.clip(np.nan_to_num(x), grid[0], grid[-1])  # beyond the largest finite value: saturated
+        upper = np.clip(np.searchsorted(grid, clipped), 1, grid.size - 1)
+        nearer_lower = (clipped - grid[upper - 1]) <= (grid[upper] - clipped)
+        out = grid_codes[np.where(nearer_lower, upper - 1, upper)]
+        for special in (np.inf, -np.inf):  # e5m2 holds infinities; e4m3fn saturates them
+            if (decoded == special).any():
+                out = np.where(x == special, codes[decoded == special][0], out)
+        return np.where(np.isnan(x), codes[np.isnan(decoded)][0], out)
+    return values.astype(storage_dtype(dtype))
+
+
 _PIECE = 1 << 16  # elements: a piece stays in the CPU cache for its four reductions (one read from memory)
 
 
