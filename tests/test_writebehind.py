@@ -104,29 +104,41 @@ def test_the_chunk_walk_finds_every_chunk_that_lookups_find(tmp_path):
                 assert np.array_equal(reader.tensor(rec["tensors"][0]), expected)
 
 
-def test_index_chunks_past_the_recorded_end_of_file_are_read_at_their_addresses(tmp_path):
+def test_a_trace_whose_file_outgrew_its_recorded_end_is_read_whole(tmp_path):
     """A writer killed while HDF5 grew the file (between a resize and the flush that records the new end of file
-    in the superblock) leaves index chunks that HDF5 located but will not read ("addr overflow", seen in the
-    SIGKILL test). The reader takes their bytes at the located addresses: no record that reached the file is lost."""
+    in the superblock) leaves chunks and chunk-index nodes past the recorded end that HDF5 will not read ("addr
+    overflow", seen in the SIGKILL test). The reader sees the file with its real length, without changing it: no
+    record or tensor that reached the file is lost."""
     path = tmp_path / "t.h5"
     writer = TraceWriter(path, {"case": "eoa"})
     entry = writer.write_tensor(np.arange(1000, dtype=np.float32), "float32", store_data=True)
     for seq in range(3000):  # ~600 KB of lines: the index grows past its first reserve
         writer.write_record({"kind": "param", "path": f"p{seq}", "module": "", "call": 0, "step": 0, "seq": seq,
                              "tensors": [{**entry, "role": "param", "key": "value"}]})
+    last = np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32)  # the data grows after it
+    writer.write_record({"kind": "param", "path": "last", "module": "", "call": 0, "step": 0, "seq": 3000,
+                         "tensors": [{**writer.write_tensor(last, "float32", store_data=True), "role": "param",
+                                      "key": "value"}]})
     writer.close({"kind": "end", "status": "complete"})
     with h5py.File(path, "r", locking=False) as f:
-        index = f["index"]
-        last = max(index.id.get_chunk_info(i).byte_offset for i in range(index.id.get_num_chunks()))
+        index, data = f["index"], f["data"]
+        end = max(index.id.get_chunk_info(i).byte_offset for i in range(index.id.get_num_chunks()))
+        assert max(data.id.get_chunk_info(i).byte_offset for i in range(data.id.get_num_chunks())) > end
     with open(path, "r+b") as f:  # superblock version 0 ("earliest"): its end-of-file address is at byte 40
         assert f.read(9)[8] == 0
         f.seek(40)
-        f.write(struct.pack("<Q", last))  # as if the flush after the index's last growth never ran
+        f.write(struct.pack("<Q", end))  # as if the flush after the last growths never ran
+    before = path.read_bytes()
     with h5py.File(path, "r", locking=False) as f, pytest.raises(Exception, match="addr overflow"):
         f["index"][:]
     with open_trace(path) as reader:
-        assert [r["seq"] for r in reader.records] == list(range(3000)) and reader.end["status"] == "complete"
-        assert np.array_equal(reader.tensor(reader.records[-1]["tensors"][0]), np.arange(1000, dtype=np.float32))
+        assert [r["seq"] for r in reader.records] == list(range(3001)) and reader.end["status"] == "complete"
+        assert reader.crashed  # shown as a trace that was not closed cleanly
+        assert np.array_equal(reader.tensor(reader.records[0]["tensors"][0]), np.arange(1000, dtype=np.float32))
+        assert np.array_equal(reader.tensor(reader.records[-1]["tensors"][0]), last)
+        chunks = [piece.copy() for piece in reader.tensor_chunks(reader.records[-1]["tensors"][0], 100_000)]
+        assert np.array_equal(np.concatenate(chunks), last)
+    assert path.read_bytes() == before  # read, never repaired in place
 
 
 def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
