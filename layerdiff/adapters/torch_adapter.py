@@ -47,6 +47,8 @@ def local(t: torch.Tensor):
 def placement(t: torch.Tensor):
     """How a tensor is spread over ranks: DTensor placements (``S(0)``, ``R``, ``P(sum)``) on their device mesh,
     or a Megatron tensor-parallel parameter's partition dimension; None for an ordinary tensor."""
+    if type(t) is torch.Tensor:  # neither a DTensor (a subclass) nor a parameter: no attribute lookups that miss
+        return None
     if _is_dtensor(t):
         mesh = t.device_mesh
         return {"placements": [str(p) for p in t.placements], "mesh": list(mesh.shape),
@@ -105,6 +107,7 @@ _CPU_STATS_MIN = {torch.float32: 1 << 20, torch.bfloat16: 1 << 17, torch.float16
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         _CPU_STATS_MIN[getattr(torch, _name)] = 1 << 17
+_CPU_STATS_SMALLEST = min(_CPU_STATS_MIN.values())
 _STATS_CHUNK = 1 << 18  # CPU: 1 MB of fp32 per piece, so the second and third pass read it from the cache
 _DEVICE_CHUNK = 1 << 26  # accelerators: bounds the float32/float64 temporaries of a huge tensor
 _NORM_ROW = 1024  # elements per partial sum of squares
@@ -120,6 +123,8 @@ def fast_stats(t: torch.Tensor):
     Torch takes them for floating tensors on an accelerator (no copy of the tensor leaves the device) and for large
     enough CPU tensors (``_CPU_STATS_MIN``). A DTensor's are its local shard's, like the bytes ``to_stored`` keeps.
     """
+    if t.is_cpu and t.numel() < _CPU_STATS_SMALLEST:  # most tensors of a small model: one check
+        return None
     if not t.is_floating_point() or t.layout != torch.strided or t.is_meta:
         return None
     threshold = 0 if _on_accelerator(t) else _CPU_STATS_MIN.get(t.dtype, math.inf)
