@@ -63,7 +63,6 @@ def as_float(stored: np.ndarray, dtype: str) -> np.ndarray:
     return stored.astype(np.float64)
 
 
-
 def encode_float(values: np.ndarray, dtype: str) -> np.ndarray:
     """Float values as the stored bits of ``dtype`` (``as_float``'s inverse), rounded to the nearest value it holds:
     for values computed from stored tensors, such as partial sums added across ranks."""
