@@ -13,6 +13,14 @@ call: (traced - untraced) / module calls per step. "floor" is the same model wit
 forward pre-hook and post-hook on every module that pass the first tensor argument and the output through an
 identity autograd function (the least a tracer of every module's forward and backward must add), timed in
 the same interleaved blocks.
+
+    python tools/bench_tiny.py --chain    # + per-call cost on a chain of 300 tiny modules, against a minimal tracer
+
+``--chain``: a Sequential of 100 x (Linear 16x16, Tanh) blocks (301 module calls per step, batch 4), so the
+model's own work is small and steady; besides untraced, layerdiff `stats` and the floor it times a minimal
+hand-written tracer that does only the essential work (statistics of each input, output, gradient and parameter
+gradient by numpy, one orjson line per record with one ``pwrite``, layerdiff's own gradient tap) and none of the
+rest (deduplication, keys, pairing of gradients, in-place checks, hyper-parameters): what the features cost.
 """
 from __future__ import annotations
 
@@ -85,7 +93,67 @@ def bare_hooks(model):
     return handles
 
 
-def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
+def minimal_tracer(model, path: Path):
+    """The essential work of a per-module `stats` tracer, hand-written (see the docstring); returns hook handles."""
+    import os
+
+    import numpy as np
+    import orjson
+
+    from layerdiff.adapters.torch_adapter import _GradTap
+
+    fd, end = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), [0]
+
+    def stats(t):
+        a = t.detach().numpy().reshape(-1)
+        return {"numel": a.size, "min": float(a.min()), "max": float(a.max()), "mean": float(a.sum()) / a.size,
+                "l2": float(np.dot(a, a)) ** 0.5}
+
+    def write(record):
+        line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+        end[0] += os.pwrite(fd, line, end[0])
+
+    def grad_writer(name, phase):
+        return lambda grads: write({"path": name, "phase": phase, "grad": stats(grads[0])})
+
+    def pre(name):
+        def hook(module, args):
+            module._minimal_input = stats(args[0])
+            if args[0].requires_grad:
+                return (_GradTap.apply(grad_writer(name, "grad_input"), None, args[0])[0], *args[1:])
+            return None
+        return hook
+
+    def post(name):
+        def hook(module, args, output):
+            write({"path": name, "phase": "forward", "input": module._minimal_input, "output": stats(output)})
+            return _GradTap.apply(grad_writer(name, "grad_output"), None, output)[0]
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        handles += [module.register_forward_pre_hook(pre(name)), module.register_forward_hook(post(name))]
+    for name, p in model.named_parameters():
+        handles.append(p.register_post_accumulate_grad_hook(lambda p, name=name: write({"path": name,
+                                                                                        "grad": stats(p.grad)})))
+    return handles
+
+
+def chain():
+    """(name, model, step function) of the 301-call chain (``--chain``)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(100)])
+    x = torch.randn(4, 16)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+    return "chain", model, step
+
+
+def measure(model, step, steps: int, rounds: int, directory: Path, minimal: bool = False) -> dict:
     import layerdiff
     from layerdiff.core.traceformat import open_trace
 
@@ -99,7 +167,7 @@ def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
 
     for _ in range(3):
         step()
-    untraced, traced, floor = [], [], []
+    untraced, traced, floor, hand_written = [], [], [], []
     path = directory / "t.h5"
     for _ in range(rounds):
         untraced += block()
@@ -107,6 +175,12 @@ def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
         floor += block()
         for handle in handles:
             handle.remove()
+        if minimal:
+            handles = minimal_tracer(model, directory / "minimal.jsonl")
+            step()
+            hand_written += block()
+            for handle in handles:
+                handle.remove()
         with layerdiff.trace(model, path, mode="stats", overwrite=True):
             step()
             traced += block()
@@ -115,23 +189,28 @@ def measure(model, step, steps: int, rounds: int, directory: Path) -> dict:
     calls = sum(rec["kind"] == "call" and rec.get("phase") == "forward" for rec in timed) / steps
     records = len(timed) / steps
     base, cost = statistics.median(untraced), statistics.median(traced)
-    return {"untraced": base, "stats": cost, "calls": calls, "records": records, "floor": statistics.median(floor),
-            "per_call": (cost - base) / max(calls, 1)}
+    out = {"untraced": base, "stats": cost, "calls": calls, "records": records, "floor": statistics.median(floor),
+           "per_call": (cost - base) / max(calls, 1)}
+    if hand_written:
+        out["minimal_per_call"] = (statistics.median(hand_written) - base) / max(calls, 1)
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=3, help="untraced/traced block pairs per model")
+    p.add_argument("--chain", action="store_true", help="also the 300-module chain against a minimal tracer")
     args = p.parse_args(argv)
     print(f"{'model':8} {'untraced':>10} {'stats':>10} {'ratio':>7} {'calls/step':>11} {'records/step':>13} "
-          f"{'cost per call':>14} {'floor':>7}")
+          f"{'cost per call':>14} {'floor':>7} {'minimal tracer per call':>24}")
     with tempfile.TemporaryDirectory(prefix="layerdiff-tiny-") as d:
-        for name, model, step in models():
-            r = measure(model, step, args.steps, args.rounds, Path(d))
+        for name, model, step in models() + ([chain()] if args.chain else []):
+            r = measure(model, step, args.steps, args.rounds, Path(d), minimal=name == "chain")
+            minimal = f"{r['minimal_per_call'] * 1e6:21.0f} us" if "minimal_per_call" in r else ""
             print(f"{name:8} {r['untraced'] * 1e3:8.1f}ms {r['stats'] * 1e3:8.1f}ms {r['stats'] / r['untraced']:6.2f}x "
                   f"{r['calls']:11.0f} {r['records']:13.0f} {r['per_call'] * 1e6:11.0f} us "
-                  f"{r['floor'] / r['untraced']:6.2f}x")
+                  f"{r['floor'] / r['untraced']:6.2f}x {minimal}")
     return 0
 
 
