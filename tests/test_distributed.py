@@ -4,6 +4,7 @@ single-process torch run of the same model, and data-parallel ranks against each
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -102,6 +103,32 @@ def test_tensor_parallel_run_aligns_with_one_process_forward_and_backward(runs, 
     assert report["params"]["compared"] == 21 and report["params"]["grads_compared"] == 21
     notes = " ".join(t["metrics"].get("note", "") for r in report["records"] for t in r["tensors"])
     assert "ranks' shards joined on axis 2" in notes and "partial sums added" in notes
+
+
+def test_worker_processes_compare_a_run_of_ranks_as_one_process_does(runs, recipe_trace, monkeypatch):
+    """Shards joined on the first axis and rank 0's copies are read from the rank files by worker processes."""
+    from layerdiff.core import compare_workers
+
+    serial = align_files(recipe_trace("eps"), runs / "tp_clean", workers=1)
+    monkeypatch.setattr(compare_workers, "MIN_BYTES", 0)  # a small run: use workers all the same
+    slices = []
+    real_pairs = compare_workers.compare_pairs
+
+    def counted(pairs, *args, **kwargs):
+        slices.append(len(pairs))
+        return real_pairs(pairs, *args, **kwargs)
+
+    monkeypatch.setattr("layerdiff.core.align.compare_pairs", counted)
+    parallel = align_files(recipe_trace("eps"), runs / "tp_clean", workers=2)
+    assert slices and slices[0] > 100
+    assert serial["verdict"] == parallel["verdict"] == "divergent"
+    assert serial["forward"]["first_divergence"]["module"] == parallel["forward"]["first_divergence"]["module"]
+    for x, y in zip(serial["records"], parallel["records"], strict=True):
+        for tx, ty in zip(x["tensors"], y["tensors"], strict=True):
+            assert tx["passed"] == ty["passed"]
+            for key, value in tx["metrics"].items():
+                if isinstance(value, float) and math.isfinite(value):
+                    assert ty["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (x["path"], key)
 
 
 @pytest.mark.parametrize("defect", ["shard", "eps", "no_reduce", "backward"])

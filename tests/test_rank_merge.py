@@ -1,17 +1,21 @@
 """Reading a run of several ranks as one trace, without a framework: per-rank traces written by the real writer from
 numpy arrays with the placements a DTensor run records. Shards joined on the first axis stream from the rank files
 (memory stays flat however large the tensor), other joins are made in memory, and partial sums are added as
-values in every stored dtype, bfloat16 and float8 included (their stored bits are integers)."""
+values in every stored dtype, bfloat16 and float8 included (their stored bits are integers). Worker processes compare a merged tensor from
+the rank files' segments, as in-process."""
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import numpy as np
 import pytest
 
+from layerdiff.core.compare_workers import StoredPair, aligned_pairs, compare_pairs
+from layerdiff.core.metrics import CHUNK_ELEMS, compare_data
 from layerdiff.core.ranks import open_run
 from layerdiff.core.tensors import as_float, encode_float
-from layerdiff.core.traceformat import TraceWriter
+from layerdiff.core.traceformat import TraceWriter, open_trace
 
 WORLD = 2
 
@@ -90,3 +94,43 @@ def test_encoding_inverts_decoding_for_every_code():
     halfway = np.float32(1 + 2**-8)  # between bfloat16's 1 and 1 + 2**-7: to even, 1
     assert as_float(encode_float(np.array([halfway]), "bfloat16"), "bfloat16")[0] == 1.0
     assert as_float(encode_float(np.array([1e6]), "float8_e4m3fn"), "float8_e4m3fn")[0] == 448.0  # saturated
+
+
+def test_workers_compare_a_merged_tensor_from_the_rank_files_as_in_process(tmp_path):
+    rng = np.random.default_rng(2)
+    rows = [rng.standard_normal((700, 1001), dtype=np.float32) for _ in range(WORLD)]  # shard ends mid-block
+    copy = rng.standard_normal(300_007).astype(np.float32)
+    cols = [rng.standard_normal((64, 32), dtype=np.float32) for _ in range(WORLD)]
+    _write_run(tmp_path / "run", [("rows.weight", "S(0)", rows, "float32"), ("norm.weight", "R", [copy, copy], "float32"),
+                                  ("cols.weight", "S(1)", cols, "float32")])
+    single = tmp_path / "single.h5"
+    writer = TraceWriter(single, {"framework": "torch", "model_class": "toy", "mode": "full"})
+    for seq, (name, full) in enumerate((("rows.weight", np.concatenate(rows)), ("norm.weight", copy))):
+        full = (full + rng.standard_normal(full.shape).astype(np.float32) * 1e-3).astype(np.float64)  # wider
+        writer.write_record({"kind": "param", "path": name, "module": name.rpartition(".")[0], "call": 0, "step": 0,
+                             "seq": seq, "tensors": [{**writer.write_tensor(full, "float64", store_data=True),
+                                                      "role": "param", "key": "value"}]})
+    writer.close({"kind": "end", "status": "complete"})
+    with open_run(tmp_path / "run") as run, open_trace(single) as other:
+        assert run.data_segments(_entry(run, "cols.weight")) is None  # joined in memory: compared in-process
+        assert len(run.data_segments(_entry(run, "rows.weight"))) == WORLD
+        for name in ("rows.weight", "norm.weight"):
+            a, b = _entry(run, name), _entry(other, name)
+            pieces = aligned_pairs(run.data_segments(a), "float32", other.data_segments(b), "float64")
+            assert sum(p.numel for p in pieces) == math.prod(a["shape"]) and len(pieces) >= len(run.data_segments(a))
+            got = compare_pairs(pieces, 2, groups=[0] * len(pieces), slice_bytes=1 << 20)
+            want = compare_data(run.tensor_chunks(a, CHUNK_ELEMS), other.tensor_chunks(b, CHUNK_ELEMS),
+                                "float32", "float64")
+            assert got is not None and got[0].keys() == want.keys()
+            for key, value in want.items():
+                if isinstance(value, float):
+                    assert got[0][key] == pytest.approx(value, rel=1e-9, abs=1e-15), (name, key)
+                else:
+                    assert got[0][key] == value, (name, key)
+
+
+def test_segments_are_cut_where_either_side_ends():
+    a, b, c = (object() for _ in range(3))
+    pieces = aligned_pairs([(a, 0, 5), (b, 100, 7)], "float32", [(c, 8, 12)], "float64")
+    assert pieces == [StoredPair(a, 0, "float32", c, 8, "float64", 5), StoredPair(b, 100, "float32", c, 48, "float64", 7)]
+    assert aligned_pairs([(a, 0, 5)], "float32", [(c, 0, 6)], "float32") == []  # different sizes: not element-wise

@@ -26,7 +26,7 @@ from .mapping import ModuleMapping, match_modules
 from .match import RenameRules, TensorPair, TraceSide, match_records
 from .operands import Operand
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats, relative_error
-from .compare_workers import StoredPair, compare_pairs, worker_count
+from .compare_workers import aligned_pairs, compare_pairs, worker_count
 from .configs import diff_configs, from_values
 from .rules import RuleSet, ruleset
 from .settings import settings_report
@@ -118,17 +118,20 @@ def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: bool, worker
             key = _stored_key(a, b, rule, relation)
             if key is None or key in jobs:
                 continue
-            where_a, where_b = (getattr(r, "data_location", lambda e: None)(o.entry) for r, o in zip(readers, (a, b)))
-            if where_a is None or where_b is None:
-                continue
-            jobs[key] = StoredPair(where_a, a.entry["offset"], a.entry["dtype"], where_b, b.entry["offset"],
-                                   b.entry["dtype"], math.prod(a.shape))
-    total = sum(job.nbytes() for job in jobs.values())
+            segments_a, segments_b = (getattr(r, "data_segments", lambda e: None)(o.entry)
+                                      for r, o in zip(readers, (a, b)))
+            if segments_a and segments_b:
+                pieces = aligned_pairs(segments_a, a.entry["dtype"], segments_b, b.entry["dtype"])
+                if pieces:
+                    jobs[key] = pieces
+    total = sum(piece.nbytes() for pieces in jobs.values() for piece in pieces)
     if total < 2 * compare_workers.MIN_BYTES:
         return {}
     if progress is not None:
         progress.start(total)
-    results = compare_pairs(list(jobs.values()), count, progress)
+    stored = [piece for pieces in jobs.values() for piece in pieces]
+    groups = [n for n, pieces in enumerate(jobs.values()) for _ in pieces]
+    results = compare_pairs(stored, count, progress, groups=groups)
     if progress is not None:
         progress.close()
     return dict(zip(jobs, results)) if results is not None else {}

@@ -45,6 +45,25 @@ class StoredPair:
         return self.numel * (storage_dtype(self.dtype_a).itemsize + storage_dtype(self.dtype_b).itemsize)
 
 
+def aligned_pairs(segments_a: list, dtype_a: str, segments_b: list, dtype_b: str) -> list[StoredPair]:
+    """The ``StoredPair``s that compare two tensors stored in segments (``data_segments``: a run of ranks keeps
+    its shards in one file each), cut where either side's segment ends; [] if their element counts differ."""
+    if sum(n for _, _, n in segments_a) != sum(n for _, _, n in segments_b):
+        return []
+    size_a, size_b = storage_dtype(dtype_a).itemsize, storage_dtype(dtype_b).itemsize
+    out, queue_a, queue_b = [], list(segments_a), list(segments_b)
+    while queue_a and queue_b:
+        (loc_a, off_a, n_a), (loc_b, off_b, n_b) = queue_a[0], queue_b[0]
+        n = min(n_a, n_b)
+        if n:
+            out.append(StoredPair(loc_a, off_a, dtype_a, loc_b, off_b, dtype_b, n))
+        queue_a[0], queue_b[0] = (loc_a, off_a + n * size_a, n_a - n), (loc_b, off_b + n * size_b, n_b - n)
+        for queue in (queue_a, queue_b):
+            if queue[0][2] == 0:
+                queue.pop(0)
+    return out
+
+
 def worker_count(requested: int | None) -> int:
     """``requested`` processes, or one per core this process may run on (at most 8) when None."""
     if requested is not None:
@@ -56,11 +75,13 @@ def worker_count(requested: int | None) -> int:
     return min(cores, 8)
 
 
-def compare_pairs(pairs: list[StoredPair], workers: int, progress=None,
-                  slice_bytes: int = SLICE_BYTES) -> list[dict] | None:
+def compare_pairs(pairs: list[StoredPair], workers: int, progress=None, slice_bytes: int = SLICE_BYTES,
+                  groups: list[int] | None = None) -> list[dict] | None:
     """``compare_data``'s metrics of each pair, in order, computed by up to ``workers`` processes; None when they
-    could not start or one failed (the caller then compares in-process). ``progress.advance`` gets the bytes of
-    each slice compared (both sides)."""
+    could not start or one failed (the caller then compares in-process). ``groups``: the result each pair's sums
+    go to (the pieces of one comparison, from ``aligned_pairs``); one result per pair when None.
+    ``progress.advance`` gets the bytes of each slice compared (both sides)."""
+    groups = list(range(len(pairs))) if groups is None else groups
     locations = sorted({p.location_a for p in pairs} | {p.location_b for p in pairs}, key=lambda loc: loc.path)
     index = {loc: i for i, loc in enumerate(locations)}
     slices = []
@@ -72,12 +93,12 @@ def compare_pairs(pairs: list[StoredPair], workers: int, progress=None,
             slices.append((n, {"id": len(slices), "a": [index[pair.location_a], pair.offset_a, pair.dtype_a],
                                "b": [index[pair.location_b], pair.offset_b, pair.dtype_b],
                                "first": first, "count": count}, pair.nbytes() * count // max(pair.numel, 1)))
-    sums = [DataAccumulator() for _ in pairs]
+    sums = [DataAccumulator() for _ in range(max(groups, default=-1) + 1)]
     header = json.dumps({"locations": [[loc.path, loc.chunk, list(loc.addresses)] for loc in locations]})
     pool = _Pool(min(workers, len(slices)), header)
     try:
         for n, state, nbytes in pool.run(slices):
-            sums[n].merge(DataAccumulator.from_state(state))
+            sums[groups[n]].merge(DataAccumulator.from_state(state))
             if progress is not None:
                 progress.advance(nbytes)
     except _WorkerFailed:

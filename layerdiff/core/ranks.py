@@ -31,6 +31,7 @@ from .tensors import as_float, encode_float
 from .traceformat import TraceReader
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
+_ONE_COPY = ("replicate", "ranks")  # merges read as rank 0's tensor (the per-rank comparison checks the others)
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
 
 
@@ -248,7 +249,9 @@ class RankedRun:
         if "parts" not in entry:
             return self.readers[0].tensor(entry)
         merge = entry["merge"]
-        values = self.part_values(entry) if merge["how"] != "ranks" else [self.readers[0].tensor(entry["parts"][0])]
+        if merge["how"] in _ONE_COPY:
+            return self.readers[0].tensor(entry["parts"][0])
+        values = self.part_values(entry)
         if merge["how"] == "concat":
             return np.concatenate(values, axis=merge["dim"])
         if merge["how"] == "concat_parts":  # [g0; u0], [g1; u1] -> [g0; g1; u0; u1]
@@ -268,13 +271,26 @@ class RankedRun:
         merge, parts = entry.get("merge") or {}, entry.get("parts")
         if not parts:
             return self.readers[0].tensor_chunks(entry, chunk_elems)
-        if merge.get("how") == "ranks":
+        if merge.get("how") in _ONE_COPY:
             return self.readers[0].tensor_chunks(parts[0], chunk_elems)
         if merge.get("how") == "concat" and merge.get("dim") == 0:
             return itertools.chain.from_iterable(reader.tensor_chunks(part, chunk_elems)
                                                  for reader, part in zip(self.readers, parts))
         flat = self.tensor(entry).reshape(-1)
         return (flat[start:start + chunk_elems] for start in range(0, flat.size, chunk_elems))
+
+    def data_segments(self, entry: dict) -> list | None:
+        """``TraceReader.data_segments`` of a merged tensor: one rank's copy, or each rank's shard when shards
+        follow one another in its flat order (joined on the first axis); None for the joins made in memory."""
+        merge, parts = entry.get("merge") or {}, entry.get("parts")
+        if not parts:
+            return self.readers[0].data_segments(entry)
+        if merge.get("how") in _ONE_COPY:
+            return self.readers[0].data_segments(parts[0])
+        if merge.get("how") != "concat" or merge.get("dim") != 0:
+            return None
+        segments = [reader.data_segments(part) for reader, part in zip(self.readers, parts)]
+        return None if any(s is None for s in segments) else [seg for found in segments for seg in found]
 
     def size_bytes(self) -> int:
         return sum(r.size_bytes() for r in self.readers)
@@ -389,6 +405,9 @@ class RankView:
 
     def tensor_chunks(self, entry, chunk_elems):
         return self.reader.tensor_chunks(entry, chunk_elems)
+
+    def data_segments(self, entry):
+        return self.reader.data_segments(entry)
 
     def close(self):
         pass

@@ -576,6 +576,12 @@ class TraceReader:
             self._location = DataLocation(str(self.path), raw.chunk, addresses) if None not in addresses else False
         return self._location or None
 
+    def data_segments(self, entry: dict) -> list | None:
+        """[(DataLocation, byte offset, elements)]: where a tensor's flat values lie, for worker processes (one
+        segment here; a run of ranks may give several); None where ``data_location`` gives none."""
+        location = self.data_location(entry)
+        return None if location is None else [(location, entry["offset"], math.prod(entry["shape"]))]
+
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)
 
