@@ -44,13 +44,15 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
     assigned unless every parameter is accounted for.
     """
     adapter = load_adapter(detect_framework(model))
-    rename = mapping or RenameRules()
+    rename, rules = mapping or RenameRules(), rules or ruleset()
     params = adapter.parameters(model)
+    stored = rules.param_homes(state)  # a fused norm's weight (linear_qkv.layer_norm_weight) where it belongs
+    state = {home: state[name] for home, name in stored.items()}
     if all(canonical_param_name(rename(name)) in state for name, _, _ in params):
         plan = {name: ParamSource(name, "same", (canonical_param_name(rename(name)),)) for name, _, _ in params}
         groups = {}
     else:
-        plan, groups = _inferred_plan(adapter, model, state, params, rename, rules or ruleset())
+        plan, groups = _inferred_plan(adapter, model, state, params, rename, rules)
     problems, assignments, used = [], [], set()
     for name, tensor, module_type in params:
         source = plan.get(name)
@@ -68,7 +70,7 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
             continue
         assignments.append((tensor, np.ascontiguousarray(array), dtype))
     if strict:
-        problems += [f"{key}: in the source, but no parameter takes it" for key in sorted(set(state) - used)]
+        problems += [f"{stored[key]}: in the source, but no parameter takes it" for key in sorted(set(state) - used)]
     if problems:
         raise LayerdiffError(f"cannot transfer weights ({len(problems)} problems): " + "; ".join(problems))
     for tensor, array, dtype in assignments:

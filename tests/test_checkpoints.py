@@ -401,3 +401,56 @@ def test_trace_params(tmp_path):
     np.savez(tmp_path / "w.npz", **w)
     r = diff(open_checkpoint(tmp_path / "w.npz"), open_checkpoint(tmp_path / "t.h5"))
     assert r["__summary__"]["identical"] == 4, r["__summary__"]
+
+
+# ------------------------------------------------------------------------------ Transformer Engine norms
+def _te_state(cfg, scaled=None):
+    """HF Llama weights as Megatron-core with Transformer Engine names them: each norm's weight kept in the
+    linear after it (``linear_qkv.layer_norm_weight``), as Megatron-Bridge and Megatron's own checkpoints do."""
+    from layerdiff.recipes import megatron_llama, llama_shared
+
+    state = {}
+    for name, value in megatron_llama.hf_to_megatron(llama_shared.weights(cfg), cfg).items():
+        name = name.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+        state[name.replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")] = torch.from_numpy(value.copy())
+    if scaled:
+        state[scaled] *= 1.001
+    return state
+
+
+def test_norms_fused_into_transformer_engine_linears_are_compared_with_the_hf_norms(tmp_path):
+    from layerdiff.core import safetensors_io
+    from layerdiff.recipes import llama_shared
+
+    cfg = llama_shared.config()
+    hf = llama_shared.weights(cfg)
+    safetensors_io.save(tmp_path / "hf.safetensors", {k: (v, "float32") for k, v in hf.items()}, {})
+    fc1_norm = "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    torch.save(_te_state(cfg, scaled=fc1_norm), tmp_path / "te.pt")
+
+    report = checkpoints.compare_files(tmp_path / "hf.safetensors", tmp_path / "te.pt")
+    summary = report.pop("__summary__")
+    assert (summary["compared"], summary["missing_in_b"], summary["extra_in_b"]) == (len(hf), [], [])
+    differ = {name: entry for name, entry in report.items() if entry["status"] != "identical"}
+    assert list(differ) == ["model.layers.1.post_attention_layernorm.weight"]
+    assert differ["model.layers.1.post_attention_layernorm.weight"]["b_name"] == fc1_norm
+    assert report["model.layers.0.input_layernorm.weight"]["b_name"] == \
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+
+    back = checkpoints.compare_files(tmp_path / "te.pt", tmp_path / "hf.safetensors")  # reported in TE's names
+    back.pop("__summary__")
+    assert [n for n, e in back.items() if e["status"] != "identical"] == [fc1_norm]
+    assert back[fc1_norm]["b_name"] == "model.layers.1.post_attention_layernorm.weight"
+
+
+def test_hf_model_loads_a_transformer_engine_checkpoint_bit_exactly(tmp_path):
+    from layerdiff.recipes import llama_shared, torch_llama
+    from layerdiff.weights import load_neutral, neutral_state
+
+    cfg = llama_shared.config()
+    model = torch_llama.build_model(seed=7)[0]  # other weights, to be overwritten
+    te = {name: (value.numpy(), "float32") for name, value in _te_state(cfg).items()}
+    assert load_neutral(model, te) == len(llama_shared.weights(cfg))
+    loaded = neutral_state(model)
+    for name, value in llama_shared.weights(cfg).items():
+        assert np.array_equal(loaded[name][0], value), name

@@ -46,3 +46,18 @@ def test_core_never_imports_a_framework():
     for path in (ROOT / "layerdiff" / "core").rglob("*.py"):
         source = path.read_text()
         assert not re.search(r"^\s*(import|from)\s+(torch|paddle|mindspore)\b", source, re.M), path
+
+
+def test_the_readme_rule_file_example_is_a_rule_file(tmp_path):
+    from layerdiff.core.rules import ruleset
+
+    text = (ROOT / "README.md").read_text()
+    example = text.split("### Rule files", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "rules.toml"
+    path.write_text(example)
+    rules = ruleset([path])
+    assert rules.token("my_query") == "q" and rules.family("MyLinear") == "linear"
+    assert rules.fused_rule("attn_qkv").parts == ("q", "k", "v")
+    assert rules.param_home("x.attn.qkv.norm_weight") == "x.attn_norm.weight"
+    assert rules.is_sequence_first("mypackage.Model") and rules.labels_shifted("mypackage.Model")
+    assert rules.bool_mask_means_masked("mypackage.Model") and "rope_angles" in rules.angles[0].angles

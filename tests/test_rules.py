@@ -96,11 +96,31 @@ def test_user_rule_file_adds_names_and_fused_modules(tmp_path):
     assert rule.name == "kv" and rule.groups == ("n_heads", 2) and str(path) in rule.source
 
 
+def test_moved_parameters_go_by_the_name_where_they_belong(tmp_path):
+    rules = ruleset()
+    assert rules.param_home("decoder.layers.3.self_attention.linear_qkv.layer_norm_bias") == \
+        "decoder.layers.3.input_layernorm.bias"
+    assert rules.param_home("decoder.layers.3.mlp.linear_fc1.layer_norm_weight") == \
+        "decoder.layers.3.pre_mlp_layernorm.weight"
+    assert rules.param_home("x.my_self_attention.linear_qkv.layer_norm_weight").startswith("x.my_self")  # at a dot
+    both = ["l.input_layernorm.weight", "l.self_attention.linear_qkv.layer_norm_weight"]
+    assert rules.param_homes(both) == {n: n for n in both}  # a model that keeps both is not fused: neither moves
+    path = tmp_path / "mine.toml"
+    path.write_text('[moved_params]\n"attn.qkv.norm_" = "attn_norm."\n')
+    mine = ruleset([path])
+    assert mine.param_home("blocks.0.attn.qkv.norm_scale") == "blocks.0.attn_norm.scale"
+    assert mine.param_home("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight").endswith(
+        "input_layernorm.weight")
+
+
 @pytest.mark.parametrize("text, message", [
     ('[[fused]]\nmodule = "(unclosed"\nparts = ["k", "v"]\n', "bad regular expression"),
     ('[[fused]]\nmodule = "x"\nparts = ["k"]\n', "at least two parts"),
     ('[[fused]]\nmodule = "x"\nparts = ["k", "v"]\ngroups = [0]\n', "positive integers"),
     ('[aliases]\nq = ["x"]\n', "unknown section"),
+    ('moved_params = ["attn.norm_"]\n', "maps a stored name piece"),
+    ('[[masks]]\nkeys = ["m"]\nsequence_first = ["^x"]\n', "unknown key.*sequence_first.*before the first table"),
+    ('[moved_params]\n"attn.norm_" = 3\n', "maps a stored name piece"),
     ('names = 3 = 4\n', "not valid TOML"),
 ])
 def test_bad_rule_files_are_one_clear_error(tmp_path, text, message):

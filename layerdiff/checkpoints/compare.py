@@ -37,6 +37,23 @@ def _spill(ck: Checkpoint) -> Checkpoint:
     return spilled
 
 
+class _AtHome(Checkpoint):
+    """A checkpoint whose moved parameters go by the name where they belong (``RuleSet.param_home``: Transformer
+    Engine's ``linear_qkv.layer_norm_weight`` is ``input_layernorm.weight``); ``stored`` gives the file's name."""
+
+    def __init__(self, ck: Checkpoint, rules: RuleSet):
+        super().__init__(ck.path)
+        self.ck, self.format, self.notes, self.whole = ck, ck.format, ck.notes, ck.whole
+        self._stored = rules.param_homes(ck.names())
+        self._index = {home: ck.info(name) for home, name in self._stored.items()}
+
+    def stored(self, name: str) -> str:
+        return self._stored.get(name, name)
+
+    def _load(self, name):
+        return self.ck.load(self._stored[name])
+
+
 def _l2(a_raw, b_raw, dtype_a, dtype_b) -> float:
     from ..core.tensors import as_float
     a, b = as_float(a_raw, dtype_a).reshape(-1), as_float(b_raw, dtype_b).reshape(-1)
@@ -62,7 +79,10 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
     {...}}`` in A's names.
     """
     from ..core.metrics import compare_arrays
-    rename = mapping or RenameRules()
+    rename, rules = mapping or RenameRules(), rules or ruleset()
+    if a.whole and b.whole:
+        a = _spill(a)
+    a, b = _AtHome(a, rules), _AtHome(b, rules)
     patterns = _transpose_patterns(transpose)
     a_names = {canonical_param_name(n): n for n in a.names()}
     b_to_a = {}
@@ -71,43 +91,42 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
         if key in b_to_a:
             raise LayerdiffError(f"{b.path}: {n!r} and {b_to_a[key]!r} both map to {key!r}")
         b_to_a[key] = n
-    if a.whole and b.whole:
-        a = _spill(a)
-    plans, groups, missing, extra = _plan_names(a, b, a_names, b_to_a, rename, rules or ruleset())
+    plans, groups, missing, extra = _plan_names(a, b, a_names, b_to_a, rename, rules)
     from ..core.tolerance import DEFAULTS, dtype_class, judge
     result, identical, different, max_all, shape_mismatch, near = {}, 0, 0, 0.0, [], 0
     for source in plans:
         na = source.name
         dta, sha = a.info(na)
+        shown = a.stored(na)
         entry = {"numel": int(np.prod(sha, dtype=np.int64)), "shape": list(sha), "dtype": dta}
         xa, _ = a.load(na)
         if source.op == "same":
-            nb = source.sources[0]
-            dtb, shb = b.info(nb)
-            xb, _ = b.load(nb)
+            dtb, shb = b.info(source.sources[0])
+            xb, _ = b.load(source.sources[0])
+            nb = b.stored(source.sources[0])
         else:  # one part of B's fused parameter, or B's parts merged
             nb = source.describe()
             dtb = b.info(source.sources[0])[0]
             xb = paramplan.build(source, lambda n: b.load(n)[0], groups[na])
             shb = list(xb.shape)
-        if nb != na:
+        if nb != shown:
             entry["b_name"] = nb
         if dtb != dta:
             entry["dtype_b"] = dtb
         forced = any(p.search(na) for p in patterns)
         if forced or (list(shb) != list(sha) and len(sha) == 2 and list(shb) == list(sha)[::-1]):
             if len(shb) != 2:
-                raise LayerdiffError(f"{na}: transpose rule matches a {len(shb)}-D tensor")
+                raise LayerdiffError(f"{shown}: transpose rule matches a {len(shb)}-D tensor")
             xb = xb.T
             entry["transposed"] = True
         if list(xb.shape) != list(sha):
             entry.update({"status": "shape_mismatch", "shape_b": list(shb)})
-            shape_mismatch.append(na)
+            shape_mismatch.append(shown)
             different += 1
-            result[na] = entry
+            result[shown] = entry
             continue
         if dta in ("complex64", "complex128") or dtb in ("complex64", "complex128"):
-            raise LayerdiffError(f"{na}: complex tensors are not compared")
+            raise LayerdiffError(f"{shown}: complex tensors are not compared")
         m = compare_arrays(np.ascontiguousarray(xa), np.ascontiguousarray(xb), dta, dtb)
         entry.update({"l2": _l2(xa, xb, dta, dtb), "cos": m["cosine"], "max_diff": m["max_abs"],
                       "mean_diff": m.get("mean_abs", 0.0)})
@@ -122,13 +141,14 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
         different += not same
         if math.isfinite(m["max_abs"]):
             max_all = max(max_all, m["max_abs"])
-        result[na] = entry
+        result[shown] = entry
         del xa, xb
     result["__summary__"] = {
         "a": str(a.path), "b": str(b.path), "format_a": a.format, "format_b": b.format,
         "compared": len(plans), "identical": identical, "different": different,
         "different_within_tolerance": near,
-        "shape_mismatch": shape_mismatch, "missing_in_b": missing, "extra_in_b": extra,
+        "shape_mismatch": shape_mismatch, "missing_in_b": sorted(map(a.stored, missing)),
+        "extra_in_b": sorted(map(b.stored, extra)),
         "max_abs_diff": max_all, "exact": exact, "notes": a.notes + b.notes,
     }
     return result

@@ -1,12 +1,14 @@
 """How ports name, fuse and represent the same model: one rule set, read by mapping, align, replay, weight transfer
 and checkpoint diff.
 
-A rule set is plain data with four parts:
+A rule set is plain data with five parts:
 
 - ``names``: synonyms for module names (``wq`` ~ ``q_proj`` ~ ``query``), as canonical tokens;
 - ``families``: extra class-name patterns for type families (``ColumnParallelLinear`` is a ``linear``);
 - ``fused``: one module on one side that is several on the other (Megatron ``linear_qkv`` = q, k, v per query
   group), with where its group count comes from;
+- ``moved_params``: parameters kept inside another module than the one that uses them (Transformer Engine keeps
+  the attention norm's weight in ``linear_qkv`` as ``layer_norm_weight``), named where they belong;
 - value representations: rotary tables as angles vs their cos and sin (``rotary``), boolean vs additive masks
   (``masks``), sequence-first activations ([s, b, h], ``sequence_first``) and labels shifted by the data pipeline
   (``shifted_labels``), each by model class.
@@ -75,6 +77,27 @@ class RuleSet:
     sequence_first: tuple = ()  # compiled model-class patterns whose activations are [s, b, ...]
     shifted_labels: tuple = ()  # model classes whose "labels" input is already shifted left (last = -100)
     sources: tuple = ()
+    moved_params: tuple = ()  # (compiled stored piece, home piece)
+
+    def param_home(self, name: str) -> str:
+        """A parameter's name where it belongs: ``x.self_attention.linear_qkv.layer_norm_weight`` is
+        ``x.input_layernorm.weight`` (the first ``moved_params`` entry found in the name, at a dot)."""
+        for pattern, home in self.moved_params:
+            moved, count = pattern.subn(lambda _: home, name, count=1)
+            if count:
+                return moved
+        return name
+
+    def param_homes(self, names) -> dict:
+        """{name where it belongs: stored name} for ``names``; a moved name that would take the place of a
+        stored one keeps its own (a model that has both is not fused)."""
+        names = list(names)
+        stored = set(names)
+        homes = {}
+        for name in names:
+            home = self.param_home(name)
+            homes[name if home in stored or home in homes else home] = name
+        return homes
 
     def token(self, local_name: str) -> str:
         """The canonical token of a module's own name: ``wq`` and ``q_proj`` are both ``q``."""
@@ -111,7 +134,7 @@ class RuleSet:
         return RuleSet({**self.names, **other.names}, other.families + self.families, other.fused + self.fused,
                        other.angles + self.angles, other.masks + self.masks,
                        other.sequence_first + self.sequence_first, other.shifted_labels + self.shifted_labels,
-                       self.sources + other.sources)
+                       self.sources + other.sources, other.moved_params + self.moved_params)
 
     def describe(self) -> list:
         return list(self.sources)
@@ -134,7 +157,20 @@ def _strings(value, where: str) -> tuple:
     return tuple(value)
 
 
-_SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", "shifted_labels", "description"}
+_SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", "shifted_labels", "moved_params",
+             "description"}
+
+
+_ENTRY_KEYS = {"fused": {"name", "module", "parts", "groups", "tp_shards"},
+               "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"}}
+
+
+def _check_keys(entry, section: str, where: str):
+    """An unknown key in an entry is refused: in TOML a top-level key written after a table belongs to it."""
+    unknown = set(entry) - _ENTRY_KEYS[section] if isinstance(entry, dict) else set()
+    if unknown:
+        raise LayerdiffError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (expected "
+                             f"{', '.join(sorted(_ENTRY_KEYS[section]))}; top-level keys go before the first table)")
 
 
 def from_dict(data: dict, source: str) -> RuleSet:
@@ -155,6 +191,7 @@ def from_dict(data: dict, source: str) -> RuleSet:
     fused = []
     for i, entry in enumerate(data.get("fused") or []):
         where = f"{source}: [[fused]] entry {i + 1}"
+        _check_keys(entry, "fused", where)
         if not isinstance(entry, dict) or "module" not in entry or "parts" not in entry:
             raise LayerdiffError(f"{where}: needs 'module' (regex) and 'parts' (list of names)")
         parts = tuple(p.lower() for p in _strings(entry["parts"], where + " parts"))
@@ -174,6 +211,7 @@ def from_dict(data: dict, source: str) -> RuleSet:
     angles = []
     for i, entry in enumerate(data.get("rotary") or []):
         where = f"{source}: [[rotary]] entry {i + 1}"
+        _check_keys(entry, "rotary", where)
         if not isinstance(entry, dict) or not {"angles", "cos", "sin"} <= set(entry):
             raise LayerdiffError(f"{where}: needs 'angles', 'cos' and 'sin' (tensor key patterns)")
         angles.append(AngleRule(str(entry.get("name", "rotary")), _strings(entry["angles"], where),
@@ -181,6 +219,7 @@ def from_dict(data: dict, source: str) -> RuleSet:
     masks = []
     for i, entry in enumerate(data.get("masks") or []):
         where = f"{source}: [[masks]] entry {i + 1}"
+        _check_keys(entry, "masks", where)
         if not isinstance(entry, dict) or "keys" not in entry:
             raise LayerdiffError(f"{where}: needs 'keys' (tensor names) and optionally model_class, bool_masked")
         model_class = entry.get("model_class")
@@ -191,7 +230,14 @@ def from_dict(data: dict, source: str) -> RuleSet:
                            for p in _strings(data.get("sequence_first") or [], f"{source}: sequence_first"))
     shifted = tuple(_compile(p, f"{source}: shifted_labels")
                     for p in _strings(data.get("shifted_labels") or [], f"{source}: shifted_labels"))
-    return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted, (source,))
+    moved = data.get("moved_params") or {}
+    if not isinstance(moved, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                              for k, v in moved.items()):
+        raise LayerdiffError(f"{source}: [moved_params] maps a stored name piece to the piece where it belongs "
+                             "(\"self_attention.linear_qkv.layer_norm_\" = \"input_layernorm.\")")
+    moved_params = tuple((re.compile(r"(?:^|(?<=\.))" + re.escape(stored)), home) for stored, home in moved.items())
+    return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted, (source,),
+                   moved_params)
 
 
 def load_file(path) -> RuleSet:

@@ -35,4 +35,8 @@ RULES = {
     ],
     "masks": [{"keys": ["attention_mask"], "model_class": "^megatron\\.", "bool_masked": True}],
     "sequence_first": ["^megatron\\."],
+    # Transformer Engine fuses each norm into the linear after it; Megatron's own checkpoints name the local
+    # spec's norms this way too (its sharded_state_dict_keys_map)
+    "moved_params": {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+                     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."},
 }
