@@ -38,6 +38,11 @@ Formats and how they are read (framework libraries are imported only by the load
   local indices, so ``layers.N`` of PP rank p is renumbered by the layer count of ranks < p; other names found
   on several PP ranks (tied embeddings) are taken from the first. Note: a GLU fc1 ([gate; up] per rank) merges
   as [g0; u0; g1; u1], which matches another checkpoint of the same TP size, not a TP=1 one.
+- Distributed checkpoint folders (``.metadata`` + ``*.distcp``): Megatron-core's ``torch_dist`` format (also
+  found through ``latest_checkpointed_iteration.txt``) and FSDP / torchtitan checkpoints; see ``torch_dcp``.
+  Tensors are joined from every rank's chunks by their global offsets (Megatron's GLU fc1 comes out as
+  [gate; up], as a TP=1 model holds it), Megatron's stacked layers are split into ``layers.N``, optimizer state
+  is left out. Nothing is unpickled beyond PyTorch's metadata classes and ``weights_only`` tensors.
 
 Memory: streamed formats never hold a whole checkpoint. Whole-loaded formats (legacy torch, pdparams,
 MindSpore, Megatron's per-rank files when not mmap-able) hold one checkpoint at a time: when *both* sides are

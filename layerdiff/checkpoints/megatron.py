@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LayerdiffError
-from .formats import InMemory, flatten, torch_load, torch_stored
+from .formats import Checkpoint, InMemory, flatten, torch_load, torch_stored
+from .torch_dcp import DistCheckpoint, is_dist_checkpoint
 
 
 def megatron_globals() -> tuple:
@@ -68,15 +69,17 @@ def is_megatron(path: Path) -> bool:
 
 def megatron_args(path) -> dict:
     """The training arguments a Megatron-LM checkpoint stores (``args``, an argparse.Namespace), as a dict with
-    Megatron's underscore names; from a checkpoint directory (its latest iteration, first rank) or one
-    ``model_optim_rng.pt``. Loaded with ``weights_only`` and only Megatron's own extra types admitted."""
+    Megatron's underscore names; from a checkpoint directory (its latest iteration: the first rank's file, or
+    ``common.pt`` of the torch_dist format) or one ``model_optim_rng.pt``. Loaded with ``weights_only`` and only Megatron's own extra types admitted."""
     path = Path(path)
     if path.is_dir():
         it = _megatron_iter_dir(path)
         files = sorted(f for d in sorted(it.iterdir()) if _RANK_DIR.match(d.name) and d.is_dir()
                        for f in d.glob("*.pt"))
+        if not files and (it / "common.pt").is_file():  # torch_dist: what is not sharded is in common.pt
+            files = [it / "common.pt"]
         if not files:
-            raise LayerdiffError(f"{path}: no mp_rank_XX/*.pt file (not a Megatron checkpoint)")
+            raise LayerdiffError(f"{path}: no mp_rank_XX/*.pt or common.pt file (not a Megatron checkpoint)")
         path = files[0]
     state, _ = torch_load(path, megatron_globals())
     args = state.get("args") if isinstance(state, dict) else None
@@ -85,9 +88,11 @@ def megatron_args(path) -> dict:
     return {k: v for k, v in vars(args).items() if isinstance(k, str)}
 
 
-def load_megatron(path: Path) -> InMemory:
+def load_megatron(path: Path) -> Checkpoint:
     import torch
     it = _megatron_iter_dir(path)
+    if is_dist_checkpoint(it):  # Megatron-core's torch_dist format (its default): one folder for every rank
+        return DistCheckpoint(it)
     ranks = {}
     for d in sorted(it.iterdir()):
         m = _RANK_DIR.match(d.name)

@@ -8,6 +8,7 @@ from ..errors import LayerdiffError
 from .formats import (Checkpoint, NpzFile, SafetensorsFiles, TorchFile, TraceParams, first_line, load_ms_ckpt,
                       load_pdparams)
 from .megatron import is_megatron, load_megatron
+from .torch_dcp import DistCheckpoint, is_dist_checkpoint
 
 
 def _sniff(path: Path) -> str | None:
@@ -69,13 +70,15 @@ def _open_dir(path: Path) -> Checkpoint:
     for name in ("pytorch_model.bin", "model.pt"):
         if (path / name).is_file():
             return TorchFile(path / name)
+    if is_dist_checkpoint(path):
+        return DistCheckpoint(path)
     if is_megatron(path):
         return load_megatron(path)
     single = sorted(path.glob("*.safetensors"))
     if single:
         return SafetensorsFiles(path, single)
     raise LayerdiffError(f"{path}: folder holds no known checkpoint (model.safetensors, an index, "
-                         "pytorch_model.bin, or a Megatron layout)")
+                         "pytorch_model.bin, a Megatron layout, or a distributed checkpoint's .metadata)")
 
 
 _MAX_INDEX_BYTES = 100 << 20  # a real index lists a few thousand names: a few hundred KB

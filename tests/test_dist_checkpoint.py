@@ -1,0 +1,161 @@
+"""Distributed checkpoint folders (``.metadata`` + ``*.distcp``): Megatron-core's torch_dist format, saved for real
+by megatron-core under torchrun at tensor-parallel size 2, and plain ``torch.distributed.checkpoint`` folders;
+read without unpickling anything but PyTorch's metadata classes."""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from layerdiff.checkpoints import compare_files, megatron_args, open_checkpoint  # noqa: E402
+from layerdiff.core import safetensors_io  # noqa: E402
+from layerdiff.errors import LayerdiffError  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+
+
+def _save(folder, state):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: saving on one rank"
+        dcp.save(state, checkpoint_id=str(folder))
+    return folder
+
+
+@pytest.fixture
+def plain(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {"embed.weight": torch.randn(16, 8, generator=g),
+             "decoder.layers.mlp.weight": torch.randn(3, 4, 8, generator=g),  # Megatron's stacked layers
+             "decoder.final_norm.weight": torch.randn(8, generator=g).to(torch.bfloat16),
+             "step": torch.tensor(7),
+             "optimizer.state.exp_avg.embed.weight": torch.zeros(16, 8),
+             "extra": {"note": 1}}
+    return _save(tmp_path / "ck", state), state
+
+
+def test_tensors_are_read_one_by_one_with_stacked_layers_split_and_optimizer_state_left_out(plain, tmp_path):
+    folder, state = plain
+    ck = open_checkpoint(folder)
+    assert ck.format == "torch_dist"
+    assert ck.names() == ["embed.weight", "decoder.layers.0.mlp.weight", "decoder.layers.1.mlp.weight",
+                          "decoder.layers.2.mlp.weight", "decoder.final_norm.weight", "step"]
+    assert ck.info("decoder.final_norm.weight") == ("bfloat16", [8])
+    for layer in range(3):
+        values, dtype = ck.load(f"decoder.layers.{layer}.mlp.weight")
+        assert dtype == "float32" and np.array_equal(values, state["decoder.layers.mlp.weight"][layer].numpy())
+    bits, _ = ck.load("decoder.final_norm.weight")
+    assert np.array_equal(bits, state["decoder.final_norm.weight"].view(torch.int16).numpy().view(np.uint16))
+    assert ck.load("step")[0] == 7
+    assert "left out: 1 optimizer / RNG tensors, 1 non-tensor entries" in ck.notes[0]
+
+    same = {n: ck.load(n) for n in ck.names()}
+    same["decoder.layers.1.mlp.weight"] = (same["decoder.layers.1.mlp.weight"][0] * np.float32(1.5), "float32")
+    safetensors_io.save(tmp_path / "same.safetensors", same, {})
+    report = compare_files(folder, tmp_path / "same.safetensors")
+    assert [n for n, e in report.items() if n != "__summary__" and e["status"] != "identical"] == [
+        "decoder.layers.1.mlp.weight"]
+
+
+def test_hostile_or_damaged_distributed_checkpoints_are_one_line_and_exit_2(plain, tmp_path):
+    folder, _ = plain
+    metadata = (folder / ".metadata").read_bytes()
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", str(marker)],))
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
+    code, out, err = run_cli("weights", "diff", folder, folder)
+    assert code == 2 and "refused" in err and "subprocess.call" in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists()
+
+    def refused(match):
+        with pytest.raises(LayerdiffError, match=match) as exc:
+            ck = open_checkpoint(folder)
+            [ck.load(name) for name in ck.names()]
+        assert "\n" not in str(exc.value)
+
+    (folder / ".metadata").write_bytes(metadata[: len(metadata) // 2])
+    refused("not readable checkpoint metadata")
+    outside = pickle.loads(metadata)  # a chunk said to live outside the folder
+    for info in outside.storage_data.values():
+        info.relative_path = "../elsewhere.distcp"
+    (folder / ".metadata").write_bytes(pickle.dumps(outside))
+    refused("outside the folder")
+    (folder / ".metadata").write_bytes(metadata)
+    chunk = next(folder.glob("*.distcp"))
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    refused("truncated")
+
+
+MEGATRON_SAVE = """
+import argparse, os, sys
+import torch
+
+
+def main():
+    out = sys.argv[1]
+    from layerdiff.recipes import megatron_llama
+    from megatron.core import dist_checkpointing
+    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing calls these unconditionally; CPU build here
+    torch.cuda.current_device = lambda: "cpu"
+    for defect in (None, "weight"):
+        model = megatron_llama.build(defect, tp=2)["model"]
+        folder = f"{out}/{defect or 'clean'}/iter_0000005"
+        os.makedirs(folder, exist_ok=True)
+        state = {"args": argparse.Namespace(tensor_model_parallel_size=2, num_layers=2, hidden_size=64),
+                 "iteration": 5, "checkpoint_version": 3.0, "model": model.sharded_state_dict()}
+        dist_checkpointing.save(state, folder)  # as Megatron-LM's save_checkpoint, format torch_dist
+        if torch.distributed.get_rank() == 0:
+            with open(f"{out}/{defect or 'clean'}/latest_checkpointed_iteration.txt", "w") as f:
+                f.write("5")
+
+
+if __name__ == "__main__":  # dist_checkpointing starts a multiprocessing manager
+    main()
+"""
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_megatron_torch_dist_checkpoint_at_tp2_compares_with_hf_weights(tmp_path):
+    pytest.importorskip("megatron.core")
+    from layerdiff.recipes import llama_shared
+
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent(MEGATRON_SAVE))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hf = llama_shared.weights(llama_shared.config())
+    safetensors_io.save(tmp_path / "hf.safetensors", {k: (v, "float32") for k, v in hf.items()}, {})
+
+    # both ranks' shards joined, fc1 as [gate; up], stacked layers split, norms under Megatron's TE-style names
+    code, out, err = run_cli("weights", "diff", tmp_path / "hf.safetensors", tmp_path / "clean", "-o",
+                             tmp_path / "clean.json")
+    assert code == 0, out + err
+    assert f"{len(hf)} compared: {len(hf)} identical" in out
+    code, out, err = run_cli("weights", "diff", tmp_path / "hf.safetensors", tmp_path / "weight" / "iter_0000005",
+                             "-o", tmp_path / "weight.json")
+    assert code == 1, out + err
+    import json
+
+    report = json.loads((tmp_path / "weight.json").read_text())
+    summary = report.pop("__summary__")
+    assert summary["format_b"] == "torch_dist" and not summary["missing_in_b"] and not summary["extra_in_b"]
+    assert [n for n, e in report.items() if e["status"] != "identical"] == ["model.layers.1.self_attn.o_proj.weight"]
+    assert report["model.layers.0.input_layernorm.weight"]["b_name"] == \
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    assert megatron_args(tmp_path / "clean")["tensor_model_parallel_size"] == 2
