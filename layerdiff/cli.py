@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--force", action="store_true", help="overwrite an existing output file")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     t.add_argument("--weights", metavar="FILE.safetensors",
-                   help="load these weights (from `layerdiff weights export`, any framework) before tracing")
+                   help="load these weights before tracing: a file from `layerdiff weights export` (any framework), "
+                        "or a checkpoint in PyTorch layout (safetensors, HF folder, .pt, distributed checkpoint)")
     t.add_argument("--map", action="append", metavar="MODEL_REGEX=FILE_NAME",
                    help="rename the model's parameter names to the file's (with --weights)")
     t.add_argument("--rules", action="append", metavar="FILE.toml",

@@ -114,5 +114,15 @@ def export_weights(model, path, *, overwrite: bool = False):
 
 def import_weights(model, path, mapping: RenameRules | None = None, strict: bool = True,
                    rules: RuleSet | None = None) -> int:
-    state, _ = safetensors_io.load(path)
+    """Load a weights file into ``model``: a safetensors file (``export_weights``, or any in PyTorch layout) or
+    a checkpoint in PyTorch layout that ``weights diff`` reads (Hugging Face folder, ``.pt``, Megatron-LM
+    folder, distributed checkpoint); other layouts (Paddle's, MindSpore's) go through ``export_weights``."""
+    from pathlib import Path
+
+    if Path(path).is_file() and Path(path).suffix == ".safetensors":
+        state, _ = safetensors_io.load(path)
+    else:
+        from .checkpoints import torch_layout_state
+
+        state = torch_layout_state(path)
     return load_neutral(model, state, mapping, strict, rules)

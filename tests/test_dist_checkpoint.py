@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import align_files, run_cli
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -130,7 +130,7 @@ if __name__ == "__main__":  # dist_checkpointing starts a multiprocessing manage
 
 @pytest.mark.megatron
 @pytest.mark.slow
-def test_megatron_torch_dist_checkpoint_at_tp2_compares_with_hf_weights(tmp_path):
+def test_megatron_torch_dist_checkpoint_at_tp2_compares_with_hf_weights_and_loads_into_hf(tmp_path, recipe_trace):
     pytest.importorskip("megatron.core")
     from layerdiff.recipes import llama_shared
 
@@ -159,3 +159,23 @@ def test_megatron_torch_dist_checkpoint_at_tp2_compares_with_hf_weights(tmp_path
     assert report["model.layers.0.input_layernorm.weight"]["b_name"] == \
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
     assert megatron_args(tmp_path / "clean")["tensor_model_parallel_size"] == 2
+
+    # the Megatron checkpoint loaded into the HF model: the clean one traces as HF does, the other one is named
+    for name in ("clean", "weight"):
+        code, _, err = run_cli("trace", "torch_llama", "--weights", tmp_path / name, "-o", tmp_path / f"{name}.h5",
+                               "-q")
+        assert code == 0, err
+    assert align_files(recipe_trace(), tmp_path / "clean.h5")["verdict"] == "aligned"
+    report = align_files(recipe_trace(), tmp_path / "weight.h5")
+    assert report["forward"]["first_divergence"]["module"] == "model.layers.1.self_attn.o_proj"
+
+
+def test_loading_weights_refuses_checkpoints_in_other_layouts(plain, tmp_path):
+    from layerdiff.checkpoints import torch_layout_state
+
+    folder, state = plain
+    loaded = torch_layout_state(folder)
+    assert np.array_equal(loaded["decoder.layers.2.mlp.weight"][0], state["decoder.layers.mlp.weight"][2].numpy())
+    np.savez(tmp_path / "w.npz", w=np.ones(3, np.float32))
+    with pytest.raises(LayerdiffError, match="not from a npz checkpoint.*weights export"):
+        torch_layout_state(tmp_path / "w.npz")

@@ -54,7 +54,7 @@ from .cli import register, run
 from .compare import compare_files, diff
 from .formats import Checkpoint, file_digest
 from .megatron import megatron_args, megatron_partition_dim
-from .open import open_checkpoint
+from .open import open_checkpoint, torch_layout_state
 
 __all__ = ["Checkpoint", "compare_files", "diff", "file_digest", "megatron_args", "megatron_partition_dim",
-           "open_checkpoint", "register", "run"]
+           "open_checkpoint", "register", "run", "torch_layout_state"]

@@ -50,6 +50,24 @@ def open_checkpoint(path, *, trace_step: str = "first") -> Checkpoint:
         raise LayerdiffError(f"{path}: unexpected folder {exc.filename}") from None
 
 
+_TORCH_LAYOUT = ("safetensors", "safetensors (sharded)", "torch", "torch_dist")
+
+
+def torch_layout_state(path) -> dict:
+    """Every tensor of a checkpoint that holds PyTorch names and layouts, {name: (array, dtype)}, to load into a
+    model. Other layouts are refused, and so are Megatron-LM's per-rank files: their SwiGLU fc1 merged from
+    several ranks interleaves gate and up rows."""
+    ck = open_checkpoint(path)
+    try:
+        if ck.format not in _TORCH_LAYOUT:
+            raise LayerdiffError(f"{path}: weights are loaded from safetensors, PyTorch state dicts and distributed "
+                                 f"checkpoints, not from a {ck.format} checkpoint; write one with `layerdiff weights "
+                                 "export` from the model that reads it")
+        return {name: ck.load(name) for name in ck.names()}
+    finally:
+        ck.close()
+
+
 def _open_dir(path: Path) -> Checkpoint:
     index = path / "model.safetensors.index.json"
     if index.is_file():
