@@ -170,6 +170,60 @@ def test_megatron_torch_dist_checkpoint_at_tp2_compares_with_hf_weights_and_load
     assert report["forward"]["first_divergence"]["module"] == "model.layers.1.self_attn.o_proj"
 
 
+MOE_SAVE = """
+import sys
+import torch
+import torch.nn.functional as F
+
+
+def main():
+    out = sys.argv[1]
+    from layerdiff.recipes import megatron_llama
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    megatron_llama.init_cpu_megatron(1)
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=4, moe_router_topk=2,
+        normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        use_cpu_initialization=True, params_dtype=torch.float32, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, cuda_graph_scope=[])
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, normalization="RMSNorm"),
+                     vocab_size=64, max_sequence_length=64)
+    torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, f"{out}/moe.pt")
+    dist_checkpointing.save(model.sharded_state_dict(), f"{out}/moe_dist")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_megatron_moe_experts_stacked_in_torch_dist_come_out_under_the_model_names(tmp_path):
+    pytest.importorskip("megatron.core")
+    script = tmp_path / "moe.py"
+    script.write_text(textwrap.dedent(MOE_SAVE))
+    (tmp_path / "moe_dist").mkdir()
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = open_checkpoint(tmp_path / "moe_dist").names()
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in names
+    assert "decoder.layers.0.mlp.router.weight" in names
+    report = compare_files(tmp_path / "moe.pt", tmp_path / "moe_dist")  # the model's own state dict
+    summary = report.pop("__summary__")
+    assert not summary["missing_in_b"] and not summary["extra_in_b"], summary
+    assert summary["identical"] == summary["compared"] == len(report) == len(names)
+    assert all(entry["status"] == "identical" for entry in report.values())
+
+
 def test_loading_weights_refuses_checkpoints_in_other_layouts(plain, tmp_path):
     from layerdiff.checkpoints import torch_layout_state
 

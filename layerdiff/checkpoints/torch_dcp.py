@@ -8,13 +8,15 @@ ever unpickled. A tensor is assembled from its chunks when it is asked for, so t
 joined and memory holds one tensor at a time.
 
 Megatron-core stacks its transformer layers: ``decoder.layers.self_attention.linear_qkv.weight`` holds every
-layer's weight along a leading axis (pipeline stages included). Such a name (a ``layers`` segment not followed
-by a number) is read as one tensor per layer, ``decoder.layers.3.self_attention.linear_qkv.weight``. Optimizer
-state (``optimizer.``) and non-tensor entries (``_extra_state``) are left out and counted in the notes.
+layer's weight along a leading axis (pipeline stages included), and an MoE layer's experts along the next one
+(``decoder.layers.mlp.experts.experts.linear_fc1.weight``). Such a name is read as one tensor per layer and
+expert, under the model's own names (``decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight``).
+Optimizer state (``optimizer.``) and non-tensor entries (``_extra_state``) are left out and counted in the notes.
 """
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import re
 import warnings
@@ -29,13 +31,35 @@ _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed
                      "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension")
 _PLAIN_GLOBALS = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
                   ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
-_STACKED = re.compile(r"(?:^|(?<=\.))layers\.(?!\d+(?:\.|$))")
+# Megatron-core's stacked axes, leading in this order: a ``layers`` segment not followed by a number holds every
+# layer; ``experts.experts`` every local expert of an MoE layer (``experts.local_experts.N`` in the model)
+_STACKED = ((re.compile(r"(?:^|(?<=\.))layers\.(?!\d+(?:\.|$))"), "layers.{}."),
+            (re.compile(r"(?<=\.)experts\.experts\."), "experts.local_experts.{}."))
 _SKIPPED_PREFIXES = ("optimizer.", "rng_state")
 _MAX_LAYERS = 1 << 20
 
 
 def is_dist_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file() and any(path.glob("*.distcp"))
+
+
+def _stacked_axes(key: str, shape: list) -> list:
+    """The stacked segments of ``key`` in order, one per leading axis of ``shape`` (none if they do not fit)."""
+    found = sorted(((m.start(), m.end(), template) for pattern, template in _STACKED
+                    for m in [pattern.search(key)] if m is not None))
+    if not found or len(shape) < len(found) or any(n > _MAX_LAYERS for n in shape[:len(found)]):
+        return []
+    return found
+
+
+def _unstacked_name(key: str, axes: list, index: tuple) -> str:
+    """``decoder.layers.mlp.experts.experts.linear_fc1.weight`` at (3, 7):
+    ``decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight``."""
+    pieces, at = [], 0
+    for (start, end, template), i in zip(axes, index):
+        pieces += [key[at:start], template.format(i)]
+        at = end
+    return "".join(pieces) + key[at:]
 
 
 class _Refused(pickle.UnpicklingError):
@@ -86,7 +110,7 @@ class DistCheckpoint(Checkpoint):
 
         metadata = _read_metadata(self.path / ".metadata")
         storage = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}
-        self._parts: dict = {}  # name -> (key, layer or None, [(offsets, sizes, storage info)])
+        self._parts: dict = {}  # name -> (key, index along the stacked axes or None, [(offsets, sizes, info)])
         head, layers, tail = [], {}, []  # names in model order: what precedes the layers, layer by layer, the rest
         skipped, objects = 0, 0
         for key, meta in metadata.state_dict_metadata.items():
@@ -107,12 +131,12 @@ class DistCheckpoint(Checkpoint):
                     raise LayerdiffError(f"{self.path}: the metadata lists a chunk of {key!r} at "
                                          f"{list(chunk.offsets)} that no .distcp file holds")
                 chunks.append((tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes), info))
-            stacked = _STACKED.search(key)
-            if stacked and shape and shape[0] <= _MAX_LAYERS:
-                for layer in range(shape[0]):
-                    name = f"{key[:stacked.end()]}{layer}.{key[stacked.end():]}"
-                    self._parts[name] = (key, layer, chunks)
-                    layers.setdefault(layer, []).append((name, (dtype, shape[1:])))
+            axes = _stacked_axes(key, shape)
+            if axes:
+                for index in itertools.product(*(range(n) for n in shape[:len(axes)])):
+                    name = _unstacked_name(key, axes, index)
+                    self._parts[name] = (key, index, chunks)
+                    layers.setdefault(index[0], []).append((name, (dtype, shape[len(axes):])))
             else:
                 self._parts[key] = (key, None, chunks)
                 (tail if layers else head).append((key, (dtype, shape)))
@@ -125,19 +149,21 @@ class DistCheckpoint(Checkpoint):
         self._last = (None, None)  # the last chunk read: a chunk can hold several layers
 
     def _load(self, name):
-        key, layer, chunks = self._parts[name]
+        key, index, chunks = self._parts[name]
         dtype, shape = self._index[name]
         out, filled = None, 0
         for offsets, sizes, info in chunks:
-            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+            if index is not None and not all(o <= i < o + n for i, o, n in zip(index, offsets, sizes)):
                 continue
             array = self._chunk(key, info)
             if array.size != int(np.prod(sizes)):
                 raise LayerdiffError(f"{self.path}: a chunk of {key!r} holds {array.size} values, its metadata "
                                      f"says {list(sizes)}")
             array = array.reshape(sizes)
-            if layer is not None:
-                array, offsets, sizes = array[layer - offsets[0]], offsets[1:], sizes[1:]
+            if index is not None:
+                k = len(index)
+                array = array[tuple(i - o for i, o in zip(index, offsets))]
+                offsets, sizes = offsets[k:], sizes[k:]
             if out is None:
                 out = np.empty(shape, dtype=array.dtype)
             out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = array
