@@ -183,20 +183,49 @@ def main():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers import MixtralConfig, MixtralForCausalLM
 
     megatron_llama.init_cpu_megatron(1)
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+    hidden, ffn, heads, layers, experts = 32, 64, 4, 2, 4
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=4, moe_router_topk=2,
-        normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-        use_cpu_initialization=True, params_dtype=torch.float32, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, cuda_graph_scope=[])
-    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, normalization="RMSNorm"),
-                     vocab_size=64, max_sequence_length=64)
-    torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, f"{out}/moe.pt")
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
+        num_moe_experts=experts, moe_router_topk=2, normalization="RMSNorm", add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, use_cpu_initialization=True, params_dtype=torch.float32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, cuda_graph_scope=[])
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=64, max_sequence_length=64, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    torch.save(sd, f"{out}/moe.pt")
     dist_checkpointing.save(model.sharded_state_dict(), f"{out}/moe_dist")
+
+    # the same weights in transformers' Mixtral (converted as Megatron-Bridge does), saved in the Hub's format
+    hf = MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, num_local_experts=experts, num_experts_per_tok=2, tie_word_embeddings=False))
+    state = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
+             "model.norm.weight": sd["decoder.final_layernorm.weight"], "lm_head.weight": sd["output_layer.weight"]}
+    for i in range(layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        state[h + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
+        state[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
+        state[h + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
+        qkv = sd[m + "self_attention.linear_qkv.weight"].reshape(heads, 3, hidden // heads, hidden)
+        for j, name in enumerate("qkv"):
+            state[h + f"self_attn.{name}_proj.weight"] = qkv[:, j].reshape(hidden, hidden).contiguous()
+        state[h + "mlp.gate.weight"] = sd[m + "mlp.router.weight"]
+        local = m + "mlp.experts.local_experts."
+        state[h + "mlp.experts.gate_up_proj"] = torch.stack([sd[f"{local}{e}.linear_fc1.weight"] for e in range(experts)])
+        state[h + "mlp.experts.down_proj"] = torch.stack([sd[f"{local}{e}.linear_fc2.weight"] for e in range(experts)])
+    hf.load_state_dict(state, strict=True)
+    hf.save_pretrained(f"{out}/mixtral")
+
+    with torch.no_grad():  # expert 2 of layer 1: its up rows (Mixtral's w3) scaled
+        model.decoder.layers[1].mlp.experts.local_experts[2].linear_fc1.weight[ffn:] *= 1.001
+    dist_checkpointing.save(model.sharded_state_dict(), f"{out}/moe_dist_up")
 
 
 if __name__ == "__main__":
@@ -206,11 +235,12 @@ if __name__ == "__main__":
 
 @pytest.mark.megatron
 @pytest.mark.slow
-def test_megatron_moe_experts_stacked_in_torch_dist_come_out_under_the_model_names(tmp_path):
+def test_megatron_moe_torch_dist_checkpoint_against_its_state_dict_and_hf_mixtral(tmp_path):
     pytest.importorskip("megatron.core")
     script = tmp_path / "moe.py"
     script.write_text(textwrap.dedent(MOE_SAVE))
-    (tmp_path / "moe_dist").mkdir()
+    for folder in ("moe_dist", "moe_dist_up"):
+        (tmp_path / folder).mkdir()
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -221,7 +251,16 @@ def test_megatron_moe_experts_stacked_in_torch_dist_come_out_under_the_model_nam
     summary = report.pop("__summary__")
     assert not summary["missing_in_b"] and not summary["extra_in_b"], summary
     assert summary["identical"] == summary["compared"] == len(report) == len(names)
-    assert all(entry["status"] == "identical" for entry in report.values())
+
+    # Mixtral as the Hub stores it (block_sparse_moe.experts.N.w1/w2/w3, gate = router) against Megatron's
+    report = compare_files(tmp_path / "mixtral", tmp_path / "moe_dist_up")
+    summary = report.pop("__summary__")
+    assert not summary["missing_in_b"] and not summary["extra_in_b"], summary
+    assert [n for n, e in report.items() if e["status"] != "identical"] == [
+        "model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    assert report["model.layers.1.block_sparse_moe.experts.2.w3.weight"]["b_name"] == \
+        "part 2 of 2 of decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight (gate_up)"
+    assert report["model.layers.0.block_sparse_moe.gate.weight"]["b_name"] == "decoder.layers.0.mlp.router.weight"
 
 
 def test_loading_weights_refuses_checkpoints_in_other_layouts(plain, tmp_path):
