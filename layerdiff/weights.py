@@ -48,25 +48,30 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
     params = adapter.parameters(model)
     stored = rules.param_homes(state)  # a fused norm's weight (linear_qkv.layer_norm_weight) where it belongs
     state = {home: state[name] for home, name in stored.items()}
+    stacked = {}  # model parameter -> the names of its per-expert pieces
     if all(canonical_param_name(rename(name)) in state for name, _, _ in params):
         plan = {name: ParamSource(name, "same", (canonical_param_name(rename(name)),)) for name, _, _ in params}
         groups = {}
     else:
-        plan, groups = _inferred_plan(adapter, model, state, params, rename, rules)
+        plan, groups, stacked = _inferred_plan(adapter, model, state, params, rename, rules)
     problems, assignments, used = [], [], set()
     for name, tensor, module_type in params:
-        source = plan.get(name)
-        if source is None:
-            problems.append(f"{name}: no {canonical_param_name(rename(name))} in the source")
+        pieces = stacked.get(name, [name])  # an expert tensor of all experts is built expert by expert
+        sources = [plan.get(piece) for piece in pieces]
+        if None in sources:
+            problems.append(f"{name}: no {canonical_param_name(rename(pieces[sources.index(None)]))} in the source")
             continue
-        used.update(source.sources)
-        array = paramplan.build(source, lambda n: state[n][0], groups.get(name, 1))
-        dtype = state[source.sources[0]][1]
+        for source in sources:
+            used.update(source.sources)
+        arrays = [paramplan.build(source, lambda n: state[n][0], groups.get(source.name, 1)) for source in sources]
+        array = np.stack(arrays) if name in stacked and len({a.shape for a in arrays}) == 1 else arrays[0]
+        dtype = state[sources[0].sources[0]][1]
         if is_transposed(adapter.FRAMEWORK, module_type, name):
             array = array.T
         shape = list(tensor.shape)
         if list(array.shape) != shape:
-            problems.append(f"{name}: source {source.describe()} has shape {list(array.shape)}, the model wants {shape}")
+            described = ", ".join(source.describe() for source in sources[:2]) + (", ..." if len(sources) > 2 else "")
+            problems.append(f"{name}: source {described} has shape {list(array.shape)}, the model wants {shape}")
             continue
         assignments.append((tensor, np.ascontiguousarray(array), dtype))
     if strict:
@@ -79,14 +84,21 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
 
 
 def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rules: RuleSet):
-    """{model parameter: its source} from matching the model's modules with the state's, and group counts."""
+    """{model parameter (or per-expert piece): its source} from matching the model's modules with the state's,
+    group counts, and {model parameter: its per-expert pieces}."""
     source_infos = modules.from_params([(n, a.shape, summarize(a, d)) for n, (a, d) in state.items()])
     entries = adapter.module_entries(model)
-    mapping = match_modules(source_infos, modules.from_model(entries), rules, rename)
-    own = {}
+    experts = _stacked_experts(entries) if adapter.FRAMEWORK == "torch" else {}
+    mapping = match_modules(source_infos, modules.from_model(_per_expert(entries, experts)), rules, rename)
+    own, stacked = {}, {}
     for name, tensor, module_type in params:
         shape = tuple(tensor.shape)
-        own[name] = shape[::-1] if is_transposed(adapter.FRAMEWORK, module_type, name) else shape
+        module, _, leaf = name.rpartition(".")
+        if module in experts:
+            stacked[name] = [f"{module}.{e}.{leaf}.weight" for e in range(shape[0])]
+            own.update({piece: shape[1:] for piece in stacked[name]})
+        else:
+            own[name] = shape[::-1] if is_transposed(adapter.FRAMEWORK, module_type, name) else shape
     sources, _, _ = paramplan.plan(mapping, own, {n: a.shape for n, (a, _) in state.items()}, "b")
     hparams = {path: h for path, _, h, _ in entries}
     groups = {}
@@ -96,7 +108,34 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
             parts_parent = src.name.rpartition(".")[0].rpartition(".")[0]
             groups[src.name] = paramplan.group_count(src, rules, [hparams.get(src.fused_module), hparams.get(
                 fused_parent), hparams.get(parts_parent)], load=lambda n: state[n][0])
-    return {s.name: s for s in sources}, groups
+    return {s.name: s for s in sources}, groups, stacked
+
+
+def _stacked_experts(entries) -> set:
+    """Modules that keep each projection of all their experts in one 3-D parameter (transformers 5's
+    ``MixtralExperts``: ``gate_up_proj`` [experts, 2 x ffn, hidden], ``down_proj``), PyTorch layout per expert."""
+    found = set()
+    for path, _, _, params in entries:
+        shapes = [tuple(shape) for _, shape in params]
+        if (params and all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1 and shapes[0][0] > 1
+                and not {leaf for leaf, _ in params} & {"weight", "bias"}):  # a Conv1d's weight is 3-D too
+            found.add(path)
+    return found
+
+
+def _per_expert(entries, experts: set) -> list:
+    """``entries`` with each stacked-experts module seen as checkpoints store it: one container per expert holding
+    a linear per projection (``experts.3.gate_up_proj.weight``)."""
+    out = []
+    for path, type_name, hparams, params in entries:
+        if path not in experts:
+            out.append((path, type_name, hparams, params))
+            continue
+        out.append((path, type_name, hparams, []))
+        for e in range(params[0][1][0]):
+            out.append((f"{path}.{e}", "ModuleList", {}, []))
+            out += [(f"{path}.{e}.{leaf}", "Linear", {}, [("weight", tuple(shape[1:]))]) for leaf, shape in params]
+    return out
 
 
 def transfer_weights(src_model, dst_model, mapping: RenameRules | None = None, strict: bool = True,

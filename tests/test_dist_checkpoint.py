@@ -262,6 +262,19 @@ def test_megatron_moe_torch_dist_checkpoint_against_its_state_dict_and_hf_mixtra
         "part 2 of 2 of decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight (gate_up)"
     assert report["model.layers.0.block_sparse_moe.gate.weight"]["b_name"] == "decoder.layers.0.mlp.router.weight"
 
+    # loaded into transformers' Mixtral, whose experts are 3-D parameters (gate_up_proj [experts, 2 x ffn, hidden]):
+    # from the Hub folder and from Megatron's checkpoint, bit-exactly
+    from transformers import MixtralForCausalLM
+
+    from layerdiff.weights import import_weights
+
+    reference = MixtralForCausalLM.from_pretrained(tmp_path / "mixtral", local_files_only=True).state_dict()
+    for source in ("mixtral", "moe_dist"):
+        torch.manual_seed(1)
+        model = MixtralForCausalLM(MixtralForCausalLM.config_class.from_pretrained(tmp_path / "mixtral"))
+        assert import_weights(model, tmp_path / source) == len(reference)
+        assert all(torch.equal(value, reference[name]) for name, value in model.state_dict().items()), source
+
 
 def test_loading_weights_refuses_checkpoints_in_other_layouts(plain, tmp_path):
     from layerdiff.checkpoints import torch_layout_state

@@ -29,6 +29,7 @@ TYPE_FAMILIES = [
     (r"(decoderlayer|decodelayer|encoderlayer|^transformerlayer$|^bertlayer$|block$)", "layer"),
     (r"attention$", "attention"),
     (r"(mlp|feedforward)$", "mlp"),
+    (r"router$", "router"),  # an MoE layer's router: Megatron's TopKRouter, HF's MixtralTopKRouter (named "gate")
 ]
 # Families that stand in for each other: a port that swaps one activation for another is the defect to find.
 ACTIVATION_FAMILIES = {"silu", "gelu", "relu", "tanh", "sigmoid", "quickgelu", "mish", "relu2", "leakyrelu"}

@@ -30,6 +30,10 @@ FULL_SCORE = 8.0
 MIN_OVERLAP = 0.5
 
 
+# Names a type also answers to: an MoE router is "gate" in HF (a gate projection's name), "router" in Megatron
+_FAMILY_TOKENS = {"router": ("router",)}
+
+
 @dataclass(frozen=True)
 class Match:
     """A's module(s) and B's: one each, or the parts on one side and the fused module on the other."""
@@ -94,6 +98,7 @@ class _Unit:
     out_numel: int | None
     rule: FusedRule | None = None
     rank: float = 0.0
+    also: tuple = ()  # other tokens its type answers to
 
     @property
     def local(self) -> str:
@@ -118,8 +123,9 @@ def _unit(infos: list, rules: RuleSet, rule: FusedRule | None = None) -> _Unit:
     token = rule.name if rule is not None and len(infos) > 1 else rules.token(first.local)
     if rule is None and len(infos) == 1:
         rule = rules.fused_rule(first.local)
-    return _Unit(tuple(i.path for i in infos), first, token, rules.family(first.type) if first.type else "",
-                 params, sum(outs) if len(outs) == len(infos) else None, rule)
+    family = rules.family(first.type) if first.type else ""
+    return _Unit(tuple(i.path for i in infos), first, token, family, params,
+                 sum(outs) if len(outs) == len(infos) else None, rule, also=_FAMILY_TOKENS.get(family, ()))
 
 
 def _param_evidence(a: _Unit, b: _Unit) -> tuple[float, str | None]:
@@ -150,7 +156,7 @@ def _score(a: _Unit, b: _Unit) -> tuple[float, list]:
     score += delta
     if text:
         evidence.append(text)
-    if a.token == b.token:
+    if a.token == b.token or a.token in b.also or b.token in a.also:
         score += 1.5
         evidence.append("name" if a.local == b.local else f"name {a.local}~{b.local}")
     if a.family and b.family:
