@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from layerdiff.core import fusion, modules, paramplan
-from layerdiff.core.layouts import relate_shapes
+from layerdiff.core.layouts import TokenOrder, relate_shapes
 from layerdiff.core.mapping import match_modules
 from layerdiff.core.match import RenameRules
 from layerdiff.core.operands import Operand, combine_stats
@@ -62,6 +62,26 @@ def test_sequence_first_activations_are_permuted_and_back():
     assert relate_shapes((4, 4, 8), (4, 4, 8)).kind == "same"
     hinted = relate_shapes((4, 4, 8), (4, 4, 8), swap_leading=True)
     assert np.array_equal(*hinted.views(square, square.transpose(1, 0, 2).copy()))
+
+
+def test_flattened_tokens_of_a_sequence_first_run_are_reordered():
+    # an MoE router flattens its input: HF's [b * s, h] is batch-major, Megatron's [s * b, h] sequence-major
+    batch, seq, hidden = 2, 8, 4
+    hf = np.random.default_rng(0).standard_normal((batch, seq, hidden))
+    megatron = hf.transpose(1, 0, 2).copy()
+    flat_hf, flat_megatron = hf.reshape(-1, hidden), megatron.reshape(-1, hidden)
+    assert relate_shapes(flat_hf.shape, flat_megatron.shape, True).kind == "same"  # shapes alone cannot tell
+    for order, (a, b) in ((TokenOrder("b", batch, seq), (flat_hf, flat_megatron)),
+                          (TokenOrder("a", batch, seq), (flat_megatron, flat_hf)),  # Megatron as the reference
+                          (TokenOrder("b", batch, seq), (flat_hf, megatron)),  # one side flattened only
+                          (TokenOrder("b", batch, seq), (hf, flat_megatron))):
+        relation = relate_shapes(a.shape, b.shape, order)
+        assert relation.kind == "permute", (order, a.shape, b.shape)
+        va, vb = relation.views(a, b)
+        assert np.array_equal(va, vb) and np.array_equal(relation.to_b(a), b)
+    # tensors that do not lead with the step's tokens are left alone
+    assert relate_shapes((4, 16), (4, 16), TokenOrder("b", batch, seq)).kind == "same"
+    assert relate_shapes((16, 3), (16, 4), TokenOrder("b", batch, seq)).kind != "permute"
 
 
 def test_rotary_table_broadcasts_and_flattened_tokens_reshape():

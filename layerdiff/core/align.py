@@ -23,7 +23,7 @@ from ..errors import LayerdiffError
 from . import compare_workers, modules, ranks, schema
 from .layouts import LayoutRules, relate_shapes, type_family
 from .mapping import ModuleMapping, match_modules
-from .match import RenameRules, TensorPair, TraceSide, match_records
+from .match import RenameRules, TensorPair, TraceSide, match_records, token_order
 from .operands import Operand
 from .metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats, relative_error
 from .compare_workers import aligned_pairs, compare_pairs, worker_count
@@ -94,7 +94,7 @@ def _compare_values(a: np.ndarray, b: np.ndarray) -> dict:
 def _prepared(tp: TensorPair, path_a: str, layouts: LayoutRules, swap: bool):
     """(A's operand, B's operand, a declared layout rule or None, how their shapes relate)."""
     a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
-    return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, swap and tp.activation)
+    return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, swap if tp.activation else False)
 
 
 def _stored_key(a: Operand, b: Operand, rule, relation):
@@ -293,7 +293,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
         mapping = module_mapping(reader_a, reader_b, rules, rename, auto_map)
     matching = match_records(side_a, side_b, mapping)
     _check_related(matching, reader_a, reader_b, rules)
-    swap = side_a.sequence_first != side_b.sequence_first
+    swap = token_order(side_a, side_b)
     memo = _compare_in_workers(matching.pairs, (reader_a, reader_b), layouts, swap, workers, progress)
     if progress is not None:
         progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in matching.pairs))

@@ -146,6 +146,7 @@ class ShapeRelation:
     shape_b: tuple
     perm: tuple = ()  # permute: A's i-th squeezed dim is B's squeezed dim perm[i]
     ambiguous: bool = False
+    b_view: tuple = ()  # permute: B's shape to permute, when it is not B's own (tokens flattened: [s * b, h])
 
     @property
     def ok(self) -> bool:
@@ -168,7 +169,7 @@ class ShapeRelation:
         if self.kind in ("same", "reshape"):
             return a.reshape(-1), b.reshape(-1)
         if self.kind == "permute":
-            return a.reshape(-1), b.reshape(_squeezed(self.shape_b)).transpose(self.perm).reshape(-1)
+            return a.reshape(-1), b.reshape(self.b_view or _squeezed(self.shape_b)).transpose(self.perm).reshape(-1)
         sa, sb = _squeezed(self.shape_a), _squeezed(self.shape_b)
         at = _subsequence_at(sb, sa)
         if at is not None:  # B broadcasts into A
@@ -191,7 +192,9 @@ class ShapeRelation:
             return a.reshape(self.shape_b)
         if self.kind == "permute":
             inverse = tuple(int(i) for i in np.argsort(self.perm))
-            return np.ascontiguousarray(a.reshape(_squeezed(self.shape_a)).transpose(inverse)).reshape(self.shape_b)
+            view = self.b_view or _squeezed(self.shape_b)
+            permuted = tuple(view[i] for i in self.perm)  # A's values in B's dimensions, ordered as A's
+            return np.ascontiguousarray(a.reshape(permuted).transpose(inverse)).reshape(self.shape_b)
         if self.kind == "broadcast":
             sa, sb = _squeezed(self.shape_a), _squeezed(self.shape_b)
             at = _subsequence_at(sb, sa)
@@ -211,15 +214,30 @@ class ShapeRelation:
         return None
 
 
-def relate_shapes(shape_a, shape_b, swap_leading: bool = False) -> ShapeRelation:
+@dataclass(frozen=True)
+class TokenOrder:
+    """Exactly one side (``sequence_first``: "a" or "b") orders its tokens sequence-first ([s, b, h], and
+    [s * b, h] when flattened, as inside Megatron); ``batch`` x ``seq`` tokens per step."""
+
+    sequence_first: str
+    batch: int
+    seq: int
+
+
+def relate_shapes(shape_a, shape_b, swap_leading: "bool | TokenOrder" = False) -> ShapeRelation:
     """How to compare a tensor of ``shape_a`` with one of ``shape_b``, inferred from the shapes alone.
 
     ``swap_leading`` is the declared hint that exactly one side is sequence-first: used when the shapes alone
-    cannot tell (batch size equal to sequence length)."""
+    cannot tell (batch size equal to sequence length). As a ``TokenOrder`` it also relates flattened tokens
+    ([b * s, ...] vs [s * b, ...]: an MoE router's input and logits), which shapes alone never could."""
     a, b = tuple(shape_a), tuple(shape_b)
     if swap_leading and len(a) == len(b) >= 3 and a[0] == b[1] and a[1] == b[0] and a[2:] == b[2:] \
             and 1 not in (a[0], a[1]):
         return ShapeRelation("permute", a, b, (1, 0) + tuple(range(2, len(_squeezed(b)))))
+    if isinstance(swap_leading, TokenOrder):
+        relation = _tokens_reordered(a, b, swap_leading)
+        if relation is not None:
+            return relation
     if a == b:
         return ShapeRelation("same", a, b)
     sa, sb = _squeezed(a), _squeezed(b)
@@ -238,3 +256,22 @@ def relate_shapes(shape_a, shape_b, swap_leading: bool = False) -> ShapeRelation
         return ShapeRelation("broadcast", a, b)
     except ValueError:
         return ShapeRelation("mismatch", a, b)
+
+
+def _tokens_reordered(a: tuple, b: tuple, order: TokenOrder) -> ShapeRelation | None:
+    """A and B both lead with the step's tokens ([b, s], [s, b] or flattened), in opposite orders: B's tokens
+    viewed as B orders them and swapped into A's order."""
+    tokens = order.batch * order.seq
+    if order.batch < 2 or order.seq < 2:
+        return None
+    batch_first, seq_first = (order.batch, order.seq), (order.seq, order.batch)
+    lead_a, lead_b = (seq_first, batch_first) if order.sequence_first == "a" else (batch_first, seq_first)
+
+    def rest(shape, lead):
+        return shape[1:] if shape[:1] == (tokens,) else shape[2:] if shape[:2] == lead else None
+
+    rest_a, rest_b = rest(a, lead_a), rest(b, lead_b)
+    if rest_a is None or rest_b is None or _squeezed(rest_a) != _squeezed(rest_b):
+        return None
+    view = lead_b + _squeezed(rest_b)
+    return ShapeRelation("permute", a, b, (1, 0) + tuple(range(2, len(view))), b_view=view)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import LayerdiffError
 from . import fusion
-from .layouts import canonical_param_name, is_transposed, relate_shapes
+from .layouts import TokenOrder, canonical_param_name, is_transposed, relate_shapes
 from .mapping import Match, ModuleMapping
 from .operands import Operand, dtype_kind
 from .rules import RuleSet
@@ -135,6 +135,25 @@ class TraceSide:
     def parent(self, path: str) -> str | None:
         rec = self.calls.get(("forward", path, 0))
         return rec["parent"][0] if rec and rec.get("parent") else None
+
+    def tokens(self) -> tuple | None:
+        """(batch, sequence) of the step: the shape of the root's first 2-D integer input (token ids)."""
+        rec = self.calls.get(("forward", "", 0))
+        for t in (rec or {}).get("tensors", ()):
+            if t["role"] == "input" and len(t["shape"]) == 2 and dtype_kind(t["dtype"]) == "int":
+                return tuple(t["shape"])
+        return None
+
+
+def token_order(side_a: TraceSide, side_b: TraceSide) -> "TokenOrder | bool":
+    """How the two runs order their tokens: False when alike; when exactly one is sequence-first, a
+    ``TokenOrder`` (or True, if neither run's token ids give the batch and sequence sizes)."""
+    if side_a.sequence_first == side_b.sequence_first:
+        return False
+    tokens = side_a.tokens() or side_b.tokens()
+    if tokens is None:
+        return True
+    return TokenOrder("a" if side_a.sequence_first else "b", *tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -328,7 +347,7 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
     left_b = [t for t in tb if id(t) not in used]
     if before_shapes is not None:
         still, left_b = before_shapes(still, left_b)
-    swap = side_a.sequence_first != side_b.sequence_first
+    swap = token_order(side_a, side_b)
     for same_size in (True, False):  # equal sizes first; broadcasting ([1, S, D] vs [B, S, D]) only after
         for ea in list(still):
             shape_a = _torch_shape(ra, ea, side_a)

@@ -22,7 +22,8 @@ from .align import call_tree, describe_origin, judge_rows
 from .metrics import relative_error
 from .layouts import LayoutRules, relate_shapes
 from .mapping import Match, ModuleMapping
-from .match import FusedLinks, RenameRules, TraceSide, absorbed_child, canonical_key, pair_role, transforms_step
+from .match import (FusedLinks, RenameRules, TraceSide, absorbed_child, canonical_key, pair_role, token_order,
+                    transforms_step)
 from .rules import RuleSet, ruleset
 from .modules import find_blocks as blocks_of
 from .tensors import FLOAT_DTYPES, as_float
@@ -67,7 +68,7 @@ class Forcer:
         self.mapping = mapping
         self.rename = rename or RenameRules()
         self.layouts = layouts or LayoutRules()
-        self.swap = self.side_a.sequence_first != self.side_b.sequence_first
+        self.swap = token_order(self.side_a, self.side_b)
         self.backward = backward
         self.where = where
         self.calls = {}  # (phase, path, call) -> the reference's record of step 0
