@@ -285,6 +285,7 @@ def pair_tensors(ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide, roles
         tb = [t for t in rb["tensors"] if t["role"] == role]
         if not ta and not tb:
             continue
+        ta, tb = _router_choices(role, ta, tb, ra, rb, side_a, side_b, pairs)
         found, left_a, left_b = pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=transforms_step(
             role, ra, rb, side_a, side_b, pairs))
         for ea, eb, note in found:
@@ -294,6 +295,43 @@ def pair_tensors(ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide, roles
         only_a += [f"{role}:{t['key']}" for t in left_a]
         only_b += [f"{role}:{t['key']}" for t in left_b]
     return pairs, only_a, only_b
+
+
+def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, out: list):
+    """An MoE router hands on its choice as top-k scores and expert indices (HF) or as dense probabilities and a
+    routing map over all experts (Megatron): the top-k side is spread over the experts and compared with the dense
+    one (its gradients too, through the forward call's indices). Returns what is left of ``ta`` and ``tb``."""
+    if role not in ("output", "grad_output") or side_a.rules.family(ra.get("type")) != "router" or \
+            side_b.rules.family(rb.get("type")) != "router":
+        return ta, tb
+    for topk_side in ("a", "b"):
+        top, dense, top_rec, top_side = (ta, tb, ra, side_a) if topk_side == "a" else (tb, ta, rb, side_b)
+        probs = next((t for t in dense if dtype_kind(t["dtype"]) == "float" and len(t["shape"]) == 2), None)
+        if probs is None:
+            continue
+        tokens, experts = probs["shape"]
+        forward = top_side.calls.get(("forward", top_rec["path"], top_rec["call"]))
+        indices = next((t for t in (forward or {}).get("tensors", ()) if t["role"] == "output"
+                        and dtype_kind(t["dtype"]) == "int" and len(t["shape"]) == 2 and t["shape"][0] == tokens
+                        and t["shape"][1] < experts), None)
+        scores = indices and next((t for t in top if dtype_kind(t["dtype"]) == "float"
+                                   and list(t["shape"]) == list(indices["shape"])), None)
+        if scores is None:
+            continue
+        spread = Operand((scores, indices), op="topk_dense", sizes=(experts,))
+        found = [(scores, probs, spread, Operand.stored(probs))]
+        flags = next((t for t in dense if t["dtype"] == "bool" and list(t["shape"]) == [tokens, experts]), None)
+        if role == "output" and flags is not None:
+            found.append((indices, flags, Operand((indices,), op="topk_map", sizes=(experts,)),
+                          Operand((flags,), op="masked", bool_masked=True)))  # 1.0 where chosen
+        for top_entry, dense_entry, top_op, dense_op in found:
+            pair = (top_entry, dense_entry, top_op, dense_op) if topk_side == "a" else \
+                (dense_entry, top_entry, dense_op, top_op)
+            out.append(TensorPair(role, pair[0]["key"], pair[1]["key"], pair[2], pair[3],
+                                  ("router: top-k choices compared over all experts",)))
+        used = {id(t) for item in found for t in item[:2]}
+        return [t for t in ta if id(t) not in used], [t for t in tb if id(t) not in used]
+    return ta, tb
 
 
 def _shifted_labels(tp: TensorPair, ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide) -> TensorPair:

@@ -29,7 +29,7 @@ def dtype_kind(dtype: str) -> str:
 @dataclass(frozen=True)
 class Operand:
     entries: tuple  # stored entries (dicts with dtype, shape, stats and, in full mode, offset/nbytes)
-    op: str = "value"  # value | part | merge | sum | cos | sin | masked | shift_left
+    op: str = "value"  # value | part | merge | sum | cos | sin | masked | shift_left | topk_dense | topk_map
     axis: int = 0
     sizes: tuple = ()
     groups: int = 1
@@ -51,7 +51,7 @@ class Operand:
 
     @property
     def dtype(self) -> str:
-        return "float32" if self.op in ("cos", "sin", "masked") else self.entry["dtype"]
+        return "float32" if self.op in ("cos", "sin", "masked", "topk_map") else self.entry["dtype"]
 
     def _base_shape(self, entry) -> tuple:
         shape = tuple(entry["shape"])
@@ -66,6 +66,8 @@ class Operand:
         if self.op == "merge":
             axis = self.axis % len(base)
             return base[:axis] + (sum(self._base_shape(e)[axis] for e in self.entries),) + base[axis + 1:]
+        if self.op in ("topk_dense", "topk_map"):  # top-k choices spread over all ``sizes[0]`` experts
+            return base[:-1] + (self.sizes[0],)
         return base
 
     @property
@@ -96,6 +98,12 @@ class Operand:
             return np.sin(arrays[0].astype(np.float64)).astype(np.float32)
         if self.op == "masked":
             return masked_flags(arrays[0], self.entry["dtype"], self.bool_masked)
+        if self.op in ("topk_dense", "topk_map"):  # (scores,) indices -> [tokens, experts], zero where not chosen
+            indices = arrays[-1].astype(np.int64)
+            chosen = arrays[0] if self.op == "topk_dense" else np.ones(indices.shape, np.float32)
+            dense = np.zeros(indices.shape[:-1] + (self.sizes[0],), dtype=chosen.dtype)
+            np.put_along_axis(dense, indices, chosen, axis=-1)
+            return dense
         if self.op == "shift_left":  # labels as a pipeline that shifts them hands them over
             x = arrays[0]
             return np.concatenate([x[..., 1:], np.full(x.shape[:-1] + (1,), -100, dtype=x.dtype)], axis=-1)
@@ -104,7 +112,7 @@ class Operand:
     def _load(self, reader, entry) -> np.ndarray:
         raw = reader.tensor(entry)
         values = as_float(raw, entry["dtype"]) if entry["dtype"] in FLOAT_DTYPES else raw
-        if self.op != "masked" and values.dtype not in (np.float32, np.float64):
+        if self.op not in ("masked", "topk_dense", "topk_map") and values.dtype not in (np.float32, np.float64):
             values = values.astype(np.float64)
         return values.T if self.transposed and values.ndim == 2 else values
 
@@ -124,6 +132,10 @@ class Operand:
             return "mask as masked/attended flags"
         if self.op == "shift_left":
             return "labels shifted left by one (last -100), as the other run's pipeline does"
+        if self.op == "topk_dense":
+            return f"top-k scores spread over the {self.sizes[0]} experts"
+        if self.op == "topk_map":
+            return f"top-k choices as flags over the {self.sizes[0]} experts"
         return "stored transposed" if self.transposed else None
 
 

@@ -1,0 +1,145 @@
+"""Recipe: a small Mixtral-style mixture of experts as transformers' ``MixtralForCausalLM`` and as a Megatron-core
+``GPTModel`` with MoE layers (SequentialMLP experts, top-2 router), on CPU, with the same weights.
+
+    layerdiff trace megatron_moe --arg impl=hf -o hf.h5
+    layerdiff trace megatron_moe --arg defect=router -o mg.h5
+    layerdiff align hf.h5 mg.h5          # origin: model.layers.0.mlp.gate
+
+The HF model is built from a seed; its weights go to Megatron as Megatron-Bridge converts them: q/k/v per query
+group into ``linear_qkv``, the router ``gate`` into ``router``, each expert's slice of the 3-D
+``experts.gate_up_proj`` ([gate; up]) into ``local_experts.N.linear_fc1`` and of ``down_proj`` into
+``linear_fc2``. Logits agree to ~1e-7. The routers hand on the same choice differently (HF: logits, top-k scores
+and indices; Megatron: dense top-k probabilities and a routing map): align compares them over all experts.
+
+Megatron on CPU as in ``megatron_llama`` (gloo, inference RNG tracker, rotary on the CPU), plus the router:
+``TopKRouter.gating`` moves its weight to CUDA and megatron-core 0.16.1's ``router_gating_linear`` needs
+Transformer Engine, so ``CPUTopKRouter`` computes the same logits with ``F.linear``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# defect -> (direction, module path in the HF model where it originates)
+DEFECTS = {
+    "router": ("forward", "model.layers.0.mlp.gate"),  # layer 0's router weight x(1 + 1e-3)
+    "expert": ("forward", "model.layers.1.mlp"),       # up rows of layer 1's expert 2 x(1 + 1e-3): inside the
+}                                                      # experts, which HF runs in one call
+
+CONFIG = {"vocab": 64, "hidden": 32, "ffn": 64, "heads": 4, "kv_heads": 2, "layers": 2, "experts": 4, "top_k": 2,
+          "eps": 1e-5, "rope_theta": 10000.0}
+
+
+def hf_model(seed: int = 0):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    c = CONFIG
+    torch.manual_seed(seed)
+    config = MixtralConfig(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["ffn"],
+                           num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                           num_key_value_heads=c["kv_heads"], num_local_experts=c["experts"],
+                           num_experts_per_tok=c["top_k"], rms_norm_eps=c["eps"], rope_theta=c["rope_theta"],
+                           tie_word_embeddings=False, router_jitter_noise=0.0, attn_implementation="eager")
+    return MixtralForCausalLM(config).eval()
+
+
+def hf_to_megatron(state: dict) -> dict:
+    """Mixtral names and layouts -> GPTModel's: linear_qkv rows per query group [its q heads; k; v]."""
+    c = CONFIG
+    hd, kv = c["hidden"] // c["heads"], c["kv_heads"]
+    out = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": state["model.norm.weight"], "output_layer.weight": state["lm_head.weight"]}
+    for i in range(c["layers"]):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (state[h + f"self_attn.{n}_proj.weight"].reshape(kv, -1, c["hidden"]) for n in "qkv")
+        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, c["hidden"])
+        out[m + "self_attention.linear_proj.weight"] = state[h + "self_attn.o_proj.weight"]
+        out[m + "input_layernorm.weight"] = state[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = state[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.router.weight"] = state[h + "mlp.gate.weight"]
+        for e in range(c["experts"]):
+            local = m + f"mlp.experts.local_experts.{e}."
+            out[local + "linear_fc1.weight"] = state[h + "mlp.experts.gate_up_proj"][e]
+            out[local + "linear_fc2.weight"] = state[h + "mlp.experts.down_proj"][e]
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def megatron_model(state: dict):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from . import megatron_llama
+
+    class CPUTopKRouter(TopKRouter):
+        """``TopKRouter`` whose logits stay on the CPU and need no Transformer Engine."""
+
+        def gating(self, input):
+            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+            return F.linear(input.to(dtype), self.weight.to(dtype))
+
+    megatron_llama.init_cpu_megatron(1)
+    c = CONFIG
+    config = TransformerConfig(
+        num_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
+        num_query_groups=c["kv_heads"], ffn_hidden_size=c["ffn"], moe_ffn_hidden_size=c["ffn"],
+        num_moe_experts=c["experts"], moe_router_topk=c["top_k"], moe_token_dispatcher_type="allgather",
+        normalization="RMSNorm",
+        layernorm_epsilon=c["eps"], add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, cuda_graph_scope=[])
+    spec = get_gpt_layer_local_spec(num_experts=c["experts"], moe_grouped_gemm=False, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=c["vocab"], max_sequence_length=256, position_embedding_type="rope",
+                     rotary_base=c["rope_theta"], share_embeddings_and_output_weights=False)
+    model.rotary_pos_emb.__class__ = megatron_llama.CPURotaryEmbedding
+    for layer in model.decoder.layers:
+        layer.mlp.router.__class__ = CPUTopKRouter
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
+    return model
+
+
+def build(defect: str | None = None, *, impl: str = "megatron", batch: int = 2, seq: int = 8, seed: int = 0):
+    if defect is not None and (defect not in DEFECTS or impl != "megatron"):
+        raise ValueError(f"defect {defect!r}: choose from {', '.join(DEFECTS)} (injected into impl=megatron)")
+    hf = hf_model(seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, CONFIG["vocab"], (batch, seq), generator=generator)
+    labels = F.pad(ids, (0, 1), value=-100)[:, 1:].reshape(-1)  # as transformers' ForCausalLMLoss
+    if impl == "hf":
+        def logits():
+            return hf(input_ids=ids).logits
+        model = hf
+    elif impl == "megatron":
+        from . import megatron_llama
+
+        model = megatron_model(hf_to_megatron(hf.state_dict()))
+        layers = model.decoder.layers
+        with torch.no_grad():
+            if defect == "router":
+                layers[0].mlp.router.weight.mul_(1 + 1e-3)
+            elif defect == "expert":
+                layers[1].mlp.experts.local_experts[2].linear_fc1.weight[CONFIG["ffn"]:].mul_(1 + 1e-3)
+        megatron_llama.reserve_attention_buffer(batch * CONFIG["heads"] * seq * seq)
+        positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+
+        def logits():
+            return model(ids, positions, mask)
+    else:
+        raise ValueError(f"impl {impl!r}: 'hf' or 'megatron'")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(logits().float().view(-1, CONFIG["vocab"]), labels, ignore_index=-100)
+        loss.backward()
+        return loss
+
+    return {"model": model, "step": step, "meta": {"recipe": "megatron_moe", "impl": impl, "defect": defect},
+            "logits": logits}
