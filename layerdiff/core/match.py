@@ -306,16 +306,15 @@ def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, 
         return ta, tb
     for topk_side in ("a", "b"):
         top, dense, top_rec, top_side = (ta, tb, ra, side_a) if topk_side == "a" else (tb, ta, rb, side_b)
+        dense_rec, dense_side = (rb, side_b) if topk_side == "a" else (ra, side_a)
         probs = next((t for t in dense if dtype_kind(t["dtype"]) == "float" and len(t["shape"]) == 2), None)
         if probs is None:
             continue
         tokens, experts = probs["shape"]
-        forward = top_side.calls.get(("forward", top_rec["path"], top_rec["call"]))
-        indices = next((t for t in (forward or {}).get("tensors", ()) if t["role"] == "output"
-                        and dtype_kind(t["dtype"]) == "int" and len(t["shape"]) == 2 and t["shape"][0] == tokens
-                        and t["shape"][1] < experts), None)
-        scores = indices and next((t for t in top if dtype_kind(t["dtype"]) == "float"
-                                   and list(t["shape"]) == list(indices["shape"])), None)
+        indices = _chosen_experts(top_side, top_rec, tokens, experts)
+        if indices is None or _chosen_experts(dense_side, dense_rec, tokens, experts) is not None:
+            continue  # both hand on top-k indices: the same form, compared tensor by tensor
+        scores = next((t for t in top if dtype_kind(t["dtype"]) == "float" and t["shape"] == indices["shape"]), None)
         if scores is None:
             continue
         spread = Operand((scores, indices), op="topk_dense", sizes=(experts,))
@@ -332,6 +331,13 @@ def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, 
         used = {id(t) for item in found for t in item[:2]}
         return [t for t in ta if id(t) not in used], [t for t in tb if id(t) not in used]
     return ta, tb
+
+
+def _chosen_experts(side: TraceSide, rec: dict, tokens: int, experts: int) -> dict | None:
+    """The expert indices ([tokens, k], k < experts) among the outputs of ``rec``'s forward call."""
+    forward = side.calls.get(("forward", rec["path"], rec["call"])) or {}
+    return next((t for t in forward.get("tensors", ()) if t["role"] == "output" and dtype_kind(t["dtype"]) == "int"
+                 and len(t["shape"]) == 2 and t["shape"][0] == tokens and t["shape"][1] < experts), None)
 
 
 def _shifted_labels(tp: TensorPair, ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide) -> TensorPair:
