@@ -21,11 +21,12 @@ import layerdiff
 from layerdiff.recipes import megatron_moe
 
 out = sys.argv[1]
-for name, kwargs in {"hf": {"impl": "hf"}, "mg": {}, "router": {"defect": "router"},
-                     "expert": {"defect": "expert"}}.items():
-    built = megatron_moe.build(**kwargs)
-    with layerdiff.trace(built["model"], f"{out}/{name}.h5"):
-        built["step"]()
+runs = {"hf": {"impl": "hf"}, "mg": {}, "router": {"defect": "router"}, "expert": {"defect": "expert"}}
+for mode in ("full", "stats"):
+    for name, kwargs in runs.items():
+        built = megatron_moe.build(**kwargs)
+        with layerdiff.trace(built["model"], f"{out}/{name}{'_stats' * (mode == 'stats')}.h5", mode=mode):
+            built["step"]()
 with torch.no_grad():
     diff = (megatron_moe.build(impl="hf")["logits"]() - megatron_moe.build()["logits"]()).abs().max().item()
 json.dump({"logits_max_abs": diff}, open(f"{out}/parity.json", "w"))
@@ -50,10 +51,13 @@ def test_mixtral_and_megatron_moe_agree_and_align_with_no_flags(moe):
     assert all(t["passed"] for t in compared.values())
 
 
+@pytest.mark.parametrize("mode", ["", "_stats"])
 @pytest.mark.parametrize("defect", ["router", "expert"])
-def test_moe_defects_are_named_in_the_hf_names(moe, defect):
+def test_moe_defects_are_named_in_the_hf_names(moe, defect, mode):
+    # in statistics traces too: the spread scores' statistics follow from the scores' (zeros for the rest)
     from layerdiff.recipes.megatron_moe import DEFECTS
 
     direction, origin = DEFECTS[defect]
-    report = align_files(moe / "hf.h5", moe / f"{defect}.h5")
+    assert align_files(moe / f"hf{mode}.h5", moe / f"mg{mode}.h5")["verdict"] == "aligned"
+    report = align_files(moe / f"hf{mode}.h5", moe / f"{defect}{mode}.h5")
     assert report[direction]["first_divergence"]["module"] == origin, report[direction]["first_divergence"]

@@ -80,6 +80,9 @@ class Operand:
             return self.entry.get("stats")
         if self.op == "merge":
             return combine_stats([e.get("stats") for e in self.entries])
+        if self.op == "topk_dense":  # the chosen scores, and a zero for every expert not chosen
+            scores, zeros = self.entry.get("stats"), math.prod(self.shape) - math.prod(self.entry["shape"])
+            return combine_stats([scores, {"numel": zeros, "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0}])
         return None
 
     def values(self, reader) -> np.ndarray:
