@@ -70,7 +70,8 @@ def is_megatron(path: Path) -> bool:
 def megatron_args(path) -> dict:
     """The training arguments a Megatron-LM checkpoint stores (``args``, an argparse.Namespace), as a dict with
     Megatron's underscore names; from a checkpoint directory (its latest iteration: the first rank's file, or
-    ``common.pt`` of the torch_dist format) or one ``model_optim_rng.pt``. Loaded with ``weights_only`` and only Megatron's own extra types admitted."""
+    ``common.pt`` of the torch_dist format) or one ``model_optim_rng.pt``. Loaded with ``weights_only`` and only
+    Megatron's own extra types admitted."""
     path = Path(path)
     if path.is_dir():
         it = _megatron_iter_dir(path)

@@ -112,6 +112,7 @@ class TraceSide:
                 self.params.setdefault((r["kind"], module, leaf, r["call"]), r)
                 if r.get("module_type"):
                     self.types.setdefault(module, r["module_type"])
+        self.tokens = self._token_shape()
 
     def transposed(self, rec: dict, entry: dict) -> bool:
         """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
@@ -136,7 +137,7 @@ class TraceSide:
         rec = self.calls.get(("forward", path, 0))
         return rec["parent"][0] if rec and rec.get("parent") else None
 
-    def tokens(self) -> tuple | None:
+    def _token_shape(self) -> tuple | None:
         """(batch, sequence) of the step: the shape of the root's first 2-D integer input (token ids)."""
         rec = self.calls.get(("forward", "", 0))
         for t in (rec or {}).get("tensors", ()):
@@ -150,7 +151,7 @@ def token_order(side_a: TraceSide, side_b: TraceSide) -> "TokenOrder | bool":
     ``TokenOrder`` (or True, if neither run's token ids give the batch and sequence sizes)."""
     if side_a.sequence_first == side_b.sequence_first:
         return False
-    tokens = side_a.tokens() or side_b.tokens()
+    tokens = side_a.tokens or side_b.tokens
     if tokens is None:
         return True
     return TokenOrder("a" if side_a.sequence_first else "b", *tokens)
