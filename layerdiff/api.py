@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core.files import refuse_existing
-from .errors import LayerdiffError
+from layerdiff.errors import LayerdiffError
+from layerdiff.files import refuse_existing
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_UNTRUSTED = 0, 1, 3
 
@@ -28,10 +28,10 @@ class Comparison:
 
 def comparison(*, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=()) -> Comparison:  # noqa: A002
     """Validate the comparison options once; a bad value is a ``LayerdiffError`` naming the option."""
-    from .core.layouts import LayoutRules
-    from .core.match import RenameRules
-    from .core.rules import ruleset
-    from .core.tolerance import TolerancePolicy, check_value, parse_rule
+    from layerdiff.compare.tolerance import TolerancePolicy, check_value, parse_rule
+    from layerdiff.match.layouts import LayoutRules
+    from layerdiff.match.rename import RenameRules
+    from layerdiff.match.rules import ruleset
 
     try:
         parsed = [parse_rule(text) for text in tol or ()]
@@ -83,7 +83,7 @@ class Report:
     @property
     def steps(self) -> int:
         """How many steps the compared traces span (an origin's ``step`` is 0-based)."""
-        from .core.report import step_count
+        from layerdiff.report.terminal import step_count
 
         return step_count(self.data)
 
@@ -115,7 +115,7 @@ class Report:
     def to_json(self, path=None, *, overwrite: bool = False) -> str:
         """The JSON report as text; with ``path``, also written there atomically (never over a file unless
         ``overwrite``)."""
-        from .core.report import json_text, write_json
+        from layerdiff.report.jsonio import json_text, write_json
 
         if path is not None:
             write_json(self.data, path, overwrite=overwrite)
@@ -124,8 +124,8 @@ class Report:
     def to_html(self, path=None, *, overwrite: bool = False) -> str:
         """The report as one self-contained HTML page (no script, no network); with ``path``, also written
         there atomically."""
-        from .core.files import write_atomically
-        from .core.html import report_html
+        from layerdiff.files import write_atomically
+        from layerdiff.report.html import report_html
 
         if self.multi_rank:
             raise LayerdiffError("a comparison of ranks has no HTML page yet: align two runs for one")
@@ -162,15 +162,15 @@ def align(a, b=None, *, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(
     Either may be a multi-rank run directory. With ``b`` omitted, ``a`` is a multi-rank run whose ranks are
     compared with rank 0. ``workers``: processes comparing ranks, or the stored tensors of two large traces
     (None: one per core; 1: all in this process)."""
-    from .core.align import align as align_traces
-    from .core.ranks import open_run
-    from .core.report import ByteProgress
+    from layerdiff.judge.evaluate import align as align_traces
+    from layerdiff.report.progress import ByteProgress
+    from layerdiff.runs.ranks import open_run
 
     how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise LayerdiffError(f"--workers must be a whole number >= 1, not {workers!r}")
     if b is None:
-        from .core.desync import check_run
+        from layerdiff.runs.desync import check_run
 
         return Report(check_run(a, how.policy, list(rules or ()), workers=workers))
     with open_run(a, how.rules) as ra, open_run(b, how.rules) as rb:
@@ -187,8 +187,8 @@ def rethreshold(report, *, atol=None, rtol=None, cos=None, tol=()) -> Report:
     """Judge a report's measurements again under other tolerances (``layerdiff report REPORT --atol ...``).
 
     ``report`` is a ``Report``, a report dict, or the path of a JSON report."""
-    from .core.align import evaluate
-    from .core.report import read_json
+    from layerdiff.judge.evaluate import evaluate
+    from layerdiff.report.jsonio import read_json
 
     if isinstance(report, Report):
         data = report.data
@@ -208,9 +208,10 @@ def bisect(reference, target, *, args=(), search: bool = False, blocks=None, inc
     """``layerdiff bisect REFERENCE TARGET``: replay the candidate on the reference's recorded values (or, with
     ``search``, splice blocks) and return the result the CLI writes with ``--json`` (``json=`` writes it too).
     ``args`` are the target's ``NAME=VALUE`` arguments, as ``--arg``."""
-    from . import bisection
-    from . import runner
-    from .core.report import RunProgress, write_json
+    from layerdiff import runner
+    from layerdiff.replay import driver as bisection
+    from layerdiff.report.jsonio import write_json
+    from layerdiff.report.progress import RunProgress
 
     how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
     if json:
@@ -246,7 +247,7 @@ def bisect(reference, target, *, args=(), search: bool = False, blocks=None, inc
 def weights_diff(a, b, *, map=(), exact: bool = False, transpose=(), rules=()) -> dict:  # noqa: A002
     """``layerdiff weights diff A B``: the per-parameter report (``-o``) of two checkpoints of any supported
     kind (safetensors, HF index, torch with ``weights_only``, Paddle, MindSpore, Megatron, a trace)."""
-    from .checkpoints import compare_files
+    from layerdiff.checkpoints import compare_files
 
     return compare_files(a, b, mapping=list(map or ()), exact=exact, transpose=list(transpose or ()),
                          rules=list(rules or ()))
@@ -254,7 +255,7 @@ def weights_diff(a, b, *, map=(), exact: bool = False, transpose=(), rules=()) -
 
 def logs_diff(a, b, *, tol=()) -> dict:
     """``layerdiff logs diff A B``: loss, lr and grad norm of two training logs, iteration by iteration."""
-    from .logs import compare_files, tolerances
+    from layerdiff.logs import compare_files, tolerances
 
     return compare_files(a, b, tolerances(tol))
 
@@ -262,7 +263,7 @@ def logs_diff(a, b, *, tol=()) -> dict:
 def config_diff(a, b) -> dict:
     """``layerdiff config diff A B``: two model configurations (Megatron-LM, MindSpore Transformers, HF) in
     canonical keys."""
-    from .configdiff import compare_files
+    from layerdiff.configdiff import compare_files
 
     return compare_files(a, b)
 
@@ -270,6 +271,6 @@ def config_diff(a, b) -> dict:
 def show(path) -> dict:
     """``layerdiff show TRACE`` as data: status, metadata, record counts, NaN/Inf origins and the modules in call
     order (a multi-rank run shown merged); no tensor data is read."""
-    from .show import summary
+    from layerdiff.report.show_trace import summary
 
     return summary(path)

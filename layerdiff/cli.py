@@ -11,10 +11,10 @@ import math
 import sys
 from pathlib import Path
 
-from . import __version__
-from .api import EXIT_DIVERGENT, EXIT_OK, EXIT_UNTRUSTED  # 3: aligned, but see report["trust"]
-from .core.files import refuse_existing
-from .errors import LayerdiffError
+from layerdiff.version import __version__
+from layerdiff.api import EXIT_DIVERGENT, EXIT_OK  # 3: aligned, but see report["trust"]
+from layerdiff.errors import LayerdiffError
+from layerdiff.files import refuse_existing
 
 EXIT_BAD_INPUT = 2
 
@@ -112,11 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     we.add_argument("-o", "--output", required=True, help=".safetensors file to write")
     we.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target")
     we.add_argument("--force", action="store_true", help="overwrite an existing output file")
-    from . import checkpoints
+    from layerdiff import checkpoints
 
     checkpoints.register(wsub, _Parser)
 
-    from . import configdiff, logs
+    from layerdiff import configdiff, logs
 
     logs.register(sub, _Parser)
     configdiff.register(sub, _Parser)
@@ -158,7 +158,8 @@ def _tolerances(args) -> dict:
 
 
 def _finish_report(report, args) -> int:
-    from .core.report import make_console, render, write_json
+    from layerdiff.report.jsonio import write_json
+    from layerdiff.report.terminal import make_console, render
 
     if args.json:
         write_json(report.data, args.json, overwrite=args.force)
@@ -177,9 +178,8 @@ def _finish_report(report, args) -> int:
 
 
 def cmd_align(args) -> int:
-    from pathlib import Path
 
-    from . import api
+    from layerdiff import api
 
     for out in (args.json, args.save_map, args.html):
         if out:
@@ -192,8 +192,8 @@ def cmd_align(args) -> int:
                        rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet,
                        workers=args.workers)
     if args.save_map:
-        from .core.files import write_atomically
-        from .core.mapping import rules_text
+        from layerdiff.files import write_atomically
+        from layerdiff.match.mapping import rules_text
 
         write_atomically(args.save_map, rules_text(report.mapping), overwrite=args.force)
     if args.html:
@@ -203,8 +203,9 @@ def cmd_align(args) -> int:
 
 def _align_ranks(args) -> int:
     """``layerdiff align RUN``: every rank of a multi-rank run against rank 0."""
-    from . import api
-    from .core.report import make_console, render_ranks, write_json
+    from layerdiff import api
+    from layerdiff.report.jsonio import write_json
+    from layerdiff.report.terminal import make_console, render_ranks
 
     report = api.align(args.a, **_tolerances(args), rules=args.rules or (), workers=args.workers)
     if args.json:
@@ -217,7 +218,7 @@ def _align_ranks(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from . import api
+    from layerdiff import api
 
     return _finish_report(api.rethreshold(args.report, **_tolerances(args)), args)
 
@@ -225,9 +226,9 @@ def cmd_report(args) -> int:
 def cmd_trace(args) -> int:
     from pathlib import Path
 
-    from .core.session import parse_layers
-    from . import runner
-    from .tracing import trace
+    from layerdiff import runner
+    from layerdiff.capture.filters import parse_layers
+    from layerdiff.tracing import trace
 
     if args.steps < 1:
         raise LayerdiffError("--steps must be at least 1")
@@ -248,10 +249,9 @@ def cmd_trace(args) -> int:
     model, step, meta = runner.build(args.target, target_args)
     meta = {"target": args.target, "target_args": target_args, **(meta or {})}
     if args.weights:
-        from .core.match import RenameRules
-        from .weights import import_weights
-
-        from .core.rules import ruleset
+        from layerdiff.checkpoints.transfer import import_weights
+        from layerdiff.match.rename import RenameRules
+        from layerdiff.match.rules import ruleset
 
         count = import_weights(model, args.weights, RenameRules.parse(args.map), rules=ruleset(args.rules))
         meta["weights"] = {"file": args.weights, "parameters": count}
@@ -261,7 +261,7 @@ def cmd_trace(args) -> int:
                    exclude=args.exclude, layers=layers, overwrite=args.force, compression=args.compression,
                    flush_interval=args.flush_interval, params=not args.no_params, meta=meta,
                    write_behind=args.write_behind)
-    from .core.report import StepProgress
+    from layerdiff.report.progress import StepProgress
 
     progress = StepProgress(args.steps, enabled=None if not args.quiet else False)
     opened = False
@@ -291,8 +291,10 @@ def cmd_trace(args) -> int:
 
 
 def cmd_bisect(args) -> int:
-    from . import api, bisection
-    from .core.report import make_console, render_replay, render_search
+    from layerdiff import api
+    from layerdiff.replay import driver as bisection
+    from layerdiff.report.replay_view import render_replay, render_search
+    from layerdiff.report.terminal import make_console
 
     result = api.bisect(args.reference, args.target, args=args.arg or (), search=args.search, blocks=args.blocks,
                         include=args.include, exclude=args.exclude, workdir=args.workdir, restart=args.restart,
@@ -309,11 +311,11 @@ def cmd_bisect(args) -> int:
 def cmd_weights(args) -> int:
     from pathlib import Path
 
-    from . import runner
-    from .weights import export_weights
+    from layerdiff import runner
+    from layerdiff.checkpoints.transfer import export_weights
 
     if args.weights_command == "diff":
-        from . import checkpoints
+        from layerdiff import checkpoints
 
         return checkpoints.run(args)
 
@@ -326,19 +328,19 @@ def cmd_weights(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from . import logs
+    from layerdiff import logs
 
     return logs.run(args)
 
 
 def cmd_config(args) -> int:
-    from . import configdiff
+    from layerdiff import configdiff
 
     return configdiff.run(args)
 
 
 def cmd_show(args) -> int:
-    from .show import show
+    from layerdiff.report.show_trace import show
 
     show(args.trace, records=args.records, nan=args.nan)
     return EXIT_OK
@@ -349,7 +351,7 @@ def cmd_recipes(args) -> int:  # noqa: ARG001
     framework is imported: listing stays instant and works where a framework is missing)."""
     from pathlib import Path
 
-    from . import recipes
+    from layerdiff import recipes
 
     for path in sorted(Path(recipes.__path__[0]).glob("*.py")):
         if path.stem.startswith("_") or path.stem == "llama_shared":
@@ -364,7 +366,7 @@ def _recipe_summary(path) -> tuple[str, list]:
     names, ``shared.DEFECTS`` and later ``DEFECTS[...] = ...`` assignments."""
     import ast
 
-    from .recipes import llama_shared
+    from layerdiff.recipes import llama_shared
 
     tree = ast.parse(Path(path).read_text())
     paragraph = " ".join((ast.get_docstring(tree) or "").strip().split("\n\n")[0].split())
@@ -390,7 +392,7 @@ def _recipe_summary(path) -> tuple[str, list]:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from layerdiff.demo import run_demo
 
     return run_demo(defect=args.defect, keep=args.keep, framework=args.framework)
 

@@ -1,10 +1,10 @@
-"""``layerdiff config diff A B``: two model configurations compared in canonical keys (``core/configs.py``)."""
+"""``layerdiff config diff A B``: two model configurations compared in canonical keys (``compare.configs``)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .core.configs import CanonicalConfig, diff_configs, from_megatron_args, read_config
-from .core.files import refuse_existing
+from layerdiff.compare.configs import CanonicalConfig, diff_configs, from_megatron_args, read_config
+from layerdiff.files import refuse_existing
 
 EXIT_SAME, EXIT_DIFFERENT = 0, 1
 _SHOWN = 12
@@ -30,7 +30,7 @@ def _read(path) -> CanonicalConfig:
     """A configuration file, or the args stored in a Megatron-LM checkpoint (a directory or a ``.pt`` file)."""
     path = Path(path)
     if path.is_dir() or path.suffix == ".pt":
-        from .checkpoints import megatron_args
+        from layerdiff.checkpoints import megatron_args
 
         return from_megatron_args(megatron_args(path), str(path))
     return read_config(path)
@@ -52,7 +52,7 @@ def run(args) -> int:
     if args.json:
         refuse_existing(args.json, args.force)
     report = compare_files(args.a, args.b)
-    from .core.report import publish
+    from layerdiff.report.jsonio import publish
 
     publish(report, json_path=args.json, overwrite=args.force, quiet=args.quiet, line=verdict_line, render=render)
     return EXIT_DIFFERENT if report["differ"] else EXIT_SAME
@@ -61,7 +61,7 @@ def run(args) -> int:
 def render(report: dict):
     from rich.table import Table
 
-    from .core.report import make_console
+    from layerdiff.report.terminal import make_console
 
     console = make_console()
     esc = _escape

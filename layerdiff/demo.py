@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import LayerdiffError
+from layerdiff.errors import LayerdiffError
 
 
 def _trace_elsewhere(recipe: str, path, defect: str):
@@ -30,11 +30,12 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
         import transformers  # noqa: F401
     except ImportError:
         raise LayerdiffError("the demo needs torch and transformers: pip install 'layerdiff[demo]'") from None
-    from .core.align import align
-    from .core.report import make_console, render, write_json
-    from .core.traceformat import open_trace
-    from .recipes import torch_llama
-    from .tracing import trace
+    from layerdiff.judge.evaluate import align
+    from layerdiff.recipes import torch_llama
+    from layerdiff.report.jsonio import write_json
+    from layerdiff.report.terminal import make_console, render
+    from layerdiff.tracefile.reader import open_trace
+    from layerdiff.tracing import trace
 
     if defect not in torch_llama.DEFECTS:
         raise LayerdiffError(f"unknown defect {defect!r}; choose from {', '.join(torch_llama.DEFECTS)}")

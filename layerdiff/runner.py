@@ -13,7 +13,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from .errors import LayerdiffError
+from layerdiff.errors import LayerdiffError
 
 DEFAULT_FUNCTION = "build"
 

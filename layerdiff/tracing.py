@@ -8,12 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
-from .adapters import detect_framework, load_adapter
-from .adapters.common import model_config
-from .core.session import MODES, PathFilter, TraceSession
-from .core.traceformat import TraceWriter
-from .errors import LayerdiffError
+from layerdiff.version import __version__
+from layerdiff.adapters import detect_framework, load_adapter
+from layerdiff.capture.filters import MODES, PathFilter
+from layerdiff.capture.hparams import model_config
+from layerdiff.capture.session import TraceSession
+from layerdiff.errors import LayerdiffError
+from layerdiff.tracefile.writer import TraceWriter
 
 WRITE_BEHIND_MB = 256  # tensor data a full trace may hold in memory while the disk catches up
 

@@ -74,7 +74,7 @@ def megatron_model(state: dict):
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from . import megatron_llama
+        from layerdiff.recipes import megatron_llama
 
     class CPUTopKRouter(TopKRouter):
         """``TopKRouter`` whose logits stay on the CPU and need no Transformer Engine."""
@@ -117,7 +117,7 @@ def build(defect: str | None = None, *, impl: str = "megatron", batch: int = 2, 
             return hf(input_ids=ids).logits
         model = hf
     elif impl == "megatron":
-        from . import megatron_llama
+        from layerdiff.recipes import megatron_llama
 
         model = megatron_model(hf_to_megatron(hf.state_dict()))
         layers = model.decoder.layers

@@ -29,8 +29,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.ops import operations as P
 
 try:
-    from . import llama_shared as shared
-    from .mindspore_llama import SCALE_INPUT_GRAD  # the backward-only defect: identity forward, gradient x1.01
+    from layerdiff.recipes import llama_shared as shared
+    from layerdiff.recipes.mindspore_llama import SCALE_INPUT_GRAD  # the backward-only defect: identity forward, gradient x1.01
 except ImportError:  # loaded as a file: layerdiff trace recipes/mindformers_llama.py:build
     import llama_shared as shared
     from mindspore_llama import SCALE_INPUT_GRAD

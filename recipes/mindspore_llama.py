@@ -17,7 +17,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 try:
-    from . import llama_shared as shared
+    from layerdiff.recipes import llama_shared as shared
 except ImportError:  # loaded as a file: layerdiff trace recipes/mindspore_llama.py:build
     import llama_shared as shared
 

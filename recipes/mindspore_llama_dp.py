@@ -15,8 +15,8 @@ from mindspore import ops
 from mindspore.communication import get_group_size, get_rank, init
 
 try:
-    from . import llama_shared as shared
-    from . import mindspore_llama
+    from layerdiff.recipes import llama_shared as shared
+    from layerdiff.recipes import mindspore_llama
 except ImportError:  # loaded as a file
     import llama_shared as shared
     import mindspore_llama

@@ -16,7 +16,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 try:
-    from . import llama_shared as shared
+    from layerdiff.recipes import llama_shared as shared
 except ImportError:  # loaded as a file: layerdiff trace recipes/paddle_llama.py:build
     import llama_shared as shared
 

@@ -16,7 +16,7 @@ import paddle
 import paddle.distributed as dist
 
 try:
-    from . import paddle_llama
+    from layerdiff.recipes import paddle_llama
 except ImportError:  # loaded as a file
     import paddle_llama
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from . import llama_shared as shared
+    from layerdiff.recipes import llama_shared as shared
 except ImportError:  # loaded as a file: layerdiff trace recipes/torch_llama.py:build
     import llama_shared as shared
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 try:
-    from . import llama_shared as shared
-    from . import torch_llama
+    from layerdiff.recipes import llama_shared as shared
+    from layerdiff.recipes import torch_llama
 except ImportError:  # loaded as a file
     import llama_shared as shared
     import torch_llama

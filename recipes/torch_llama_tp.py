@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 try:
-    from . import torch_llama
+    from layerdiff.recipes import torch_llama
 except ImportError:  # loaded as a file
     import torch_llama
 

@@ -14,7 +14,6 @@ except ImportError:
     pass
 
 import layerdiff
-from layerdiff.core.traceformat import open_trace
 
 # markers (registered in pyproject.toml) -> the module that must be installed; files that need a framework
 # throughout also call pytest.importorskip at module level, this covers single marked tests
@@ -59,9 +58,9 @@ def recipe_trace(tmp_path_factory):
 
 
 def align_files(a, b, **kwargs):
-    """``layerdiff.core.align.align`` on two trace paths."""
-    from layerdiff.core.align import align
-    from layerdiff.core.ranks import open_run
+    """``layerdiff.judge.evaluate.align`` on two trace paths."""
+    from layerdiff.judge.evaluate import align
+    from layerdiff.runs.ranks import open_run
 
     with open_run(a) as ra, open_run(b) as rb:
         return align(ra, rb, **kwargs)

@@ -111,3 +111,26 @@ def test_show_gives_what_the_cli_prints(recipe_trace):
     assert f"{info['tensors']} tensors" in out and info["meta"]["framework"] == "torch"
     assert [m["path"] for m in info["modules"][:3]] == ["", "model", "model.embed_tokens"]  # in call order
     assert info["modules"][0] == {"path": "", "type": "LlamaForCausalLM", "calls": 1}
+
+
+def test_every_public_function_works_twice_in_one_process(recipe_trace, tmp_path):
+    """A module named like a public function (``layerdiff/show.py``) replaced ``layerdiff.show`` on first use:
+    the second call raised "'module' object is not callable". Each public function is called twice here."""
+    from layerdiff.recipes import torch_llama
+
+    a, b = recipe_trace(), recipe_trace("eps")
+    (tmp_path / "a.csv").write_text("iteration,loss\n1,2.0\n2,1.5\n")
+    (tmp_path / "c.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    for attempt in range(2):
+        built = torch_llama.build()
+        with layerdiff.trace(built["model"], tmp_path / f"t{attempt}.h5"):
+            built["step"]()
+        report = layerdiff.align(a, b)
+        assert report.forward["module"] == "model.layers.1.post_attention_layernorm"
+        assert layerdiff.rethreshold(report, atol=1.0, cos=-1.0).verdict == "aligned"
+        assert layerdiff.show(tmp_path / f"t{attempt}.h5")["status"] == "complete"
+        assert layerdiff.weights_diff(a, b)["__summary__"]["different"] == 0
+        assert layerdiff.logs_diff(tmp_path / "a.csv", tmp_path / "a.csv")["verdict"] == "identical"
+        assert layerdiff.config_diff(tmp_path / "c.json", tmp_path / "c.json")["verdict"] == "same"
+        result = layerdiff.bisect(a, "torch_llama", args=["defect=eps"], search=True, workdir=tmp_path / f"w{attempt}")
+        assert result["block"] == "model.layers.1"

@@ -11,10 +11,10 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import run_cli  # noqa: E402
-from layerdiff import bisection as bisect  # noqa: E402
-from layerdiff.core.layouts import LayoutRules  # noqa: E402
-from layerdiff.core.match import RenameRules  # noqa: E402
-from layerdiff.core.tolerance import TolerancePolicy  # noqa: E402
+from layerdiff.replay import driver as bisect  # noqa: E402
+from layerdiff.match.layouts import LayoutRules  # noqa: E402
+from layerdiff.match.rename import RenameRules  # noqa: E402
+from layerdiff.compare.tolerance import TolerancePolicy  # noqa: E402
 from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -154,7 +154,7 @@ def _run(spliced, last_ok, first_ok=True, final_ok=None):
 
 
 def test_search_decisions_before_inside_and_after_the_blocks():
-    from layerdiff.core.replay import next_splice
+    from layerdiff.replay.search import next_splice
 
     assert next_splice(8, [_run(None, True)])[1]["where"] == "none"
     assert next_splice(8, [_run(None, True, final_ok=False)])[1]["where"] == "after"  # the head, not a block

@@ -12,7 +12,7 @@ import pytest
 
 from layerdiff import checkpoints
 from layerdiff.checkpoints import diff, file_digest, open_checkpoint, register, run
-from layerdiff.core.match import RenameRules
+from layerdiff.match.rename import RenameRules
 from layerdiff.errors import LayerdiffError
 
 torch = pytest.importorskip("torch")
@@ -419,7 +419,7 @@ def _te_state(cfg, scaled=None):
 
 
 def test_norms_fused_into_transformer_engine_linears_are_compared_with_the_hf_norms(tmp_path):
-    from layerdiff.core import safetensors_io
+    from layerdiff.checkpoints import safetensors_io
     from layerdiff.recipes import llama_shared
 
     cfg = llama_shared.config()
@@ -445,7 +445,7 @@ def test_norms_fused_into_transformer_engine_linears_are_compared_with_the_hf_no
 
 def test_hf_model_loads_a_transformer_engine_checkpoint_bit_exactly(tmp_path):
     from layerdiff.recipes import llama_shared, torch_llama
-    from layerdiff.weights import load_neutral, neutral_state
+    from layerdiff.checkpoints.transfer import load_neutral, neutral_state
 
     cfg = llama_shared.config()
     model = torch_llama.build_model(seed=7)[0]  # other weights, to be overwritten

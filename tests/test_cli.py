@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from layerdiff.core.report import read_json  # noqa: E402
+from layerdiff.report.jsonio import read_json  # noqa: E402
 from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
@@ -157,7 +157,7 @@ def test_show_lists_modules_in_the_order_they_ran(recipe_trace):
 def test_a_second_candidate_gets_its_own_bisect_directory(tmp_path, monkeypatch):
     import json
 
-    from layerdiff.bisection import default_workdir
+    from layerdiff.replay.driver import default_workdir
 
     monkeypatch.chdir(tmp_path)
     first = {"target": "a", "args": {}}

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from layerdiff import api
-from layerdiff.core import compare_workers
-from layerdiff.core.compare_workers import StoredPair, compare_pairs
-from layerdiff.core.metrics import CHUNK_ELEMS, compare_data
-from layerdiff.core.traceformat import DataLocation, TraceWriter, open_trace
+from layerdiff.compare import workers as compare_workers
+from layerdiff.compare.workers import StoredPair, compare_pairs
+from layerdiff.compare.metrics import CHUNK_ELEMS, compare_data
+from layerdiff.tracefile.chunks import DataLocation
+from layerdiff.tracefile.writer import TraceWriter
+from layerdiff.tracefile.reader import open_trace
 
 
 def _tensors(seed: int):

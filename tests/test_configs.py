@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from layerdiff.core.configs import diff_configs, read_config
+from layerdiff.compare.configs import diff_configs, read_config
 from layerdiff.errors import LayerdiffError
 
 MEGATRON = r"""#!/bin/bash
@@ -129,7 +129,7 @@ def test_one_planted_difference_is_found_and_nothing_else(configs, tmp_path, kin
 
 
 def test_inverted_and_combined_meanings():
-    from layerdiff.core.configs import _from_hf, _from_megatron
+    from layerdiff.compare.configs import _from_hf, _from_megatron
 
     megatron = _from_megatron("m", {"num-attention-heads": "8", "hidden-size": "512"})  # no flags: defaults
     assert megatron.values["add_bias_linear"] is True and megatron.values["activation"] == "gelu"

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import layerdiff
-from layerdiff.core.tensors import FLOAT_DTYPES, as_float
-from layerdiff.core.traceformat import open_trace
+from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float
+from layerdiff.tracefile.reader import open_trace
 
 torch = pytest.importorskip("torch")
 

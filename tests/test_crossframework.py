@@ -7,7 +7,7 @@ pytest.importorskip("torch")
 pytest.importorskip("mindspore")  # before paddle, as in conftest.py
 pytest.importorskip("paddle")
 
-from layerdiff.core import safetensors_io  # noqa: E402
+from layerdiff.checkpoints import safetensors_io  # noqa: E402
 from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
@@ -61,7 +61,7 @@ def test_weights_round_trip_bit_exactly_through_another_framework(tmp_path, via)
     assert code == 0, err
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
               f"from layerdiff.recipes import {via} as r\n"
-              "from layerdiff.weights import import_weights, export_weights\n"
+              "from layerdiff.checkpoints.transfer import import_weights, export_weights\n"
               "m = r.build(seed=5)['model']\n"
               f"import_weights(m, {str(tmp_path / 'torch.safetensors')!r})\n"
               f"export_weights(m, {str(tmp_path / 'back.safetensors')!r})\n")

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from layerdiff.checkpoints import compare_files, megatron_args, open_checkpoint  # noqa: E402
-from layerdiff.core import safetensors_io  # noqa: E402
+from layerdiff.checkpoints import safetensors_io  # noqa: E402
 from layerdiff.errors import LayerdiffError  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -266,7 +266,7 @@ def test_megatron_moe_torch_dist_checkpoint_against_its_state_dict_and_hf_mixtra
     # from the Hub folder and from Megatron's checkpoint, bit-exactly
     from transformers import MixtralForCausalLM
 
-    from layerdiff.weights import import_weights
+    from layerdiff.checkpoints.transfer import import_weights
 
     reference = MixtralForCausalLM.from_pretrained(tmp_path / "mixtral", local_files_only=True).state_dict()
     for source in ("mixtral", "moe_dist"):

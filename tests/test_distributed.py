@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from layerdiff.core.traceformat import open_trace  # noqa: E402
+from layerdiff.tracefile.reader import open_trace  # noqa: E402
 
 from conftest import align_files, run_cli  # noqa: E402
 
@@ -107,7 +107,7 @@ def test_tensor_parallel_run_aligns_with_one_process_forward_and_backward(runs, 
 
 def test_worker_processes_compare_a_run_of_ranks_as_one_process_does(runs, recipe_trace, monkeypatch):
     """Shards joined on the first axis and rank 0's copies are read from the rank files by worker processes."""
-    from layerdiff.core import compare_workers
+    from layerdiff.compare import workers as compare_workers
 
     serial = align_files(recipe_trace("eps"), runs / "tp_clean", workers=1)
     monkeypatch.setattr(compare_workers, "MIN_BYTES", 0)  # a small run: use workers all the same
@@ -118,7 +118,7 @@ def test_worker_processes_compare_a_run_of_ranks_as_one_process_does(runs, recip
         slices.append(len(pairs))
         return real_pairs(pairs, *args, **kwargs)
 
-    monkeypatch.setattr("layerdiff.core.align.compare_pairs", counted)
+    monkeypatch.setattr("layerdiff.compare.measure.compare_pairs", counted)
     parallel = align_files(recipe_trace("eps"), runs / "tp_clean", workers=2)
     assert slices and slices[0] > 100
     assert serial["verdict"] == parallel["verdict"] == "divergent"

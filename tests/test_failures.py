@@ -4,7 +4,6 @@ import json
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.nn as nn  # noqa: E402
 
 from layerdiff.runner import parse_args  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from layerdiff.adapters.torch_adapter import fast_stats, framework_stats, to_stored  # noqa: E402
-from layerdiff.core.tensors import summarize  # noqa: E402
+from layerdiff.tracefile.tensors import summarize  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -127,7 +127,7 @@ def test_recorded_statistics_equal_the_stored_bytes_over_a_whole_model(tmp_path,
     enough for torch's path: every tensor's recorded statistics are those of its stored bytes."""
     transformers = pytest.importorskip("transformers")
     import layerdiff
-    from layerdiff.core.traceformat import open_trace
+    from layerdiff.tracefile.reader import open_trace
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=1024, num_hidden_layers=1,

@@ -112,7 +112,7 @@ def _t5_with_embedding_grad_defect():
 
 def test_tied_weight_is_recorded_under_every_owner_and_a_gradient_defect_in_one_user_is_named(tmp_path):
     ref = _trace(tmp_path / "a.h5", lambda: _t5(transformers.T5Config(**T5)))
-    from layerdiff.core.traceformat import open_trace
+    from layerdiff.tracefile.reader import open_trace
 
     with open_trace(ref) as reader:
         owners = {r["path"] for r in reader.records if r["kind"] == "param" and r.get("tied")}

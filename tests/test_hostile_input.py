@@ -27,9 +27,12 @@ import pytest
 from conftest import run_cli
 from layerdiff import logs
 from layerdiff.checkpoints import open_checkpoint
-from layerdiff.core import report as report_mod
-from layerdiff.core import safetensors_io, schema, traceformat
-from layerdiff.core.tensors import STORAGE_DTYPES
+from layerdiff.report import jsonio, terminal
+from layerdiff.checkpoints import safetensors_io
+from layerdiff import schema
+from layerdiff.tracefile import index as trace_index
+from layerdiff.tracefile.reader import open_trace
+from layerdiff.tracefile.tensors import STORAGE_DTYPES
 from layerdiff.errors import LayerdiffError
 
 try:
@@ -294,11 +297,11 @@ def evaluate_and_render(saved: dict) -> dict:
     """What ``layerdiff report`` does with an accepted report: evaluate, render, write JSON."""
     from rich.console import Console
 
-    from layerdiff.core.align import evaluate
-    from layerdiff.core.tolerance import TolerancePolicy
+    from layerdiff.judge.evaluate import evaluate
+    from layerdiff.compare.tolerance import TolerancePolicy
 
     result = evaluate(saved, TolerancePolicy())
-    report_mod.render(result, Console(file=io.StringIO(), width=140))
+    terminal.render(result, Console(file=io.StringIO(), width=140))
     json.dumps(schema.json_safe(result))
     return result
 
@@ -542,10 +545,10 @@ BAD_REPORTS = {
 def test_small_report_is_valid():
     """The base of the report cases: accepted, evaluated and rendered (the forward origin is fc)."""
     doc = schema.loads(json.dumps(small_report()))
-    assert report_mod.report_problem(doc) is None
+    assert jsonio.report_problem(doc) is None
     result = evaluate_and_render(doc)
     assert result["forward"]["first_divergence"]["module"] == "fc" and result["verdict"] == "divergent"
-    assert report_mod.report_problem(deep_report(100)) is None
+    assert jsonio.report_problem(deep_report(100)) is None
     evaluate_and_render(deep_report(100))  # a deep but bounded call tree: still evaluated
 
 
@@ -561,7 +564,7 @@ def test_cli_report(tmp_path, case):
 def test_report_refused(tmp_path, case):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(_mutated(BAD_REPORTS[case])))
-    result = bounded(report_mod.read_json, path)
+    result = bounded(jsonio.read_json, path)
     assert isinstance(result, LayerdiffError), f"accepted: {case}"
     assert str(path) in str(result) and "not a layerdiff align report" in str(result)
 
@@ -572,7 +575,7 @@ def test_report_nested_deeply_refused(tmp_path):
         nested = "[" * depth + "]" * depth
         text = json.dumps(small_report())
         path.write_text(text.replace('"hparams_a": {"eps": 1e-06}', f'"hparams_a": {nested}', 1))
-        result = bounded(report_mod.read_json, path)
+        result = bounded(jsonio.read_json, path)
         assert isinstance(result, LayerdiffError) and "nested" in str(result), result
 
 
@@ -592,7 +595,7 @@ def test_cli_trace_index_line(tmp_path, case):
 def test_handmade_trace_control(tmp_path):
     """The same trace with an intact line reads, and compares equal to the same weights."""
     path = write_trace(tmp_path / "t.h5", [param_line(), END_LINE])
-    with traceformat.open_trace(path) as reader:
+    with open_trace(path) as reader:
         assert len(reader.records) == 1 and reader.end["status"] == "complete" and not reader.crashed
         np.testing.assert_array_equal(reader.tensor(reader.records[0]["tensors"][0]), [1, 2])
     ck = open_checkpoint(path)
@@ -604,7 +607,7 @@ def test_handmade_trace_control(tmp_path):
 def test_trace_index_line_ends_the_readable_part(case):
     good = param_line()
     raw = b"\n".join([good, param_line(**BAD_TRACE_TENSORS[case]), good, END_LINE]) + b"\n"
-    records, end = bounded(traceformat._parse_index, raw, 8)
+    records, end = bounded(trace_index.parse_index, raw, 8)
     assert len(records) == 1 and end is None  # the damaged line and everything after it: a torn tail
 
 
@@ -624,7 +627,7 @@ HOSTILE_INDEX_LINES = {
 @pytest.mark.parametrize("name", sorted(HOSTILE_INDEX_LINES))
 def test_trace_index_hostile_lines(name):
     raw = param_line() + b"\n" + HOSTILE_INDEX_LINES[name] + b"\n" + END_LINE
-    records, end = bounded(traceformat._parse_index, raw, 8)
+    records, end = bounded(trace_index.parse_index, raw, 8)
     assert len(records) == 1 and end is None
 
 
@@ -757,7 +760,7 @@ def test_fuzz_trace_index():
     @settings(max_examples=300, **FUZZ)
     @given(index_bytes(), st.integers(0, 200))
     def check(raw, data_size):
-        result = bounded(traceformat._parse_index, raw, data_size)
+        result = bounded(trace_index.parse_index, raw, data_size)
         assert not isinstance(result, LayerdiffError)
         records, end = result
         _check_trace_records(records, data_size)
@@ -860,7 +863,7 @@ def test_fuzz_report_read_json(scratch):
     @given(report_documents(), st.booleans())
     def check(doc, as_text):
         path.write_text(json.dumps(doc) if as_text else json.dumps(doc)[: max(1, len(json.dumps(doc)) // 2)])
-        result = bounded(report_mod.read_json, path)
+        result = bounded(jsonio.read_json, path)
         if isinstance(result, LayerdiffError):
             assert str(path) in str(result)
             return
@@ -873,8 +876,8 @@ def test_fuzz_report_read_json(scratch):
 def test_evaluate_leaves_the_measurements_alone_and_rejudges_independently():
     """Judging is a pure function: a report re-thresholded twice gives each policy its own verdict, and the
     measurements it was given are unchanged (no tensor keeps another judgement's "passed" or "tolerance")."""
-    from layerdiff.core.align import evaluate
-    from layerdiff.core.tolerance import TolerancePolicy
+    from layerdiff.judge.evaluate import evaluate
+    from layerdiff.compare.tolerance import TolerancePolicy
 
     saved = small_report()
     before = json.dumps(saved, sort_keys=True)

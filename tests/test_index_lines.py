@@ -9,7 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from layerdiff.core.traceformat import TraceWriter, encode_line, open_trace
+from layerdiff.tracefile.writer import TraceWriter
+from layerdiff.tracefile.index import encode_line
+from layerdiff.tracefile.reader import open_trace
 
 
 def _json_line(record) -> bytes:

@@ -5,9 +5,9 @@ import warnings
 import numpy as np
 import pytest
 
-from layerdiff.core.metrics import compare_arrays, compare_data, compare_stats
-from layerdiff.core.tensors import as_float, summarize
-from layerdiff.core.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule
+from layerdiff.compare.metrics import compare_arrays, compare_data, compare_stats
+from layerdiff.tracefile.tensors import as_float, summarize
+from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule
 
 
 def _reference(a, b):

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from layerdiff.core.traceformat import open_trace  # noqa: E402
+from layerdiff.tracefile.reader import open_trace  # noqa: E402
 from layerdiff.recipes.mindspore_llama import DEFECTS  # noqa: E402  (imports mindspore: no torch here yet)
 
 from conftest import align_files, run_scripts  # noqa: E402

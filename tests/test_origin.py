@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from layerdiff.core.tolerance import TolerancePolicy  # noqa: E402
+from layerdiff.compare.tolerance import TolerancePolicy  # noqa: E402
 from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
 
 pytestmark = [pytest.mark.torch]

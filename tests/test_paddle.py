@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from layerdiff.core.traceformat import open_trace
+from layerdiff.tracefile.reader import open_trace
 
 from conftest import align_files, run_scripts
 

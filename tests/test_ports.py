@@ -52,8 +52,8 @@ with torch.no_grad():
 np.save(f"{out}/hf_logits.npy", hf_logits)
 
 # weights through the rules: HF -> Megatron (as the recipe's own Megatron-Bridge-style converter) -> HF, bit-exact
-from layerdiff.weights import neutral_state, transfer_weights
-from layerdiff.core import safetensors_io
+from layerdiff.checkpoints.transfer import neutral_state, transfer_weights
+from layerdiff.checkpoints import safetensors_io
 hf_model, megatron = hf.build_model()[0], mg.build_model(seed=3)[0]  # another seed: different weights to overwrite
 transfer_weights(hf_model, megatron)
 expected = mg.hf_to_megatron(shared.weights(cfg), cfg)

@@ -11,11 +11,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from layerdiff.core.compare_workers import StoredPair, aligned_pairs, compare_pairs
-from layerdiff.core.metrics import CHUNK_ELEMS, compare_data
-from layerdiff.core.ranks import open_run
-from layerdiff.core.tensors import as_float, encode_float
-from layerdiff.core.traceformat import TraceWriter, open_trace
+from layerdiff.compare.workers import StoredPair, aligned_pairs, compare_pairs
+from layerdiff.compare.metrics import CHUNK_ELEMS, compare_data
+from layerdiff.runs.ranks import open_run
+from layerdiff.tracefile.tensors import as_float, encode_float
+from layerdiff.tracefile.writer import TraceWriter
+from layerdiff.tracefile.reader import open_trace
 
 WORLD = 2
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layerdiff.core import fusion, modules, paramplan
-from layerdiff.core.layouts import TokenOrder, relate_shapes
-from layerdiff.core.mapping import match_modules
-from layerdiff.core.match import RenameRules
-from layerdiff.core.operands import Operand, combine_stats
-from layerdiff.core.rules import builtin, from_dict, ruleset
-from layerdiff.core.tensors import summarize
+from layerdiff.match import fusion, modules, paramplan
+from layerdiff.match.layouts import TokenOrder, relate_shapes
+from layerdiff.match.mapping import match_modules
+from layerdiff.match.rename import RenameRules
+from layerdiff.match.operands import Operand, combine_stats
+from layerdiff.match.rules import builtin, ruleset
+from layerdiff.tracefile.tensors import summarize
 from layerdiff.errors import LayerdiffError
 
 RULES = builtin()

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import layerdiff
-from layerdiff.core import schema
-from layerdiff.core.report import report_problem
-from layerdiff.core.session import TensorAdapter, TraceSession
-from layerdiff.core.traceformat import TraceWriter, open_trace
+from layerdiff import schema
+from layerdiff.report.jsonio import report_problem
+from layerdiff.capture.session import TensorAdapter, TraceSession
+from layerdiff.tracefile.writer import TraceWriter
+from layerdiff.tracefile.reader import open_trace
 
 
 def _run(path, scale: float):

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from layerdiff.core.settings import differing_settings, settings_report
+from layerdiff.compare.settings import differing_settings, settings_report
 
 
 def _meta(**kw):

@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layerdiff.core.align import align
-from layerdiff.core.ranks import open_run
-from layerdiff.core.session import TensorAdapter, TraceSession
-from layerdiff.core.traceformat import TraceWriter, open_trace
+from layerdiff.judge.evaluate import align
+from layerdiff.runs.ranks import open_run
+from layerdiff.capture.session import TensorAdapter, TraceSession
+from layerdiff.tracefile.writer import TraceWriter
+from layerdiff.tracefile.reader import open_trace
 
 HIDDEN, INTER, WORLD = 4, 8, 2
 

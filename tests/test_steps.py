@@ -41,7 +41,7 @@ def test_the_loss_is_shown_step_by_step(traces):
 
     report = layerdiff.align(traces / "a.h5", traces / "b.h5")
     assert report.steps == 3
-    from layerdiff.core.report import scalar_outputs_by_step
+    from layerdiff.report.terminal import scalar_outputs_by_step
 
     losses = scalar_outputs_by_step(report.data)
     assert [(step, key) for step, key, *_ in losses] == [(0, "out.loss"), (1, "out.loss"), (2, "out.loss")]

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 import layerdiff  # noqa: E402
-from layerdiff.core.traceformat import open_trace  # noqa: E402
+from layerdiff.tracefile.reader import open_trace  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
 
 pytestmark = [pytest.mark.torch]

@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
 import layerdiff  # noqa: E402
-from layerdiff.core.tensors import as_float, summarize  # noqa: E402
-from layerdiff.core.traceformat import open_trace  # noqa: E402
+from layerdiff.tracefile.tensors import as_float, summarize  # noqa: E402
+from layerdiff.tracefile.reader import open_trace  # noqa: E402
 from layerdiff.errors import LayerdiffError  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
 

@@ -5,10 +5,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
-from layerdiff.core import safetensors_io  # noqa: E402
+from layerdiff.checkpoints import safetensors_io  # noqa: E402
 from layerdiff.errors import LayerdiffError  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
-from layerdiff.weights import export_weights, import_weights, transfer_weights  # noqa: E402
+from layerdiff.checkpoints.transfer import export_weights, import_weights, transfer_weights  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
 
@@ -58,7 +58,7 @@ def test_mapping_renames_parameters():
             super().__init__()
             self.dense1 = nn.Linear(4, 3)
 
-    from layerdiff.core.match import RenameRules
+    from layerdiff.match.rename import RenameRules
 
     dst = Renamed()
     transfer_weights(src, dst, RenameRules.parse([r"^dense1=0"]))
@@ -71,7 +71,7 @@ def test_cli_export_then_trace_with_those_weights(tmp_path):
     assert code == 0, err
     code, _, err = run_cli("trace", "torch_llama", "-o", tmp_path / "t.h5", "--weights", tmp_path / "w.safetensors")
     assert code == 0, err
-    from layerdiff.core.traceformat import open_trace
+    from layerdiff.tracefile.reader import open_trace
 
     with open_trace(tmp_path / "t.h5") as r:
         rec = next(x for x in r.records if x["kind"] == "param" and x["path"] == "lm_head.weight")

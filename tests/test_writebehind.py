@@ -14,8 +14,9 @@ import h5py
 import numpy as np
 import pytest
 
-from layerdiff.core.traceformat import TraceWriter, open_trace
-from layerdiff.core.writebehind import BATCH, WriteBehind
+from layerdiff.tracefile.writer import TraceWriter
+from layerdiff.tracefile.reader import open_trace
+from layerdiff.tracefile.writebehind import BATCH, WriteBehind
 
 
 def _arrays():
@@ -191,7 +192,7 @@ def test_an_error_in_the_writer_thread_reaches_the_step():
 def test_a_full_disk_behind_the_step_is_one_line_and_the_trace_stays_readable(tmp_path):
     script = (
         "import numpy as np, sys\n"
-        "from layerdiff.core.traceformat import TraceWriter\n"
+        "from layerdiff.tracefile.writer import TraceWriter\n"
         "from layerdiff.errors import LayerdiffError\n"
         "w = TraceWriter(sys.argv[1], {}, write_behind=4 << 20)\n"
         "try:\n"

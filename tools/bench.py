@@ -134,8 +134,8 @@ def align_child(a: str, b: str, profile: bool):
 
     import h5py  # noqa: F401  (imported lazily by open_trace; import it first so it is not counted as align memory)
 
-    from layerdiff.core.align import align
-    from layerdiff.core.traceformat import open_trace
+    from layerdiff.judge.evaluate import align
+    from layerdiff.tracefile.reader import open_trace
 
     rss_before, maxrss_before, hwm_before = current_rss(), maxrss(), vm_hwm()
     prof = cProfile.Profile() if profile else None
@@ -270,7 +270,7 @@ def collect_step_tensors(model, step, path):
 
 
 def time_writer(collected, path, profile=None):
-    from layerdiff.core.traceformat import TraceWriter
+    from layerdiff.tracefile.writer import TraceWriter
 
     if profile is not None:
         profile.enable()
@@ -309,7 +309,7 @@ def time_raw(nbytes: int, path, block: bytes):
 
 
 def bench_write(cfg, tmp: Path, res: dict, model, step, profile: bool = False):
-    from layerdiff.core.tensors import summarize
+    from layerdiff.tracefile.tensors import summarize
 
     log("\n[2] write throughput: TraceWriter on the tensors of one traced step vs raw sequential write")
     collected = collect_step_tensors(model, step, tmp / "collect.h5")

@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import layerdiff  # noqa: E402
-from layerdiff import bisection as bisect  # noqa: E402
-from layerdiff.core.layouts import LayoutRules  # noqa: E402
-from layerdiff.core.match import RenameRules  # noqa: E402
-from layerdiff.core.tolerance import TolerancePolicy  # noqa: E402
+from layerdiff.replay import driver as bisect  # noqa: E402
+from layerdiff.match.layouts import LayoutRules  # noqa: E402
+from layerdiff.match.rename import RenameRules  # noqa: E402
+from layerdiff.compare.tolerance import TolerancePolicy  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
 
 FULL = dict(layers=8, hidden=256, heads=8, kv_heads=8, vocab=32000, intermediate=688, batch=2, seq=128)

@@ -54,7 +54,7 @@ def _step_tensors(tmp: Path):
     import torch  # noqa: F401  (the recipe needs it)
 
     import layerdiff
-    from layerdiff.core.traceformat import open_trace
+    from layerdiff.tracefile.reader import open_trace
     from layerdiff.recipes import torch_llama
 
     built = torch_llama.build(layers=4, hidden=256, heads=8, kv_heads=8, vocab=32000, intermediate=688, batch=2,
@@ -75,7 +75,7 @@ def _step_tensors(tmp: Path):
 
 
 def _durable(path: Path, records):
-    from layerdiff.core.traceformat import TraceWriter
+    from layerdiff.tracefile.writer import TraceWriter
 
     writer = TraceWriter(path, {"bench": True}, overwrite=True)
     for rec, arrays in records:
@@ -134,7 +134,7 @@ def write_cost(tmp: Path) -> dict:
 
 
 def kills(tmp: Path) -> list:
-    from layerdiff.core.traceformat import open_trace
+    from layerdiff.tracefile.reader import open_trace
 
     (tmp / "loop.py").write_text(LOOP)
     lost = []

@@ -155,7 +155,7 @@ def chain():
 
 def measure(model, step, steps: int, rounds: int, directory: Path, minimal: bool = False) -> dict:
     import layerdiff
-    from layerdiff.core.traceformat import open_trace
+    from layerdiff.tracefile.reader import open_trace
 
     def block():
         times = []

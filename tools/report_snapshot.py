@@ -33,8 +33,10 @@ PAIRS += [(f"mindformers_{d}", "torch_llama", [], "mindformers_llama", [f"defect
           for d in (None, "eps", "act")]
 PAIRS += [(f"moe_{d}", "megatron_moe", ["impl=hf"], "megatron_moe", [f"defect={d}"] if d else [], [])
           for d in (None, "router", "expert")]
-# keys whose values differ between two runs of the same code: where the snapshot lives, and times
+# keys whose values differ between two runs of the same code: where the snapshot lives, and times; and the settings
+# that do (an unseeded process's torch seed)
 _VOLATILE = {"path", "started", "argv", "host", "elapsed", "seconds"}
+_VOLATILE_SETTINGS = {"seed"}
 
 
 def _run(cmd: list, cwd: Path) -> subprocess.CompletedProcess:
@@ -69,7 +71,7 @@ def _strip(value, key=None):
     if isinstance(value, dict):
         return {k: _strip(v, k) for k, v in value.items() if k not in _VOLATILE}
     if isinstance(value, list):
-        return [_strip(v) for v in value]
+        return [_strip(v) for v in value if not (isinstance(v, dict) and v.get("key") in _VOLATILE_SETTINGS)]
     return value
 
 

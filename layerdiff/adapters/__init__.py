@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import LayerdiffError
+from layerdiff.errors import LayerdiffError
 
 FRAMEWORKS = ("torch", "paddle", "mindspore")
 

@@ -20,8 +20,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from ..core.session import TensorAdapter
-from .common import ModuleHooks, module_entries as _module_entries, typed_parameters
+from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.capture.hparams import module_entries as _module_entries
+from layerdiff.capture.hparams import typed_parameters
+from layerdiff.capture.session import TensorAdapter
 
 FRAMEWORK = "mindspore"
 

@@ -31,8 +31,10 @@ import weakref
 import numpy as np
 import paddle
 
-from ..core.session import TensorAdapter
-from .common import ModuleHooks, module_entries as _module_entries, typed_parameters
+from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.capture.hparams import module_entries as _module_entries
+from layerdiff.capture.hparams import typed_parameters
+from layerdiff.capture.session import TensorAdapter
 
 FRAMEWORK = "paddle"
 

@@ -9,8 +9,10 @@ import sys
 import numpy as np
 import torch
 
-from ..core.session import TensorAdapter
-from .common import ModuleHooks, module_entries as _module_entries, typed_parameters
+from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.capture.hparams import module_entries as _module_entries
+from layerdiff.capture.hparams import typed_parameters
+from layerdiff.capture.session import TensorAdapter
 
 FRAMEWORK = "torch"
 

@@ -50,11 +50,11 @@ whole-loaded, ``diff`` spills side A to a temporary safetensors file and frees i
 
 Security: checkpoints from untrusted sources should be verified first (``file_digest``, ``--sha256``).
 """
-from .cli import register, run
-from .compare import compare_files, diff
-from .formats import Checkpoint, file_digest
-from .megatron import megatron_args, megatron_partition_dim
-from .open import open_checkpoint, torch_layout_state
+from layerdiff.checkpoints.cli import register, run
+from layerdiff.checkpoints.compare import compare_files, diff
+from layerdiff.checkpoints.formats import Checkpoint, file_digest
+from layerdiff.checkpoints.megatron import megatron_args, megatron_partition_dim
+from layerdiff.checkpoints.open import open_checkpoint, torch_layout_state
 
 __all__ = ["Checkpoint", "compare_files", "diff", "file_digest", "megatron_args", "megatron_partition_dim",
            "open_checkpoint", "register", "run", "torch_layout_state"]

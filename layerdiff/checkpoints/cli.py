@@ -4,11 +4,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..core.files import refuse_existing
-from ..core.report import fmt_cos, fmt_number
-from ..errors import LayerdiffError
-from .compare import compare_files
-from .formats import file_digest
+from layerdiff.checkpoints.compare import compare_files
+from layerdiff.checkpoints.formats import file_digest
+from layerdiff.errors import LayerdiffError
+from layerdiff.files import refuse_existing
+from layerdiff.report.terminal import fmt_cos, fmt_number
 
 
 def _parse_digests(specs, paths):
@@ -32,7 +32,8 @@ def _parse_digests(specs, paths):
 
 def run(args) -> int:
     """``layerdiff weights diff A B``: 0 when every compared parameter is identical and none is missing, 1 else."""
-    from ..core.report import make_console, write_json
+    from layerdiff.report.jsonio import write_json
+    from layerdiff.report.terminal import make_console
     quiet = getattr(args, "quiet", False)
     console = make_console(stderr=False, quiet=quiet)
     output = getattr(args, "output", None)

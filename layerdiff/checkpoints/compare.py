@@ -8,16 +8,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core import modules, paramplan, safetensors_io
-from ..core.layouts import canonical_param_name
-from ..core.mapping import match_modules
-from ..core.match import RenameRules
-from ..core.paramplan import ParamSource
-from ..core.rules import RuleSet, ruleset
-from ..core.tensors import summarize
-from ..errors import LayerdiffError
-from .formats import Checkpoint, SafetensorsFiles, first_line
-from .open import open_checkpoint
+from layerdiff.checkpoints import safetensors_io
+from layerdiff.checkpoints.formats import Checkpoint, SafetensorsFiles, first_line
+from layerdiff.checkpoints.open import open_checkpoint
+from layerdiff.errors import LayerdiffError
+from layerdiff.match import modules, paramplan
+from layerdiff.match.layouts import canonical_param_name
+from layerdiff.match.mapping import match_modules
+from layerdiff.match.paramplan import ParamSource
+from layerdiff.match.rename import RenameRules
+from layerdiff.match.rules import RuleSet, ruleset
+from layerdiff.tracefile.tensors import summarize
 
 
 def _spill(ck: Checkpoint) -> Checkpoint:
@@ -55,7 +56,7 @@ class _AtHome(Checkpoint):
 
 
 def _l2(a_raw, b_raw, dtype_a, dtype_b) -> float:
-    from ..core.tensors import as_float
+    from layerdiff.tracefile.tensors import as_float
     a, b = as_float(a_raw, dtype_a).reshape(-1), as_float(b_raw, dtype_b).reshape(-1)
     total = 0.0
     for i in range(0, a.size, 1 << 20):
@@ -78,7 +79,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
     Returns ``{name: {"l2", "cos", "max_diff", "mean_diff", "numel", "shape", "dtype", ...}, "__summary__":
     {...}}`` in A's names.
     """
-    from ..core.metrics import compare_arrays
+    from layerdiff.compare.metrics import compare_arrays
     rename, rules = mapping or RenameRules(), rules or ruleset()
     if a.whole and b.whole:
         a = _spill(a)
@@ -92,7 +93,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
             raise LayerdiffError(f"{b.path}: {n!r} and {b_to_a[key]!r} both map to {key!r}")
         b_to_a[key] = n
     plans, groups, missing, extra = _plan_names(a, b, a_names, b_to_a, rename, rules)
-    from ..core.tolerance import DEFAULTS, dtype_class, judge
+    from layerdiff.compare.tolerance import DEFAULTS, dtype_class, judge
     result, identical, different, max_all, shape_mismatch, near = {}, 0, 0, 0.0, [], 0
     for source in plans:
         na = source.name

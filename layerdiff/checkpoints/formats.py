@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core import safetensors_io
-from ..errors import LayerdiffError
+from layerdiff import errors
+from layerdiff.checkpoints import safetensors_io
+from layerdiff.errors import LayerdiffError
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
+    return errors.first_line(exc, 300)
 
 
 # ---------------------------------------------------------------------------------------------- base class
@@ -138,7 +138,7 @@ class NpzFile(Checkpoint):
 
 # ------------------------------------------------------------------------------------------------- torch
 def torch_stored(t):
-    from ..adapters.torch_adapter import to_stored
+    from layerdiff.adapters.torch_adapter import to_stored
     return to_stored(t)
 
 
@@ -209,7 +209,7 @@ class TorchFile(Checkpoint):
         flatten(obj, "", self._tensors, lambda x: isinstance(x, torch.Tensor), skipped, source=path)
         if not self._tensors:
             raise LayerdiffError(f"{path}: no tensors in this PyTorch file")
-        from ..adapters.torch_adapter import dtype_name
+        from layerdiff.adapters.torch_adapter import dtype_name
         for name, t in self._tensors.items():
             dtype = dtype_name(t)
             if dtype is None:
@@ -273,7 +273,7 @@ def load_ms_ckpt(path) -> InMemory:
         params = ms.load_checkpoint(str(path))
     except Exception as exc:
         raise LayerdiffError(f"{path}: not a readable MindSpore checkpoint ({first_line(exc)})") from None
-    from ..adapters.mindspore_adapter import to_stored
+    from layerdiff.adapters.mindspore_adapter import to_stored
     out = {}
     for name, p in params.items():
         stored = to_stored(p)
@@ -289,7 +289,7 @@ class TraceParams(Checkpoint):
 
     def __init__(self, path, step="first"):
         super().__init__(path)
-        from ..core.traceformat import open_trace
+        from layerdiff.tracefile.reader import open_trace
         self._reader = open_trace(path)
         records = [r for r in self._reader.records if r["kind"] == "param" and r["tensors"]]
         if not records:
@@ -312,7 +312,6 @@ class TraceParams(Checkpoint):
 
     def close(self):
         self._reader.close()
-
 
 
 def file_digest(path) -> str:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import LayerdiffError
-from .formats import Checkpoint, InMemory, flatten, torch_load, torch_stored
-from .torch_dcp import DistCheckpoint, is_dist_checkpoint
+from layerdiff.checkpoints.formats import Checkpoint, InMemory, flatten, torch_load, torch_stored
+from layerdiff.checkpoints.torch_dcp import DistCheckpoint, is_dist_checkpoint
+from layerdiff.errors import LayerdiffError
 
 
 def megatron_globals() -> tuple:

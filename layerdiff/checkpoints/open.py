@@ -4,11 +4,19 @@ from __future__ import annotations
 import json
 from pathlib import Path, PurePosixPath
 
-from ..errors import LayerdiffError
-from .formats import (Checkpoint, NpzFile, SafetensorsFiles, TorchFile, TraceParams, first_line, load_ms_ckpt,
-                      load_pdparams)
-from .megatron import is_megatron, load_megatron
-from .torch_dcp import DistCheckpoint, is_dist_checkpoint
+from layerdiff.checkpoints.formats import (
+    Checkpoint,
+    NpzFile,
+    SafetensorsFiles,
+    TorchFile,
+    TraceParams,
+    first_line,
+    load_ms_ckpt,
+    load_pdparams,
+)
+from layerdiff.checkpoints.megatron import is_megatron, load_megatron
+from layerdiff.checkpoints.torch_dcp import DistCheckpoint, is_dist_checkpoint
+from layerdiff.errors import LayerdiffError
 
 
 def _sniff(path: Path) -> str | None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import LayerdiffError
-from .formats import Checkpoint, first_line, torch_stored
+from layerdiff.checkpoints.formats import Checkpoint, first_line, torch_stored
+from layerdiff.errors import LayerdiffError
 
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                      "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension")
@@ -106,7 +106,7 @@ class DistCheckpoint(Checkpoint):
         super().__init__(path)
         import torch
 
-        from ..adapters.torch_adapter import dtype_name
+        from layerdiff.adapters.torch_adapter import dtype_name
 
         metadata = _read_metadata(self.path / ".metadata")
         storage = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.files import refuse_existing
-from ..core.report import fmt_number
-from ..errors import LayerdiffError
-from .compare import diff, ranges, ranges_text, tolerances
-from .parse import FORMAT_NAMES, load_log
-from .plot import plot_kind, write_plot
+from layerdiff.errors import LayerdiffError
+from layerdiff.files import refuse_existing
+from layerdiff.logs.compare import diff, ranges, ranges_text, tolerances
+from layerdiff.logs.parse import FORMAT_NAMES, load_log
+from layerdiff.logs.plot import plot_kind, write_plot
+from layerdiff.report.terminal import fmt_number
 
 EXIT_OK, EXIT_DIFFERENT = 0, 1
 
@@ -31,7 +31,7 @@ def verdict_line(report: dict) -> str:
 def render(report: dict, console=None):
     from rich.table import Table
 
-    from ..core.report import make_console
+    from layerdiff.report.terminal import make_console
 
     console = console or make_console()
     a, b = report.get("a", {}), report.get("b", {})
@@ -63,7 +63,6 @@ def render(report: dict, console=None):
             console.print(f"{o['count']} iterations only in {side[-1].upper()}: {ranges_text(o['ranges'])}")
     color = colors.get(report["verdict"], "yellow")
     console.print(f"[bold {color}]{report['verdict']}[/]")
-
 
 
 def add_parser(subparsers, parser_class=None):
@@ -121,7 +120,7 @@ def run(args) -> int:
     report = compare_files(args.a, args.b, tol)
     if args.plot:
         write_plot(report, args.plot, Path(args.a).name, Path(args.b).name, overwrite=args.force)
-    from ..core.report import publish
+    from layerdiff.report.jsonio import publish
 
     publish(report, json_path=args.json, overwrite=args.force, quiet=args.quiet, line=verdict_line, render=render)
     return EXIT_DIFFERENT if report["verdict"] == "different" else EXIT_OK

@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 
-from ..errors import LayerdiffError
-from .parse import METRICS, alias
+from layerdiff.errors import LayerdiffError
+from layerdiff.logs.parse import METRICS, alias
 
 DEFAULT_TOLERANCES = {"loss": {"atol": 0.0, "rtol": 1e-3},
                       "lr": {"atol": 0.0, "rtol": 1e-5},
@@ -134,7 +134,6 @@ def diff(a: dict, b: dict, tolerances: dict | None = None) -> dict:
         "metrics": metrics,
         "series": series,
     }
-
 
 
 def tolerances(texts=()) -> dict:

@@ -35,7 +35,7 @@ import math
 import re
 from pathlib import Path
 
-from ..errors import LayerdiffError
+from layerdiff.errors import LayerdiffError, first_line
 
 METRICS = ("loss", "lr", "grad_norm")
 _MAX_BYTES_SNIFF = 1 << 16
@@ -239,13 +239,8 @@ def parse_csv(lines) -> dict:
             rows.append((n, row))
     except csv.Error as exc:  # over csv's own field limit, ...
         where = body[min(reader.line_num, len(body) - 1)][0]  # line_num counts the lines parsed before it
-        raise LogLineError(where, f"malformed CSV ({_first_line(exc)})") from None
+        raise LogLineError(where, f"malformed CSV ({first_line(exc, 200)})") from None
     return _from_rows(rows)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
 
 
 PARSERS = {"megatron": parse_megatron, "mindspore": parse_mindspore, "jsonl": parse_jsonl, "csv": parse_csv}

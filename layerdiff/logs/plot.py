@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.files import refuse_existing, write_atomically
-from ..core.report import fmt_number
-from ..errors import LayerdiffError
+from layerdiff.errors import LayerdiffError
+from layerdiff.files import refuse_existing, write_atomically
+from layerdiff.report.terminal import fmt_number
 
 _COLORS = {"a": "#1f77b4", "b": "#d62728", "diff": "#2ca02c"}
 

@@ -1,0 +1,315 @@
+"""The framework-independent half of an adapter's hooks: what a traced module call records, and when."""
+from __future__ import annotations
+
+import inspect
+import sys
+
+from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
+from layerdiff.capture.structure import replace_tensors, walk
+
+
+class ForcePlan:
+    """What one gradient tap swaps in under replay (``layerdiff bisect``): the reference's value for some of
+    its tensors (forward) and, lazily, the reference's gradient for them (backward). None keeps the
+    candidate's own. The candidate's graph still receives every gradient, so forcing never cuts backward."""
+
+    def __init__(self, values, grads):
+        self.values = values  # one framework tensor or None per tapped tensor
+        self.grads = grads  # index -> framework tensor or None; called during backward
+
+    def forward(self, tensors):
+        return [t if v is None else v for t, v in zip(tensors, self.values)]
+
+    def grad(self, index, own):
+        forced = self.grads(index) if self.grads is not None else None
+        return own if forced is None else forced
+
+    def backward(self, grads):
+        return tuple(self.grad(i, g) for i, g in enumerate(grads))
+
+
+class ModuleHooks:
+    """The framework-independent half of an adapter's ``Hooks``: what a traced module call records, and when.
+
+    Every framework calls a pre-hook and a post-hook around each module call; both walk the arguments / outputs,
+    open and close the session's frame, and (when gradients are recorded) route differentiable tensors through a
+    gradient tap whose aliases are swapped into the call. Subclasses supply only what differs per framework: how
+    to list modules and parameters, register hooks, recognise tensors, apply the tap, detect in-place changes and
+    parameter changes.
+    """
+
+    #: what the in-place warning says happens next (the torch and paddle taps have different consequences)
+    in_place_consequence = "its later calls record no grad_input"
+
+    def __init__(self, model, session, *, backward: bool, path_filter, params: bool, forcer=None):
+        self.model = model
+        self.session = session
+        self.forcer = forcer  # replay: supplies the reference's values and gradients (``replay.forcer``)
+        self.backward = backward
+        self.path_filter = path_filter
+        if hasattr(path_filter, "bind"):
+            path_filter.bind([path for path, _ in self.named_modules()])
+        self.record_params = params
+        self.handles = []
+        self.active = False  # hooks that cannot be removed (Paddle's parameter reduce hooks) check this
+        self.open_frames: dict[int, list] = {}  # id(module) -> frames of its calls in progress (recursion)
+        self.no_input_taps: set[str] = set()  # paths caught modifying a tapped input in place
+        self.param_versions: dict[str, object] = {}
+        self.grads_since_recorded: set[str] = set()
+        self.params = [(name, p) for name, p in self.named_parameters()
+                       if path_filter(name.rpartition(".")[0])]
+        owners: dict = {}
+        for name, p in self.params:
+            owners.setdefault(id(p), []).append(name)
+        self.tied = {name: names for names in owners.values() if len(names) > 1 for name in names}
+        self.tied_in_module: dict[str, dict[int, str]] = {}  # module path -> {id(parameter): name}, its tied ones
+        for name, p in self.params:
+            if name in self.tied:
+                self.tied_in_module.setdefault(name.rpartition(".")[0], {})[id(p)] = name
+        self.module_types = {path: type(m).__name__ for path, m in self.named_modules()}
+
+    # -- framework-specific: subclasses override these -------------------------------------------------------
+    @staticmethod
+    def is_tensor(obj) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def differentiable(t) -> bool:
+        """Whether a gradient can reach ``t`` (worth tapping)."""
+        raise NotImplementedError
+
+    def named_modules(self):
+        """(path, module) for the model and all its submodules; the model itself has path ''."""
+        raise NotImplementedError
+
+    def named_parameters(self):
+        raise NotImplementedError
+
+    def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
+        """Register ``pre_hook(module, args, kwargs)`` and ``post_hook(module, args, kwargs, output)`` (the latter
+        also when forward raises, with ``output=None``); return the removable handles."""
+        raise NotImplementedError
+
+    def forward_function(self, module):
+        """The function a call of ``module`` runs (its parameter names name the positional arguments)."""
+        return getattr(module, "forward", None)
+
+    def positional_names(self, module) -> tuple:
+        try:
+            signature = inspect.signature(self.forward_function(module))
+        except (TypeError, ValueError):  # builtins and C functions may have no signature
+            return ()
+        return tuple(p.name for p in signature.parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+    def register_param_grad_hooks(self):
+        """Hooks that report each parameter's gradient (see ``record_param_grad``)."""
+        raise NotImplementedError
+
+    def grad_enabled(self) -> bool:
+        """True while the framework records the forward for a backward pass."""
+        raise NotImplementedError
+
+    def apply_tap(self, tensors, report, frame, outputs: bool, plan: ForcePlan | None = None):
+        """Route ``tensors`` through the framework's gradient tap (identity forward); return their aliases, one per
+        tensor (None for one that could not be tapped: it is then left in place). ``report(grads)`` must be
+        called in backward with the gradients, aligned with ``tensors`` (None where none arrived). ``frame`` and
+        ``outputs`` are for frameworks that gather per-tensor hooks themselves (MindSpore). With a ``plan``, the
+        aliases show the plan's values and the gradient passed on is the plan's (after ``report`` saw the own)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def to_framework(array, like):
+        """A framework tensor with ``array``'s values and ``like``'s dtype and device (replay only)."""
+        raise NotImplementedError
+
+    def sync(self):
+        """Wait for asynchronously queued ops so that their errors surface now; eager frameworks have none."""
+
+    def watch_inputs(self, frame, needs, swap):
+        """Before the call runs: note what ``check_in_place`` needs to see whether it modified tapped inputs."""
+
+    def check_in_place(self, frame) -> bool:
+        """After the call: True if it modified a tapped input in place (after any framework-specific repair)."""
+        return False
+
+    def watch_param_uses(self, frame, module, outputs):
+        """After the call: arrange for this call's own contribution to each tied parameter's gradient to reach
+        ``session.param_use`` in backward; frameworks whose autograd graph cannot be inspected skip it."""
+
+    def param_version(self, p):
+        """A value that changes whenever ``p``'s bytes change, or None if the framework has no such counter.
+
+        Without one, a parameter's value is written at the first step and again at the start of each step
+        that follows a backward pass which produced its gradient (when an optimizer may have changed it):
+        no per-step checksum of every weight. A change made with no backward pass in between (set_value,
+        load_state_dict during one trace) is not seen: start a new trace after loading weights.
+        """
+        return None
+
+    def start_step(self):
+        """Runs before the outermost call of each step."""
+        if self.record_params:
+            self._record_changed_params()
+
+    # -- installation --------------------------------------------------------------------------------------
+    def install(self):
+        self.active = True
+        for path, module in self.named_modules():
+            selected = self.path_filter(path)
+            if module is not self.model and not selected:
+                continue
+            # the model itself is always hooked (it delimits steps), with statistics only when not selected
+            pre_hook = self._pre_hook(path, type(module).__name__, selected, self.positional_names(module))
+            self.handles.extend(self.register_forward_hooks(module, pre_hook, self._post_hook(path)))
+        if self.backward and self.record_params:
+            self.register_param_grad_hooks()
+
+    def remove(self):
+        self.active = False
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _pre_hook(self, path, type_name, full=True, arg_names=()):
+        session = self.session
+        is_tensor = self.is_tensor
+        # hyper-parameters are read again in every step (they may change); the extra repr is parsed when it does
+        read = {"step": None, "hparams": {}, "repr": None, "repr_values": {}}
+
+        def hook(module, args, kwargs):
+            self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
+            if not session.stack:
+                self.start_step()
+            step = session.step + (0 if session.stack else 1)
+            if read["step"] != step:
+                text = safe_extra_repr(module)
+                if text != read["repr"]:
+                    read["repr"], read["repr_values"] = text, extra_repr_values(text)
+                read["step"], read["hparams"] = step, hyper_parameters(module, read["repr_values"])
+            tensors, scalars = [], {}
+            walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names)
+            self.open_frames.setdefault(id(module), []).append(frame)
+            forced = self._forced(frame, "input", tensors, frame.inputs)
+            swap = {}
+            if self._taps_enabled() and getattr(module, "inplace", False) is not True and path not in self.no_input_taps:
+                needs = [(k, t) for k, t in tensors if self.differentiable(t)]
+                if needs:
+                    frame.tapped_inputs = True
+                    swap = self._tap(needs, session.grad_inputs, frame, outputs=False, forced=forced)
+                    if not forced:
+                        self.watch_inputs(frame, needs, swap)
+            self._swap_untapped(tensors, forced, swap)
+            if not swap:
+                return None
+            return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
+
+        return hook
+
+    def _post_hook(self, path):
+        session = self.session
+        is_tensor = self.is_tensor
+
+        def hook(module, args, kwargs, output):
+            stack = self.open_frames.get(id(module))
+            if not stack:
+                return None
+            frame = stack.pop()
+            error = sys.exc_info()[1]
+            if output is None and error is not None:
+                session.fail_call(frame, error)
+                return None
+            try:
+                self.sync()  # asynchronous frameworks: make this module's own errors surface in its frame
+            except Exception as exc:
+                session.fail_call(frame, exc)
+                raise
+            tensors, scalars = [], {}
+            walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            entries = session.end_call(frame, tensors, scalars)
+            if path in self.tied_in_module and self._taps_enabled() and self.record_params:
+                self.watch_param_uses(frame, module, [t for _, t in tensors])
+            if self.check_in_place(frame):
+                self.no_input_taps.add(path)
+                session.warn(f"{path} modifies its input in place: {self.in_place_consequence}")
+            forced = self._forced(frame, "output", tensors, entries)
+            swap = {}
+            if self._taps_enabled():
+                needs = [(k, t) for k, t in tensors if self.differentiable(t)]
+                if needs:
+                    swap = self._tap(needs, session.grad_outputs, frame, outputs=True, forced=forced)
+            self._swap_untapped(tensors, forced, swap)
+            return replace_tensors(output, is_tensor, swap) if swap else None
+
+        return hook
+
+    def _taps_enabled(self) -> bool:
+        return self.backward and self.grad_enabled()
+
+    def _tap(self, needs, sink, frame, outputs: bool, forced: dict) -> dict:
+        """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): alias} to swap them in."""
+        keys = [k for k, _ in needs]
+        plan = self._plan(frame, needs, forced, "grad_output" if outputs else "grad_input")
+        aliases = self.apply_tap([t for _, t in needs],
+                                 lambda grads: sink(frame, [(k, g) for k, g in zip(keys, grads) if g is not None]),
+                                 frame, outputs, plan)
+        swap = {}
+        for (key, t), alias in zip(needs, aliases):
+            if alias is None:
+                continue
+            if key not in forced:  # a forced alias shows the reference's bytes, not the original's
+                self.session.remember_alias(t, alias)
+            swap[id(t)] = alias
+        return swap
+
+    # -- replay (a forcer is set only by ``layerdiff bisect``) -----------------------------------------------
+    def _forced(self, frame, role: str, tensors, entries) -> dict:
+        """{key: framework tensor}: the reference's values for this call's inputs or outputs."""
+        if self.forcer is None:
+            return {}
+        arrays = self.forcer.forward(frame, role, entries)
+        return {k: self.to_framework(arrays[k], t) for k, t in tensors if k in arrays}
+
+    def _plan(self, frame, needs, forced: dict, grad_role: str) -> ForcePlan | None:
+        if self.forcer is None:
+            return None
+        values = [forced.get(k) for k, _ in needs]
+        forcer, to_framework = self.forcer, self.to_framework
+
+        def reference_grad(index):
+            key, like = needs[index]
+            array = forcer.gradient(frame, grad_role, key)
+            return None if array is None else to_framework(array, like)
+
+        return ForcePlan(values, reference_grad if forcer.backward else None)
+
+    @staticmethod
+    def _swap_untapped(tensors, forced: dict, swap: dict):
+        """Forced tensors that took no gradient tap (integers, no-grad floats) are replaced directly."""
+        for key, t in tensors:
+            if key in forced and id(t) not in swap:
+                swap[id(t)] = forced[key]
+
+    def record_param_grad(self, name, grad):
+        if grad is not None:
+            self.grads_since_recorded.add(name)
+            module = name.rpartition(".")[0]
+            self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name))
+
+    def _record_changed_params(self):
+        """Parameter values at the start of each step, when they (may have) changed since last recorded."""
+        for name, p in self.params:
+            version = self.param_version(p)
+            if version is None:
+                changed = name not in self.param_versions or name in self.grads_since_recorded
+            else:
+                changed = self.param_versions.get(name) != version
+            if not changed:
+                continue
+            self.param_versions[name] = version
+            self.grads_since_recorded.discard(name)
+            module = name.rpartition(".")[0]
+            self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name))

@@ -1,0 +1,269 @@
+"""The framework-neutral half of tracing: call stack, call indices, records and backward pairing.
+
+An adapter installs the framework's hooks and hands this session numpy views of tensors; the session decides
+what a record is and writes it. Keeping this here is what makes the three adapters small and their traces
+identical in shape."""
+from __future__ import annotations
+
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+
+from layerdiff import schema
+from layerdiff.capture.filters import MODES
+from layerdiff.tracefile.writer import TraceWriter
+
+USE_DATA_LIMIT = 1 << 22  # elements: a tied weight's per-use gradient is stored whole up to this size
+
+
+def _numel(t) -> int:
+    n = 1
+    for d in getattr(t, "shape", ()):
+        n *= int(d)
+    return n
+
+
+@dataclass
+class CallFrame:
+    """One module call in flight (between its forward pre-hook and post-hook)."""
+
+    path: str
+    call: int
+    type: str
+    step: int
+    begin: int
+    parent: tuple | None
+    hparams: dict
+    inputs: list = field(default_factory=list)
+    scalars: dict = field(default_factory=dict)
+    tapped_inputs: bool = False
+    full: bool = True  # store tensor values (False: statistics only, e.g. the root outside a --layers window)
+    arg_names: tuple = ()  # the forward's positional parameter names: "args.0" is "hidden_states"
+    versions: list = field(default_factory=list)  # adapter's in-place detection: (tensor, version)
+
+
+@dataclass
+class PendingBackward:
+    frame: CallFrame
+    begin: int
+    grad_outputs: list[schema.TensorEntry]
+
+
+class TensorAdapter:
+    """What the session needs to know about a framework's tensors (provided by each adapter).
+
+    ``to_stored(t)`` -> (numpy array of the tensor's bits, dtype name) or None if it cannot be stored;
+    ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes
+    (storage address, shape, strides, dtype, in-place version), or None;
+    ``fast_stats(t)`` -> the ``summarize`` dict computed by the framework itself, or None to use numpy;
+    ``describe(t)`` -> (dtype name, shape): with fast_stats, lets "stats" mode skip the host copy entirely;
+    ``placement(t)`` -> how a distributed tensor is spread over ranks (``{"placements": ["S(0)"], "mesh": [2],
+    "coord": [1], "global_shape": [...]}``), or None: the stored bytes are then this rank's local part.
+    """
+
+    def __init__(self, to_stored, identify=None, fast_stats=None, describe=None, placement=None):
+        self.to_stored = to_stored
+        self.identify = identify or (lambda t: None)
+        self.fast_stats = fast_stats or (lambda t: None)
+        self.describe = describe
+        self.placement = placement or (lambda t: None)  # how a distributed tensor is spread over ranks
+
+
+class TraceSession:
+    """Turns hook callbacks into trace records. One session per trace; no state outside it.
+
+    A tensor seen again within a step (a layer's output is the next layer's input; a head's output is the
+    model's) is summarized and stored once: later records point at the same bytes.
+    """
+
+    def __init__(self, writer: TraceWriter, tensors: TensorAdapter, mode: str = "full"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.writer = writer
+        self.tensors = tensors
+        self.seen: dict = {}  # identity -> ([weakrefs to tensors with that identity], entry); per step
+        self.store_data = mode == "full"
+        self.stack: list[CallFrame] = []
+        self.call_counts: dict[str, int] = {}
+        self.param_counts: dict[tuple, int] = {}
+        self.pending_backward: dict[int, PendingBackward] = {}
+        self.seq = 0
+        self.step = -1
+        self.failure: dict | None = None
+        self.warnings: list[str] = []
+        self.started = time.time()
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _entries(self, role: str, tensors, full: bool = True) -> list[schema.TensorEntry]:
+        """Entries for (key, framework tensor) pairs; tensors that cannot be stored are skipped."""
+        out = []
+        for key, t in tensors:
+            entry = self._tensor_entry(t, self.store_data and full)
+            if entry is not None:
+                out.append({**entry, "role": role, "key": key})
+        return out
+
+    def _tensor_entry(self, t, store: bool) -> schema.TensorEntry | None:
+        identity = self.tensors.identify(t)
+        if identity is not None:
+            hit = self.seen.get(identity)
+            if hit is not None and (not store or "offset" in hit[1]) and \
+                    any(self._same(ref(), identity) for ref in hit[0]):
+                hit[0].append(weakref.ref(t))
+                return hit[1]
+        stats = self.tensors.fast_stats(t)
+        if stats is not None and not store and self.tensors.describe is not None:
+            entry = self.writer.summary_entry(*self.tensors.describe(t), stats)  # no copy to the host
+        else:
+            stored = self.tensors.to_stored(t)
+            if stored is None:
+                return None
+            entry = self.writer.write_tensor(*stored, store_data=store, stats=stats)
+        place = self.tensors.placement(t)
+        if place is not None:
+            entry["placement"] = place
+        if identity is not None:
+            self.seen[identity] = ([weakref.ref(t)], entry)
+        return entry
+
+    def _same(self, obj, identity) -> bool:
+        """A remembered tensor still alive with the same identity: its bytes cannot have been reused."""
+        return obj is not None and self.tensors.identify(obj) == identity
+
+    def remember_alias(self, original, alias):
+        """``alias`` shows the same bytes as ``original`` (a gradient tap's output): keep dedup working."""
+        hit = self.seen.get(self.tensors.identify(original))
+        if hit is not None:
+            hit[0].append(weakref.ref(alias))
+
+    def warn(self, message: str):
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict,
+                   full: bool = True, arg_names: tuple = ()) -> CallFrame:
+        """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them."""
+        if not self.stack:
+            self.step += 1
+            self.seen.clear()
+        call = self.call_counts.get(path, 0)
+        self.call_counts[path] = call + 1
+        parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
+        frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
+                          scalars=scalars, full=full, arg_names=tuple(arg_names))
+        frame.inputs = self._entries("input", inputs, full)
+        self.stack.append(frame)
+        return frame
+
+    def _pop(self, frame: CallFrame):
+        if self.stack and self.stack[-1] is frame:
+            self.stack.pop()
+        elif frame in self.stack:  # a hook of an inner module did not run; drop it with this one
+            del self.stack[self.stack.index(frame):]
+
+    def _call_record(self, frame: CallFrame, phase: str, begin: int, tensors: list[schema.TensorEntry],
+                     **extra) -> schema.TraceRecord:
+        rec = {"kind": "call", "phase": phase, "path": frame.path, "call": frame.call, "step": frame.step,
+               "type": frame.type, "begin": begin, "end": self._next_seq(),
+               "parent": list(frame.parent) if frame.parent else None, "tensors": tensors}
+        if frame.arg_names and any(t["key"].startswith("args.") for t in tensors):
+            rec["arg_names"] = list(frame.arg_names)
+        rec.update(extra)
+        return rec
+
+    def end_call(self, frame: CallFrame, outputs, scalars: dict) -> list[schema.TensorEntry]:
+        """Writes the call's record; returns its output entries."""
+        self._pop(frame)
+        entries = self._entries("output", outputs, frame.full)
+        self.writer.write_record(self._call_record(
+            frame, "forward", frame.begin, frame.inputs + entries, hparams=frame.hparams,
+            scalars={**frame.scalars, **scalars}))
+        return entries
+
+    def fail_call(self, frame: CallFrame, exc: BaseException):
+        """The module raised: keep its inputs and the error; the innermost failing call is the failure."""
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+        if self.failure is None:
+            self.failure = {"module": frame.path, "call": frame.call, "error": message,
+                            "module_stack": [f.path for f in self.stack],
+                            "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:]}
+        self._pop(frame)
+        self.writer.write_record(self._call_record(
+            frame, "forward", frame.begin, frame.inputs, hparams=frame.hparams, scalars=frame.scalars,
+            incomplete=True, error=message))
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def grad_outputs(self, frame: CallFrame, grads):
+        """Gradient w.r.t. the call's outputs: arrives first; waits for the input side when there is one."""
+        begin = self._next_seq()
+        entries = self._entries("grad_output", grads, frame.full)
+        if not frame.tapped_inputs:
+            self.writer.write_record(self._call_record(frame, "backward", begin, entries))
+            return
+        earlier = self.pending_backward.pop(id(frame), None)
+        if earlier is not None:  # a second backward through the same call before the first finished
+            self._emit_pending(earlier)
+        self.pending_backward[id(frame)] = PendingBackward(frame, begin, entries)
+
+    def grad_inputs(self, frame: CallFrame, grads):
+        pending = self.pending_backward.pop(id(frame), None)
+        entries = self._entries("grad_input", grads, frame.full)
+        if pending is None:  # outputs carried no gradient (unused); inputs still did
+            self.writer.write_record(self._call_record(frame, "backward", self._next_seq(), entries))
+            return
+        self.writer.write_record(self._call_record(frame, "backward", pending.begin,
+                                                   pending.grad_outputs + entries))
+
+    def _emit_pending(self, pending: PendingBackward):
+        self.writer.write_record(self._call_record(pending.frame, "backward", pending.begin,
+                                                   pending.grad_outputs))
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None,
+              tied: list | None = None):
+        """kind is "param" (value) or "param_grad" (gradient after accumulation). ``tied``: every name of a
+        parameter that several modules own (an embedding tied to the LM head); it is recorded under each."""
+        entries = self._entries(kind, [("value", tensor)])
+        if not entries:
+            return
+        count = self.param_counts.get((kind, name), 0)
+        self.param_counts[(kind, name)] = count + 1
+        # values are taken just before the root call opens a step: they belong to that step
+        step = self.step + 1 if kind == "param" and not self.stack else max(self.step, 0)
+        record = {"kind": kind, "path": name, "module": module_path, "module_type": module_type, "call": count,
+                  "step": step, "seq": self._next_seq(), "tensors": entries}
+        if tied:
+            record["tied"] = list(tied)
+        self.writer.write_record(record)
+
+    def param_use(self, name: str, frame: CallFrame, grad, tied: list):
+        """One call's own contribution to a tied parameter's gradient (before it is summed with the other
+        users'): what localizes a gradient defect in one user of a shared weight."""
+        small = _numel(grad) <= USE_DATA_LIMIT  # a vocabulary-sized tied embedding: its statistics suffice
+        entries = self._entries("param_grad", [("value", grad)], frame.full and small)
+        if entries:
+            self.writer.write_record({"kind": "param_grad_use", "path": name, "module": frame.path,
+                                      "module_type": frame.type, "call": frame.call, "step": frame.step,
+                                      "seq": self._next_seq(), "tensors": entries, "tied": list(tied)})
+
+    # -- end -----------------------------------------------------------------------------------------------
+    def close(self, exc: BaseException | None = None):
+        for pending in list(self.pending_backward.values()):
+            self._emit_pending(pending)
+        self.pending_backward.clear()
+        if exc is not None and self.failure is None:
+            message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+            self.failure = {"module": self.stack[-1].path if self.stack else None, "call": None,
+                            "error": message, "module_stack": [f.path for f in self.stack]}
+        end = {"kind": "end", "status": "error" if exc is not None else "complete",
+               "failure": self.failure if exc is not None else None,
+               "records": self.writer.records_written, "tensor_bytes": self.writer.tensor_bytes,
+               "steps": self.step + 1, "seconds": round(time.time() - self.started, 3),
+               "warnings": self.warnings}
+        self.writer.close(end)

@@ -1,0 +1,168 @@
+"""Weight transfer between frameworks through a neutral form: PyTorch parameter names and layouts.
+
+Layout rules come from the rule sets (``match.rules``) and are applied by module type (a Paddle ``Linear`` weight is
+[in, out]), never guessed from shapes. Every unmatched or shape-mismatched parameter is reported at once.
+The file form is safetensors, so nothing is ever unpickled.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from layerdiff.adapters import detect_framework, load_adapter
+from layerdiff.checkpoints import safetensors_io
+from layerdiff.errors import LayerdiffError
+from layerdiff.match import modules, paramplan
+from layerdiff.match.layouts import canonical_param_name, is_transposed
+from layerdiff.match.mapping import match_modules
+from layerdiff.match.paramplan import ParamSource
+from layerdiff.match.rename import RenameRules
+from layerdiff.match.rules import RuleSet, ruleset
+from layerdiff.tracefile.tensors import summarize
+
+
+def neutral_state(model) -> dict:
+    """name -> (array, dtype name) in PyTorch layout, copied out of the model."""
+    adapter = load_adapter(detect_framework(model))
+    out = {}
+    for name, tensor, module_type in adapter.parameters(model):
+        stored = adapter.TENSORS.to_stored(tensor)
+        if stored is None:
+            raise LayerdiffError(f"{name}: dtype cannot be exported")
+        array, dtype = stored
+        if is_transposed(adapter.FRAMEWORK, module_type, name):
+            array = array.T
+        out[canonical_param_name(name)] = (np.array(array, copy=True, order="C"), dtype)
+    return out
+
+
+def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict: bool = True,
+                 rules: RuleSet | None = None) -> int:
+    """Assign ``state`` (from ``neutral_state`` or a file) to ``model``'s parameters; return how many.
+
+    Names that match (after ``mapping``, the same rules as ``align --map``) are taken as they are; when they
+    do not all match, the model's modules are matched with the state's (names, block indices, shapes; fused
+    modules from the rule set: Megatron's ``linear_qkv`` is built from q/k/v and split back). Nothing is
+    assigned unless every parameter is accounted for.
+    """
+    adapter = load_adapter(detect_framework(model))
+    rename, rules = mapping or RenameRules(), rules or ruleset()
+    params = adapter.parameters(model)
+    stored = rules.param_homes(state)  # a fused norm's weight (linear_qkv.layer_norm_weight) where it belongs
+    state = {home: state[name] for home, name in stored.items()}
+    stacked = {}  # model parameter -> the names of its per-expert pieces
+    if all(canonical_param_name(rename(name)) in state for name, _, _ in params):
+        plan = {name: ParamSource(name, "same", (canonical_param_name(rename(name)),)) for name, _, _ in params}
+        groups = {}
+    else:
+        plan, groups, stacked = _inferred_plan(adapter, model, state, params, rename, rules)
+    problems, assignments, used = [], [], set()
+    for name, tensor, module_type in params:
+        pieces = stacked.get(name, [name])  # an expert tensor of all experts is built expert by expert
+        sources = [plan.get(piece) for piece in pieces]
+        if None in sources:
+            problems.append(f"{name}: no {canonical_param_name(rename(pieces[sources.index(None)]))} in the source")
+            continue
+        for source in sources:
+            used.update(source.sources)
+        arrays = [paramplan.build(source, lambda n: state[n][0], groups.get(source.name, 1)) for source in sources]
+        array = np.stack(arrays) if name in stacked and len({a.shape for a in arrays}) == 1 else arrays[0]
+        dtype = state[sources[0].sources[0]][1]
+        if is_transposed(adapter.FRAMEWORK, module_type, name):
+            array = array.T
+        shape = list(tensor.shape)
+        if list(array.shape) != shape:
+            described = ", ".join(source.describe() for source in sources[:2]) + (", ..." if len(sources) > 2 else "")
+            problems.append(f"{name}: source {described} has shape {list(array.shape)}, the model wants {shape}")
+            continue
+        assignments.append((tensor, np.ascontiguousarray(array), dtype))
+    if strict:
+        problems += [f"{stored[key]}: in the source, but no parameter takes it" for key in sorted(set(state) - used)]
+    if problems:
+        raise LayerdiffError(f"cannot transfer weights ({len(problems)} problems): " + "; ".join(problems))
+    for tensor, array, dtype in assignments:
+        adapter.assign(tensor, array, dtype)
+    return len(assignments)
+
+
+def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rules: RuleSet):
+    """{model parameter (or per-expert piece): its source} from matching the model's modules with the state's,
+    group counts, and {model parameter: its per-expert pieces}."""
+    source_infos = modules.from_params([(n, a.shape, summarize(a, d)) for n, (a, d) in state.items()])
+    entries = adapter.module_entries(model)
+    experts = _stacked_experts(entries) if adapter.FRAMEWORK == "torch" else {}
+    mapping = match_modules(source_infos, modules.from_model(_per_expert(entries, experts)), rules, rename)
+    own, stacked = {}, {}
+    for name, tensor, module_type in params:
+        shape = tuple(tensor.shape)
+        module, _, leaf = name.rpartition(".")
+        if module in experts:
+            stacked[name] = [f"{module}.{e}.{leaf}.weight" for e in range(shape[0])]
+            own.update({piece: shape[1:] for piece in stacked[name]})
+        else:
+            own[name] = shape[::-1] if is_transposed(adapter.FRAMEWORK, module_type, name) else shape
+    sources, _, _ = paramplan.plan(mapping, own, {n: a.shape for n, (a, _) in state.items()}, "b")
+    hparams = {path: h for path, _, h, _ in entries}
+    groups = {}
+    for src in sources:
+        if src.op != "same":
+            fused_parent = src.fused_module.rpartition(".")[0]
+            parts_parent = src.name.rpartition(".")[0].rpartition(".")[0]
+            groups[src.name] = paramplan.group_count(src, rules, [hparams.get(src.fused_module), hparams.get(
+                fused_parent), hparams.get(parts_parent)], load=lambda n: state[n][0])
+    return {s.name: s for s in sources}, groups, stacked
+
+
+def _stacked_experts(entries) -> set:
+    """Modules that keep each projection of all their experts in one 3-D parameter (transformers 5's
+    ``MixtralExperts``: ``gate_up_proj`` [experts, 2 x ffn, hidden], ``down_proj``), PyTorch layout per expert."""
+    found = set()
+    for path, _, _, params in entries:
+        shapes = [tuple(shape) for _, shape in params]
+        if (params and all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1 and shapes[0][0] > 1
+                and not {leaf for leaf, _ in params} & {"weight", "bias"}):  # a Conv1d's weight is 3-D too
+            found.add(path)
+    return found
+
+
+def _per_expert(entries, experts: set) -> list:
+    """``entries`` with each stacked-experts module seen as checkpoints store it: one container per expert holding
+    a linear per projection (``experts.3.gate_up_proj.weight``)."""
+    out = []
+    for path, type_name, hparams, params in entries:
+        if path not in experts:
+            out.append((path, type_name, hparams, params))
+            continue
+        out.append((path, type_name, hparams, []))
+        for e in range(params[0][1][0]):
+            out.append((f"{path}.{e}", "ModuleList", {}, []))
+            out += [(f"{path}.{e}.{leaf}", "Linear", {}, [("weight", tuple(shape[1:]))]) for leaf, shape in params]
+    return out
+
+
+def transfer_weights(src_model, dst_model, mapping: RenameRules | None = None, strict: bool = True,
+                     rules: RuleSet | None = None) -> int:
+    """Copy every parameter of ``src_model`` into ``dst_model`` (any frameworks, any naming the rule set
+    relates); return how many."""
+    return load_neutral(dst_model, neutral_state(src_model), mapping, strict, rules)
+
+
+def export_weights(model, path, *, overwrite: bool = False):
+    framework = detect_framework(model)
+    safetensors_io.save(path, neutral_state(model), {"format": "layerdiff-neutral", "layout": "torch",
+                                                     "source_framework": framework}, overwrite=overwrite)
+
+
+def import_weights(model, path, mapping: RenameRules | None = None, strict: bool = True,
+                   rules: RuleSet | None = None) -> int:
+    """Load a weights file into ``model``: a safetensors file (``export_weights``, or any in PyTorch layout) or
+    a checkpoint in PyTorch layout that ``weights diff`` reads (Hugging Face folder, ``.pt``, Megatron-LM
+    folder, distributed checkpoint); other layouts (Paddle's, MindSpore's) go through ``export_weights``."""
+    from pathlib import Path
+
+    if Path(path).is_file() and Path(path).suffix == ".safetensors":
+        state, _ = safetensors_io.load(path)
+    else:
+        from layerdiff.checkpoints import torch_layout_state
+
+        state = torch_layout_state(path)
+    return load_neutral(model, state, mapping, strict, rules)

@@ -1,0 +1,375 @@
+"""The measuring pass of align: match two traces' records (``match``) and compute metrics for every tensor pair.
+
+The expensive part of an alignment; its result (the report's measured half) is judged by ``judge.evaluate``,
+which needs nothing else, so a saved report can be judged again under other tolerances without the traces."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+
+import numpy as np
+
+from layerdiff import schema
+from layerdiff.compare import per_rank
+from layerdiff.compare import workers as compare_workers
+from layerdiff.compare.configs import diff_configs, from_values
+from layerdiff.compare.metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
+from layerdiff.compare.nonfinite import first_nonfinite
+from layerdiff.compare.settings import settings_report
+from layerdiff.compare.workers import aligned_pairs, compare_pairs, worker_count
+from layerdiff.errors import LayerdiffError
+from layerdiff.match import modules
+from layerdiff.match.layouts import LayoutRules, relate_shapes
+from layerdiff.match.mapping import ModuleMapping, match_modules
+from layerdiff.match.operands import Operand
+from layerdiff.match.pairing import TensorPair, match_records
+from layerdiff.match.rename import RenameRules
+from layerdiff.match.rules import RuleSet, ruleset
+from layerdiff.match.sides import TraceSide, token_order
+from layerdiff.tracefile.tensors import as_float
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pass 1: measure
+# ---------------------------------------------------------------------------------------------------------
+def trace_summary(reader) -> schema.RunSummary:
+    meta = reader.meta
+    end = reader.end or {}
+    return {"path": str(reader.path), "framework": meta.get("framework"),
+            "framework_version": meta.get("framework_version"), "model_class": meta.get("model_class"),
+            "mode": meta.get("mode"), "records": len(reader.records), "complete": not reader.crashed,
+            "status": end.get("status", "interrupted"), "failure": end.get("failure"),
+            "warnings": end.get("warnings", []), "param_dtypes": meta.get("param_dtypes"),
+            "target": (meta.get("user") or {}).get("target"), "target_args": (meta.get("user") or {}).get("target_args"),
+            "devices": meta.get("devices")}
+
+
+def _short(rec: dict) -> dict:
+    return {"kind": rec["kind"], "phase": rec.get("phase"), "path": rec["path"], "call": rec["call"]}
+
+
+def _region(entry: dict):
+    return entry.get("offset"), entry.get("nbytes"), entry["dtype"]
+
+
+def _compare_declared(reader_a, reader_b, ta: dict, tb: dict, rule) -> dict:
+    """B's tensor through a user-declared layout transform, then compared as A's shape."""
+    if "offset" not in ta or "offset" not in tb:
+        metrics = compare_stats(ta["stats"], tb["stats"])  # statistics survive transposes and reshapes
+    else:
+        try:
+            b = LayoutRules.apply(rule, _values(reader_b, tb))
+        except ValueError as exc:
+            return {"basis": "shape", "mismatch": f"layout {rule[2]} on B's {tb['shape']}: {exc}",
+                    "numel": math.prod(ta["shape"])}
+        if list(b.shape) != list(ta["shape"]):
+            return {"basis": "shape", "mismatch": f"shape {ta['shape']} vs {list(b.shape)} after {rule[2]}",
+                    "numel": math.prod(ta["shape"])}
+        metrics = _compare_values(_values(reader_a, ta), b)
+    metrics["note"] = f"B compared after layout rule {rule[2]}"
+    return metrics
+
+
+def _values(reader, t: dict) -> np.ndarray:
+    """Decoded values: float32 (for fp32/fp16/bf16) or float64 (fp64, integers)."""
+    values = as_float(reader.tensor(t), t["dtype"])
+    return values if values.dtype in (np.float32, np.float64) else values.astype(np.float64)
+
+
+def _compare_values(a: np.ndarray, b: np.ndarray) -> dict:
+    return compare_arrays(np.ascontiguousarray(a), np.ascontiguousarray(b), str(a.dtype), str(b.dtype))
+
+
+def _prepared(tp: TensorPair, path_a: str, layouts: LayoutRules, swap: bool):
+    """(A's operand, B's operand, a declared layout rule or None, how their shapes relate)."""
+    a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
+    return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, swap if tp.activation else False)
+
+
+def _stored_key(a: Operand, b: Operand, rule, relation):
+    """The key of a pair compared straight from its stored bytes, element by element (None: another way)."""
+    if rule is None and relation.ok and a.has_data and b.has_data and a.plain and b.plain \
+            and relation.kind in ("same", "reshape"):
+        return (_region(a.entry), _region(b.entry), a.shape, b.shape)
+    return None
+
+
+def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: bool, workers: int | None, progress) -> dict:
+    """Metrics of the pairs compared straight from stored bytes, by worker processes (``compare_workers``), keyed
+    like ``_pair_metrics``' memo; empty when they are too few bytes to be worth it, or workers cannot be used."""
+    count = worker_count(workers)
+    if count < 2:
+        return {}
+    jobs = {}
+    for pair in pairs:
+        for tp in pair.tensors:
+            a, b, rule, relation = _prepared(tp, pair.a["path"], layouts, swap)
+            key = _stored_key(a, b, rule, relation)
+            if key is None or key in jobs:
+                continue
+            segments_a, segments_b = (getattr(r, "data_segments", lambda e: None)(o.entry)
+                                      for r, o in zip(readers, (a, b)))
+            if segments_a and segments_b:
+                pieces = aligned_pairs(segments_a, a.entry["dtype"], segments_b, b.entry["dtype"])
+                if pieces:
+                    jobs[key] = pieces
+    total = sum(piece.nbytes() for pieces in jobs.values() for piece in pieces)
+    if total < 2 * compare_workers.MIN_BYTES:
+        return {}
+    if progress is not None:
+        progress.start(total)
+    stored = [piece for pieces in jobs.values() for piece in pieces]
+    groups = [n for n, pieces in enumerate(jobs.values()) for _ in pieces]
+    results = compare_pairs(stored, count, progress, groups=groups)
+    if progress is not None:
+        progress.close()
+    return dict(zip(jobs, results)) if results is not None else {}
+
+
+def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: LayoutRules, swap: bool) -> dict | None:
+    """Metrics for one tensor pair (None: it cannot be compared from what the traces hold). A pair of stored
+    regions already compared (records share deduplicated tensors, or workers compared it) is not read again."""
+    reader_a, reader_b = readers
+    a, b, rule, relation = _prepared(tp, path_a, layouts, swap)
+    if rule is not None and a.plain and b.plain:
+        return _compare_declared(reader_a, reader_b, a.entry, b.entry, rule)
+    if not relation.ok:
+        return {"basis": "shape", "mismatch": f"shape {list(a.shape)} vs {list(b.shape)}",
+                "numel": math.prod(a.shape)}
+    if a.has_data and b.has_data:
+        key = _stored_key(a, b, rule, relation)
+        if key is not None:
+            if key not in memo:
+                memo[key] = compare_data(reader_a.tensor_chunks(a.entry, CHUNK_ELEMS),
+                                         reader_b.tensor_chunks(b.entry, CHUNK_ELEMS), a.dtype, b.dtype)
+            metrics = dict(memo[key])
+        else:
+            try:
+                va, vb = relation.views(a.values(reader_a), b.values(reader_b))
+            except ValueError as exc:  # a fused split that the sizes do not allow
+                return {"basis": "shape", "mismatch": f"cannot derive the compared tensor: {exc}",
+                        "numel": math.prod(a.shape)}
+            metrics = _compare_values(va, vb)
+        per_rank = _per_rank_metrics(a, b, relation, reader_a, reader_b)
+        if per_rank:
+            metrics["ranks"] = per_rank
+    else:
+        sa, sb = a.stats(), b.stats()
+        if sa is None or sb is None:
+            return None
+        metrics = compare_stats(sa, sb)  # min/max/mean/RMS survive reshapes, permutations and broadcasting
+    notes = list(tp.notes)
+    for side, operand in (("A", a), ("B", b)):
+        merge = operand.entry.get("merge") if operand.op == "value" else None
+        if merge and len(operand.entry.get("parts", ())) > 1:
+            notes.append(f"{side}: {len(operand.entry['parts'])} ranks' " + {
+                "concat": f"shards joined on axis {merge['dim']}",
+                "concat_parts": f"shards joined part by part on axis {merge['dim']}",
+                "replicate": "copies (rank 0's compared; each "
+                "rank's checked)", "sum": "partial sums added", "ranks": "tensors, unresolved"}[merge["how"]])
+    if a.transposed != b.transposed:
+        notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
+    for side, operand in (("A", a), ("B", b)):
+        text = operand.describe()
+        if text and not operand.transposed and operand.op not in ("part", "masked", "cos", "sin"):  # noted already
+            notes.append(f"{side}: {text}")
+    if relation.note():
+        notes.append(relation.note())
+    if notes:
+        metrics["note"] = "; ".join(dict.fromkeys(notes))
+    return metrics
+
+
+def _resolved(operand: Operand, other_shape) -> Operand:
+    """A multi-rank tensor left per rank, read against the other run's shape (``ranks.resolve``)."""
+    if operand.op != "value" or operand.entry.get("merge", {}).get("how") != "ranks":
+        return operand
+    return replace(operand, entries=(per_rank.resolve(operand.entry, other_shape),))
+
+
+def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> dict | None:
+    """For a tensor one run holds spread over ranks: each rank's shard or copy against the matching piece of the
+    other run, so a report can say "rank 1's shard of ..." ({rank: metrics})."""
+    for side, operand, reader, other, other_reader in (("b", b, reader_b, a, reader_a), ("a", a, reader_a, b, reader_b)):
+        if operand.op != "value" or operand.transposed or len(operand.entry.get("parts", ())) < 2 \
+                or not hasattr(reader, "part_values") or other.op != "value":
+            continue
+        other_values = other.values(other_reader)
+        if side == "b":
+            laid_out = relation.to_b(other_values)
+        else:
+            laid_out = other_values.reshape(operand.shape) if math.prod(operand.shape) == other_values.size else None
+        pieces = per_rank.rank_slices(operand.entry, laid_out) if laid_out is not None else None
+        if pieces is None:
+            return None
+        out, copies = {}, []
+        for rank, (mine, theirs) in enumerate(zip(reader.part_values(operand.entry), pieces)):
+            mine = as_float(mine, operand.entry["dtype"]).reshape(-1)
+            theirs = np.ascontiguousarray(theirs).reshape(-1)
+            if mine.size != theirs.size:
+                return None
+            copies.append(mine)
+            out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
+        sharded = operand.entry["merge"]["how"] in ("concat", "concat_parts")
+        out["how"] = "shards" if sharded else "copies"
+        if not sharded and any(not np.array_equal(copies[0], c) for c in copies[1:]):
+            # copies that should be equal are not: do they add up to the other run's (a missing all-reduce)?
+            total = np.sum(np.stack([c.astype(np.float64) for c in copies]), axis=0)
+            out["sum"] = _compare_values(pieces[0].reshape(-1).astype(np.float64), total)
+        return out
+    return None
+
+
+def _tensor_row(tp: TensorPair, metrics: schema.Metrics) -> schema.TensorResult:
+    def nonfinite(op):
+        return sum(e["stats"].get("nan", 0) + e["stats"].get("inf", 0) for e in op.entries if e.get("stats"))
+
+    row = {"role": tp.role, "key": tp.key, "dtype_a": tp.a.dtype, "dtype_b": tp.b.dtype,
+           "shape_a": list(tp.a.shape), "shape_b": list(tp.b.shape), "metrics": metrics,
+           "nonfinite_a": nonfinite(tp.a), "nonfinite_b": nonfinite(tp.b)}
+    for side, op in (("a", tp.a), ("b", tp.b)):  # a loss or a scalar: its value, shown step by step
+        if len(op.entries) == 1 and (op.entries[0].get("stats") or {}).get("numel") == 1:
+            row[f"value_{side}"] = op.entries[0]["stats"].get("mean")
+    if tp.key_b != tp.key:
+        row["key_b"] = tp.key_b
+        if tp.a.plain and tp.b.plain and not tp.notes:
+            metrics["matched_by"] = f"position and shape (B's key: {tp.key_b})"
+    return row
+
+
+def _data_bytes(rec: dict) -> int:
+    return sum(t.get("nbytes", 0) for t in rec.get("tensors", ()))
+
+
+def _ancestors(records) -> dict:
+    """(path, call) -> A's chain of enclosing calls, innermost first: a row whose parent has no counterpart hangs
+    under its nearest ancestor that has one."""
+    parents = {(r["path"], r["call"]): tuple(r["parent"]) if r.get("parent") else None
+               for r in records if r["kind"] == "call" and r["phase"] == "forward"}
+    out = {}
+    for key in parents:
+        chain, seen, up = [], {key}, parents[key]
+        while up is not None and up not in seen:
+            chain.append(list(up))
+            seen.add(up)
+            up = parents.get(up)
+        out[key] = chain
+    return out
+
+
+def module_mapping(reader_a, reader_b, rules: RuleSet, rename: RenameRules | None = None,
+                   auto_map: bool = True) -> ModuleMapping:
+    """Which module of B is which of A (``core.mapping``), from the two traces' records."""
+    return match_modules(modules.from_records(reader_a.records), modules.from_records(reader_b.records), rules,
+                         rename or RenameRules(), auto_map)
+
+
+def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True,
+            layouts: LayoutRules | None = None, rules: RuleSet | None = None,
+            mapping: ModuleMapping | None = None, workers: int | None = 1) -> schema.Report:
+    """Match the two traces (inferring renamed and fused modules) and compute metrics for every tensor pair
+    (``workers`` processes compare large stored tensors: None, one per core; 1, none)."""
+    rename = rename or RenameRules()
+    layouts = layouts or LayoutRules()
+    rules = rules or ruleset()
+    for reader in (reader_a, reader_b):
+        if not any(r["kind"] == "call" for r in reader.records):
+            raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
+                                 "or damaged)")
+    side_a = TraceSide(reader_a.records, reader_a.meta, rules, reader_a)
+    side_b = TraceSide(reader_b.records, reader_b.meta, rules, reader_b)
+    if mapping is None:  # a mapping made elsewhere (bisect's statistics run of the whole candidate) is reused
+        mapping = module_mapping(reader_a, reader_b, rules, rename, auto_map)
+    matching = match_records(side_a, side_b, mapping)
+    _check_related(matching, reader_a, reader_b, rules)
+    swap = token_order(side_a, side_b)
+    memo = _compare_in_workers(matching.pairs, (reader_a, reader_b), layouts, swap, workers, progress)
+    if progress is not None:
+        progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in matching.pairs))
+    records = []
+    ancestors = _ancestors(reader_a.records)
+    for pair in matching.pairs:
+        ra, rb = pair.a, pair.b[0]
+        tensors, skipped = [], list(pair.skipped)
+        for tp in pair.tensors:
+            metrics = _pair_metrics(tp, ra["path"], (reader_a, reader_b), memo, layouts, swap)
+            if metrics is None:
+                skipped.append(f"{tp.role}:{tp.key} (statistics only: a part or transform needs the values)")
+            else:
+                tensors.append(_tensor_row(tp, metrics))
+        row = {"kind": ra["kind"], "phase": ra.get("phase"), "path": ra["path"],
+               "path_b": " + ".join(r["path"] for r in pair.b),
+               "call": ra["call"], "step": ra.get("step", 0), "type_a": ra.get("type"), "type_b": rb.get("type"),
+               "begin": ra.get("begin", ra.get("seq", 0)), "end": ra.get("end", ra.get("seq", 0)),
+               "parent": ra.get("parent"), "ancestors": ancestors.get((ra["path"], ra["call"]), []),
+               "module": ra.get("module"), "hparams_a": ra.get("hparams"), "hparams_b": rb.get("hparams"),
+               "family_a": rules.family(ra.get("type") or ra.get("module_type")),
+               "family_b": rules.family(rb.get("type") or rb.get("module_type")),
+               "error_a": ra.get("error"), "error_b": next((r.get("error") for r in pair.b if r.get("error")), None),
+               "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
+        if skipped:
+            row["skipped"] = skipped
+        if ra.get("tied"):
+            row["tied"] = ra["tied"]
+        records.append(row)
+        if progress is not None:
+            progress.advance(_data_bytes(ra) + sum(_data_bytes(r) for r in pair.b))
+    bases = {t["metrics"]["basis"] for r in records if r["kind"] != "param_grad_use" for t in r["tensors"]} - {"shape"}
+    same_model = reader_a.meta.get("model_class") == reader_b.meta.get("model_class")
+    phases = {phase: {side: any(r["kind"] == "call" and r["phase"] == phase for r in reader.records)
+                      for side, reader in (("a", reader_a), ("b", reader_b))} for phase in ("forward", "backward")}
+    return {"report_version": schema.REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
+            "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
+            "map": rename.as_list(), "layouts": layouts.as_list(), "rules": rules.describe(), "records": records,
+            "structure": "same_model" if same_model else "ported", "phases": phases,
+            "same_file": _same_file(reader_a.path, reader_b.path),
+            "mapping": [m.as_dict() for m in mapping.renamed()],
+            "unmatched_modules": {"a": mapping.only_a, "b": mapping.only_b},
+            "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
+            "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)},
+            "settings": settings_report(reader_a.meta, reader_b.meta),
+            "config_diff": _config_diff(reader_a.meta, reader_b.meta)}
+
+
+def _config_diff(meta_a: dict, meta_b: dict) -> list | None:
+    """The hyper-parameters the two models' own configurations set differently (None: a trace holds none)."""
+    a, b = meta_a.get("model_config"), meta_b.get("model_config")
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return None
+    try:
+        return diff_configs(from_values(a.get("values") or {}, a.get("kind", "hf"), "A"),
+                            from_values(b.get("values") or {}, b.get("kind", "hf"), "B"))["differ"]
+    except (TypeError, ValueError, AttributeError):  # a damaged or foreign config in a trace: not compared
+        return None
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_related(matching, reader_a, reader_b, rules: RuleSet):
+    """Refuse to compare traces of unrelated models: nothing below the root matches, or types disagree."""
+    calls = [(p.a, p.b[0]) for p in matching.pairs if p.a["kind"] == "call" and p.a["path"]]
+    if not calls:
+        a_paths = sorted({r["path"] for r in reader_a.records if r["kind"] == "call" and r["path"]})[:2]
+        b_paths = sorted({r["path"] for r in reader_b.records if r["kind"] == "call" and r["path"]})[:2]
+        raise LayerdiffError(f"the traces share no module paths (A: {', '.join(a_paths) or 'none'}; "
+                             f"B: {', '.join(b_paths) or 'none'}): different models? map names with "
+                             "--map 'B_PATTERN=A_NAME'")
+    same_type = sum(1 for ra, rb in calls if rules.family(ra.get("type")) == rules.family(rb.get("type")))
+    if same_type < 0.5 * len(calls):
+        raise LayerdiffError(f"only {same_type} of {len(calls)} matched module calls have the same type: the "
+                             "traces look like different models")
+    matched = {"a": {ra["path"] for ra, _ in calls}, "b": {rb["path"] for _, rb in calls}}
+    shares = []
+    for side, reader in (("a", reader_a), ("b", reader_b)):
+        paths = {r["path"] for r in reader.records if r["kind"] == "call" and r["path"]}
+        shares.append(len(matched[side] & paths) / max(len(paths), 1))
+    if max(shares) < 0.5:  # a shared lm_head is not a shared model
+        raise LayerdiffError(f"only {len(matched['a'])} modules of A and B could be matched ({shares[0]:.0%} of A's, "
+                             f"{shares[1]:.0%} of B's): the traces look like different models; if they are one "
+                             "model renamed, map names with --map or a rule file")

@@ -1,0 +1,112 @@
+"""Dtype-aware tolerances and the judgement of metrics against them.
+
+A pair passes when ``max_abs <= atol + rtol * max|reference|`` and ``cosine >= cos`` (when cosine is known).
+Defaults per dtype follow common parity practice: bf16 max diff ~1e-2 and cosine > 0.9999, fp16 ~1e-3 and
+> 0.99999; fp32 is tight enough to flag a 1e-4 relative defect while staying quiet on honest fp32
+reimplementations (different op order: ~1e-6 relative). The less precise side of a pair decides.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+from layerdiff.tracefile.tensors import FLOAT_DTYPES, PRECISION_RANK
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    cos: float | None
+
+    def as_dict(self) -> dict:
+        return {"atol": self.atol, "rtol": self.rtol, "cos": self.cos}
+
+
+DEFAULTS = {
+    "float64": Tolerance(atol=1e-12, rtol=1e-9, cos=1 - 1e-9),
+    "float32": Tolerance(atol=1e-8, rtol=2e-5, cos=0.99999),
+    "float16": Tolerance(atol=1e-3, rtol=1e-3, cos=0.99999),
+    "bfloat16": Tolerance(atol=1e-2, rtol=1e-2, cos=0.9999),
+    "float8": Tolerance(atol=1e-1, rtol=1.25e-1, cos=0.999),
+    "exact": Tolerance(atol=0.0, rtol=0.0, cos=None),  # integers and booleans
+}
+
+
+def dtype_class(dtype_a: str, dtype_b: str) -> str:
+    floats = [d for d in (dtype_a, dtype_b) if d in FLOAT_DTYPES]
+    if not floats:
+        return "exact"
+    worst = min(floats, key=lambda d: PRECISION_RANK[d])
+    return "float8" if worst.startswith("float8") else worst
+
+
+class TolerancePolicy:
+    """Defaults per dtype, overridden globally and then by the first matching module-path rule."""
+
+    def __init__(self, atol=None, rtol=None, cos=None, rules=()):
+        self.global_override = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("cos", cos)) if v is not None}
+        self.rules = [(re.compile(pattern), dict(values)) for pattern, values in rules]
+
+    def for_tensor(self, path: str, dtype_a: str, dtype_b: str) -> Tolerance:
+        cls = dtype_class(dtype_a, dtype_b)
+        tol = DEFAULTS[cls]
+        if cls != "exact":
+            tol = replace(tol, **self.global_override)
+        for pattern, values in self.rules:
+            if pattern.search(path):
+                tol = replace(tol, **values)
+                break
+        return tol
+
+    def describe(self) -> dict:
+        return {"defaults": {k: v.as_dict() for k, v in DEFAULTS.items()}, "override": self.global_override,
+                "rules": [[p.pattern, v] for p, v in self.rules]}
+
+    @classmethod
+    def from_description(cls, desc: dict) -> "TolerancePolicy":
+        o = desc.get("override", {})
+        return cls(o.get("atol"), o.get("rtol"), o.get("cos"), rules=desc.get("rules", ()))
+
+
+def parse_rule(text: str):
+    """``REGEX:atol=1e-3,rtol=0,cos=0.999`` -> (regex, {...}); raises ValueError with a readable message."""
+    pattern, sep, body = text.rpartition(":")
+    if not sep or not pattern:
+        raise ValueError(f"tolerance rule {text!r} should look like 'REGEX:atol=1e-3,cos=0.999'")
+    values = {}
+    for item in body.split(","):
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq or key not in ("atol", "rtol", "cos"):
+            raise ValueError(f"tolerance rule {text!r}: expected atol=, rtol= or cos=, got {item!r}")
+        values[key] = check_value(key, float(val))
+    re.compile(pattern)
+    return pattern, values
+
+
+def check_value(name: str, value: float) -> float:
+    """Tolerances must be real numbers in range: a NaN would silently pass everything."""
+    if math.isnan(value) or (name != "cos" and (value < 0 or math.isinf(value))) or \
+            (name == "cos" and not -1 <= value <= 1):
+        raise ValueError(f"{name} must be {'between -1 and 1' if name == 'cos' else 'a finite number >= 0'}, "
+                         f"not {value}")
+    return value
+
+
+def judge(metrics: dict, tol: Tolerance) -> tuple[bool, str]:
+    """(passed, reason). The reason names the first check that failed, for the report."""
+    if metrics.get("mismatch"):
+        return False, metrics["mismatch"]
+    if metrics.get("nonfinite_mismatch"):
+        return False, f"{metrics['nonfinite_mismatch']} NaN/Inf values differ"
+    if metrics.get("identical"):
+        return True, "identical"
+    limit = tol.atol + tol.rtol * metrics.get("ref_max_abs", 0.0)
+    if metrics["max_abs"] > limit:
+        return False, f"max abs diff {metrics['max_abs']:.3g} > {limit:.3g}"
+    cosine = metrics.get("cosine")
+    if tol.cos is not None and cosine is not None and cosine < tol.cos:
+        return False, f"cosine {cosine:.8f} < {tol.cos}"
+    return True, "within tolerance"

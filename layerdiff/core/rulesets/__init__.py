@@ -1,5 +1,0 @@
-"""Built-in rule sets, one per ecosystem, as plain data in the schema of ``core.rules.from_dict`` (the same as a
-user's TOML rule file). Each acts only where its module names appear, so all of them are always on."""
-from . import huggingface, megatron, mindformers
-
-ALL = (("huggingface", huggingface.RULES), ("megatron", megatron.RULES), ("mindformers", mindformers.RULES))

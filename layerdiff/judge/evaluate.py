@@ -1,0 +1,134 @@
+"""The judging pass of align: every measured tensor judged under a tolerance policy, the origin named forward and
+backward, and what else a reader of the verdict needs (trust, how the error grows, the window to trace next).
+
+Pure functions of the measured report: ``evaluate`` never reads a trace, so a saved report is judged again under
+other tolerances (``layerdiff report``) with the same result as a new alignment."""
+from __future__ import annotations
+
+from layerdiff import schema
+from layerdiff.compare.measure import measure
+from layerdiff.compare.metrics import relative_error
+from layerdiff.compare.tolerance import TolerancePolicy
+from layerdiff.judge.origin import phase_result
+from layerdiff.judge.tree import call_tree, judge_rows, param_rows
+from layerdiff.match.layouts import LayoutRules
+from layerdiff.match.modules import find_blocks
+from layerdiff.match.rename import RenameRules
+from layerdiff.match.rules import RuleSet
+
+
+def evaluate(measurements: schema.Report, policy: TolerancePolicy) -> schema.Report:
+    """Judge every tensor and locate the origin, forward and backward. Returns the full report dict, a new one:
+    ``measurements`` is not changed."""
+    rows = judge_rows(measurements, policy)
+    params = {kind: param_rows(rows, kind) for kind in ("param", "param_grad", "param_grad_use")}
+    strict = measurements.get("structure") == "same_model"
+    forward = phase_result(rows, "forward", call_tree(rows, "forward", strict), params, None)
+    backward = phase_result(rows, "backward", call_tree(rows, "backward", strict), params,
+                             forward["first_divergence"])
+    for key, side in (("failure", "b"), ("failure_a", "a")):  # a run that raised: where, and what
+        failure = measurements[side].get("failure")
+        forward[key] = failure and {"module": failure.get("module"), "error": failure.get("error"),
+                                    "module_stack": failure.get("module_stack", [])}
+    crash = forward["failure"] or forward["failure_a"]
+    if crash and forward["first_divergence"] is None:  # everything before the crash agrees: the crash is it
+        run = "B" if forward["failure"] else "A"
+        forward["status"] = "failed"
+        forward["first_divergence"] = {
+            "module": crash["module"], "where": "raised", "phase": "forward", "error": crash["error"],
+            "description": f"{crash['module'] or '<root>'} raised in run {run}: {crash['error']}",
+            "chain": [p or "<root>" for p in crash["module_stack"]], "hparam_diff": {}, "param_diffs": []}
+    param_values = params["param"]
+    report = {**measurements, "records": rows}
+    report["trust"] = trust(measurements, forward, backward)
+    report["next_pass"] = window_suggestion(measurements, forward["first_divergence"])
+    report.update(
+        tolerances=policy.describe(), forward=forward, backward=backward,
+        params={"compared": len(param_values), "differ": [p["name"] for p in param_values if not p["passed"]],
+                "grads_compared": len(params["param_grad"]),
+                "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]],
+                "grad_uses_differ": [f"{p['module']} (call {p['call']})" for p in params["param_grad_use"]
+                                     if not p["passed"]]},
+        growth=growth_table(rows, forward["first_divergence"]),
+        verdict="divergent" if {"divergent", "failed"} & {forward["status"], backward["status"]}
+        or any(not p["passed"] for p in param_values) else "aligned")
+    return report
+
+
+def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: schema.PhaseResult) -> schema.Trust:
+    """Why an "aligned" verdict could still be wrong: a run that did not finish, a phase recorded on one side
+    only, the same trace twice. ``{"ok": bool, "problems": [...]}``; the CLI exits 3 for aligned-but-not-ok."""
+    problems = []
+    for side, name in (("a", "A"), ("b", "B")):
+        summary = measurements[side]
+        if not summary.get("complete", True):
+            problems.append(f"{name} ({summary['path']}) is incomplete: its run did not finish, so only what it "
+                            "recorded before was compared")
+    phases = measurements.get("phases") or {}
+    for phase in ("forward", "backward"):
+        present = phases.get(phase, {})
+        if present.get("a") != present.get("b"):
+            only = "A" if present.get("a") else "B"
+            problems.append(f"{phase} was recorded in {only} only (traced with --no-backward, or no backward "
+                            "pass run?): it was not compared")
+    if measurements.get("same_file"):
+        problems.append("A and B are the same file: nothing was compared with another run")
+    return {"ok": not problems, "problems": problems}
+
+
+def window_suggestion(measurements: schema.Report, origin: schema.Origin | None) -> dict | None:
+    """Two-pass tracing: after a statistics-only align, the block to trace again in full mode and bisect."""
+    if origin is None or measurements.get("basis") not in ("stats", "mixed") or not origin.get("module"):
+        return None
+    container, blocks = find_blocks(r["path"] for r in measurements["records"] if r["kind"] == "call")
+    index = next((i for i, b in enumerate(blocks) if origin["module"] == b or origin["module"].startswith(b + ".")),
+                 None)
+    if index is None:
+        return None
+    return {"block": blocks[index], "layers": f"{index}:{index + 1}", "container": container}
+
+
+def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows: int = 16) -> list:
+    """Forward calls at the coarsest depth that still shows the model's blocks, plus the origin's ancestors
+    and siblings: how the error grows, block by block, and where it starts."""
+    step = origin["step"] if origin and "step" in origin else 0
+    calls = sorted((r for r in rows if r["kind"] == "call" and r["phase"] == "forward" and r["step"] == step),
+                   key=lambda r: r["begin"])
+    depth = lambda r: 0 if not r["path"] else r["path"].count(".") + 1  # noqa: E731
+    chosen = 1
+    for d in range(1, 12):
+        if sum(1 for r in calls if depth(r) <= d) > max_rows:
+            break
+        chosen = d
+    near = set()
+    if origin and origin.get("chain"):
+        chain = [p if p != "<root>" else "" for p in origin["chain"]]
+        near.update(chain)
+        parent = chain[-2] if len(chain) > 1 else None
+        near.update(r["path"] for r in calls if parent is not None and r.get("parent") and r["parent"][0] == parent)
+        near.update(r["path"] for r in calls if r.get("parent") and r["parent"][0] == chain[-1])
+    tree_depth = {}
+    for r in calls:  # depth in the call tree (a never-called ModuleList adds no level)
+        parent = tuple(r["parent"]) if r.get("parent") else None
+        tree_depth[(r["path"], r["call"])] = tree_depth.get(parent, -1) + 1
+    table = []
+    for r in calls:
+        if depth(r) > chosen and r["path"] not in near:
+            continue
+        outs = [t for t in r["tensors"] if t["role"] == "output"]
+        worst = max(outs, key=lambda t: relative_error(t["metrics"]), default=None)
+        table.append({"module": r["path"], "call": r["call"], "type": r["type_a"],
+                      "depth": tree_depth[(r["path"], r["call"])],
+                      "passed": all(t["passed"] for t in r["tensors"]) and not r.get("error_b"),
+                      "max_abs": worst and worst["metrics"].get("max_abs"),
+                      "rel": worst and relative_error(worst["metrics"]),
+                      "cosine": worst and worst["metrics"].get("cosine"),
+                      "origin": bool(origin and r["path"] == origin["module"] and r["call"] == origin.get("call"))})
+    return table
+
+
+def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
+          progress=None, auto_map: bool = True, layouts: LayoutRules | None = None,
+          rules: RuleSet | None = None, workers: int | None = 1) -> schema.Report:
+    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts, rules, workers=workers),
+                    policy or TolerancePolicy())

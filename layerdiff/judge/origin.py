@@ -1,0 +1,159 @@
+"""The origin rule: the call whose inputs agree and whose outputs do not, found by descending the judged call tree.
+
+From a call whose inputs agree, the children are visited in execution order: the first child whose inputs already
+disagree means the divergence was born in the parent's own code, between the previous child and that one; the
+first child whose outputs disagree is descended into. Backward is the same with gradients: w.r.t. outputs (the
+inputs of backward) and w.r.t. inputs plus the module's own parameter gradients (the outputs of backward)."""
+from __future__ import annotations
+
+from layerdiff import schema
+from layerdiff.judge.tree import Node
+from layerdiff.match.layouts import type_family
+
+HPARAM_ALIASES = {"epsilon": "eps", "variance_epsilon": "eps", "layer_norm_eps": "eps", "rms_norm_eps": "eps",
+                  "layer_norm_epsilon": "eps", "norm_eps": "eps", "dropout_p": "p", "attention_dropout": "p"}
+
+
+def _first_failing(tensors) -> dict | None:
+    return next((t for t in tensors if not t["passed"]), None)
+
+
+def _locate(node: Node, chain: list):
+    """Descend from a call whose inputs agree but which diverges somewhere inside or at its outputs."""
+    chain = chain + [node]
+    previous = None
+    for child in node.children:
+        if not child.inputs_ok:
+            return node, "own_code", previous, child, chain
+        if not child.outputs_ok or not child.subtree_ok():
+            found = _locate(child, chain)
+            if found:
+                return found
+        previous = child
+    if not node.outputs_ok:
+        return node, ("own_code" if node.children else "module"), previous, None, chain
+    return None
+
+
+def describe_origin(node: Node, where: str, after, before, ranks: tuple | None = None) -> str:
+    path = node.row["path"] or "<root>"
+    if ranks and where != "own_code":
+        numbers, how = ranks
+        owner = f"rank {numbers[0]}'s" if len(numbers) == 1 else f"ranks {', '.join(map(str, numbers))}'"
+        return f"{owner} {'shard' if how == 'shards' else 'copy'}{'s' if len(numbers) > 1 else ''} of {path}"
+    if where != "own_code":
+        return path
+    repeated = after is not None and before is not None and after.row["path"] == before.row["path"]
+
+    def short(n):  # a module called several times is named with its call
+        if n is None:
+            return None
+        name = n.row["path"].rsplit(".", 1)[-1]
+        return f"{name} (call {n.row['call']})" if repeated or n.row["call"] else name
+    if after and before:
+        return f"{path}, own code between {short(after)} and {short(before)}"
+    if before:
+        return f"{path}, own code before {short(before)}"
+    if after:
+        return f"{path}, own code after {short(after)}"
+    return f"{path}, own code"
+
+
+def _partial_ranks(tensor: dict | None) -> tuple | None:
+    """(ranks, "shards" or "copies") whose part is off, when only some are (all of them: none is singled out)."""
+    ranks = (tensor or {}).get("ranks")
+    per_rank = ((tensor or {}).get("metrics") or {}).get("ranks", {})
+    numbers = [r for r in per_rank if r.isdigit()]
+    return (ranks, per_rank.get("how")) if ranks and len(ranks) < len(numbers) else None
+
+
+def hparam_diff(a: dict | None, b: dict | None) -> dict:
+    def norm(h):
+        return {HPARAM_ALIASES.get(k, k): v for k, v in (h or {}).items()}
+
+    na, nb = norm(a), norm(b)
+    return {k: [na[k], nb[k]] for k in sorted(set(na) & set(nb)) if na[k] != nb[k]}
+
+
+def _origin_dict(node: Node, where: str, after, before, chain, phase: str, params: list) -> schema.Origin:
+    row = node.row
+    if where == "inputs":
+        bad = _first_failing(node.ins)
+    else:
+        bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
+    diff = hparam_diff(row.get("hparams_a"), row.get("hparams_b"))
+    families = (row.get("family_a"), row.get("family_b")) if "family_a" in row else \
+        (type_family(row.get("type_a")), type_family(row.get("type_b")))
+    if families[0] != families[1]:  # Linear vs Dense is no difference
+        diff = {"type": [row.get("type_a"), row.get("type_b")], **diff}
+    same_family_types = None
+    if families[0] == families[1] and row.get("type_a") != row.get("type_b") and row.get("type_b"):
+        same_family_types = [row.get("type_a"), row.get("type_b")]  # NewGELU vs GELU: worth a look
+    own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
+    return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
+            "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
+            "description": describe_origin(node, where, after, before, _partial_ranks(bad)),
+            "tensor": bad and {"role": bad["role"], "key": bad["key"], "reason": bad["reason"],
+                               "metrics": bad["metrics"]},
+            "ranks": bad.get("ranks") if bad else None, "hint": bad.get("hint") if bad else None,
+            "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
+            "class_diff": same_family_types,
+            "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
+            "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
+
+
+def _first_over_tolerance(rows, phase):
+    over = [r for r in rows if r["kind"] == "call" and r["phase"] == phase
+            and any(not t["passed"] for t in r["tensors"])]
+    if not over:
+        return None
+    first = min(over, key=lambda r: r["end"])  # completion order: the first result that was off
+    return {"module": first["path"], "call": first["call"]}
+
+
+def phase_result(rows, phase, roots, params, forward_origin) -> schema.PhaseResult:
+    present = any(r["kind"] == "call" and r["phase"] == phase for r in rows)
+    failing = [t for r in rows if r["kind"] == "call" and r["phase"] == phase for t in r["tensors"]
+               if not t["passed"]]
+    if phase == "backward":
+        failing += [p for kind in ("param_grad", "param_grad_use") for p in params.get(kind, []) if not p["passed"]]
+    failing += [t for root in roots for t in root.ins if t.get("one_sided")]
+    result = {"present": present, "status": "aligned" if present and not failing else
+              ("divergent" if failing else "absent"), "failing_tensors": len(failing),
+              "first_divergence": None, "first_over_tolerance": _first_over_tolerance(rows, phase)}
+    if failing:
+        origin = _origin(roots, phase, params)
+        if phase == "backward" and forward_origin is not None:
+            # Once forward differs, every gradient is computed from differing activations, and small
+            # differences grow through sums (weight gradients): backward is attributed to the forward origin;
+            # what the backward descent alone would name is kept to look at after the forward fix.
+            inherited = {**forward_origin, "where": "forward", "phase": "backward",
+                         "description": f"{forward_origin['description']} (inherited from the forward divergence)"}
+            if origin is not None and origin["where"] != "inputs":
+                inherited["backward_candidate"] = origin["description"]
+            origin = inherited
+        result["first_divergence"] = origin
+    return result
+
+
+def _origin(roots, phase, params) -> schema.Origin | None:
+    for root in roots:
+        if not root.inputs_ok:
+            what = "inputs" if phase == "forward" else "gradient of the loss w.r.t. the outputs"
+            origin = _origin_dict(root, "inputs", None, None, [root], phase, [])
+            origin["description"] = f"{root.row['path'] or '<root>'}: the runs were given different {what}"
+            return origin
+        found = _locate(root, [])
+        if found:
+            node, where, after, before, chain = found
+            own_params = params.get("param" if phase == "forward" else "param_grad", [])
+            return _origin_dict(node, where, after, before, chain, phase, own_params)
+    bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)
+    if phase == "backward" and bad_param is not None:  # parameter gradients differ though no call shows it
+        description = f"{bad_param['name']} gradient"
+        if bad_param.get("tied"):
+            description += (f" (a weight tied across {', '.join(bad_param['tied'])}: one of its users computes its "
+                            "weight gradient differently)")
+        return {"module": bad_param["module"], "where": "param_grad", "description": description,
+                "tensor": bad_param, "hparam_diff": {}, "param_diffs": [bad_param], "chain": [], "phase": phase}
+    return None

@@ -1,0 +1,134 @@
+"""The call tree that judging walks: one node per matched call (a module call today; an operation inside one
+tomorrow), with its tensors judged under a tolerance policy and sorted into the node's inputs and outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from layerdiff import schema
+from layerdiff.compare.tolerance import TolerancePolicy, judge
+from layerdiff.schema import IN_ROLES, OUT_ROLES
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pass 2: evaluate
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Node:
+    row: schema.Row
+    ins: list[schema.TensorResult]
+    outs: list[schema.TensorResult]
+    children: list = field(default_factory=list)
+
+    @property
+    def key(self):
+        return self.row["path"], self.row["call"]
+
+    @property
+    def inputs_ok(self) -> bool:
+        return all(t["passed"] for t in self.ins)
+
+    @property
+    def outputs_ok(self) -> bool:
+        return all(t["passed"] for t in self.outs) and not (self.row.get("error_a") or self.row.get("error_b"))
+
+    def subtree_ok(self) -> bool:
+        return self.inputs_ok and self.outputs_ok and all(c.subtree_ok() for c in self.children)
+
+
+def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[schema.Row]:
+    """The measured rows with every tensor judged under ``policy``: new rows and tensors, the measurements are
+    left as they were (the same measurements can be judged again under other tolerances)."""
+    return [{**row, "tensors": [_judged(row["path"], t, policy) for t in row["tensors"]]}
+            for row in measurements["records"]]
+
+
+def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy) -> schema.TensorResult:
+    tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"])
+    passed, reason = judge(tensor["metrics"], tol)
+    t = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
+    for stale in ("ranks", "hint"):  # from an earlier judgement under other tolerances
+        t.pop(stale, None)
+    per_rank = tensor["metrics"].get("ranks")
+    if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
+        t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]
+        if t["ranks"] and "sum" in per_rank and judge(per_rank["sum"], tol)[0]:
+            t["hint"] = ("the ranks' copies differ from each other but add up to the reference's: a "
+                         "reduction (all-reduce) is missing")
+    return t
+
+
+def _one_sided(row: schema.Row, phase: str) -> list[schema.TensorResult]:
+    """Pseudo-tensors that fail: inputs given to one run only (a mask passed on one side)."""
+    roles = IN_ROLES[phase]
+    out = []
+    for side, other in (("only_a", "B"), ("only_b", "A")):
+        for item in row.get(side) or ():
+            role, _, key = item.partition(":")
+            if role in roles:
+                out.append({"role": role, "key": key, "passed": False, "one_sided": True,
+                            "reason": f"given to run {'A' if other == 'B' else 'B'} only",
+                            "metrics": {"basis": "shape", "mismatch": f"absent in run {other}"}})
+    return out
+
+
+def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict, strict_inputs: bool = False, uses: dict | None = None) -> list:
+    """The call tree of A's matched calls. A call whose parent has no counterpart hangs under its nearest
+    ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
+    root of one run only counts as a difference of the inputs."""
+    nodes = {}
+    for row in rows:
+        if row["kind"] != "call" or row["phase"] != phase:
+            continue
+        ins = [t for t in row["tensors"] if t["role"] in IN_ROLES[phase]]
+        outs = [t for t in row["tensors"] if t["role"] in OUT_ROLES[phase]]
+        nodes[(row["path"], row["call"])] = Node(row, ins, outs)
+    if phase == "backward":  # a module's parameter gradients belong to its first call of that step
+        for (module, step), tensors in param_grads.items():
+            owner = min((n for n in nodes.values() if n.row["path"] == module and n.row["step"] == step),
+                        key=lambda n: n.row["call"], default=None)
+            if owner is not None:
+                owner.outs.extend(tensors)
+        for key, tensors in (uses or {}).items():  # a tied weight's gradient, per use: on the call that used it
+            if key in nodes:
+                nodes[key].outs.extend(tensors)
+    roots = []
+    for node in sorted(nodes.values(), key=lambda n: n.row["begin"]):
+        chain = node.row.get("ancestors")
+        if chain is None:
+            chain = [node.row["parent"]] if node.row.get("parent") else []
+        parent = next((nodes[tuple(up)] for up in chain if tuple(up) in nodes), None)
+        if parent is not None:
+            parent.children.append(node)
+        else:
+            if strict_inputs and not chain:
+                node.ins = node.ins + _one_sided(node.row, phase)
+            roots.append(node)
+    return roots
+
+
+def call_tree(rows: list[schema.Row], phase: str, strict_inputs: bool = False) -> list[Node]:
+    """The judged call tree of one phase (``_build_tree``) with parameter gradients placed on the calls they
+    belong to: a module's own on its first call of the step; a tied weight's per use, on the call that used it
+    (its total, the sum of its uses, then stays off the tree)."""
+    if phase == "forward":
+        return _build_tree(rows, phase, {}, strict_inputs)
+    uses = param_rows(rows, "param_grad_use")
+    used = {p["name"] for p in uses}
+    grads_by_module, uses_by_call = {}, {}
+    for p in param_rows(rows, "param_grad"):
+        if not (p.get("tied") and used):
+            grads_by_module.setdefault((p["module"], p["step"]), []).append(p)
+    for p in uses:
+        uses_by_call.setdefault((p["module"], p["call"]), []).append(p)
+    return _build_tree(rows, phase, grads_by_module, strict_inputs, uses_by_call)
+
+
+def param_rows(rows, kind):
+    out = []
+    for r in rows:
+        if r["kind"] == kind and r["tensors"]:
+            t = r["tensors"][0]
+            out.append({"name": r["path"], "module": r["module"], "step": r["step"], "call": r["call"],
+                        "tied": r.get("tied"), "passed": t["passed"],
+                        "reason": t["reason"], "metrics": t["metrics"], "role": t["role"], "key": r["path"].rsplit(".", 1)[-1]})
+    return out

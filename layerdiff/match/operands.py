@@ -1,0 +1,165 @@
+"""A tensor as compared: a stored entry of a trace, or a value derived from stored entries.
+
+Most comparisons read two stored tensors. A port that fuses, splits or re-represents a tensor needs a derived
+one instead: one part of a fused output, the parts merged back, a sum of gradients that meet in one input, the
+cosine of rotary angles, a mask as "masked" flags. An ``Operand`` says which entries and what to do with them;
+``values`` computes it from a reader, ``stats`` from the entries' statistics where that is possible (statistics
+survive merging and permuting, not splitting or cosines).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from layerdiff.match import fusion
+from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float
+
+_FLOAT_KINDS = ("float", "bfloat", "complex")
+
+
+def dtype_kind(dtype: str) -> str:
+    """float, int or bool: tensors of different kinds are never compared with each other."""
+    if dtype.startswith(_FLOAT_KINDS):
+        return "float"
+    return "bool" if dtype == "bool" else "int"
+
+
+@dataclass(frozen=True)
+class Operand:
+    entries: tuple  # stored entries (dicts with dtype, shape, stats and, in full mode, offset/nbytes)
+    op: str = "value"  # value | part | merge | sum | cos | sin | masked | shift_left | topk_dense | topk_map
+    axis: int = 0
+    sizes: tuple = ()
+    groups: int = 1
+    index: int = 0
+    transposed: bool = False  # entries stored [in, out] (Paddle Linear): transposed before anything else
+    bool_masked: bool = False  # masked: True in a boolean mask means "masked" (Megatron), else "attend"
+
+    @classmethod
+    def stored(cls, entry: dict, transposed: bool = False) -> "Operand":
+        return cls((entry,), transposed=transposed)
+
+    @property
+    def entry(self) -> dict:
+        return self.entries[0]
+
+    @property
+    def plain(self) -> bool:
+        return self.op == "value" and not self.transposed
+
+    @property
+    def dtype(self) -> str:
+        return "float32" if self.op in ("cos", "sin", "masked", "topk_map") else self.entry["dtype"]
+
+    def _base_shape(self, entry) -> tuple:
+        shape = tuple(entry["shape"])
+        return shape[::-1] if self.transposed and len(shape) == 2 else shape
+
+    @property
+    def shape(self) -> tuple:
+        base = self._base_shape(self.entry)
+        if self.op == "part":
+            axis = self.axis % len(base)
+            return base[:axis] + (self.sizes[self.index],) + base[axis + 1:]
+        if self.op == "merge":
+            axis = self.axis % len(base)
+            return base[:axis] + (sum(self._base_shape(e)[axis] for e in self.entries),) + base[axis + 1:]
+        if self.op in ("topk_dense", "topk_map"):  # top-k choices spread over all ``sizes[0]`` experts
+            return base[:-1] + (self.sizes[0],)
+        return base
+
+    @property
+    def has_data(self) -> bool:
+        return all("offset" in e for e in self.entries)
+
+    def stats(self) -> dict | None:
+        """Summary statistics of the operand, when its entries' statistics determine them."""
+        if self.op == "value":
+            return self.entry.get("stats")
+        if self.op == "merge":
+            return combine_stats([e.get("stats") for e in self.entries])
+        if self.op == "topk_dense":  # the chosen scores, and a zero for every expert not chosen
+            scores, zeros = self.entry.get("stats"), math.prod(self.shape) - math.prod(self.entry["shape"])
+            return combine_stats([scores, {"numel": zeros, "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0}])
+        return None
+
+    def values(self, reader) -> np.ndarray:
+        arrays = [self._load(reader, e) for e in self.entries]
+        if self.op == "value":
+            return arrays[0]
+        if self.op == "part":
+            return fusion.split(arrays[0], self.axis, self.sizes, self.groups)[self.index]
+        if self.op == "merge":
+            return fusion.merge(arrays, self.axis, self.groups)
+        if self.op == "sum":
+            return np.sum(np.stack([a.astype(np.float64) for a in arrays]), axis=0)
+        if self.op == "cos":
+            return np.cos(arrays[0].astype(np.float64)).astype(np.float32)
+        if self.op == "sin":
+            return np.sin(arrays[0].astype(np.float64)).astype(np.float32)
+        if self.op == "masked":
+            return masked_flags(arrays[0], self.entry["dtype"], self.bool_masked)
+        if self.op in ("topk_dense", "topk_map"):  # (scores,) indices -> [tokens, experts], zero where not chosen
+            indices = arrays[-1].astype(np.int64)
+            chosen = arrays[0] if self.op == "topk_dense" else np.ones(indices.shape, np.float32)
+            dense = np.zeros(indices.shape[:-1] + (self.sizes[0],), dtype=chosen.dtype)
+            np.put_along_axis(dense, indices, chosen, axis=-1)
+            return dense
+        if self.op == "shift_left":  # labels as a pipeline that shifts them hands them over
+            x = arrays[0]
+            return np.concatenate([x[..., 1:], np.full(x.shape[:-1] + (1,), -100, dtype=x.dtype)], axis=-1)
+        raise ValueError(f"unknown operand {self.op!r}")
+
+    def _load(self, reader, entry) -> np.ndarray:
+        raw = reader.tensor(entry)
+        values = as_float(raw, entry["dtype"]) if entry["dtype"] in FLOAT_DTYPES else raw
+        if self.op not in ("masked", "topk_dense", "topk_map") and values.dtype not in (np.float32, np.float64):
+            values = values.astype(np.float64)
+        return values.T if self.transposed and values.ndim == 2 else values
+
+    def describe(self, part_names=()) -> str | None:
+        """What was done to the stored tensor, for the report (None for a plain stored tensor)."""
+        if self.op == "part":
+            name = part_names[self.index] if self.index < len(part_names) else f"part {self.index}"
+            grouped = f", {self.groups} groups" if self.groups > 1 else ""
+            return f"{name} part of the fused tensor{grouped}"
+        if self.op == "merge":
+            return f"{len(self.entries)} parts merged" + (f" in {self.groups} groups" if self.groups > 1 else "")
+        if self.op == "sum":
+            return f"sum of {len(self.entries)} gradients"
+        if self.op in ("cos", "sin"):
+            return f"{self.op} of rotary angles"
+        if self.op == "masked":
+            return "mask as masked/attended flags"
+        if self.op == "shift_left":
+            return "labels shifted left by one (last -100), as the other run's pipeline does"
+        if self.op == "topk_dense":
+            return f"top-k scores spread over the {self.sizes[0]} experts"
+        if self.op == "topk_map":
+            return f"top-k choices as flags over the {self.sizes[0]} experts"
+        return "stored transposed" if self.transposed else None
+
+
+def masked_flags(values: np.ndarray, dtype: str, bool_masked: bool) -> np.ndarray:
+    """1.0 where a mask hides a position, 0.0 where it lets attention through: booleans by convention, additive
+    floats by their large negative values."""
+    if dtype == "bool":
+        hidden = values if bool_masked else ~values
+    elif dtype in FLOAT_DTYPES:
+        hidden = np.asarray(values) < -1.0
+    else:  # integer padding masks: 1 keeps, 0 hides
+        hidden = np.asarray(values) == 0
+    return np.asarray(hidden, dtype=np.float32)
+
+
+def combine_stats(stats) -> dict | None:
+    """Statistics of the concatenation of tensors, from theirs."""
+    if not stats or any(s is None or s.get("min") is None for s in stats):
+        return None
+    numel = sum(s["numel"] for s in stats)
+    return {"numel": numel, "min": min(s["min"] for s in stats), "max": max(s["max"] for s in stats),
+            "mean": sum(s["mean"] * s["numel"] for s in stats) / max(numel, 1),
+            "l2": math.sqrt(sum(s["l2"] ** 2 for s in stats)),
+            "nan": sum(s.get("nan", 0) for s in stats), "inf": sum(s.get("inf", 0) for s in stats)}

@@ -1,0 +1,276 @@
+"""How ports name, fuse and represent the same model: one rule set, read by mapping, align, replay, weight transfer
+and checkpoint diff.
+
+A rule set is plain data with five parts:
+
+- ``names``: synonyms for module names (``wq`` ~ ``q_proj`` ~ ``query``), as canonical tokens;
+- ``families``: extra class-name patterns for type families (``ColumnParallelLinear`` is a ``linear``);
+- ``fused``: one module on one side that is several on the other (Megatron ``linear_qkv`` = q, k, v per query
+  group), with where its group count comes from;
+- ``moved_params``: parameters kept inside another module than the one that uses them (Transformer Engine keeps
+  the attention norm's weight in ``linear_qkv`` as ``layer_norm_weight``), named where they belong;
+- value representations: rotary tables as angles vs their cos and sin (``rotary``), boolean vs additive masks
+  (``masks``), sequence-first activations ([s, b, h], ``sequence_first``) and labels shifted by the data pipeline
+  (``shifted_labels``), each by model class.
+
+The built-in rules are in ``match/rulesets`` (one file per ecosystem); users add their own in a TOML file with the
+same schema (``--rules FILE``, documented in the README). Nothing here imports a framework.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from layerdiff.errors import LayerdiffError
+from layerdiff.match.layouts import type_family as builtin_family
+
+
+@dataclass(frozen=True)
+class FusedRule:
+    """``module`` (a regex on a module's own name) holds the parts ``parts`` (canonical tokens) back to back along
+    its output features, in ``groups`` groups: [p0 of group 0, p1 of group 0, ..., p0 of group 1, ...].
+    ``groups`` lists where the group count comes from, tried in order: integers, or hyper-parameter names looked
+    up on the fused module and its parent (either side); without one, parameter values decide, else 1."""
+
+    name: str
+    module: re.Pattern
+    parts: tuple
+    groups: tuple = ()
+    source: str = ""
+    tp_every_part: bool = False  # a tensor-parallel shard holds a slice of every part (Megatron's fc1)
+
+    def matches(self, local_name: str) -> bool:
+        return bool(self.module.search(local_name))
+
+
+@dataclass(frozen=True)
+class AngleRule:
+    """Rotary tables: one side hands on the angles, the other their cosine and sine. Key patterns name the tensors
+    (``FAMILY:KEY`` limits a pattern to modules of that type family)."""
+
+    name: str
+    angles: tuple
+    cos: tuple
+    sin: tuple
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """Attention masks: additive floats (0 / large negative) or booleans; ``bool_masked`` says whether True means
+    "masked" for models of classes matching ``model_class`` (Megatron) or "attend" (PyTorch SDPA, HF)."""
+
+    keys: tuple
+    model_class: re.Pattern | None
+    bool_masked: bool
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    names: dict = field(default_factory=dict)  # synonym (lower case) -> canonical token
+    families: tuple = ()  # (compiled pattern, family)
+    fused: tuple = ()
+    angles: tuple = ()
+    masks: tuple = ()
+    sequence_first: tuple = ()  # compiled model-class patterns whose activations are [s, b, ...]
+    shifted_labels: tuple = ()  # model classes whose "labels" input is already shifted left (last = -100)
+    sources: tuple = ()
+    moved_params: tuple = ()  # (compiled stored piece, home piece)
+
+    def param_home(self, name: str) -> str:
+        """A parameter's name where it belongs: ``x.self_attention.linear_qkv.layer_norm_weight`` is
+        ``x.input_layernorm.weight`` (the first ``moved_params`` entry found in the name, at a dot)."""
+        for pattern, home in self.moved_params:
+            moved, count = pattern.subn(lambda _: home, name, count=1)
+            if count:
+                return moved
+        return name
+
+    def param_homes(self, names) -> dict:
+        """{name where it belongs: stored name} for ``names``; a moved name that would take the place of a
+        stored one keeps its own (a model that has both is not fused)."""
+        names = list(names)
+        stored = set(names)
+        homes = {}
+        for name in names:
+            home = self.param_home(name)
+            homes[name if home in stored or home in homes else home] = name
+        return homes
+
+    def token(self, local_name: str) -> str:
+        """The canonical token of a module's own name: ``wq`` and ``q_proj`` are both ``q``."""
+        name = local_name.lower()
+        return self.names.get(name, name)
+
+    def family(self, type_name: str | None) -> str:
+        name = (type_name or "").lower()
+        for pattern, family in self.families:
+            if pattern.search(name):
+                return family
+        return builtin_family(type_name)
+
+    def fused_rule(self, local_name: str) -> FusedRule | None:
+        return next((r for r in self.fused if r.matches(local_name)), None)
+
+    def is_sequence_first(self, model_class: str | None) -> bool:
+        return bool(model_class) and any(p.search(model_class) for p in self.sequence_first)
+
+    def labels_shifted(self, model_class: str | None) -> bool:
+        return bool(model_class) and any(p.search(model_class) for p in self.shifted_labels)
+
+    def bool_mask_means_masked(self, model_class: str | None) -> bool:
+        for rule in self.masks:
+            if rule.model_class is not None and model_class and rule.model_class.search(model_class):
+                return rule.bool_masked
+        return False  # PyTorch SDPA and HF: True = attend
+
+    def mask_keys(self) -> tuple:
+        return tuple(k for rule in self.masks for k in rule.keys)
+
+    def merged(self, other: "RuleSet") -> "RuleSet":
+        """``other``'s rules first: a user's file overrides the built-in synonyms and patterns."""
+        return RuleSet({**self.names, **other.names}, other.families + self.families, other.fused + self.fused,
+                       other.angles + self.angles, other.masks + self.masks,
+                       other.sequence_first + self.sequence_first, other.shifted_labels + self.shifted_labels,
+                       self.sources + other.sources, other.moved_params + self.moved_params)
+
+    def describe(self) -> list:
+        return list(self.sources)
+
+
+def _compile(pattern, where: str) -> re.Pattern:
+    if not isinstance(pattern, str):
+        raise LayerdiffError(f"{where}: expected a regular expression string, got {pattern!r}")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise LayerdiffError(f"{where}: bad regular expression {pattern!r}: {exc}") from None
+
+
+def _strings(value, where: str) -> tuple:
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise LayerdiffError(f"{where}: expected a string or a list of strings")
+    return tuple(value)
+
+
+_SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", "shifted_labels", "moved_params",
+             "description"}
+
+
+_ENTRY_KEYS = {"fused": {"name", "module", "parts", "groups", "tp_shards"},
+               "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"}}
+
+
+def _check_keys(entry, section: str, where: str):
+    """An unknown key in an entry is refused: in TOML a top-level key written after a table belongs to it."""
+    unknown = set(entry) - _ENTRY_KEYS[section] if isinstance(entry, dict) else set()
+    if unknown:
+        raise LayerdiffError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (expected "
+                             f"{', '.join(sorted(_ENTRY_KEYS[section]))}; top-level keys go before the first table)")
+
+
+def from_dict(data: dict, source: str) -> RuleSet:
+    """Validate and compile one rule set (built-in data or a user's TOML); every error names the entry."""
+    if not isinstance(data, dict):
+        raise LayerdiffError(f"{source}: a rule file is a table of sections")
+    unknown = set(data) - _SECTIONS
+    if unknown:
+        raise LayerdiffError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; expected "
+                             f"{', '.join(sorted(_SECTIONS - {'description'}))}")
+    names = {}
+    for token, synonyms in (data.get("names") or {}).items():
+        for s in _strings(synonyms, f"{source}: [names] {token}") + (token,):
+            names[s.lower()] = token.lower()
+    families = tuple((_compile(p, f"{source}: [families] {fam}"), fam)
+                     for fam, patterns in (data.get("families") or {}).items()
+                     for p in _strings(patterns, f"{source}: [families] {fam}"))
+    fused = []
+    for i, entry in enumerate(data.get("fused") or []):
+        where = f"{source}: [[fused]] entry {i + 1}"
+        _check_keys(entry, "fused", where)
+        if not isinstance(entry, dict) or "module" not in entry or "parts" not in entry:
+            raise LayerdiffError(f"{where}: needs 'module' (regex) and 'parts' (list of names)")
+        parts = tuple(p.lower() for p in _strings(entry["parts"], where + " parts"))
+        if len(parts) < 2:
+            raise LayerdiffError(f"{where}: a fused module has at least two parts")
+        groups = entry.get("groups", ())
+        groups = (groups,) if isinstance(groups, (int, str)) else tuple(groups)
+        if not all(isinstance(g, (int, str)) and not isinstance(g, bool) and (not isinstance(g, int) or g > 0)
+                   for g in groups):
+            raise LayerdiffError(f"{where}: 'groups' lists positive integers or hyper-parameter names")
+        split = entry.get("tp_shards", "slice")
+        if split not in ("slice", "every_part"):
+            raise LayerdiffError(f"{where}: 'tp_shards' is \"slice\" (a shard is a slice of the fused tensor) or "
+                                 "\"every_part\" (a shard holds a slice of every part)")
+        fused.append(FusedRule(str(entry.get("name") or "+".join(parts)), _compile(entry["module"], where),
+                               parts, groups, source, split == "every_part"))
+    angles = []
+    for i, entry in enumerate(data.get("rotary") or []):
+        where = f"{source}: [[rotary]] entry {i + 1}"
+        _check_keys(entry, "rotary", where)
+        if not isinstance(entry, dict) or not {"angles", "cos", "sin"} <= set(entry):
+            raise LayerdiffError(f"{where}: needs 'angles', 'cos' and 'sin' (tensor key patterns)")
+        angles.append(AngleRule(str(entry.get("name", "rotary")), _strings(entry["angles"], where),
+                                _strings(entry["cos"], where), _strings(entry["sin"], where), source))
+    masks = []
+    for i, entry in enumerate(data.get("masks") or []):
+        where = f"{source}: [[masks]] entry {i + 1}"
+        _check_keys(entry, "masks", where)
+        if not isinstance(entry, dict) or "keys" not in entry:
+            raise LayerdiffError(f"{where}: needs 'keys' (tensor names) and optionally model_class, bool_masked")
+        model_class = entry.get("model_class")
+        masks.append(MaskRule(_strings(entry["keys"], where),
+                              _compile(model_class, where) if model_class is not None else None,
+                              bool(entry.get("bool_masked", False)), source))
+    sequence_first = tuple(_compile(p, f"{source}: sequence_first")
+                           for p in _strings(data.get("sequence_first") or [], f"{source}: sequence_first"))
+    shifted = tuple(_compile(p, f"{source}: shifted_labels")
+                    for p in _strings(data.get("shifted_labels") or [], f"{source}: shifted_labels"))
+    moved = data.get("moved_params") or {}
+    if not isinstance(moved, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                              for k, v in moved.items()):
+        raise LayerdiffError(f"{source}: [moved_params] maps a stored name piece to the piece where it belongs "
+                             "(\"self_attention.linear_qkv.layer_norm_\" = \"input_layernorm.\")")
+    moved_params = tuple((re.compile(r"(?:^|(?<=\.))" + re.escape(stored)), home) for stored, home in moved.items())
+    return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted, (source,),
+                   moved_params)
+
+
+def load_file(path) -> RuleSet:
+    """A user's rule file (TOML, the schema of ``from_dict``)."""
+    path = Path(path)
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise LayerdiffError(f"{path}: no such rule file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LayerdiffError(f"{path}: cannot read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise LayerdiffError(f"{path}: not valid TOML ({exc})") from None
+    return from_dict(data, str(path))
+
+
+def builtin() -> RuleSet:
+    """Every built-in rule set, merged (they only act where their module names appear)."""
+    from layerdiff.match.rulesets import ALL
+
+    merged = RuleSet()
+    for name, data in ALL:
+        merged = merged.merged(from_dict(data, f"built-in:{name}"))
+    return merged
+
+
+def ruleset(files=()) -> RuleSet:
+    """The built-in rules plus the user's files (which take precedence)."""
+    merged = builtin()
+    for path in files or ():
+        merged = merged.merged(load_file(path))
+    return merged

@@ -1,0 +1,171 @@
+"""Own errors: which segments of the candidate are wrong on the reference's numbers.
+
+Forcing the reference's values at every boundary cuts the candidate into segments that each start from the
+reference's numbers: a leaf module's own work, or a parent's own code between two of its children. What the
+candidate computed before a forced value replaced it is compared with the reference (``measure``), and every
+difference left is that segment's OWN error: nothing inherited, nothing amplified."""
+from __future__ import annotations
+
+import math
+
+from layerdiff import schema
+from layerdiff.compare.metrics import relative_error
+from layerdiff.compare.tolerance import TolerancePolicy
+from layerdiff.judge.origin import describe_origin
+from layerdiff.judge.tree import call_tree, judge_rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Own errors: which segments of the candidate are wrong on the reference's numbers
+# ---------------------------------------------------------------------------------------------------------
+def _worst(tensors: list[schema.TensorResult]) -> schema.TensorResult | None:
+    failing = [t for t in tensors if not t["passed"]]
+    return max(failing, key=lambda t: relative_error(t["metrics"]), default=None)
+
+
+def _segment(node, where: str, description: str, tensor: dict | None, order: int, phase: str) -> dict:
+    row = node.row
+    return {"phase": phase, "module": row["path"], "call": row["call"], "where": where,
+            "description": description, "order": order,
+            "tensor": tensor and {"role": tensor["role"], "key": tensor["key"], "reason": tensor["reason"],
+                                  "metrics": tensor["metrics"]},
+            "rel_error": relative_error(tensor["metrics"]) if tensor else math.inf}
+
+
+def _forward_segments(roots) -> list:
+    out = []
+
+    def visit(node, parent, previous):
+        bad_in = _worst(node.ins)
+        if bad_in is not None:
+            if parent is None:
+                out.append(_segment(node, "inputs", f"{node.row['path'] or '<root>'}: the runs were given "
+                                    "different inputs", bad_in, node.row["begin"], "forward"))
+            else:
+                out.append(_segment(parent, "own_code", describe_origin(parent, "own_code", previous, node), bad_in,
+                                    node.row["begin"], "forward"))
+        before = None
+        for child in node.children:
+            visit(child, node, before)
+            before = child
+        if node.row.get("error_b"):  # the innermost call that raised; its callers only passed the error on
+            if any(child.row.get("error_b") for child in node.children):
+                return
+            out.append({**_segment(node, "raised", f"{node.row['path'] or '<root>'} raised on the reference's "
+                                   f"inputs: {node.row['error_b']}", None, node.row["end"], "forward"),
+                        "error": node.row["error_b"]})
+            return
+        bad_out = _worst(node.outs)
+        if bad_out is not None:
+            where = "own_code" if node.children else "module"
+            text = describe_origin(node, where, before, None) if node.children else (node.row["path"] or "<root>")
+            out.append(_segment(node, where, text, bad_out, node.row["end"], "forward"))
+
+    for root in roots:
+        visit(root, None, None)
+    return out
+
+
+def _backward_segments(roots) -> list:
+    """Backward visits children in backward order; descriptions speak of forward positions (the same code)."""
+    out = []
+
+    def visit(node, parent):
+        bad_in = _worst(node.ins)  # grad_output as it arrived: made by the parent's code after this child
+        if bad_in is not None:
+            if parent is None:
+                out.append(_segment(node, "inputs", f"{node.row['path'] or '<root>'}: the runs were given a "
+                                    "different gradient of the loss", bad_in, node.row["begin"], "backward"))
+            else:
+                short = node.row["path"].rsplit(".", 1)[-1]
+                out.append(_segment(parent, "own_code", f"{parent.row['path'] or '<root>'}, own code using "
+                                    f"{short}'s output (backward)", bad_in, node.row["begin"], "backward"))
+        later = None  # after the loop: the child that ran first in forward
+        for child in node.children:
+            visit(child, node)
+            later = child
+        grads_in = [t for t in node.outs if t["role"] == "grad_input"]
+        weights = [t for t in node.outs if t["role"] != "grad_input"]
+        bad_grad = _worst(grads_in)
+        if bad_grad is not None:
+            text = (describe_origin(node, "own_code", None, later) + " (backward)") if node.children \
+                else f"{node.row['path'] or '<root>'} (backward)"
+            out.append(_segment(node, "own_code" if node.children else "module", text, bad_grad,
+                                node.row["end"], "backward"))
+        bad_weight = _worst(weights)
+        if bad_weight is not None:
+            out.append(_segment(node, "weight_grad", f"{bad_weight['key']} gradient of {node.row['path']}",
+                                bad_weight, node.row["end"], "backward"))
+
+    for root in roots:
+        visit(root, None)
+    return out
+
+
+def amplification(free_report: schema.Report | None) -> dict:
+    """(path, call) -> how a module call of the free-running candidate turned its input error into output
+    error: relative error in, relative error out, and their ratio."""
+    out = {}
+    for row in (free_report or {}).get("records", []):
+        if row["kind"] != "call" or row["phase"] != "forward":
+            continue
+        ins = [relative_error(t["metrics"]) for t in row["tensors"] if t["role"] == "input"]
+        outs = [relative_error(t["metrics"]) for t in row["tensors"] if t["role"] == "output"]
+        if not outs:
+            continue
+        rin, rout = max(ins, default=0.0), max(outs)
+        ratio = rout / rin if rin > 0 else (math.inf if rout > 0 else None)
+        out[(row["path"], row["call"])] = {"in_rel": rin, "out_rel": rout, "amplification": ratio}
+    return out
+
+
+def evaluate_replay(measurements: schema.Report, policy: TolerancePolicy | None = None, free_report: dict | None = None,
+                    forcer_notes: dict | None = None) -> dict:
+    """Judge the replay trace against the reference; list the segments with own error, in execution order,
+    and set them against what ``align`` (the free run) blamed."""
+    policy = policy or TolerancePolicy()
+    # records with statistics only were not forced (the model itself around a --layers window): its "own code"
+    # would include every module outside the window
+    measurements = {**measurements, "records": [r for r in measurements["records"] if not _stats_only(r)]}
+    rows = judge_rows(measurements, policy)
+    strict = measurements.get("structure") == "same_model"  # a tensor given to one run only is a difference
+    forward = _forward_segments(call_tree(rows, "forward", strict))
+    backward = _backward_segments(call_tree(rows, "backward", strict))
+    forward.sort(key=lambda s: s["order"])
+    backward.sort(key=lambda s: s["order"])
+    amp = amplification(free_report)
+    own_forward = {(s["module"], s["call"]) for s in forward}
+    modules = []
+    for row in sorted((r for r in rows if r["kind"] == "call" and r["phase"] == "forward"), key=lambda r: r["begin"]):
+        key = (row["path"], row["call"])
+        outs = [t for t in row["tensors"] if t["role"] == "output"]
+        own = max((relative_error(t["metrics"]) for t in outs), default=None)
+        modules.append({"module": row["path"], "call": row["call"], "type": row.get("type_a"),
+                        "depth": row["path"].count(".") + 1 if row["path"] else 0,
+                        "own_rel": own, "own_error": key in own_forward, **amp.get(key, {})})
+    result = {"kind": "replay", "a": measurements["a"], "b": measurements["b"], "map": measurements.get("map"),
+              "tolerances": policy.describe(),
+              "forward": {"segments": forward, "culprit": forward[0] if forward else None},
+              "backward": {"segments": backward, "culprit": backward[0] if backward else None},
+              "modules": modules, "forcing": forcer_notes or {},
+              "verdict": "own_error" if forward or backward else "clean"}
+    if free_report is not None:
+        result["align"] = {phase: free_report[phase]["first_divergence"] for phase in ("forward", "backward")}
+        result["confirms"] = {phase: _confirms(result[phase]["culprit"], free_report[phase]["first_divergence"])
+                              for phase in ("forward", "backward")}
+    return result
+
+
+def _stats_only(row: schema.Row) -> bool:
+    return bool(row["tensors"]) and all(t["metrics"].get("basis") == "stats" for t in row["tensors"])
+
+
+def _confirms(culprit: dict | None, origin: dict | None) -> bool | None:
+    """Whether replay's first own error is the module align named (None when align named nothing)."""
+    if origin is None:
+        return None if culprit is None else False
+    if culprit is None:
+        return False
+    if origin.get("where") == "forward":  # a backward divergence align attributed to the forward origin
+        return None
+    return culprit["module"] == origin["module"]

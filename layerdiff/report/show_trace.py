@@ -1,0 +1,127 @@
+"""``layerdiff show``: what a trace holds, without reading tensor data."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from rich.table import Table
+from rich.tree import Tree
+
+from layerdiff.compare.nonfinite import first_nonfinite
+from layerdiff.report.terminal import make_console
+from layerdiff.runs.ranks import open_run
+
+_META_KEYS = ("framework", "framework_version", "model_class", "mode", "distributed", "num_parameters", "devices",
+              "param_dtypes",
+              "seed", "deterministic_algorithms", "float32_matmul_precision", "tf32_matmul", "num_threads",
+              "layerdiff_version", "python", "started", "argv")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def module_tree(records) -> Tree:
+    """Module paths as a tree, each with its type and how many forward calls it recorded."""
+    calls = Counter()
+    types, first_call = {}, {}
+    for r in records:
+        if r["kind"] == "call" and r["phase"] == "forward":
+            calls[r["path"]] += 1
+            types[r["path"]] = r["type"]
+            first_call[r["path"]] = min(first_call.get(r["path"], r["begin"]), r["begin"])
+    root = Tree(f"<root> [dim]{types.get('', '')}[/] x{calls.get('', 0)}")
+    nodes = {"": root}
+    for path in sorted((p for p in calls if p), key=lambda p: first_call[p]):  # in the order the model ran
+        parts = path.split(".")
+        parent = ""
+        for i in range(1, len(parts) + 1):
+            sub = ".".join(parts[:i])
+            if sub not in nodes:
+                label = parts[i - 1] + (f" [dim]{types[sub]}[/] x{calls[sub]}" if sub in calls else "")
+                nodes[sub] = nodes[parent].add(label)
+            parent = sub
+    return root
+
+
+def summary(path) -> dict:
+    """What ``layerdiff show`` prints, as data (``layerdiff.show`` in Python); no tensor data is read."""
+    with open_run(path) as reader:
+        return _summary(reader)
+
+
+def _summary(reader) -> dict:
+    meta, end = reader.meta, reader.end or {}
+    kinds = Counter((r["kind"], r.get("phase")) for r in reader.records)  # the end marker is no record
+    holding = {id(r) for r in reader.records for t in r.get("tensors", ())
+               if t["stats"].get("nan") or t["stats"].get("inf")}
+    calls, types, first_call = Counter(), {}, {}
+    for r in reader.records:
+        if r["kind"] == "call" and r["phase"] == "forward":
+            calls[r["path"]] += 1
+            types[r["path"]] = r["type"]
+            first_call[r["path"]] = min(first_call.get(r["path"], r["begin"]), r["begin"])
+    return {"path": str(reader.path), "size_bytes": reader.size_bytes(), "ranks": meta.get("ranks"),
+            "status": end.get("status", "interrupted"), "failure": end.get("failure"),
+            "meta": {key: meta[key] for key in _META_KEYS if key in meta},
+            "records": len(reader.records),
+            "record_kinds": {f"{k}/{p}" if p else k: n for (k, p), n in sorted(kinds.items(), key=str)},
+            "tensors": sum(len(r.get("tensors", ())) for r in reader.records),
+            "tensor_bytes": sum(t.get("nbytes", 0) for r in reader.records for t in r.get("tensors", ())),
+            "steps": end.get("steps"), "warnings": end.get("warnings", []),
+            "nonfinite_records": len(holding),
+            "nonfinite_origin": {phase: first_nonfinite(reader.records, phase) for phase in ("forward", "backward")},
+            "modules": [{"path": p, "type": types[p], "calls": calls[p]}
+                        for p in sorted(calls, key=lambda p: first_call[p])]}
+
+
+def show(path, records: bool = False, nan: bool = False):
+    console = make_console()
+    with open_run(path) as reader:
+        info = _summary(reader)
+        console.print(f"[bold]{reader.path}[/]  {_mb(info['size_bytes'])} on disk")
+        if info["ranks"]:
+            console.print(f"a run of {info['ranks']} ranks, shown merged (tensor-parallel shards joined by placement)")
+        status = info["status"] if info["status"] != "interrupted" else \
+            "interrupted (the writing process died; records up to its last flush)"
+        console.print(f"status: {status}")
+        if info["failure"]:
+            f = info["failure"]
+            console.print(f"[red]failed in {f.get('module') or '<root>'}: {f.get('error')}[/]")
+            if f.get("module_stack"):
+                console.print(f"[red]modules active: {' > '.join(p or '<root>' for p in f['module_stack'])}[/]")
+        for key, value in info["meta"].items():
+            console.print(f"[dim]{key}:[/] {value}")
+        data = info["tensor_bytes"]
+        console.print(f"records: {info['records']} ("
+                      + ", ".join(f"{n} {k}" for k, n in info["record_kinds"].items())
+                      + f"), {info['tensors']} tensors, {_mb(data)} of tensor data, "
+                      f"steps: {info['steps'] if info['steps'] is not None else '?'}")
+        holding = info["nonfinite_records"]
+        if holding or nan:
+            console.print(f"[{'red' if holding else 'green'}]{holding} records hold NaN/Inf[/]")
+            for phase, origin in info["nonfinite_origin"].items():
+                if origin:
+                    console.print(f"[red]  {phase} NaN/Inf origin: {origin['module'] or '<root>'} (call {origin['call']}) "
+                                  f"{origin['tensor']}: {origin['nan']} NaN, {origin['inf']} Inf; its inputs are finite[/]")
+        for w in info["warnings"]:
+            console.print(f"[yellow]warning: {w}[/]")
+        console.print(module_tree(reader.records))
+        by_module = defaultdict(int)
+        for r in reader.records:
+            by_module[r["path"]] += sum(t.get("nbytes", 0) for t in r.get("tensors", ()))
+        if data:
+            table = Table(title="largest modules by stored bytes", title_justify="left", box=None)
+            table.add_column("module")
+            table.add_column("bytes", justify="right")
+            for p, n in sorted(by_module.items(), key=lambda kv: -kv[1])[:8]:
+                table.add_row(p or "<root>", _mb(n))
+            console.print(table)
+        if records:
+            table = Table(box=None)
+            for col in ("#", "kind", "phase", "module", "call", "step", "tensors"):
+                table.add_column(col)
+            for i, r in enumerate(reader.records):
+                table.add_row(str(i), r["kind"], r.get("phase") or "", r["path"] or "<root>", str(r["call"]),
+                              str(r.get("step", "")), ", ".join(f"{t['role']}:{t['key']}{t['shape']}"
+                                                               for t in r.get("tensors", ())))
+            console.print(table)

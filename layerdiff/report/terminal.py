@@ -1,0 +1,335 @@
+"""The terminal view of an alignment report, read in ten seconds: the verdict, each direction's origin and why,
+how the error grows block by block, the mapping, the settings that differ; and the view of a run's ranks."""
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from layerdiff import schema
+from layerdiff.match.mapping import collapse_indices
+
+
+# ---------------------------------------------------------------------------------------------------------
+# terminal rendering
+# ---------------------------------------------------------------------------------------------------------
+def fmt_number(x, digits=3) -> str:
+    """Short, aligned-looking numbers for tables: 0, 0.0123, 1.23e-05, inf."""
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        if x == 0:
+            return "0"
+        if 1e-3 <= abs(x) < 1e4:
+            return f"{x:.{digits}g}"
+        return f"{x:.{digits - 1}e}"
+    return str(x)
+
+
+def fmt_cos(x) -> str:
+    """A cosine similarity, with the distance from 1 shown where six decimals would round it to 1."""
+    if x is None:
+        return "-"
+    if x == 1.0:
+        return "1"
+    if 0 < 1.0 - x < 1e-5:
+        return f"1-{1.0 - x:.1e}"
+    return f"{x:.6f}"
+
+
+def _render_settings(report: schema.Report, console: Console):
+    """Run settings that differ (seeds, deterministic switches, versions, ...) and the runs' own notes."""
+    settings = report.get("settings") or {}
+    differ = settings.get("differ") or []
+    if differ:
+        console.print("[bold yellow]run settings that differ[/] (they can explain a difference by themselves):")
+        for d in differ:
+            console.print(f"  [yellow]{as_text(d['key'])}: {as_text(d['a'])} (A) vs {as_text(d['b'])} (B)[/]  [dim]{as_text(d['why'])}[/]")
+    notes = settings.get("notes") or {}
+    a, b = notes.get("a") or {}, notes.get("b") or {}
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    if keys:
+        console.print("notes that differ: " + "; ".join(f"{as_text(k)}: {as_text(a.get(k))} (A) vs {as_text(b.get(k))} (B)"
+                                                       for k in keys))
+
+
+def trace_line(side: schema.RunSummary) -> str:
+    parts = [side.get("framework") or "?", side.get("framework_version") or "",
+             (side.get("model_class") or "").rsplit(".", 1)[-1], f"mode={side.get('mode')}"]
+    state = "" if side.get("complete") else " [yellow](incomplete: run did not finish)[/]"
+    return f"{as_text(side['path'])}  ({as_text(' '.join(str(p) for p in parts if p))}){state}"
+
+
+def as_text(value) -> str:
+    """A value from a report (a module path, a file name, an error message) shown as text, never as markup."""
+    return escape(str(value))
+
+
+def step_count(report: schema.Report) -> int:
+    """How many steps the compared records span (a multi-step trace names the step where divergence starts)."""
+    return max((r.get("step", 0) for r in report.get("records", ())), default=0) + 1
+
+
+def origin_lines(origin: schema.Origin, steps: int = 1) -> list[str]:
+    lines = [f"[bold red]{as_text(origin['description'])}[/]"
+             + (f"  [dim]({as_text(origin['type'])})[/]" if origin.get("type") else "")
+             + (f"  [bold]at step {origin.get('step', 0) + 1} of {steps}[/]" if steps > 1 else "")]
+    where = origin.get("where")
+    tensor = origin.get("tensor")
+    if where == "inputs":
+        lines.append("the two runs start from different inputs: check data, seeds and preprocessing first")
+        if tensor:
+            lines.append(f"{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/]: {as_text(tensor['reason'])}")
+    elif where == "raised":
+        lines.append("the run stopped with this exception; modules active when it was raised are the chain below")
+    elif where == "forward":
+        lines.append("backward differs because forward already does; fix the forward origin first")
+    elif tensor:
+        if origin["phase"] == "forward":
+            lead = "inputs agree; " if where == "module" else "its children agree up to here; "
+        else:
+            lead = "gradient w.r.t. outputs agrees; " if where == "module" else "children agree up to here; "
+        lines.append(f"{lead}{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/] differs: {as_text(tensor['reason'])}")
+        m = tensor.get("metrics") or {}
+        if m.get("basis") == "data":
+            lines.append(f"max abs {fmt_number(m.get('max_abs'))}  mean abs {fmt_number(m.get('mean_abs'))}  "
+                         f"max rel {fmt_number(m.get('max_rel'))}  cosine {fmt_cos(m.get('cosine'))}")
+        if origin.get("ranks"):
+            ranks = origin["ranks"]
+            lines.append(f"[yellow]on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                         + (f": {as_text(origin['hint'])}" if origin.get("hint") else "") + "[/]")
+        path_b = origin.get("path_b")
+        if path_b is not None and (path_b != origin["module"] or m.get("note")):
+            lines.append(f"[dim]in B: {as_text(path_b or '<root>')}" + (f" ({as_text(m['note'])})" if m.get("note") else "")
+                         + "[/]")
+    if origin.get("error") and where != "raised":
+        lines.append(f"[red]raised:[/] {as_text(origin['error'])}")
+    for key, (a, b) in (origin.get("hparam_diff") or {}).items():
+        lines.append(f"[yellow]{as_text(key)}: {as_text(repr(a))} (A) vs {as_text(repr(b))} (B)[/]")
+    if origin.get("class_diff"):
+        a, b = origin["class_diff"]
+        lines.append(f"[yellow]class: {as_text(a)} (A) vs {as_text(b)} (B), the same type family[/]")
+    for p in (origin.get("param_diffs") or [])[:4]:
+        lines.append(f"[yellow]parameter {as_text(p['name'])} differs: {as_text(p['reason'])}[/]")
+    if origin.get("chain") and len(origin["chain"]) > 1:
+        lines.append("[dim]chain: " + as_text(" > ".join(origin["chain"])) + "[/]")
+    return lines
+
+
+def scalar_outputs_by_step(report: schema.Report) -> list[tuple[int, str, float, float, bool]]:
+    """(step, key, A's value, B's value, within tolerance) of the model's one-element outputs (the loss) in
+    every step: what a training comparison looks at first."""
+    out = []
+    for row in report.get("records", ()):
+        if row.get("kind") == "call" and row.get("phase") == "forward" and row.get("path") == "" and \
+                row.get("parent") is None:
+            out += [(row.get("step", 0), t["key"], t["value_a"], t["value_b"], bool(t.get("passed")))
+                    for t in row["tensors"] if t.get("role") == "output" and "value_a" in t and "value_b" in t]
+    return sorted(out)
+
+
+def _render_steps(report: schema.Report, console: Console):
+    steps = step_count(report)
+    if steps < 2:
+        return
+    rows = scalar_outputs_by_step(report)
+    differing = sorted({r.get("step", 0) for r in report["records"] if not row_passed(r)})
+    origins = [report[p]["first_divergence"] for p in ("forward", "backward")
+               if (report.get(p) or {}).get("first_divergence")]
+    if origins:
+        first = min(origins, key=lambda o: o.get("step", 0))
+        console.print(f"[bold]steps[/] {steps}: first diverges at step {first.get('step', 0) + 1}: "
+                      f"{as_text(first['description'])}")
+    elif differing:
+        console.print(f"[bold]steps[/] {steps}: first differs at step {differing[0] + 1}")
+    else:
+        console.print(f"[bold]steps[/] {steps}: every step agrees")
+    if rows:
+        table = Table(box=None, padding=(0, 2), show_edge=False)
+        for column in ("step", "output", "A", "B", ""):
+            table.add_column(column, justify="right" if column in ("step", "A", "B") else "left")
+        for step, key, a, b, ok in rows:
+            table.add_row(str(step + 1), as_text(key), _value(a), _value(b), "ok" if ok else "[red]x[/]")
+        console.print(table)
+
+
+def _value(x) -> str:
+    return "-" if x is None else f"{x:.7g}"  # a loss: enough digits to see a difference in the 6th
+
+
+def row_passed(row: schema.Row) -> bool:
+    """Every tensor of a report row within tolerance."""
+    return all(t.get("passed", True) for t in row.get("tensors", ()))
+
+
+def make_console(**kwargs) -> Console:
+    """Wide enough for module paths when piped (rich would default to 80 columns)."""
+    probe = Console(**kwargs)
+    return probe if probe.is_terminal else Console(width=max(probe.width, 140), **kwargs)
+
+
+def render(report: schema.Report, console: Console | None = None):
+    console = console or make_console()
+    _render_body(report, console)
+    for problem in (report.get("trust") or {}).get("problems", []):
+        console.print(f"[bold yellow]WARNING: {as_text(problem)}[/]")
+    if (report.get("trust") or {}).get("problems") and report["verdict"] == "aligned":
+        console.print("[bold yellow]the runs agree on what was compared, but the comparison is incomplete (exit 3)[/]")
+
+
+def _render_body(report: schema.Report, console: Console):
+    console.print(f"[bold]A[/] {trace_line(report['a'])}")
+    console.print(f"[bold]B[/] {trace_line(report['b'])}")
+    basis = report.get("basis")
+    n_tensors = sum(len(r["tensors"]) for r in report["records"])
+    note = ("[yellow]statistics only (a 'stats' trace): min/max/mean/RMS compared, values were not; a defect "
+            "that keeps the statistics can hide[/]" if basis in ("stats", "mixed") else "stored tensor values")
+    console.print(f"compared {n_tensors} tensor pairs in {len(report['records'])} records from {note}")
+    _render_settings(report, console)
+    _render_mapping(report, console)
+    for phase in ("forward", "backward"):
+        res = report[phase]
+        if res["status"] == "absent":
+            console.print(f"[bold]{phase.upper():9}[/][dim]not in both traces[/]")
+            continue
+        ok = res["status"] == "aligned"
+        if res["status"] == "failed":
+            mark = "[bold red]failed[/] (a run raised; everything recorded before it agrees)"
+        else:
+            mark = "[bold green]aligned[/]" if ok else f"[bold red]divergent[/] ({res['failing_tensors']} tensors over tolerance)"
+        console.print(f"[bold]{phase.upper():9}[/]{mark}")
+        origin = res.get("first_divergence")
+        if origin:
+            lines = origin_lines(origin, step_count(report))
+            console.print("  origin: " + lines[0])
+            for line in lines[1:]:
+                console.print("          " + line)
+            first = res.get("first_over_tolerance")
+            if first and first["module"] != origin["module"] and origin.get("where") not in ("forward",):
+                console.print(f"          [dim](first over tolerance in execution order: {as_text(first['module'] or '<root>')};"
+                              " the origin is where inputs still agree)[/]")
+        failure = res.get("failure")
+        if failure and (origin or {}).get("where") != "raised":
+            console.print(f"  [red]run B raised in {as_text(failure['module'] or '<root>')}: {as_text(failure['error'])}[/]")
+    if report.get("config_diff"):
+        console.print("[yellow]the models' own configs differ: " + "; ".join(
+            f"{as_text(d['key'])} {as_text(d['a'])} (A) vs {as_text(d['b'])} (B)" for d in report["config_diff"]) + "[/]")
+    for side in ("a", "b"):
+        nf = report.get("first_nonfinite", {}).get(side)
+        if nf:
+            console.print(f"[red]first NaN/Inf in {side.upper()}:[/] {as_text(nf['module'] or '<root>')} ({nf['phase']}) "
+                          f"{as_text(nf['tensor'])}: {nf['nan']} NaN, {nf['inf']} Inf")
+    _render_steps(report, console)
+    _render_growth(report, console)
+    _render_next_pass(report, console)
+    _render_footer(report, console)
+
+
+def _render_mapping(report: schema.Report, console: Console, shown: int = 12):
+    """The inferred mapping, with repeated blocks shown once (``layers.*``), in A's execution order."""
+    mapping = report.get("mapping") or []
+    if mapping:
+        groups: dict = {}
+        for m in mapping:
+            b = " + ".join(m.get("b_parts") or [m["b"]])
+            a = " + ".join(m.get("a_parts") or [m["a"]])
+            g = groups.setdefault((collapse_indices(b), collapse_indices(a)), {"n": 0, "low": 1.0, "why": m["reason"]})
+            g["n"] += 1
+            g["low"] = min(g["low"], m["confidence"])
+        fused = sum(1 for m in mapping if m.get("rule"))
+        low = min(m["confidence"] for m in mapping)
+        console.print(f"[yellow]module names differ: matched {len(mapping)} B modules to A"
+                      + (f" ({fused} fused)" if fused else "") + f" from weights, names, types and structure "
+                      f"(lowest confidence {low:.2f}); --save-map writes them as --map rules[/]")
+        for (b, a), g in list(groups.items())[:shown]:
+            count = f" x{g['n']}" if g["n"] > 1 else ""
+            console.print(f"  [dim]{as_text(b)} -> {as_text(a)}{count}  ({g['low']:.2f}: {as_text(g['why'])})[/]")
+        if len(groups) > shown:
+            console.print(f"  [dim]... {len(groups) - shown} more[/]")
+    unmatched = (report.get("unmatched_modules") or {}).get("b") or []
+    if mapping and unmatched:
+        names = list(dict.fromkeys(collapse_indices(p) for p in unmatched))
+        console.print(f"  [dim]B modules with no counterpart in A: {as_text(', '.join(names[:6]))}"
+                      + (f" (+{len(names) - 6})" if len(names) > 6 else "") + "[/]")
+
+
+def _render_growth(report: schema.Report, console: Console):
+    rows = report.get("growth") or []
+    if not rows or report["forward"]["status"] == "aligned":
+        return
+    table = Table(title="forward, block by block: how the error grows", title_justify="left", box=None,
+                  header_style="bold", pad_edge=False)
+    for col, kw in (("module", {"no_wrap": True}), ("type", {"style": "dim"}), ("max abs", {"justify": "right"}),
+                    ("rel", {"justify": "right"}), ("cosine", {"justify": "right"}), ("", {})):
+        table.add_column(col, **kw)
+    for r in rows:
+        indent = "  " * r["depth"]
+        name = (r["module"] or "<root>") + (f" #{r['call']}" if r["call"] else "")
+        style = "bold red" if r["origin"] else ("" if r["passed"] else "red")
+        mark = Text("<- origin", style="bold red") if r["origin"] else Text("ok" if r["passed"] else "x",
+                                                                            style="green" if r["passed"] else "red")
+        table.add_row(Text(indent + name, style=style), as_text(r["type"] or ""), fmt_number(r["max_abs"]), fmt_number(r["rel"]),
+                      fmt_cos(r["cosine"]), mark)
+    console.print(table)
+
+
+def target_command(side: schema.RunSummary, placeholder: str) -> str:
+    target = side.get("target")
+    if not target:
+        return placeholder
+    return " ".join([target] + [f"--arg {k}={v}" for k, v in (side.get("target_args") or {}).items()])
+
+
+def _render_next_pass(report: schema.Report, console: Console):
+    nxt = report.get("next_pass")
+    if not nxt:
+        return
+    console.print(f"[bold]next:[/] these were statistics; trace the suspect block {nxt['block']} in full mode and "
+                  "replay the candidate on it:", highlight=False)
+    console.print(f"  layerdiff trace {target_command(report['a'], 'REFERENCE_TARGET')} --layers {nxt['layers']} "
+                  f"-o a_window.h5", highlight=False, soft_wrap=True)
+    console.print(f"  layerdiff bisect a_window.h5 {target_command(report['b'], 'CANDIDATE_TARGET')}", highlight=False,
+                  soft_wrap=True)
+
+
+def _render_footer(report: schema.Report, console: Console):
+    notes = []
+    p = report.get("params", {})
+    if p.get("compared"):
+        notes.append(f"parameters: {len(p['differ'])} of {p['compared']} differ"
+                     + (f" (first: {p['differ'][0]})" if p["differ"] else ""))
+    if report.get("only_a") or report.get("only_b"):
+        def names(rs):
+            return ", ".join(sorted({r["path"] or "<root>" for r in rs})[:3])
+        notes.append(f"unmatched records: {len(report['only_a'])} only in A ({names(report['only_a'])}), "
+                     f"{len(report['only_b'])} only in B ({names(report['only_b'])})")
+    for side in ("a", "b"):
+        for w in report[side].get("warnings", []):
+            notes.append(f"warning ({side.upper()}): {w}")
+    for n in notes:
+        console.print(f"[dim]{as_text(n)}[/]")
+    verdict = report["verdict"]
+    console.print(f"verdict: [bold {'green' if verdict == 'aligned' else 'red'}]{verdict}[/]")
+
+
+def render_ranks(result: dict, console: Console):
+    """``layerdiff align RUN``: one line per rank against rank 0, then the first desync."""
+    console.print(f"[bold]{as_text(result['path'])}[/]: {result['world_size']} ranks, each compared with rank 0 on what "
+                  "replicas must agree on (shards and partial sums left out)")
+    for r in result["ranks"]:
+        if r["verdict"] == "aligned":
+            console.print(f"  rank {r['rank']}: [green]agrees with rank 0[/]")
+            continue
+        parts = [f"{phase} {r[phase]['description']}" for phase in ("forward", "backward") if r[phase]]
+        differ = f"; parameters differ: {', '.join(r['params_differ'][:3])}" if r["params_differ"] else ""
+        console.print(f"  rank {r['rank']}: [red]differs[/]: {as_text('; '.join(parts) or 'parameters only')}{as_text(differ)}")
+    first = result["first_divergence"]
+    if first:
+        console.print(f"[bold red]first desync ({first['phase']}): {as_text(first['description'])}[/] on rank(s) "
+                      f"{', '.join(map(str, first['ranks']))}")
+    console.print(f"verdict: {result['verdict']}")

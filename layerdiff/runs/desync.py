@@ -1,0 +1,66 @@
+"""Ranks of one run against each other: where a data-parallel replica stops agreeing with rank 0.
+
+``layerdiff align RUN`` (one run directory) compares every rank with rank 0 on what replicas must agree on
+(``ranks.RankView``: shards and partial sums left out), with the usual origin rule, so it names the first module
+whose inputs still agree across ranks and whose outputs do not, and the rank. Ranks are compared in parallel, one
+process per rank pair, each holding only its two traces' indexes (flat memory per worker).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+from layerdiff.compare.tolerance import TolerancePolicy
+from layerdiff.errors import LayerdiffError
+from layerdiff.judge.evaluate import align
+from layerdiff.match.rules import ruleset
+from layerdiff.runs.ranks import RankedRun, RankView, open_run
+
+
+def check_run(path, policy: TolerancePolicy | None = None, rule_files=(), workers: int | None = None,
+              progress=None) -> dict:
+    """A report of every rank against rank 0 (see the module docstring)."""
+    policy = policy or TolerancePolicy()
+    with open_run(path, ruleset(rule_files)) as run:
+        if not isinstance(run, RankedRun):
+            raise LayerdiffError(f"{path}: a single trace; align it with another one (layerdiff align A B), or "
+                                 "give a run directory of several ranks to compare its ranks")
+        world, order = run.world_size, _execution_order(run)
+    jobs = [(str(path), rank, policy.describe(), list(rule_files or ())) for rank in range(1, world)]
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(_rank_against_rank0, *zip(*jobs)))
+    else:
+        results = [_rank_against_rank0(*job) for job in jobs]
+    if progress is not None:
+        progress(f"compared {len(results)} rank(s) with rank 0")
+    divergent = [r for r in results if r["verdict"] != "aligned"]
+    first = None
+    for phase in ("forward", "backward"):
+        found = [(order.get((r[phase] or {}).get("module"), len(order)), r) for r in divergent if r[phase]]
+        if found:
+            place, _ = min(found, key=lambda f: f[0])
+            ranks = [r["rank"] for p, r in found if p == place]
+            first = {**min(found, key=lambda f: f[0])[1][phase], "ranks": ranks, "phase": phase}
+            break
+    return {"kind": "ranks", "path": str(path), "world_size": world, "ranks": results, "first_divergence": first,
+            "tolerances": policy.describe(), "verdict": "divergent" if divergent else "aligned"}
+
+
+def _execution_order(run: RankedRun) -> dict:
+    order = {}
+    for rec in sorted((r for r in run.records if r["kind"] == "call"), key=lambda r: (r["phase"] != "forward", r["begin"])):
+        order.setdefault(rec["path"], len(order))
+    return order
+
+
+def _rank_against_rank0(path: str, rank: int, policy: dict, rule_files: list) -> dict:
+    rules = ruleset(rule_files)
+    with open_run(path, rules) as run:
+        report = align(RankView(run, 0), RankView(run, rank), policy=TolerancePolicy.from_description(policy),
+                       rules=rules)
+    return {"rank": rank, "verdict": report["verdict"], "forward": report["forward"]["first_divergence"],
+            "backward": report["backward"]["first_divergence"],
+            "failing_tensors": report["forward"]["failing_tensors"] + report["backward"]["failing_tensors"],
+            "params_differ": report["params"]["differ"]}

@@ -1,0 +1,481 @@
+"""The shapes of layerdiff's data, declared once: trace records, compared tensors, report rows and the report.
+
+These are ``TypedDict``s, not classes with behaviour: a report row *is* the JSON object people script against
+(``report["forward"]["first_divergence"]["module"]``), and the traces' records are JSON lines, so the declared
+type and the wire format are the same thing, with no conversion layer to keep in step. Type checkers read the
+declarations; ``problem`` checks a value against one at run time (a report read back from a file), and
+``dumps`` / ``loads`` are the one JSON (de)serializer (non-finite numbers as "nan", "inf", "-inf").
+
+Keys not declared here are allowed (a newer layerdiff may add some); a key that is declared must have its type.
+Adding a key is compatible; renaming or retyping one bumps ``REPORT_VERSION``.
+"""
+import functools
+import json
+import math
+import typing
+from typing import Any, Dict, List, Literal, Optional, TypedDict, Union
+
+import orjson
+
+REPORT_VERSION = 1
+
+
+class Int64:
+    """An integer within int64 (JSON's true/false are not integers)."""
+
+
+class Count:
+    """A non-negative ``Int64``: an index, a size, a position in a file."""
+
+
+class Number:
+    """An int64 or a float: what arithmetic and ``"{:.3g}"`` accept (a 400-digit integer overflows a float)."""
+
+
+class CallRef:
+    """``[module path, call index]``: a call's parent or ancestor (the index a ``Count``)."""
+
+
+class ParentRef:
+    """A ``CallRef``, or ``[]`` (a root call)."""
+
+
+Phase = Literal["forward", "backward"]
+# A call's inputs and outputs in each phase: backward takes the gradient w.r.t. the outputs and gives those w.r.t.
+# the inputs and the module's own parameters
+IN_ROLES = {"forward": ("input",), "backward": ("grad_output",)}
+OUT_ROLES = {"forward": ("output",), "backward": ("grad_input", "param_grad")}
+
+
+# -- trace records (one JSON line each in a trace's index; docs/trace-format.md) ------------------------------
+class Stats(TypedDict, total=False):
+    """Summary statistics of one tensor, kept in every mode."""
+    numel: Int64
+    min: Optional[Number]
+    max: Optional[Number]
+    mean: Optional[Number]
+    l2: Optional[Number]
+    nan: Int64
+    inf: Int64
+
+
+class _TensorEntryKeys(TypedDict):
+    role: str  # input, output, grad_output, grad_input, param, param_grad
+    key: str  # "args.0", "kwargs.hidden_states", "out.0", "value"
+    dtype: str
+    shape: List[Count]
+    stats: Stats
+
+
+class TensorEntry(_TensorEntryKeys, total=False):
+    """One tensor in a trace record; ``offset``/``nbytes`` locate its stored bytes (full mode only)."""
+    offset: Count
+    nbytes: Count
+    placement: Dict[str, Any]  # how a distributed tensor is spread over ranks
+
+
+class _TraceRecordKeys(TypedDict):
+    kind: Literal["call", "param", "param_grad", "param_grad_use", "end"]
+
+
+class TraceRecord(_TraceRecordKeys, total=False):
+    """A module call (forward or backward), a parameter's value or gradient, a tied weight's per-use gradient,
+    or the trace's end. ``begin``/``end`` (calls) and ``seq`` (parameters) order records in time."""
+    phase: Phase
+    path: str
+    call: Count
+    step: Count
+    type: str
+    begin: Count
+    end: Count
+    seq: Count
+    parent: Optional[CallRef]
+    module: str
+    module_type: Optional[str]
+    hparams: Dict[str, Any]
+    scalars: Dict[str, Any]
+    arg_names: List[str]
+    tied: List[str]
+    incomplete: bool
+    error: str
+    tensors: List[TensorEntry]
+    status: str  # the end record: complete or error, with the failure, warnings and totals
+    failure: Optional[Dict[str, Any]]
+    warnings: List[Any]
+
+
+# -- comparison: one row per matched record, one tensor result per matched tensor pair ----------------------
+class Metrics(TypedDict, total=False):
+    """How two tensors differ, before any judgement (``layerdiff report`` re-judges these)."""
+    basis: str  # data (values), stats (statistics only), shape (not comparable), declared
+    identical: bool
+    max_abs: Optional[Number]
+    mean_abs: Optional[Number]
+    max_rel: Optional[Number]
+    cosine: Optional[Number]
+    ref_max_abs: Optional[Number]
+    numel: Int64
+    mismatch: Any  # why the pair could not be compared (shape, dtype, one side absent)
+    nonfinite_mismatch: Any
+    note: str  # how the pair was compared: transposed, a part of a fused tensor, ...
+    matched_by: str
+    ranks: Dict[str, Any]  # per-rank metrics ("0", "1", ...) and "sum" of a run spread over ranks
+
+
+class Tolerance(TypedDict, total=False):
+    atol: Number
+    rtol: Number
+    cos: Optional[Number]
+
+
+class _TensorResultKeys(TypedDict):
+    role: str
+    key: str
+    dtype_a: Optional[str]
+    dtype_b: Optional[str]
+    metrics: Metrics
+
+
+class TensorResult(_TensorResultKeys, total=False):
+    """A tensor pair of a row: measured (``metrics``), then judged (``passed``, ``reason``, ``tolerance``)."""
+    shape_a: List[Int64]
+    shape_b: List[Int64]
+    key_b: str  # B's key, where it differs
+    nonfinite_a: Int64
+    nonfinite_b: Int64
+    value_a: Optional[Number]  # a one-element tensor (the loss): its value, shown step by step
+    value_b: Optional[Number]
+    passed: bool
+    reason: str
+    tolerance: Tolerance
+    ranks: Optional[List[Int64]]  # the ranks whose shard or copy is off
+    hint: str
+    one_sided: bool
+
+
+class _RowKeys(TypedDict):
+    kind: str
+    phase: Optional[Phase]
+    path: str
+    call: Int64
+    step: Int64
+    begin: Number
+    end: Number
+    parent: Optional[ParentRef]
+    tensors: List[TensorResult]
+
+
+class Row(_RowKeys, total=False):
+    """One matched record: A's call or parameter and B's counterpart (``path_b``: ``"X + Y"`` for a fused
+    module); ``only_a``/``only_b`` its tensors without a partner."""
+    path_b: Optional[str]
+    type_a: Optional[str]
+    type_b: Optional[str]
+    family_a: Optional[str]
+    family_b: Optional[str]
+    ancestors: Optional[List[CallRef]]
+    module: Optional[str]
+    hparams_a: Optional[Dict[str, Any]]
+    hparams_b: Optional[Dict[str, Any]]
+    error_a: Optional[str]
+    error_b: Optional[str]
+    only_a: Optional[List[str]]
+    only_b: Optional[List[str]]
+    tied: Optional[List[str]]
+    skipped: List[str]
+
+
+# -- the report --------------------------------------------------------------------------------------------
+class Failure(TypedDict, total=False):
+    module: Optional[str]
+    call: Optional[Int64]
+    error: Optional[str]
+    module_stack: List[Optional[str]]
+
+
+class _RunSummaryKeys(TypedDict):
+    path: str
+
+
+class RunSummary(_RunSummaryKeys, total=False):
+    """One run of the pair ("a" is the reference): what the header lines and the trust check read."""
+    framework: Optional[str]
+    framework_version: Optional[str]
+    model_class: Optional[str]
+    mode: Optional[str]
+    records: Int64
+    complete: bool
+    status: Optional[str]
+    failure: Optional[Failure]
+    warnings: List[Any]
+    target: Optional[str]
+    target_args: Optional[Dict[str, Any]]
+    param_dtypes: Optional[List[Any]]
+    devices: Optional[List[Any]]
+
+
+class ShortRecord(TypedDict):
+    """A record of one run without a counterpart in the other."""
+    path: str
+
+
+class _NonfiniteKeys(TypedDict):
+    module: Any
+    phase: Any
+    tensor: Any
+    nan: Any
+    inf: Any
+
+
+class FirstNonfinite(TypedDict):
+    """Where each run first produced NaN or Inf (None: it never did)."""
+    a: Optional[_NonfiniteKeys]
+    b: Optional[_NonfiniteKeys]
+
+
+class _ModuleMatchKeys(TypedDict):
+    a: str
+    b: str
+    confidence: Number
+    reason: Any  # the evidence
+
+
+class ModuleMatch(_ModuleMatchKeys, total=False):
+    rule: Optional[str]
+    a_parts: Optional[List[str]]
+    b_parts: Optional[List[str]]
+
+
+class Unmatched(TypedDict, total=False):
+    a: Optional[List[str]]
+    b: Optional[List[str]]
+
+
+class OriginTensor(TypedDict, total=False):
+    """The origin's first failing tensor: which one, why, and its metrics."""
+    role: str
+    key: str
+    reason: str
+    metrics: Metrics
+
+
+class Origin(TypedDict, total=False):
+    """Where a divergence starts: a call whose inputs agree and whose outputs do not (``where``: module,
+    own_code, inputs, forward = inherited from forward, raised, param_grad)."""
+    module: Optional[str]
+    call: Optional[Int64]
+    step: Int64
+    type: Optional[str]
+    where: str
+    between: List[Any]
+    description: str
+    tensor: Optional[OriginTensor]
+    ranks: Optional[List[Int64]]
+    hint: Optional[str]
+    hparam_diff: Dict[str, Any]
+    param_diffs: List[Any]
+    error: Optional[str]
+    class_diff: Optional[List[Optional[str]]]
+    chain: List[str]
+    phase: Phase
+    path_b: Optional[str]
+    unpaired: Dict[str, List[str]]  # the origin's tensors without a partner, per run
+    backward_candidate: str  # an inherited backward origin: what the backward descent alone would name
+
+
+class PhaseResult(TypedDict, total=False):
+    present: bool
+    status: Literal["aligned", "divergent", "failed", "absent"]
+    failing_tensors: Int64
+    first_divergence: Optional[Origin]
+    first_over_tolerance: Optional[Dict[str, Any]]
+    failure: Optional[Failure]
+    failure_a: Optional[Failure]
+
+
+class Trust(TypedDict):
+    ok: bool
+    problems: List[str]
+
+
+class _ReportKeys(TypedDict):
+    report_version: Int64
+    a: RunSummary
+    b: RunSummary
+    records: List[Row]
+    only_a: List[ShortRecord]
+    only_b: List[ShortRecord]
+    first_nonfinite: FirstNonfinite
+
+
+class Report(_ReportKeys, total=False):
+    """``layerdiff align --json``. ``measure`` fills the measured part; ``evaluate`` adds the judged part
+    (``forward``, ``backward``, ``verdict``, ``trust``, ``params``, ``growth``, ``tolerances``)."""
+    basis: str  # data, stats, mixed, none
+    structure: Literal["same_model", "ported"]
+    phases: Dict[str, Dict[str, Any]]
+    same_file: bool
+    map: List[Any]
+    layouts: List[Any]
+    rules: List[Any]
+    mapping: Optional[List[ModuleMatch]]
+    unmatched_modules: Optional[Unmatched]
+    settings: Optional[Dict[str, Any]]
+    config_diff: Optional[List[Dict[str, Any]]]
+    forward: PhaseResult
+    backward: PhaseResult
+    verdict: Literal["aligned", "divergent"]
+    trust: Trust
+    next_pass: Optional[Dict[str, Any]]
+    tolerances: Any
+    params: Dict[str, Any]
+    growth: List[Dict[str, Any]]
+
+
+# -- checking a value against a declaration -----------------------------------------------------------------
+def _is_int(x) -> bool:
+    return type(x) is int and -(1 << 63) <= x < (1 << 63)
+
+
+def _is_count(x) -> bool:
+    return _is_int(x) and x >= 0
+
+
+def _is_call_ref(x) -> bool:
+    return isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_count(x[1])
+
+
+_LEAVES = {
+    Int64: (_is_int, "an integer"),
+    Count: (_is_count, "a non-negative integer"),
+    Number: (lambda x: type(x) is float or _is_int(x), "a number"),
+    CallRef: (_is_call_ref, "[path, call]"),
+    ParentRef: (lambda x: x == [] or _is_call_ref(x), "[path, call] or []"),
+    str: (lambda x: isinstance(x, str), "a string"),
+    bool: (lambda x: type(x) is bool, "true or false"),
+    dict: (lambda x: isinstance(x, dict), "an object"),
+    list: (lambda x: isinstance(x, list), "a list"),
+    type(None): (lambda x: x is None, "null"),
+    Any: (lambda x: True, "anything"),
+}
+
+
+def _is_typeddict(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, dict) and hasattr(tp, "__required_keys__")
+
+
+def _name(tp) -> str:
+    if tp in _LEAVES:
+        return _LEAVES[tp][1]
+    if _is_typeddict(tp):
+        return "an object"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:  # "a number or null", each alternative once, null last
+        names = dict.fromkeys(n for a in args for n in _name(a).split(" or "))
+        return " or ".join([n for n in names if n != "null"] + ["null"] * ("null" in names))
+    if origin is Literal:
+        return " or ".join(repr(a) for a in args)
+    return _LEAVES.get(origin, (None, "a value"))[1]
+
+
+# A checker takes a value and returns None, or (the place below it as a list of path parts, reversed; what is
+# wrong). Places are spelled out only on failure: a report of 100k tensors is checked at a few us per tensor.
+@functools.lru_cache(maxsize=None)
+def _checker(tp):
+    """The checking function of one declared type, built once per type."""
+    if _is_typeddict(tp):
+        hints = typing.get_type_hints(tp)
+        fields = [(key, _checker(hint)) for key, hint in hints.items()]
+        required = [k for k in hints if k in tp.__required_keys__]
+
+        def check_object(value):
+            if not isinstance(value, dict):
+                return [], "is not an object"
+            for key in required:
+                if key not in value:
+                    return [], f"has no {key}"
+            for key, check in fields:
+                if key in value:
+                    found = check(value[key])
+                    if found:
+                        found[0].append(f".{key}")
+                        return found
+            return None
+        return check_object
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    message = f"is not {_name(tp)}"
+    if origin is Union:
+        alternatives = [_checker(a) for a in args]
+        return lambda value: None if any(check(value) is None for check in alternatives) else ([], message)
+    if origin is Literal:
+        allowed = args
+        return lambda value: None if isinstance(value, str) and value in allowed else ([], message)
+    if origin in (list, dict):
+        item_check = _checker(args[-1])
+
+        def check_container(value):
+            if not isinstance(value, origin):
+                return [], message
+            for key, item in (value.items() if origin is dict else enumerate(value)):
+                found = item_check(item)
+                if found:
+                    found[0].append(f".{key}" if origin is dict else f"[{key}]")
+                    return found
+            return None
+        return check_container
+    test = _LEAVES[tp][0]
+    return lambda value: None if test(value) else ([], message)
+
+
+def problem(value, schema, where: str = "value") -> Optional[str]:
+    """What is wrong with ``value`` as a ``schema`` (a declaration above), as one line naming the place
+    (``records[3].tensors[0].metrics.max_abs is not a number``); None when nothing is."""
+    found = _checker(schema)(value)
+    if found is None:
+        return None
+    parts, message = found
+    return f"{where}{''.join(reversed(parts))} {message}"
+
+
+# -- JSON --------------------------------------------------------------------------------------------------
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def json_safe(obj):
+    """``obj`` with non-finite floats as the strings "nan", "inf", "-inf" (strict JSON has no such numbers)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def from_json_safe(obj):
+    """The inverse of ``json_safe``: "nan", "inf", "-inf" strings back to floats."""
+    if isinstance(obj, str) and obj in _NONFINITE:
+        return _NONFINITE[obj]
+    if isinstance(obj, dict):
+        return {k: from_json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_json_safe(v) for v in obj]
+    return obj
+
+
+def dumps(obj) -> str:
+    """Standard JSON text of a report (or any of the values declared here), indented.
+
+    orjson writes it (a 0.5B model's 2 MB report: 0.4 s with ``json``, a tenth of its align); ``json`` takes what
+    orjson refuses (integers beyond 64 bits, keys that are not strings, unknown types: those then fail as they
+    always did). Either text parses to the same values."""
+    safe = json_safe(obj)
+    try:
+        return orjson.dumps(safe, option=orjson.OPT_INDENT_2).decode()
+    except TypeError:
+        return json.dumps(safe, indent=1)
+
+
+def loads(text: str):
+    """Parsed JSON with non-finite numbers restored (no checking: see ``problem``)."""
+    return from_json_safe(json.loads(text))

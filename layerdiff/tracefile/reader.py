@@ -1,0 +1,150 @@
+"""Reading a trace: metadata and the record index without touching tensor bytes, tensors on demand."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
+from layerdiff.tracefile.chunks import DataLocation, LengthenedFile, RawChunkReader, stored_pieces
+from layerdiff.tracefile.index import parse_index
+from layerdiff.tracefile.layout import FORMAT_NAME, FORMAT_VERSION, load_h5py
+from layerdiff.tracefile.tensors import storage_dtype
+
+
+class TraceReader:
+    """Reads a trace: metadata and the record index without touching tensor bytes, tensors on demand."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise TraceFormatError(f"{self.path}: no such file")
+        if self.path.is_dir():
+            raise TraceFormatError(f"{self.path}: is a directory, not a trace")
+        h5py = load_h5py()
+        if not h5py.is_hdf5(str(self.path)):
+            raise TraceFormatError(f"{self.path}: not an HDF5 file (is it a layerdiff trace?)")
+        self.crashed = False
+        try:  # no HDF5 file lock: a trace can be read while its writer runs (the writer holds its own lock)
+            self._file = h5py.File(self.path, "r", locking=False)
+        except PermissionError:
+            raise TraceFormatError(f"{self.path}: permission denied (cannot read it)") from None
+        except Exception as exc:  # h5py raises OSError, RuntimeError, ... for damaged files
+            if "already open for write" not in str(exc):  # truncated or damaged (SWMR would retry for ever)
+                raise TraceFormatError(f"{self.path}: damaged HDF5 file ({first_line(exc)})") from None
+            try:  # a format-1 writer that died left the "open for writing" flag; SWMR read mode accepts it
+                self._file = h5py.File(self.path, "r", swmr=True, libver="latest", locking=False)
+                self.crashed = True
+            except Exception as exc2:
+                raise TraceFormatError(f"{self.path}: damaged HDF5 file ({first_line(exc2)})") from None
+        self._lengthened = None  # the file seen with its real length (a writer killed while the file grew)
+        try:
+            raw = self._load()
+        except TraceFormatError:
+            self._file.close()
+            raise
+        except Exception as exc:
+            self._file.close()
+            try:
+                self._lengthened = LengthenedFile.open(self.path)
+                if self._lengthened is None:
+                    raise
+                self._file = h5py.File(self._lengthened, "r")
+                raw = self._load()
+                self.crashed = True
+            except TraceFormatError:
+                self.close()
+                raise
+            except Exception:
+                self.close()
+                raise TraceFormatError(f"{self.path}: damaged trace ({first_line(exc)})") from None
+        self.records, self.end = parse_index(raw, self._data.shape[0])
+        if self.end is None:
+            self.crashed = True
+        self._raw = RawChunkReader.open(self.path, self._data)
+        self._location: DataLocation | None | bool = None  # made on first use (False: not available)
+
+    def _load(self) -> bytes:
+        """Checks the format, reads the metadata and returns the index's bytes."""
+        attrs = self._file.attrs
+        if attrs.get("format") != FORMAT_NAME:
+            raise TraceFormatError(f"{self.path}: an HDF5 file but not a layerdiff trace")
+        version = int(attrs.get("format_version", -1))
+        if version > FORMAT_VERSION:
+            raise TraceFormatError(f"{self.path}: trace format {version} is newer than this layerdiff "
+                                   f"reads ({FORMAT_VERSION}); upgrade layerdiff")
+        self.meta = json.loads(attrs["meta"])
+        self._data = self._file["data"]
+        return bytes(self._file["index"][:])
+
+    @property
+    def mode(self) -> str:
+        return self.meta.get("mode", "full")
+
+    def _read(self, start: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        try:
+            if self._raw is not None:
+                return self._raw.read(start, length, out)
+            return self._data[start:start + length]
+        except TraceFormatError:
+            raise
+        except Exception as exc:
+            raise TraceFormatError(f"{self.path}: damaged tensor data ({first_line(exc)})") from None
+
+    def tensor(self, entry: dict) -> np.ndarray:
+        """The stored bits of a tensor (decode with ``tensors.as_float``)."""
+        if "offset" not in entry:
+            raise LayerdiffError(f"{self.path}: tensor data not stored (trace made in 'stats' mode)")
+        raw = self._read(entry["offset"], entry["nbytes"])
+        return raw.view(storage_dtype(entry["dtype"])).reshape(entry["shape"])
+
+    def tensor_chunks(self, entry: dict, chunk_elems: int):
+        """The stored bits of a tensor, flattened, in pieces of ``chunk_elems`` (bounded memory).
+
+        Each piece is valid until the next one. Where the file's chunks sit back to back, a piece is a read-only
+        view of the file mapped into memory: no copy out of the page cache, the pages of the next few MB are asked
+        for ahead (``MADV_WILLNEED``) and those compared are let go (``MADV_DONTNEED``): resident memory stays flat.
+        """
+        raw = self._raw if self._raw is not None and self._raw.mapped is not None else None
+        return stored_pieces(raw, self._read, entry["offset"], entry["nbytes"], storage_dtype(entry["dtype"]), chunk_elems)
+
+    def data_location(self, entry: dict) -> DataLocation | None:
+        """Where the tensor's bytes lie in the file, for a reader in another process (``MappedData``); None when
+        HDF5 did not report every chunk's address (compressed or damaged data, an older HDF5)."""
+        raw = self._raw
+        if raw is None or raw.mapped is None or "offset" not in entry:
+            return None
+        if self._location is None:
+            count = -(-self._data.shape[0] // raw.chunk)
+            addresses = tuple(raw.addresses.get(i) for i in range(count))
+            self._location = DataLocation(str(self.path), raw.chunk, addresses) if None not in addresses else False
+        return self._location or None
+
+    def data_segments(self, entry: dict) -> list | None:
+        """[(DataLocation, byte offset, elements)]: where a tensor's flat values lie, for worker processes (one
+        segment here; a run of ranks may give several); None where ``data_location`` gives none."""
+        location = self.data_location(entry)
+        return None if location is None else [(location, entry["offset"], math.prod(entry["shape"]))]
+
+    def size_bytes(self) -> int:
+        return os.path.getsize(self.path)
+
+    def close(self):
+        if getattr(self, "_raw", None) is not None:
+            self._raw.close()
+        self._file.close()
+        if self._lengthened is not None:
+            self._lengthened.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_trace(path) -> TraceReader:
+    return TraceReader(path)

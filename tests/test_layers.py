@@ -1,0 +1,26 @@
+"""The house's structure holds: the passes are layered (pyproject's import-linter contracts), and no module shares
+a name with a public ``layerdiff`` function (importing such a module would replace the function on the package)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_import_contracts_hold():
+    pytest.importorskip("importlinter")
+    lint = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run([str(lint) if lint.exists() else "lint-imports"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "passes are layered KEPT" in done.stdout and "import no framework KEPT" in done.stdout
+
+
+def test_no_module_is_named_like_a_public_function():
+    import layerdiff
+
+    public = set(layerdiff.__all__)
+    top = {p.stem for p in (ROOT / "layerdiff").glob("*.py")} | {p.name for p in (ROOT / "layerdiff").iterdir()
+                                                                if p.is_dir() and (p / "__init__.py").exists()}
+    assert not public & top, public & top
