@@ -11,10 +11,11 @@ import math
 import sys
 from pathlib import Path
 
-from layerdiff.version import __version__
+from layerdiff.adapters import FRAMEWORKS
 from layerdiff.api import EXIT_DIVERGENT, EXIT_OK  # 3: aligned, but see report["trust"]
 from layerdiff.errors import LayerdiffError
 from layerdiff.files import refuse_existing
+from layerdiff.version import __version__
 
 EXIT_BAD_INPUT = 2
 
@@ -25,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_tolerance_flags(p):
-    g = p.add_argument_group("tolerances (default: per dtype; see README)")
+    g = p.add_argument_group("tolerances (default: per dtype; docs/concepts/tolerances.md)")
     g.add_argument("--atol", type=float, help="absolute tolerance for every floating dtype")
     g.add_argument("--rtol", type=float, help="tolerance relative to the reference tensor's max |value|")
     g.add_argument("--cos", type=float, help="minimum cosine similarity")
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--map", action="append", metavar="MODEL_REGEX=FILE_NAME",
                    help="rename the model's parameter names to the file's (with --weights)")
     t.add_argument("--rules", action="append", metavar="FILE.toml",
-                   help="extra naming/fusion rules for --weights (README: 'Rule files')")
+                   help="extra naming/fusion rules for --weights (docs/concepts/rule-files.md)")
 
     a = sub.add_parser("align", help="compare two traces and name where they start to differ")
     a.add_argument("a", help="reference trace (a file, or the directory of a multi-rank run)")
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-auto-map", action="store_true",
                    help="do not infer renamed modules from structure (names must match, or --map them)")
     a.add_argument("--rules", action="append", metavar="FILE.toml",
-                   help="extra naming/fusion/transform rules on top of the built-in ones (README: 'Rule files')")
+                   help="extra naming/fusion/transform rules on top of the built-in ones (docs/concepts/rule-files.md)")
     _add_tolerance_flags(a)
 
     r = sub.add_parser("report", help="re-judge a saved JSON report under other tolerances (no traces needed)")
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="trace a small Llama twice (one with an injected defect) and align them")
     d.add_argument("--defect", default="eps", help="which defect to inject (see recipes/torch_llama.py)")
     d.add_argument("--keep", metavar="DIR", help="keep the traces and report in DIR (default: a temp dir)")
-    d.add_argument("--framework", default="torch", choices=["torch", "paddle", "mindspore"],
+    d.add_argument("--framework", default="torch", choices=FRAMEWORKS,
                    help="trace the candidate in this framework's port of the model (needs it installed)")
     return parser
 

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from layerdiff.adapters import FRAMEWORKS
 from layerdiff.errors import LayerdiffError
 
 
@@ -39,8 +40,8 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
 
     if defect not in torch_llama.DEFECTS:
         raise LayerdiffError(f"unknown defect {defect!r}; choose from {', '.join(torch_llama.DEFECTS)}")
-    if framework not in ("torch", "paddle", "mindspore"):
-        raise LayerdiffError(f"unknown framework {framework!r}; choose torch, paddle or mindspore")
+    if framework not in FRAMEWORKS:
+        raise LayerdiffError(f"unknown framework {framework!r}; choose {', '.join(FRAMEWORKS)}")
     console = make_console()
     workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="layerdiff-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)

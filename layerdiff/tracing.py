@@ -8,15 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from layerdiff.version import __version__
 from layerdiff.adapters import detect_framework, load_adapter
-from layerdiff.capture.filters import MODES, PathFilter
+from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import model_config
+from layerdiff.capture.options import TraceOptions
 from layerdiff.capture.session import TraceSession
 from layerdiff.errors import LayerdiffError
 from layerdiff.tracefile.writer import TraceWriter
-
-WRITE_BEHIND_MB = 256  # tensor data a full trace may hold in memory while the disk catches up
+from layerdiff.version import __version__
 
 
 class Tracer:
@@ -26,59 +25,40 @@ class Tracer:
     the body raises; the exception and the modules active when it was raised are recorded, then re-raised.
     """
 
-    def __init__(self, model, path, *, mode: str = "full", backward: bool = True, include=None, exclude=None,
-                 overwrite: bool = False, compression: str | None = None, flush_interval: float = 1.0,
-                 params: bool = True, meta: dict | None = None, forcer=None, layers=None, one_process: bool = False,
-                 strict_filters: bool = True, write_behind: float | None = None):
-        if mode not in MODES:
-            raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    def __init__(self, model, path, options: TraceOptions | None = None, *, forcer=None):
         self.model = model
         self.path = os.fspath(path)
-        self.framework = detect_framework(model)
-        if write_behind is None:
-            write_behind = WRITE_BEHIND_MB if mode == "full" else 0
-        if not (isinstance(write_behind, (int, float)) and 0 <= write_behind < 2**20):
-            raise LayerdiffError(f"write_behind must be a number of MB >= 0 (0: every record is in the file before "
-                                 f"the step goes on), not {write_behind!r}")
-        self.options = dict(mode=mode, backward=backward, include=include, exclude=exclude,
-                            compression=compression, flush_interval=flush_interval, params=params,
-                            layers=list(layers) if layers is not None else None, write_behind=write_behind)
-        self.overwrite = overwrite
-        self.user_meta = meta or {}
+        self.options = options or TraceOptions()
+        self.adapter = load_adapter(detect_framework(model))
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
-        self.one_process = one_process  # bisect's runs: a candidate spread over ranks is refused
-        self.strict_filters = strict_filters
         self.session: TraceSession | None = None
         self._hooks = None
 
     def __enter__(self):
-        adapter = load_adapter(self.framework)
+        adapter, options = self.adapter, self.options
         meta = run_metadata()
         meta.update(adapter.metadata(self.model))
         config = model_config(self.model)
         if config is not None:
             meta["model_config"] = config
-        meta.update(mode=self.options["mode"], options=self.options, user=self.user_meta)
+        meta.update(mode=options.mode, options=options.recorded(), user=options.meta)
         try:  # resolves filters and a --layers window against the model's modules, before any file is created
-            path_filter = PathFilter(self.options["include"], self.options["exclude"], self.options["layers"],
-                                     self.strict_filters)
-            hooks = adapter.Hooks(self.model, None, backward=self.options["backward"], params=self.options["params"],
-                                  path_filter=path_filter, forcer=self.forcer)
+            path_filter = PathFilter.of(options, adapter.module_paths(self.model))
         except ValueError as exc:
             raise LayerdiffError(str(exc)) from None
-        meta["window"] = hooks.path_filter.window_paths
-        ranks = getattr(adapter, "distributed", lambda: None)()
-        if ranks is not None and self.one_process:
+        meta["window"] = path_filter.window_paths
+        ranks = adapter.distributed()
+        if ranks is not None and options.one_process:
             raise LayerdiffError(f"bisect replays the candidate in one process; this one runs as rank {ranks['rank']} "
                                  f"of {ranks['world_size']}: replay a single-process build of it against the "
                                  "reference, or align the multi-rank run (layerdiff align REF RUN)")
         meta["distributed"] = ranks
-        writer = TraceWriter(self._file_path(ranks), meta, overwrite=self.overwrite,
-                             compression=self.options["compression"], flush_interval=self.options["flush_interval"],
-                             write_behind=int(self.options["write_behind"] * 2**20))
-        self.session = hooks.session = TraceSession(writer, adapter.TENSORS, self.options["mode"])
-        self._hooks = hooks
-        hooks.install()
+        writer = TraceWriter(self._file_path(ranks), meta, overwrite=options.overwrite,
+                             compression=options.compression, flush_interval=options.flush_interval,
+                             write_behind=int(options.write_behind_mb * 2**20))
+        self.session = TraceSession(writer, adapter, options.mode)
+        self._hooks = adapter.hooks(self.model, self.session, options, path_filter, self.forcer)
+        self._hooks.install()
         return self
 
     def _file_path(self, ranks: dict | None) -> str:
@@ -107,7 +87,7 @@ class Tracer:
         return False
 
 
-def trace(model, path, **options) -> Tracer:
+def trace(model, path, *, forcer=None, **options) -> Tracer:
     """Trace every module call of ``model`` (forward and, by default, backward) into the HDF5 file ``path``.
 
     Options: mode="full"|"stats", backward=True, include/exclude (module-path regexes), layers=(start, end)
@@ -118,7 +98,7 @@ def trace(model, path, **options) -> Tracer:
     256 by default, so the disk works while the model computes; 0 writes every record before the step goes on,
     for hunting a crash that kills the process outright).
     """
-    return Tracer(model, path, **options)
+    return Tracer(model, path, TraceOptions(**options), forcer=forcer)
 
 
 def run_metadata() -> dict:

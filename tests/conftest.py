@@ -92,3 +92,26 @@ def run_cli(*args, cwd=None, timeout=300):
     proc = subprocess.run([sys.executable, "-m", "layerdiff", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+class NumpyTensors:
+    """The session's view of tensors (``capture.session.TensorAccess``) for numpy float32 arrays: what a
+    framework-free test hands a ``TraceSession`` in place of a framework adapter. ``placements``: id -> placement."""
+
+    def __init__(self, placements=None):
+        self.placements = placements or {}
+
+    def to_stored(self, a):
+        return a, "float32"
+
+    def identify(self, a):
+        return None
+
+    def fast_stats(self, a):
+        return None
+
+    def describe(self, a):
+        return "float32", list(a.shape)
+
+    def placement(self, a):
+        return self.placements.get(id(a))

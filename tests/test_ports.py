@@ -267,7 +267,7 @@ def test_mindformers_fused_qkv_and_interleaved_gate_up(ports):
 def test_real_mindformers_when_installed(tmp_path):
     """The port stands in for mindformers in CI (mindformers 2.0 needs a package the registry does not serve);
     where mindformers is installed, the real model must give the same trace structure and numbers."""
-    pytest.importorskip("mindformers", reason="mindformers is not installable here (see README); the port stands in")
+    pytest.importorskip("mindformers", reason="mindformers is not installable here (see docs/ports.md); the port stands in")
     script = """
 import sys, layerdiff
 from layerdiff.recipes import mindformers_llama as mf

@@ -10,9 +10,11 @@ import pytest
 import layerdiff
 from layerdiff import schema
 from layerdiff.report.jsonio import report_problem
-from layerdiff.capture.session import TensorAdapter, TraceSession
+from layerdiff.capture.session import TraceSession
 from layerdiff.tracefile.writer import TraceWriter
 from layerdiff.tracefile.reader import open_trace
+
+from conftest import NumpyTensors
 
 
 def _run(path, scale: float):
@@ -25,7 +27,7 @@ def _run(path, scale: float):
     gy = np.ones_like(y)
     gh = gy @ w2.T
     writer = TraceWriter(path, {"framework": "numpy", "model_class": "toy.MLP", "mode": "full"})
-    session = TraceSession(writer, TensorAdapter(lambda a: (a, "float32")))
+    session = TraceSession(writer, NumpyTensors())
     for name, module, w in (("fc1.weight", "fc1", w1), ("fc2.weight", "fc2", w2)):
         session.param("param", name, module, w, "Linear")
     root = session.begin_call("", "MLP", {}, [("args.0", x)], {})

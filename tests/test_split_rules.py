@@ -10,9 +10,11 @@ import pytest
 
 from layerdiff.judge.evaluate import align
 from layerdiff.runs.ranks import open_run
-from layerdiff.capture.session import TensorAdapter, TraceSession
+from layerdiff.capture.session import TraceSession
 from layerdiff.tracefile.writer import TraceWriter
 from layerdiff.tracefile.reader import open_trace
+
+from conftest import NumpyTensors
 
 HIDDEN, INTER, WORLD = 4, 8, 2
 
@@ -32,7 +34,7 @@ def _write(path, *, framework, rank=None, weights, calls, placements=None):
     meta = {"framework": framework, "model_class": "toy.MLP", "mode": "full",
             "distributed": {"rank": rank, "world_size": WORLD} if rank is not None else None}
     writer = TraceWriter(path, meta)
-    session = TraceSession(writer, TensorAdapter(lambda a: (a, "float32"), placement=lambda a: placements.get(id(a))))
+    session = TraceSession(writer, NumpyTensors(placements))
     for name, module, module_type, array in weights:
         session.param("param", name, module, array, module_type)
     root_path, root_type, root_in, root_out = calls[0]

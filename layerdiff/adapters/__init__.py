@@ -1,9 +1,18 @@
-"""One small adapter per framework. Each imports only its own framework, and only when asked for."""
+"""The registry of frameworks: one small adapter each (``base.FrameworkAdapter``), imported only when asked for.
+
+A framework's adapter lives in ``<name>_adapter.py`` and exposes ``ADAPTER``; its name here is the root package of
+its models' classes. The CLI, the demo, tracing, weight transfer and the checkpoint readers all take their list
+of frameworks and their adapter from here.
+"""
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from layerdiff.errors import LayerdiffError
+
+if TYPE_CHECKING:
+    from layerdiff.adapters.base import FrameworkAdapter
 
 FRAMEWORKS = ("torch", "paddle", "mindspore")
 
@@ -31,9 +40,10 @@ def detect_framework(model) -> str:
                          "torch.nn.Module, paddle.nn.Layer or mindspore.nn.Cell")
 
 
-def load_adapter(framework: str):
+def load_adapter(framework: str) -> FrameworkAdapter:
+    """The adapter of ``framework`` (importing the framework itself)."""
     try:
-        return importlib.import_module(f"{__name__}.{framework}_adapter")
+        return importlib.import_module(f"{__name__}.{framework}_adapter").ADAPTER
     except ModuleNotFoundError as exc:
         if framework in FRAMEWORKS and exc.name and exc.name.startswith(f"{__name__}."):
             raise LayerdiffError(f"no layerdiff adapter for {framework} yet") from None

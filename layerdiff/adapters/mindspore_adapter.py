@@ -20,12 +20,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from layerdiff.adapters.base import FrameworkAdapter
 from layerdiff.capture.hooks import ModuleHooks
-from layerdiff.capture.hparams import module_entries as _module_entries
-from layerdiff.capture.hparams import typed_parameters
-from layerdiff.capture.session import TensorAdapter
-
-FRAMEWORK = "mindspore"
 
 _DTYPE_NAMES = {
     ms.float64: "float64", ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16",
@@ -37,6 +33,10 @@ _FLOATS = {ms.float64, ms.float32, ms.float16, ms.bfloat16}
 
 def is_tensor(obj) -> bool:
     return isinstance(obj, ms.Tensor)
+
+
+def _dtype_name(t):
+    return _DTYPE_NAMES.get(t.dtype)
 
 
 def to_stored(t):
@@ -58,9 +58,6 @@ def identify(t):
     return None
 
 
-TENSORS = TensorAdapter(to_stored, identify, None)
-
-
 def distributed() -> dict | None:
     """This process's place in a MindSpore job of several ranks, launched by msrun (None when it runs alone).
 
@@ -79,14 +76,8 @@ def distributed() -> dict | None:
             "local_rank": int(os.environ.get("MS_LOCAL_RANK_ID", os.environ.get("RANK_ID", get_rank())))}
 
 
-def parameters(model):
-    """(name, parameter, type name of its cell) for weight transfer."""
-    return typed_parameters(model.cells_and_names(), model.parameters_and_names())
 
 
-def module_entries(model) -> list:
-    """Every module with its type, hyper-parameters and own parameters' shapes (weight transfer's matching)."""
-    return _module_entries(model.cells_and_names(), model.parameters_and_names())
 
 
 def assign(param, array: np.ndarray, dtype: str):
@@ -175,10 +166,8 @@ class _Collector:
 class Hooks(ModuleHooks):
     """Registers forward hooks on every cell (plus gradient taps and parameter-gradient hooks)."""
 
-    is_tensor = staticmethod(is_tensor)
-
-    def __init__(self, model, session, **options):
-        super().__init__(model, session, **options)
+    def __init__(self, adapter, model, session, options, path_filter, forcer=None):
+        super().__init__(adapter, model, session, options, path_filter, forcer)
         self.out_collectors: dict[int, _Collector] = {}  # id(frame) -> output-side collector
         self.pending: set = set()
 
@@ -186,14 +175,8 @@ class Hooks(ModuleHooks):
     def differentiable(t) -> bool:
         return _differentiable(t)
 
-    def named_modules(self):
-        return self.model.cells_and_names()
-
     def forward_function(self, module):
         return getattr(module, "construct", None)
-
-    def named_parameters(self):
-        return self.model.parameters_and_names()
 
     def register_forward_hooks(self, cell, pre_hook, post_hook) -> list:
         return [cell.register_forward_pre_hook(pre_hook, with_kwargs=True),
@@ -232,8 +215,6 @@ class Hooks(ModuleHooks):
 
     def grad_enabled(self) -> bool:
         return _recording_grad()
-
-    to_framework = staticmethod(to_framework)
 
     def apply_tap(self, tensors, report, frame, outputs, plan=None):
         """One ``_TAP`` call; ``Tensor.register_hook`` on each alias, gathered by a ``_Collector``."""
@@ -295,7 +276,7 @@ def metadata(model) -> dict:
     params = list(model.get_parameters())
     mode = ms.get_context("mode")
     meta = {
-        "framework": FRAMEWORK,
+        "framework": MindSporeAdapter.name,
         "framework_version": ms.__version__,
         "model_class": f"{type(model).__module__}.{type(model).__name__}",
         "num_parameters": int(sum(int(np.prod(p.shape)) for p in params)),
@@ -314,3 +295,29 @@ def metadata(model) -> dict:
             continue
         meta[key] = value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
     return meta
+
+
+class MindSporeAdapter(FrameworkAdapter):
+    """MindSpore (PyNative mode): ``mindspore.nn.Cell`` models of ``mindspore.Tensor`` tensors."""
+
+    name = "mindspore"
+    is_tensor = staticmethod(is_tensor)
+    dtype_name = staticmethod(_dtype_name)
+    to_stored = staticmethod(to_stored)
+    identify = staticmethod(identify)
+    metadata = staticmethod(metadata)
+    distributed = staticmethod(distributed)
+    assign = staticmethod(assign)
+    to_framework = staticmethod(to_framework)
+
+    def named_modules(self, model):
+        return model.cells_and_names()
+
+    def named_parameters(self, model):
+        return model.parameters_and_names()
+
+    def hooks(self, model, session, options, path_filter, forcer=None):
+        return Hooks(self, model, session, options, path_filter, forcer)
+
+
+ADAPTER = MindSporeAdapter()

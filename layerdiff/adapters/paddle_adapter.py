@@ -31,12 +31,8 @@ import weakref
 import numpy as np
 import paddle
 
+from layerdiff.adapters.base import FrameworkAdapter
 from layerdiff.capture.hooks import ModuleHooks
-from layerdiff.capture.hparams import module_entries as _module_entries
-from layerdiff.capture.hparams import typed_parameters
-from layerdiff.capture.session import TensorAdapter
-
-FRAMEWORK = "paddle"
 
 _DTYPE_NAMES = {name: name for name in (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
@@ -185,9 +181,6 @@ def describe(t):
     return _dtype_name(t), list(t.shape)
 
 
-TENSORS = TensorAdapter(to_stored, identify, None, describe, placement)
-
-
 def distributed() -> dict | None:
     """This process's place in a paddle.distributed job of several ranks (None when it runs alone)."""
     import paddle.distributed as dist
@@ -202,14 +195,8 @@ def distributed() -> dict | None:
             "local_rank": int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", dist.get_rank())))}
 
 
-def parameters(model):
-    """(name, parameter, type name of its layer) for weight transfer."""
-    return typed_parameters(model.named_sublayers(include_self=True), model.named_parameters())
 
 
-def module_entries(model) -> list:
-    """Every module with its type, hyper-parameters and own parameters' shapes (weight transfer's matching)."""
-    return _module_entries(model.named_sublayers(include_self=True), model.named_parameters())
 
 
 def assign(param, array: np.ndarray, dtype: str):
@@ -261,14 +248,7 @@ def _differentiable(t) -> bool:
 class Hooks(ModuleHooks):
     """Registers forward hooks on every sublayer (plus gradient taps and parameter-gradient hooks)."""
 
-    is_tensor = staticmethod(is_tensor)
     differentiable = staticmethod(_differentiable)
-
-    def named_modules(self):
-        return self.model.named_sublayers(include_self=True)
-
-    def named_parameters(self):
-        return self.model.named_parameters()
 
     def register_forward_hooks(self, layer, pre_hook, post_hook) -> list:
         return [layer.register_forward_pre_hook(pre_hook, with_kwargs=True),
@@ -283,8 +263,6 @@ class Hooks(ModuleHooks):
 
     def grad_enabled(self) -> bool:
         return paddle.is_grad_enabled()
-
-    to_framework = staticmethod(to_framework)
 
     def apply_tap(self, tensors, report, frame, outputs, plan=None):
         """Copies (see the module docstring); each answers with its original's identity while unmodified."""
@@ -361,7 +339,7 @@ def metadata(model) -> dict:
     """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
     params = list(model.parameters())
     meta = {
-        "framework": FRAMEWORK,
+        "framework": PaddleAdapter.name,
         "framework_version": paddle.__version__,
         "model_class": f"{type(model).__module__}.{type(model).__name__}",
         "num_parameters": int(sum(int(np.prod(p.shape)) for p in params)),
@@ -389,3 +367,32 @@ def metadata(model) -> dict:
         except (TypeError, ValueError):
             pass
     return meta
+
+
+class PaddleAdapter(FrameworkAdapter):
+    """PaddlePaddle (dygraph): ``paddle.nn.Layer`` models of ``paddle.Tensor`` tensors (auto-parallel placements
+    and fleet's tensor-parallel parameters recorded)."""
+
+    name = "paddle"
+    is_tensor = staticmethod(is_tensor)
+    dtype_name = staticmethod(_dtype_name)
+    to_stored = staticmethod(to_stored)
+    identify = staticmethod(identify)
+    describe = staticmethod(describe)
+    placement = staticmethod(placement)
+    metadata = staticmethod(metadata)
+    distributed = staticmethod(distributed)
+    assign = staticmethod(assign)
+    to_framework = staticmethod(to_framework)
+
+    def named_modules(self, model):
+        return model.named_sublayers(include_self=True)
+
+    def named_parameters(self, model):
+        return model.named_parameters()
+
+    def hooks(self, model, session, options, path_filter, forcer=None):
+        return Hooks(self, model, session, options, path_filter, forcer)
+
+
+ADAPTER = PaddleAdapter()

@@ -9,12 +9,8 @@ import sys
 import numpy as np
 import torch
 
+from layerdiff.adapters.base import FrameworkAdapter
 from layerdiff.capture.hooks import ModuleHooks
-from layerdiff.capture.hparams import module_entries as _module_entries
-from layerdiff.capture.hparams import typed_parameters
-from layerdiff.capture.session import TensorAdapter
-
-FRAMEWORK = "torch"
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -201,9 +197,6 @@ def describe(t: torch.Tensor):
     return _DTYPE_NAMES[t.dtype], list(local(t).shape)
 
 
-TENSORS = TensorAdapter(to_stored, identify, fast_stats, describe, placement)
-
-
 def distributed() -> dict | None:
     """This process's place in a torch.distributed job of several ranks (None when it runs alone)."""
     import torch.distributed as dist
@@ -214,14 +207,8 @@ def distributed() -> dict | None:
             "local_rank": int(os.environ.get("LOCAL_RANK", dist.get_rank()))}
 
 
-def parameters(model):
-    """(name, parameter, type name of its module) for weight transfer."""
-    return typed_parameters(model.named_modules(), model.named_parameters())
 
 
-def module_entries(model) -> list:
-    """Every module with its type, hyper-parameters and own parameters' shapes (weight transfer's matching)."""
-    return _module_entries(model.named_modules(), model.named_parameters())
 
 
 def assign(param, array: np.ndarray, dtype: str):
@@ -273,11 +260,7 @@ class Hooks(ModuleHooks):
 
     in_place_consequence = ("input gradients of its first call may be misattributed; its later calls record no "
                             "grad_input")
-    is_tensor = staticmethod(is_tensor)
     differentiable = staticmethod(_differentiable)
-
-    def named_modules(self):
-        return self.model.named_modules()
 
     def named_parameters(self):
         return self.model.named_parameters(remove_duplicate=False)  # a tied weight under each owner
@@ -296,8 +279,6 @@ class Hooks(ModuleHooks):
 
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
-
-    to_framework = staticmethod(to_framework)
 
     def apply_tap(self, tensors, report, frame, outputs, plan=None):
         return _GradTap.apply(report, plan, *tensors)
@@ -344,7 +325,7 @@ def metadata(model) -> dict:
     """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
     params = list(model.parameters())
     meta = {
-        "framework": FRAMEWORK,
+        "framework": TorchAdapter.name,
         "framework_version": torch.__version__,
         "model_class": f"{type(model).__module__}.{type(model).__name__}",
         "num_parameters": int(sum(p.numel() for p in params)),
@@ -365,3 +346,33 @@ def metadata(model) -> dict:
     if torch.cuda.is_available():
         meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return meta
+
+
+class TorchAdapter(FrameworkAdapter):
+    """PyTorch: ``torch.nn.Module`` models of ``torch.Tensor`` tensors (DTensors and Megatron's tensor-parallel
+    parameters with their placement)."""
+
+    name = "torch"
+    is_tensor = staticmethod(is_tensor)
+    dtype_name = staticmethod(dtype_name)
+    to_stored = staticmethod(to_stored)
+    identify = staticmethod(identify)
+    fast_stats = staticmethod(fast_stats)
+    describe = staticmethod(describe)
+    placement = staticmethod(placement)
+    metadata = staticmethod(metadata)
+    distributed = staticmethod(distributed)
+    assign = staticmethod(assign)
+    to_framework = staticmethod(to_framework)
+
+    def named_modules(self, model):
+        return model.named_modules()
+
+    def named_parameters(self, model):
+        return model.named_parameters()
+
+    def hooks(self, model, session, options, path_filter, forcer=None):
+        return Hooks(self, model, session, options, path_filter, forcer)
+
+
+ADAPTER = TorchAdapter()

@@ -5,8 +5,6 @@ import re
 
 from layerdiff.match.modules import find_blocks
 
-MODES = ("full", "stats")
-
 
 def parse_layers(text: str) -> tuple[int, int]:
     """``START:END`` (END exclusive, like a Python slice) or ``N`` (just block N)."""
@@ -25,21 +23,25 @@ class PathFilter:
     """Include/exclude module paths by regular expression (``re.search``), and a window of blocks by index.
 
     ``layers=(start, end)`` keeps blocks start..end-1 of the model's main module list (``model.layers``) and
-    their submodules: the second pass of two-pass tracing. It is resolved against the model's module paths by
-    ``bind`` (adapters call it when they install hooks).
+    their submodules: the second pass of two-pass tracing. Made for one model: ``paths`` are its module paths
+    (the model itself first, as ''), against which the window is resolved and the filters are checked.
     """
 
-    def __init__(self, include=None, exclude=None, layers=None, strict: bool = True):
-        self.strict = strict  # a filter that keeps no module is an error (bisect's own probes allow it)
+    def __init__(self, paths, include=None, exclude=None, layers=None, strict: bool = True):
         self.include = [_compile(p, "--include") for p in _as_list(include)]
         self.exclude = [_compile(p, "--exclude") for p in _as_list(exclude)]
         self.layers = tuple(layers) if layers is not None else None
         self.window: list | None = None
         self.window_paths: list[str] = []
+        self._bind(list(paths), strict)  # strict: a filter that keeps no module is an error (bisect's probes allow it)
 
-    def bind(self, paths):
-        paths = list(paths)
-        if self.strict and (self.include or self.exclude):  # keeping no module is a mistake, not an empty trace
+    @classmethod
+    def of(cls, options, paths) -> PathFilter:
+        """The filter a trace's options ask for, on a model of module ``paths``."""
+        return cls(paths, options.include, options.exclude, options.layers, options.strict_filters)
+
+    def _bind(self, paths: list, strict: bool):
+        if strict and (self.include or self.exclude):  # keeping no module is a mistake, not an empty trace
             if not any(self(p) for p in paths if p):
                 flags = " ".join([f"--include {p.pattern!r}" for p in self.include]
                                  + [f"--exclude {p.pattern!r}" for p in self.exclude])

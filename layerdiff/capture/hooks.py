@@ -4,7 +4,9 @@ from __future__ import annotations
 import inspect
 import sys
 
+from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
+from layerdiff.capture.options import TraceOptions
 from layerdiff.capture.structure import replace_tensors, walk
 
 
@@ -41,15 +43,14 @@ class ModuleHooks:
     #: what the in-place warning says happens next (the torch and paddle taps have different consequences)
     in_place_consequence = "its later calls record no grad_input"
 
-    def __init__(self, model, session, *, backward: bool, path_filter, params: bool, forcer=None):
+    def __init__(self, adapter, model, session, options: TraceOptions, path_filter: PathFilter, forcer=None):
+        self.adapter = adapter  # the framework's ``FrameworkAdapter``: tensors, modules, parameters
         self.model = model
         self.session = session
         self.forcer = forcer  # replay: supplies the reference's values and gradients (``replay.forcer``)
-        self.backward = backward
+        self.backward = options.backward
         self.path_filter = path_filter
-        if hasattr(path_filter, "bind"):
-            path_filter.bind([path for path, _ in self.named_modules()])
-        self.record_params = params
+        self.record_params = options.params
         self.handles = []
         self.active = False  # hooks that cannot be removed (Paddle's parameter reduce hooks) check this
         self.open_frames: dict[int, list] = {}  # id(module) -> frames of its calls in progress (recursion)
@@ -68,21 +69,19 @@ class ModuleHooks:
                 self.tied_in_module.setdefault(name.rpartition(".")[0], {})[id(p)] = name
         self.module_types = {path: type(m).__name__ for path, m in self.named_modules()}
 
-    # -- framework-specific: subclasses override these -------------------------------------------------------
-    @staticmethod
-    def is_tensor(obj) -> bool:
-        raise NotImplementedError
+    def named_modules(self):
+        """(path, module) for the model and all its submodules; the model itself has path ''."""
+        return self.adapter.named_modules(self.model)
 
+    def named_parameters(self):
+        """(name, parameter) of every parameter to record (a tied weight under each owner where the framework
+        lists it so)."""
+        return self.adapter.named_parameters(self.model)
+
+    # -- framework-specific: subclasses override these -------------------------------------------------------
     @staticmethod
     def differentiable(t) -> bool:
         """Whether a gradient can reach ``t`` (worth tapping)."""
-        raise NotImplementedError
-
-    def named_modules(self):
-        """(path, module) for the model and all its submodules; the model itself has path ''."""
-        raise NotImplementedError
-
-    def named_parameters(self):
         raise NotImplementedError
 
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
@@ -116,11 +115,6 @@ class ModuleHooks:
         called in backward with the gradients, aligned with ``tensors`` (None where none arrived). ``frame`` and
         ``outputs`` are for frameworks that gather per-tensor hooks themselves (MindSpore). With a ``plan``, the
         aliases show the plan's values and the gradient passed on is the plan's (after ``report`` saw the own)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def to_framework(array, like):
-        """A framework tensor with ``array``'s values and ``like``'s dtype and device (replay only)."""
         raise NotImplementedError
 
     def sync(self):
@@ -174,7 +168,7 @@ class ModuleHooks:
     # -- hooks ---------------------------------------------------------------------------------------------
     def _pre_hook(self, path, type_name, full=True, arg_names=()):
         session = self.session
-        is_tensor = self.is_tensor
+        is_tensor = self.adapter.is_tensor
         # hyper-parameters are read again in every step (they may change); the extra repr is parsed when it does
         read = {"step": None, "hparams": {}, "repr": None, "repr_values": {}}
 
@@ -211,7 +205,7 @@ class ModuleHooks:
 
     def _post_hook(self, path):
         session = self.session
-        is_tensor = self.is_tensor
+        is_tensor = self.adapter.is_tensor
 
         def hook(module, args, kwargs, output):
             stack = self.open_frames.get(id(module))
@@ -271,13 +265,13 @@ class ModuleHooks:
         if self.forcer is None:
             return {}
         arrays = self.forcer.forward(frame, role, entries)
-        return {k: self.to_framework(arrays[k], t) for k, t in tensors if k in arrays}
+        return {k: self.adapter.to_framework(arrays[k], t) for k, t in tensors if k in arrays}
 
     def _plan(self, frame, needs, forced: dict, grad_role: str) -> ForcePlan | None:
         if self.forcer is None:
             return None
         values = [forced.get(k) for k, _ in needs]
-        forcer, to_framework = self.forcer, self.to_framework
+        forcer, to_framework = self.forcer, self.adapter.to_framework
 
         def reference_grad(index):
             key, like = needs[index]

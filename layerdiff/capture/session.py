@@ -9,9 +9,12 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
 
 from layerdiff import schema
-from layerdiff.capture.filters import MODES
+from layerdiff.capture.options import MODES
 from layerdiff.tracefile.writer import TraceWriter
 
 USE_DATA_LIMIT = 1 << 22  # elements: a tied weight's per-use gradient is stored whole up to this size
@@ -50,24 +53,25 @@ class PendingBackward:
     grad_outputs: list[schema.TensorEntry]
 
 
-class TensorAdapter:
-    """What the session needs to know about a framework's tensors (provided by each adapter).
+class TensorAccess(Protocol):
+    """What the session reads of a framework's tensors: a ``FrameworkAdapter`` provides it (``adapters.base``).
 
     ``to_stored(t)`` -> (numpy array of the tensor's bits, dtype name) or None if it cannot be stored;
-    ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes
-    (storage address, shape, strides, dtype, in-place version), or None;
-    ``fast_stats(t)`` -> the ``summarize`` dict computed by the framework itself, or None to use numpy;
-    ``describe(t)`` -> (dtype name, shape): with fast_stats, lets "stats" mode skip the host copy entirely;
-    ``placement(t)`` -> how a distributed tensor is spread over ranks (``{"placements": ["S(0)"], "mesh": [2],
-    "coord": [1], "global_shape": [...]}``), or None: the stored bytes are then this rank's local part.
+    ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes, or None;
+    ``fast_stats(t)`` -> the statistics computed by the framework itself, or None to use numpy;
+    ``describe(t)`` -> (dtype name, shape) of what ``fast_stats`` summarized: "stats" mode skips the host copy;
+    ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part).
     """
 
-    def __init__(self, to_stored, identify=None, fast_stats=None, describe=None, placement=None):
-        self.to_stored = to_stored
-        self.identify = identify or (lambda t: None)
-        self.fast_stats = fast_stats or (lambda t: None)
-        self.describe = describe
-        self.placement = placement or (lambda t: None)  # how a distributed tensor is spread over ranks
+    def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None: ...
+
+    def identify(self, t: Any) -> Any: ...
+
+    def fast_stats(self, t: Any) -> Any: ...
+
+    def describe(self, t: Any) -> tuple[str, list[int]]: ...
+
+    def placement(self, t: Any) -> dict | None: ...
 
 
 class TraceSession:
@@ -77,7 +81,7 @@ class TraceSession:
     model's) is summarized and stored once: later records point at the same bytes.
     """
 
-    def __init__(self, writer: TraceWriter, tensors: TensorAdapter, mode: str = "full"):
+    def __init__(self, writer: TraceWriter, tensors: TensorAccess, mode: str = "full"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.writer = writer
@@ -117,7 +121,7 @@ class TraceSession:
                 hit[0].append(weakref.ref(t))
                 return hit[1]
         stats = self.tensors.fast_stats(t)
-        if stats is not None and not store and self.tensors.describe is not None:
+        if stats is not None and not store:
             entry = self.writer.summary_entry(*self.tensors.describe(t), stats)  # no copy to the host
         else:
             stored = self.tensors.to_stored(t)

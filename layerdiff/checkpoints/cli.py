@@ -117,7 +117,7 @@ def register(sub, parser_class=None):
     p.add_argument("--sha256", nargs="?", action="append", const="", metavar="PATH=HEX",
                    help="print both SHA-256 digests; with PATH=HEX, verify that file (repeatable)")
     p.add_argument("--rules", action="append", metavar="FILE.toml",
-                   help="extra naming/fusion rules (see README, 'Rule files'); repeatable")
+                   help="extra naming/fusion rules (docs/concepts/rule-files.md); repeatable")
     p.add_argument("--force", action="store_true", help="overwrite the -o file")
     p.add_argument("-q", "--quiet", action="store_true", help="no table; exit status only")
     p.set_defaults(func=run)

@@ -138,8 +138,9 @@ class NpzFile(Checkpoint):
 
 # ------------------------------------------------------------------------------------------------- torch
 def torch_stored(t):
-    from layerdiff.adapters.torch_adapter import to_stored
-    return to_stored(t)
+    from layerdiff.adapters import load_adapter
+
+    return load_adapter("torch").to_stored(t)
 
 
 _MAX_NESTING = 64  # real checkpoints nest dicts a few levels ({"model": {"module": state_dict}})
@@ -209,9 +210,11 @@ class TorchFile(Checkpoint):
         flatten(obj, "", self._tensors, lambda x: isinstance(x, torch.Tensor), skipped, source=path)
         if not self._tensors:
             raise LayerdiffError(f"{path}: no tensors in this PyTorch file")
-        from layerdiff.adapters.torch_adapter import dtype_name
+        from layerdiff.adapters import load_adapter
+
+        torch_adapter = load_adapter("torch")
         for name, t in self._tensors.items():
-            dtype = dtype_name(t)
+            dtype = torch_adapter.dtype_name(t)
             if dtype is None:
                 raise LayerdiffError(f"{path}: tensor {name!r} has unsupported dtype {t.dtype}")
             self._index[name] = (dtype, list(t.shape))
@@ -273,10 +276,12 @@ def load_ms_ckpt(path) -> InMemory:
         params = ms.load_checkpoint(str(path))
     except Exception as exc:
         raise LayerdiffError(f"{path}: not a readable MindSpore checkpoint ({first_line(exc)})") from None
-    from layerdiff.adapters.mindspore_adapter import to_stored
+    from layerdiff.adapters import load_adapter
+
+    mindspore_adapter = load_adapter("mindspore")
     out = {}
     for name, p in params.items():
-        stored = to_stored(p)
+        stored = mindspore_adapter.to_stored(p)
         if stored is None:
             raise LayerdiffError(f"{path}: parameter {name!r} has an unsupported dtype")
         out[name] = (np.array(stored[0], copy=True), stored[1])

@@ -106,7 +106,9 @@ class DistCheckpoint(Checkpoint):
         super().__init__(path)
         import torch
 
-        from layerdiff.adapters.torch_adapter import dtype_name
+        from layerdiff.adapters import load_adapter
+
+        dtype_name = load_adapter("torch").dtype_name
 
         metadata = _read_metadata(self.path / ".metadata")
         storage = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}

@@ -12,7 +12,7 @@ from layerdiff.adapters import detect_framework, load_adapter
 from layerdiff.checkpoints import safetensors_io
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules, paramplan
-from layerdiff.match.layouts import canonical_param_name, is_transposed
+from layerdiff.match.layouts import canonical_param_name
 from layerdiff.match.mapping import match_modules
 from layerdiff.match.paramplan import ParamSource
 from layerdiff.match.rename import RenameRules
@@ -20,16 +20,17 @@ from layerdiff.match.rules import RuleSet, ruleset
 from layerdiff.tracefile.tensors import summarize
 
 
-def neutral_state(model) -> dict:
+def neutral_state(model, rules: RuleSet | None = None) -> dict:
     """name -> (array, dtype name) in PyTorch layout, copied out of the model."""
     adapter = load_adapter(detect_framework(model))
+    rules = rules or ruleset()
     out = {}
     for name, tensor, module_type in adapter.parameters(model):
-        stored = adapter.TENSORS.to_stored(tensor)
+        stored = adapter.to_stored(tensor)
         if stored is None:
             raise LayerdiffError(f"{name}: dtype cannot be exported")
         array, dtype = stored
-        if is_transposed(adapter.FRAMEWORK, module_type, name):
+        if rules.is_transposed(adapter.name, module_type, name):
             array = array.T
         out[canonical_param_name(name)] = (np.array(array, copy=True, order="C"), dtype)
     return out
@@ -67,7 +68,7 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
         arrays = [paramplan.build(source, lambda n: state[n][0], groups.get(source.name, 1)) for source in sources]
         array = np.stack(arrays) if name in stacked and len({a.shape for a in arrays}) == 1 else arrays[0]
         dtype = state[sources[0].sources[0]][1]
-        if is_transposed(adapter.FRAMEWORK, module_type, name):
+        if rules.is_transposed(adapter.name, module_type, name):
             array = array.T
         shape = list(tensor.shape)
         if list(array.shape) != shape:
@@ -89,7 +90,7 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
     group counts, and {model parameter: its per-expert pieces}."""
     source_infos = modules.from_params([(n, a.shape, summarize(a, d)) for n, (a, d) in state.items()])
     entries = adapter.module_entries(model)
-    experts = _stacked_experts(entries) if adapter.FRAMEWORK == "torch" else {}
+    experts = _stacked_experts(entries) if adapter.name == "torch" else {}
     mapping = match_modules(source_infos, modules.from_model(_per_expert(entries, experts)), rules, rename)
     own, stacked = {}, {}
     for name, tensor, module_type in params:
@@ -99,7 +100,7 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
             stacked[name] = [f"{module}.{e}.{leaf}.weight" for e in range(shape[0])]
             own.update({piece: shape[1:] for piece in stacked[name]})
         else:
-            own[name] = shape[::-1] if is_transposed(adapter.FRAMEWORK, module_type, name) else shape
+            own[name] = shape[::-1] if rules.is_transposed(adapter.name, module_type, name) else shape
     sources, _, _ = paramplan.plan(mapping, own, {n: a.shape for n, (a, _) in state.items()}, "b")
     hparams = {path: h for path, _, h, _ in entries}
     groups = {}
@@ -143,7 +144,7 @@ def transfer_weights(src_model, dst_model, mapping: RenameRules | None = None, s
                      rules: RuleSet | None = None) -> int:
     """Copy every parameter of ``src_model`` into ``dst_model`` (any frameworks, any naming the rule set
     relates); return how many."""
-    return load_neutral(dst_model, neutral_state(src_model), mapping, strict, rules)
+    return load_neutral(dst_model, neutral_state(src_model, rules), mapping, strict, rules)
 
 
 def export_weights(model, path, *, overwrite: bool = False):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from layerdiff import schema
 from layerdiff.judge.tree import Node
-from layerdiff.match.layouts import type_family
+from layerdiff.match.rules import builtin
 
 HPARAM_ALIASES = {"epsilon": "eps", "variance_epsilon": "eps", "layer_norm_eps": "eps", "rms_norm_eps": "eps",
                   "layer_norm_epsilon": "eps", "norm_eps": "eps", "dropout_p": "p", "attention_dropout": "p"}
@@ -83,7 +83,7 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
         bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
     diff = hparam_diff(row.get("hparams_a"), row.get("hparams_b"))
     families = (row.get("family_a"), row.get("family_b")) if "family_a" in row else \
-        (type_family(row.get("type_a")), type_family(row.get("type_b")))
+        (builtin().family(row.get("type_a")), builtin().family(row.get("type_b")))  # a report made before families
     if families[0] != families[1]:  # Linear vs Dense is no difference
         diff = {"type": [row.get("type_a"), row.get("type_b")], **diff}
     same_family_types = None

@@ -1,7 +1,8 @@
 """How the same model looks in different frameworks: type families, parameter names and layouts.
 
-Declarative tables, so a new framework or layer type is a line here, not a special case in the aligner.
-Framework names are plain strings: nothing here imports a framework.
+Declarative tables, so a new layer type is a line here, not a special case in the aligner; what a framework names
+or stores differently (Paddle's [in, out] Linear weight, MindSpore's ``Dense``) is in its rule set. Nothing here
+imports a framework.
 """
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Lower-cased class name patterns -> family. The first match wins; unknown types are their own family.
+# Lower-cased class name patterns -> family, in PyTorch's and Hugging Face's names (other frameworks' class names
+# are in their rule sets: match/rulesets). The first match wins; unknown types are their own family.
 TYPE_FAMILIES = [
-    (r"^(linear|dense)$", "linear"),
+    (r"^linear$", "linear"),
     (r"^embedding$", "embedding"),
     (r"rmsnorm", "rmsnorm"),
     (r"^(layernorm|fusedlayernorm)$", "layernorm"),
     (r"(silu|siluactivation|swish)$", "silu"),
     (r"^(gelu|geluactivation|newgeluactivation|fastgeluactivation)$", "gelu"),
     (r"^relu$", "relu"),
-    (r"^(modulelist|layerlist|celllist|sequential|sequentialcell)$", "list"),
+    (r"^(modulelist|sequential)$", "list"),
     (r"^dropout$", "dropout"),
     (r"rotary", "rotary"),
     (r"(dotproductattention|coreattention|sdpaattention)$", "core_attention"),
@@ -40,11 +42,6 @@ PARAM_ALIASES = {"gamma": "weight", "beta": "bias", "embedding_table": "weight",
                  "moving_mean": "running_mean",
                  "moving_variance": "running_var"}
 
-# (framework, type family, parameter leaf) -> how that framework stores it relative to PyTorch's layout.
-# By module type, never guessed from shapes: a square weight looks the same either way.
-TRANSPOSED = {("paddle", "linear", "weight")}
-
-
 def type_family(type_name: str | None) -> str:
     name = (type_name or "").lower()
     for pattern, family in _FAMILY_PATTERNS:
@@ -57,12 +54,6 @@ def canonical_param_name(name: str) -> str:
     module, _, leaf = name.rpartition(".")
     leaf = PARAM_ALIASES.get(leaf, leaf)
     return f"{module}.{leaf}" if module else leaf
-
-
-def is_transposed(framework: str | None, type_name: str | None, param_name: str, family=None) -> bool:
-    """``family``: a type-family resolver (a rule set's ``family``) instead of the built-in table."""
-    leaf = canonical_param_name(param_name).rpartition(".")[2]
-    return (framework, (family or type_family)(type_name), leaf) in TRANSPOSED
 
 
 class LayoutRules:

@@ -1,7 +1,7 @@
 """How ports name, fuse and represent the same model: one rule set, read by mapping, align, replay, weight transfer
 and checkpoint diff.
 
-A rule set is plain data with five parts:
+A rule set is plain data with six parts:
 
 - ``names``: synonyms for module names (``wq`` ~ ``q_proj`` ~ ``query``), as canonical tokens;
 - ``families``: extra class-name patterns for type families (``ColumnParallelLinear`` is a ``linear``);
@@ -9,20 +9,24 @@ A rule set is plain data with five parts:
   group), with where its group count comes from;
 - ``moved_params``: parameters kept inside another module than the one that uses them (Transformer Engine keeps
   the attention norm's weight in ``linear_qkv`` as ``layer_norm_weight``), named where they belong;
+- ``transposed``: parameters a framework stores transposed relative to PyTorch (Paddle's Linear weight is
+  [in, out]), by framework, type family and parameter name: never guessed from shapes;
 - value representations: rotary tables as angles vs their cos and sin (``rotary``), boolean vs additive masks
   (``masks``), sequence-first activations ([s, b, h], ``sequence_first``) and labels shifted by the data pipeline
   (``shifted_labels``), each by model class.
 
 The built-in rules are in ``match/rulesets`` (one file per ecosystem); users add their own in a TOML file with the
-same schema (``--rules FILE``, documented in the README). Nothing here imports a framework.
+same schema (``--rules FILE``, documented in docs/concepts/rule-files.md). Nothing here imports a framework.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerdiff.errors import LayerdiffError
+from layerdiff.match.layouts import canonical_param_name
 from layerdiff.match.layouts import type_family as builtin_family
 
 
@@ -78,6 +82,15 @@ class RuleSet:
     shifted_labels: tuple = ()  # model classes whose "labels" input is already shifted left (last = -100)
     sources: tuple = ()
     moved_params: tuple = ()  # (compiled stored piece, home piece)
+    transposed: tuple = ()  # (framework, type family, parameter leaf) stored [in, out]
+
+    def is_transposed(self, framework: str | None, type_name: str | None, param_name: str) -> bool:
+        """A parameter that ``framework`` stores transposed relative to PyTorch's layout, by the type of the module
+        that owns it (a square weight looks the same either way: never guessed from shapes)."""
+        if not self.transposed:
+            return False
+        leaf = canonical_param_name(param_name).rpartition(".")[2]
+        return (framework, self.family(type_name), leaf) in self.transposed
 
     def param_home(self, name: str) -> str:
         """A parameter's name where it belongs: ``x.self_attention.linear_qkv.layer_norm_weight`` is
@@ -134,7 +147,8 @@ class RuleSet:
         return RuleSet({**self.names, **other.names}, other.families + self.families, other.fused + self.fused,
                        other.angles + self.angles, other.masks + self.masks,
                        other.sequence_first + self.sequence_first, other.shifted_labels + self.shifted_labels,
-                       self.sources + other.sources, other.moved_params + self.moved_params)
+                       self.sources + other.sources, other.moved_params + self.moved_params,
+                       other.transposed + self.transposed)
 
     def describe(self) -> list:
         return list(self.sources)
@@ -158,11 +172,12 @@ def _strings(value, where: str) -> tuple:
 
 
 _SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", "shifted_labels", "moved_params",
-             "description"}
+             "transposed", "description"}
 
 
 _ENTRY_KEYS = {"fused": {"name", "module", "parts", "groups", "tp_shards"},
-               "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"}}
+               "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"},
+               "transposed": {"framework", "family", "params"}}
 
 
 def _check_keys(entry, section: str, where: str):
@@ -236,8 +251,17 @@ def from_dict(data: dict, source: str) -> RuleSet:
         raise LayerdiffError(f"{source}: [moved_params] maps a stored name piece to the piece where it belongs "
                              "(\"self_attention.linear_qkv.layer_norm_\" = \"input_layernorm.\")")
     moved_params = tuple((re.compile(r"(?:^|(?<=\.))" + re.escape(stored)), home) for stored, home in moved.items())
+    transposed = []
+    for i, entry in enumerate(data.get("transposed") or []):
+        where = f"{source}: [[transposed]] entry {i + 1}"
+        _check_keys(entry, "transposed", where)
+        if not isinstance(entry, dict) or not {"framework", "family", "params"} <= set(entry) or \
+                not all(isinstance(entry[k], str) for k in ("framework", "family")):
+            raise LayerdiffError(f"{where}: needs 'framework', 'family' (a type family such as \"linear\") and "
+                                 "'params' (parameter names stored [in, out])")
+        transposed += [(entry["framework"], entry["family"], leaf) for leaf in _strings(entry["params"], where)]
     return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted, (source,),
-                   moved_params)
+                   moved_params, tuple(transposed))
 
 
 def load_file(path) -> RuleSet:
@@ -258,8 +282,9 @@ def load_file(path) -> RuleSet:
     return from_dict(data, str(path))
 
 
+@functools.lru_cache(maxsize=1)
 def builtin() -> RuleSet:
-    """Every built-in rule set, merged (they only act where their module names appear)."""
+    """Every built-in rule set, merged (they only act where their module names appear); made once (immutable)."""
     from layerdiff.match.rulesets import ALL
 
     merged = RuleSet()

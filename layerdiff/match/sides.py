@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layerdiff.match.layouts import TokenOrder, canonical_param_name, is_transposed
+from layerdiff.match.layouts import TokenOrder, canonical_param_name
 from layerdiff.match.operands import Operand, dtype_kind
 from layerdiff.match.rules import RuleSet
 
@@ -49,7 +49,7 @@ class TraceSide:
     def transposed(self, rec: dict, entry: dict) -> bool:
         """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
         return (rec["kind"] in PARAM_KINDS and len(entry["shape"]) == 2
-                and is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"], self.rules.family))
+                and self.rules.is_transposed(self.framework, self.types.get(rec.get("module")), rec["path"]))
 
     def operand(self, rec: dict, entry: dict) -> Operand:
         return Operand.stored(entry, self.transposed(rec, entry))

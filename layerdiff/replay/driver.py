@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from layerdiff import runner
+from layerdiff.capture.options import TraceOptions
 from layerdiff.compare.measure import measure, module_mapping
 from layerdiff.compare.tolerance import TolerancePolicy
 from layerdiff.errors import LayerdiffError
@@ -112,9 +113,10 @@ def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backwar
     """Build the candidate, run one step under the tracer, close the trace. A step that raises is a result
     (the trace records where), not an error of bisect."""
     model, step, meta = runner.build(target, kwargs)
-    tracer = Tracer(model, path, mode=mode, backward=backward, include=include, exclude=exclude, params=params,
-                    layers=layers, one_process=True, strict_filters=strict_filters,
-                    overwrite=True, meta={"target": target, "bisect": True, **(meta or {})}, forcer=forcer)
+    options = TraceOptions(mode=mode, backward=backward, include=include, exclude=exclude, params=params,
+                           layers=layers, one_process=True, strict_filters=strict_filters, overwrite=True,
+                           meta={"target": target, "bisect": True, **(meta or {})})
+    tracer = Tracer(model, path, options, forcer=forcer)
     with _Guard(tracer) as guard:
         step()
     return {"trace": path.name, "raised": guard.error}

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 
 from layerdiff.errors import TraceFormatError
-from layerdiff.match.layouts import is_transposed
 from layerdiff.match.operands import combine_stats
 from layerdiff.tracefile.reader import TraceReader
 from layerdiff.tracefile.tensors import as_float, encode_float
@@ -172,8 +171,7 @@ class RankedRun:
                 if how and how[0] == "concat":
                     module = rec.get("module", rec["path"].rpartition(".")[0])
                     dim, local = how[1], list(entry["shape"])
-                    if len(local) == 2 and is_transposed(self.meta_framework, rec.get("module_type"), rec["path"],
-                                                         self.rules.family):
+                    if len(local) == 2 and self.rules.is_transposed(self.meta_framework, rec.get("module_type"), rec["path"]):
                         dim, local = 1 - dim % 2, local[::-1]  # Paddle's [in, out]: as PyTorch's [out, in]
                     out[module] = (dim, local)
                     rule = self.rules.fused_rule(module.rpartition(".")[2])

@@ -1,0 +1,113 @@
+"""The one contract between layerdiff and a framework: what an adapter provides, in one abstract class.
+
+Everything the rest of layerdiff asks of a framework goes through a ``FrameworkAdapter`` from the registry
+(``adapters.load_adapter``): tensor access for the trace session (stored bits, identity, statistics, placement),
+the hooks that trace a model, the run's metadata and place among ranks, and weight transfer. The facts about how a
+framework *lays out* a model (weights stored transposed, the class names of its containers) are data in the rule
+sets (``match/rulesets``), so a trace is read without its framework installed.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, TypedDict
+
+from layerdiff.capture import hparams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from layerdiff.capture.filters import PathFilter
+    from layerdiff.capture.hooks import ModuleHooks
+    from layerdiff.capture.options import TraceOptions
+    from layerdiff.capture.session import TraceSession
+    from layerdiff.schema import Stats
+
+
+class RankPlace(TypedDict):
+    """This process's place in a job of several ranks."""
+    rank: int
+    world_size: int
+    backend: str
+    local_rank: int
+
+
+class FrameworkAdapter(ABC):
+    """One framework, as layerdiff sees it. An adapter module imports its framework; nothing else does."""
+
+    name: ClassVar[str]  # "torch", "paddle", "mindspore": the framework's name in traces and rule sets
+
+    # -- tensors (what the trace session reads; ``capture.session.TensorAccess``) ----------------------------
+    @abstractmethod
+    def is_tensor(self, obj: Any) -> bool:
+        """Whether ``obj`` is one of this framework's tensors."""
+
+    @abstractmethod
+    def dtype_name(self, t: Any) -> str | None:
+        """The trace's name of the tensor's dtype ("bfloat16", "float8_e4m3fn", ...), None if a trace cannot hold it."""
+
+    @abstractmethod
+    def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None:
+        """(numpy array of the tensor's bits, dtype name), or None if it cannot be stored."""
+
+    def identify(self, t: Any) -> Any:
+        """A hashable key equal for two tensors only while they show the same bytes (storage, shape, strides,
+        dtype, in-place version), or None where the framework cannot tell (every tensor is then stored)."""
+        return None
+
+    def fast_stats(self, t: Any) -> Stats | None:
+        """The tensor's summary statistics reduced by the framework itself, or None to take them with numpy."""
+        return None
+
+    def describe(self, t: Any) -> tuple[str, list[int]]:
+        """(dtype name, shape) of what ``fast_stats`` summarized: lets "stats" mode skip the host copy."""
+        raise NotImplementedError(f"{self.name}: fast_stats without describe")
+
+    def placement(self, t: Any) -> dict | None:
+        """How a distributed tensor is spread over ranks (``{"placements": ["S(0)"], "mesh": [2], "coord": [1],
+        "global_shape": [...]}``), or None: the stored bytes are then this rank's local part."""
+        return None
+
+    # -- the model -----------------------------------------------------------------------------------------
+    @abstractmethod
+    def named_modules(self, model: Any) -> Iterable[tuple[str, Any]]:
+        """(path, module) for the model and all its submodules in the model's own order; the model itself is ''."""
+
+    @abstractmethod
+    def named_parameters(self, model: Any) -> Iterable[tuple[str, Any]]:
+        """(name, parameter) of the model's parameters, each once."""
+
+    def module_paths(self, model: Any) -> list[str]:
+        """Every module's path, the model itself first as ''."""
+        return [path for path, _ in self.named_modules(model)]
+
+    def parameters(self, model: Any) -> list[tuple[str, Any, str | None]]:
+        """(name, parameter, type name of its module) for weight transfer."""
+        return hparams.typed_parameters(self.named_modules(model), self.named_parameters(model))
+
+    def module_entries(self, model: Any) -> list:
+        """(path, type name, hyper-parameters, [(parameter leaf, shape)]) of every module, in the model's order:
+        what weight transfer matches a model's modules by."""
+        return hparams.module_entries(self.named_modules(model), self.named_parameters(model))
+
+    # -- tracing ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def hooks(self, model: Any, session: TraceSession, options: TraceOptions, path_filter: PathFilter,
+              forcer: Any = None) -> ModuleHooks:
+        """The hooks that trace ``model`` into ``session`` (installed by the tracer, removed on exit)."""
+
+    @abstractmethod
+    def metadata(self, model: Any) -> dict:
+        """Framework, version, devices, dtypes, seeds and determinism switches: what explains most mismatches."""
+
+    @abstractmethod
+    def distributed(self) -> RankPlace | None:
+        """This process's place in a job of several ranks (None when it runs alone)."""
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def assign(self, param: Any, array: np.ndarray, dtype: str) -> None:
+        """Copy stored bits into a parameter (cast to the parameter's dtype if they differ)."""
+
+    @abstractmethod
+    def to_framework(self, array: np.ndarray, like: Any) -> Any:
+        """A tensor holding ``array``'s values with ``like``'s dtype and device (a reference value for replay)."""

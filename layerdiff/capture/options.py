@@ -1,0 +1,68 @@
+"""How a trace is taken: the options of ``layerdiff.trace`` and ``layerdiff trace``, checked once, as one object
+that the tracer, the session, the writer and the hooks read."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from layerdiff.errors import LayerdiffError
+
+MODES = ("full", "stats")
+WRITE_BEHIND_MB = 256  # tensor data a full trace may hold in memory while the disk catches up
+Patterns = Union[str, Sequence[str], None]  # one regular expression or several, as given
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """``mode`` "full" (values and statistics) or "stats"; ``backward`` taps gradients; ``include``/``exclude``
+    module-path regexes; ``layers`` (start, end) keeps blocks start..end-1 of the model's main module list;
+    ``params`` records parameter values and gradients; ``compression`` None, "gzip" or "lzf"; ``flush_interval``
+    seconds (compressed traces); ``write_behind`` MB of tensor bytes a writer thread may hold (None: 256 in full
+    mode, 0 in stats mode); ``overwrite`` replaces an existing file; ``meta`` the user's notes. ``strict_filters``
+    refuses filters that keep no module and ``one_process`` a run spread over ranks (bisect's own runs)."""
+
+    mode: str = "full"
+    backward: bool = True
+    include: Patterns = None
+    exclude: Patterns = None
+    layers: Optional[tuple] = None
+    params: bool = True
+    compression: Optional[str] = None
+    flush_interval: float = 1.0
+    write_behind: Optional[float] = None
+    overwrite: bool = False
+    meta: dict = field(default_factory=dict)
+    strict_filters: bool = True
+    one_process: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        behind = self.write_behind
+        if not (isinstance(behind, (int, float)) and 0 <= behind < 2**20) and behind is not None:
+            raise LayerdiffError(f"write_behind must be a number of MB >= 0 (0: every record is in the file before "
+                                 f"the step goes on), not {behind!r}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "meta", dict(self.meta or {}))
+
+    @property
+    def write_behind_mb(self) -> float:
+        """The ring's size in MB: as given, else 256 in full mode (0 in stats mode: nothing to write behind)."""
+        if self.write_behind is not None:
+            return self.write_behind
+        return WRITE_BEHIND_MB if self.mode == "full" else 0
+
+    def recorded(self) -> dict[str, Any]:
+        """The options as the trace's metadata keeps them (``meta["options"]``, read back by bisect)."""
+        return dict(mode=self.mode, backward=self.backward, include=self.include, exclude=self.exclude,
+                    compression=self.compression, flush_interval=self.flush_interval, params=self.params,
+                    layers=list(self.layers) if self.layers is not None else None,
+                    write_behind=self.write_behind_mb)
+
+
+def check_flush_interval(value) -> None:
+    """A finite number of seconds >= 0 (the CLI's flag and the writer share this check)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise LayerdiffError(f"flush interval must be a finite number of seconds >= 0, not {value!r}")

@@ -1,0 +1,405 @@
+"""Write docs/reference/report.md, the JSON report reference, from the report's declarations in layerdiff/schema.py.
+
+    python tools/report_reference.py           # (re)write the page
+    python tools/report_reference.py --check   # exit 1 if the page differs from what the declarations give
+
+The page has one section per object: ``schema.Report`` and every ``TypedDict`` reachable from it, in the order
+they are first reached. Each key's type and whether it is required come from the declarations
+(``typing.get_type_hints``, ``__required_keys__``); an object's description is its docstring; a key's description
+is the entry in ``KEYS`` below, else the inline comment next to its declaration. The trace records
+(``TraceRecord`` and what it holds) are not part of the report and are documented in docs/trace-format.md.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import inspect
+import json
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from layerdiff import schema  # noqa: E402
+
+PAGE = ROOT / "docs" / "reference" / "report.md"
+
+# What an object says about itself where its declaration has no docstring
+OBJECTS = {
+    "Failure": "Where a traced run raised: the module, the error, and the modules active then.",
+    "Tolerance": "The tolerance a tensor pair was judged by: it passes when "
+                 "`max_abs <= atol + rtol * ref_max_abs` and `cosine >= cos`.",
+    "Nonfinite": "The first call of a run whose inputs are finite and whose outputs (or input gradients) are not.",
+    "ModuleMatch": "One inferred module match and its evidence.",
+    "Unmatched": "Modules of each run with no counterpart in the other.",
+    "PhaseResult": "One direction of the alignment, forward or backward: its verdict and its origin.",
+    "Trust": "Why an `aligned` verdict may not be trusted; the CLI exits 3 when `ok` is false and the verdict is "
+             "aligned.",
+}
+
+# Key descriptions, by object. An entry for a key the declarations no longer have is an error (the page would lie).
+KEYS = {
+    "Report": {
+        "report_version": "The report format's version. Keys are only ever added; a renamed or retyped key bumps "
+                          "it.",
+        "a": "Run A, the reference.",
+        "b": "Run B, the candidate.",
+        "records": "Every matched record, with every tensor's metrics, tolerance and judgement.",
+        "only_a": "Records of run A with no counterpart in B.",
+        "only_b": "Records of run B with no counterpart in A.",
+        "first_nonfinite": "Where each run first produced NaN or Inf.",
+        "basis": "What the comparison read: `data` (tensor values), `stats` (statistics only), `mixed` or `none`.",
+        "structure": "`same_model` (one model class: a tensor given to one run only counts) or `ported`.",
+        "phases": "Per phase (`forward`, `backward`): whether each run (`a`, `b`) recorded it.",
+        "same_file": "A and B are the same file (the verdict is then not trusted).",
+        "map": "The `--map` rules used, as `[pattern, replacement]`, and the exact renames matching found.",
+        "layouts": "The `--layout` rules used, as `[regex, transform]`.",
+        "rules": "Where the rules used came from (built-in rule sets, `--rules` files).",
+        "mapping": "The inferred matches of modules whose names differ, each with its evidence.",
+        "unmatched_modules": "Modules of each run with no counterpart in the other.",
+        "settings": "Run settings that break parity: `{\"differ\": [{\"key\", \"a\", \"b\", \"why\"}], \"notes\": "
+                    "{\"a\", \"b\"}}`; `notes` are the runs' own notes (`meta={...}`, the target and its `--arg`s).",
+        "config_diff": "The models' own configurations where they differ, in canonical keys "
+                       "(`[{\"key\", \"a\", \"b\", \"name_a\", \"name_b\", ...}]`); null when a trace holds no config.",
+        "forward": "The forward direction: verdict and origin.",
+        "backward": "The backward direction: verdict and origin.",
+        "verdict": "`aligned` or `divergent`.",
+        "trust": "Why an `aligned` verdict may not be trusted (exit 3).",
+        "next_pass": "After an align on statistics: the suspect block to trace again in full mode, "
+                     "`{\"block\", \"layers\", \"container\"}` (`layers` is the `--layers START:END` value); null "
+                     "otherwise.",
+        "tolerances": "The tolerance policy the report was judged under: the per-dtype defaults, the "
+                      "`--atol/--rtol/--cos` override and the `--tol` rules.",
+        "params": "Parameters: `compared`, `differ` (names whose values differ), `grads_compared`, `grads_differ`, "
+                  "`grad_uses_differ` (users of a tied weight whose own gradient contribution differs).",
+        "growth": "How the error grows (the block table): forward calls at the depth that shows the model's "
+                  "blocks, plus the origin's ancestors and siblings; each `{\"module\", \"call\", \"type\", "
+                  "\"depth\", \"passed\", \"max_abs\", \"rel\", \"cosine\", \"origin\"}`.",
+    },
+    "RunSummary": {
+        "path": "The trace file, or the directory of a multi-rank run.",
+        "framework": "From the trace's metadata.",
+        "framework_version": "From the trace's metadata.",
+        "model_class": "From the trace's metadata.",
+        "mode": "`full` or `stats`.",
+        "records": "How many records the trace holds.",
+        "complete": "False when the run did not finish: only what it recorded before was compared.",
+        "status": "`complete`, `error` (the traced run raised) or `interrupted` (the trace has no end record).",
+        "failure": "Where the traced run raised; null if it did not.",
+        "warnings": "The trace's warnings.",
+        "target": "The `layerdiff trace` TARGET.",
+        "target_args": "The TARGET's `--arg`s.",
+        "param_dtypes": "From the trace's metadata.",
+        "devices": "From the trace's metadata.",
+    },
+    "Failure": {
+        "module": "The innermost module active when the run raised.",
+        "call": "That module's call index.",
+        "error": "The exception, as one line.",
+        "module_stack": "The modules active when it was raised, outermost first.",
+    },
+    "Row": {
+        "kind": "`call`, `param`, `param_grad` or `param_grad_use`, as in the trace.",
+        "phase": "`forward` or `backward` for a call; null for a parameter.",
+        "path": "A's module path (a parameter's name for a parameter row).",
+        "call": "The call index: a module called twice gives two rows.",
+        "step": "The step, 0-based.",
+        "begin": "A's event counter when the call began (execution order).",
+        "end": "A's event counter when the call ended.",
+        "parent": "`[path, call]` of the enclosing call in A.",
+        "tensors": "Every paired tensor, measured and judged.",
+        "path_b": "B's module: `\"X + Y\"` when A's module is several of B's.",
+        "type_a": "The module's class in A.",
+        "type_b": "The module's class in B.",
+        "family_a": "The type family of A's class (`Linear`, `Dense` and `ColumnParallelLinear` are one).",
+        "family_b": "The type family of B's class.",
+        "ancestors": "A's enclosing calls, innermost first.",
+        "module": "A parameter row's module.",
+        "hparams_a": "The call's scalar hyper-parameters in A.",
+        "hparams_b": "The call's scalar hyper-parameters in B.",
+        "error_a": "What the call raised in A.",
+        "error_b": "What the call raised in B.",
+        "only_a": "A's tensors of this record without a partner in B (`role:key`).",
+        "only_b": "B's tensors of this record without a partner in A.",
+        "tied": "The owners of a tied parameter.",
+        "skipped": "Tensor pairs that were not compared, and why.",
+    },
+    "TensorResult": {
+        "role": "`input`, `output`, `grad_output`, `grad_input`, `param` or `param_grad`.",
+        "key": "A's key: `args.0`, `kwargs.attention_mask`, `out.logits`, ...",
+        "dtype_a": "A's dtype.",
+        "dtype_b": "B's dtype.",
+        "metrics": "How the pair differs.",
+        "shape_a": "A's shape.",
+        "shape_b": "B's shape.",
+        "key_b": "B's key, where it differs.",
+        "nonfinite_a": "NaN and Inf values in A's tensor.",
+        "nonfinite_b": "NaN and Inf values in B's tensor.",
+        "value_a": "A one-element tensor (the loss): its value in A; align prints it step by step.",
+        "value_b": "Its value in B.",
+        "passed": "Within tolerance.",
+        "reason": "Why it passed or failed, in words.",
+        "tolerance": "The tolerance it was judged by.",
+        "ranks": "Multi-rank runs: the ranks whose shard or copy is off.",
+        "hint": "A likely cause (the ranks' copies differ but add up to the reference's: a missing all-reduce).",
+        "one_sided": "An input given to one run only; it fails.",
+    },
+    "Metrics": {
+        "basis": "`data` (values), `stats` (statistics only), `shape` (not comparable) or `declared`.",
+        "identical": "Bit-identical.",
+        "max_abs": "Max abs difference.",
+        "mean_abs": "Mean abs difference.",
+        "max_rel": "Max relative difference.",
+        "cosine": "Cosine similarity (null when computed from statistics).",
+        "ref_max_abs": "The reference's largest magnitude, which scales `rtol`.",
+        "numel": "Elements compared.",
+        "mismatch": "Why the pair could not be compared (shape, dtype, one side absent).",
+        "nonfinite_mismatch": "NaN/Inf values that differ between the runs.",
+        "note": "How the pair was compared: transposed, a part of a fused tensor, reordered dimensions, cos of "
+                "rotary angles.",
+        "matched_by": "How the pair was made when not by name (position and shape, with B's key).",
+        "ranks": "Per-rank metrics (`\"0\"`, `\"1\"`, ...) and `\"sum\"` of a tensor spread over ranks.",
+    },
+    "Tolerance": {
+        "atol": "Absolute tolerance.",
+        "rtol": "Tolerance relative to `ref_max_abs`.",
+        "cos": "Minimum cosine similarity.",
+    },
+    "ShortRecord": {
+        "path": "Its module path (also `kind`, `phase` and `call`).",
+    },
+    "FirstNonfinite": {
+        "a": "Run A's first NaN/Inf; null if it has none.",
+        "b": "Run B's first NaN/Inf; null if it has none.",
+    },
+    "Nonfinite": {
+        "module": "The call's module path.",
+        "phase": "`forward` or `backward`.",
+        "tensor": "The tensor's key.",
+        "nan": "How many NaN values it holds.",
+        "inf": "How many Inf values it holds.",
+    },
+    "ModuleMatch": {
+        "a": "A's module path.",
+        "b": "B's module path.",
+        "confidence": "From 0 to 1.",
+        "reason": "The evidence: same weights, name tokens, type, sizes, position.",
+        "rule": "The fused-module rule, for a fused module (`qkv`, `gate_up`, ...).",
+        "a_parts": "Every path on A's side of a fused match.",
+        "b_parts": "Every path on B's side of a fused match.",
+    },
+    "Unmatched": {
+        "a": "Modules of A with no counterpart in B.",
+        "b": "Modules of B with no counterpart in A.",
+    },
+    "OriginTensor": {
+        "role": "Its role.",
+        "key": "Its key.",
+        "reason": "Why it failed.",
+        "metrics": "Its metrics.",
+    },
+    "Origin": {
+        "module": "The origin's module path as named in trace A.",
+        "call": "Its call index.",
+        "step": "The step, 0-based (the text says \"at step 2 of 3\", 1-based).",
+        "type": "A's module class.",
+        "where": "`module` (the module's own computation), `own_code` (a parent's own code between two children), "
+                 "`inputs` (the runs were given different inputs), `forward` (backward inherited from the forward "
+                 "divergence), `raised`, `param_grad` (parameter gradients differ though no call shows it).",
+        "between": "For `own_code`: the children before and after the divergence.",
+        "description": "The origin in words, as the terminal prints it.",
+        "tensor": "The first failing tensor, with its metrics.",
+        "ranks": "Multi-rank runs: the ranks whose shard or copy is off.",
+        "hint": "A likely cause (a missing all-reduce).",
+        "hparam_diff": "Hyper-parameters that differ: name to `[A, B]` (`epsilon`/`variance_epsilon` count as "
+                       "`eps`), and `type` when the module type changed.",
+        "param_diffs": "The origin's own parameters whose values (backward: gradients) differ.",
+        "error": "What the origin raised.",
+        "class_diff": "`[A's class, B's class]` when the class changed within its type family.",
+        "chain": "The calls from the root to the origin.",
+        "phase": "`forward` or `backward`.",
+        "path_b": "B's module.",
+        "unpaired": "The origin's tensors without a partner, per run (`a`, `b`).",
+        "backward_candidate": "An inherited backward origin: what the backward descent alone would name, to check "
+                              "after the forward fix.",
+    },
+    "PhaseResult": {
+        "present": "The direction was recorded.",
+        "status": "`aligned`, `divergent`, `failed` (a run raised) or `absent`.",
+        "failing_tensors": "How many tensors are over tolerance.",
+        "first_divergence": "The origin; null when the direction is aligned.",
+        "first_over_tolerance": "`{\"module\", \"call\"}` of the first call, in completion order, with a tensor over "
+                                "tolerance: often downstream of the origin.",
+        "failure": "Forward: where run B raised, `{\"module\", \"error\", \"module_stack\"}`; null if it did not.",
+        "failure_a": "Forward: the same for run A.",
+    },
+    "Trust": {
+        "ok": "Nothing undermines the verdict.",
+        "problems": "What does: a run that did not finish, a direction recorded on one side only, the same file "
+                    "twice.",
+    },
+}
+
+LEAVES = {
+    schema.Int64: "integer",
+    schema.Count: "integer >= 0",
+    schema.Number: "number",
+    schema.CallRef: "`[path, call]`",
+    schema.ParentRef: "`[path, call]` or `[]`",
+    str: "string",
+    bool: "boolean",
+    dict: "object",
+    list: "list",
+    type(None): "null",
+    Any: "any",
+}
+PLURALS = {"integer": "integers", "integer >= 0": "integers >= 0", "number": "numbers", "string": "strings",
+           "boolean": "booleans", "object": "objects", "any": "values"}
+
+
+def is_object(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, dict) and hasattr(tp, "__required_keys__")
+
+
+def title(cls) -> str:
+    """The object's name on the page: ``_NonfiniteKeys`` is ``Nonfinite``."""
+    name = cls.__name__.lstrip("_")
+    return name[:-4] if name.endswith("Keys") else name
+
+
+def in_words(tp) -> str:
+    """A declared type in words; an object is a link to its section."""
+    if tp in LEAVES:
+        return LEAVES[tp]
+    if is_object(tp):
+        return f"[{title(tp)}](#{title(tp).lower()})"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        words = [in_words(a) for a in args if a is not type(None)]
+        return " or ".join(words + ["null"] * (type(None) in args))
+    if origin is Literal:
+        return " or ".join(f"`{json.dumps(a)}`" for a in args)
+    if origin is list:
+        item = in_words(args[0])
+        return "list of " + PLURALS.get(item, f"({item})" if " or " in item else item)
+    if origin is dict:
+        value = in_words(args[1])
+        if args[1] is Any:
+            return "object"
+        return f"object of {PLURALS[value]}" if value in PLURALS else f"object (each value a {value})"
+    raise SystemExit(f"report_reference: no words for the type {tp!r}: add it to LEAVES")
+
+
+def reachable(root) -> list:
+    """``root`` and every object declaration reachable from it, in the order first reached (breadth first)."""
+    def objects_in(tp):
+        if is_object(tp):
+            yield tp
+        for arg in typing.get_args(tp):
+            yield from objects_in(arg)
+
+    found, queue = [root], [root]
+    while queue:
+        for hint in typing.get_type_hints(queue.pop(0)).values():
+            for cls in objects_in(hint):
+                if cls not in found:
+                    found.append(cls)
+                    queue.append(cls)
+    return found
+
+
+def comments(cls) -> dict:
+    """The inline comments of the keys a declaration and its bases declare: ``key: type  # comment``."""
+    out = {}
+    for base in reversed(cls.__mro__):
+        if is_object(base) and base.__module__ == schema.__name__:
+            for line in inspect.getsource(base).splitlines():
+                found = re.match(r"\s+(\w+): [^#]*#\s*(.+)$", line)
+                if found:
+                    out[found.group(1)] = found.group(2).strip().rstrip(".") + "."
+    return out
+
+
+def prose(text: str) -> str:
+    """A docstring as one Markdown paragraph."""
+    return " ".join(text.replace("``", "`").split())
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def section(cls) -> list:
+    name, hints = title(cls), typing.get_type_hints(cls)
+    described = KEYS.get(name, {})
+    stale = sorted(set(described) - set(hints))
+    if stale:
+        raise SystemExit(f"report_reference: KEYS[{name!r}] describes keys {name} does not declare: {stale}")
+    noted = comments(cls)
+    about = prose(cls.__doc__) if cls.__doc__ else OBJECTS.get(name, "")
+    lines = [f"## {name}", ""] + ([about, ""] if about else [])
+    lines += ["| key | type | presence | description |", "|---|---|---|---|"]
+    for key, hint in hints.items():
+        need = "required" if key in cls.__required_keys__ else "optional"
+        text = described.get(key) or noted.get(key, "")
+        lines.append(f"| `{key}` | {cell(in_words(hint))} | {need} | {cell(text)} |")
+    return lines + [""]
+
+
+def page() -> str:
+    objects = reachable(schema.Report)
+    unknown = sorted((set(KEYS) | set(OBJECTS)) - {title(c) for c in objects})
+    if unknown:
+        raise SystemExit(f"report_reference: descriptions of objects the report no longer holds: {unknown}")
+    lines = [
+        "# JSON report reference",
+        "",
+        "<!-- Generated by tools/report_reference.py from layerdiff/schema.py: do not edit by hand. -->",
+        "",
+        "The report `layerdiff align --json FILE` writes (`report.data` in Python, `report.to_json(path)` to write "
+        "it), and `layerdiff report` reads back. Its shape is declared in `layerdiff/schema.py` and this page is "
+        "generated from those declarations (`python tools/report_reference.py`; the test suite checks it is up to "
+        "date).",
+        "",
+        f"- `report_version` is {schema.REPORT_VERSION}. Keys are only ever added; a renamed or retyped key bumps it. "
+        "Keys not declared here may appear (a newer layerdiff may add some); a declared key always has its type.",
+        "- Non-finite numbers are written as the strings `\"inf\"`, `\"-inf\"`, `\"nan\"`, so the file is standard "
+        "JSON.",
+        "- A report read back from a file is checked against these declarations: "
+        "`schema.problem(value, schema.Report)` names the first place that does not fit, e.g. "
+        "`records[3].tensors[0].metrics.max_abs is not a number or null`.",
+        "- *required* keys are always present; *optional* ones may be missing.",
+        "",
+        "Objects: " + ", ".join(f"[{title(c)}](#{title(c).lower()})" for c in objects) + ".",
+        "",
+    ]
+    for cls in objects:
+        lines += section(cls)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is not what the declarations give")
+    args = parser.parse_args(argv)
+    text = page()
+    if args.check:
+        current = PAGE.read_text() if PAGE.exists() else ""
+        if current != text:
+            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
+                                                       str(PAGE.relative_to(ROOT)), "generated"))
+            print(f"{PAGE.relative_to(ROOT)} is out of date: run python tools/report_reference.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.parent.mkdir(parents=True, exist_ok=True)
+    PAGE.write_text(text)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
