@@ -1,8 +1,9 @@
-"""The shapes of layerdiff's data, declared once: trace records, compared tensors, report rows and the report.
+"""The shapes of layerdiff's JSON report, declared once: compared tensors, report rows and the report (a trace's
+records are declared in ``tracefile/records.py``).
 
 These are ``TypedDict``s, not classes with behaviour: a report row *is* the JSON object people script against
-(``report["forward"]["first_divergence"]["module"]``), and the traces' records are JSON lines, so the declared
-type and the wire format are the same thing, with no conversion layer to keep in step. Type checkers read the
+(``report["forward"]["first_divergence"]["module"]``), so the declared type and the wire format are the same
+thing, with no conversion layer to keep in step. Type checkers read the
 declarations; ``problem`` checks a value against one at run time (a report read back from a file), and
 ``dumps`` / ``loads`` are the one JSON (de)serializer (non-finite numbers as "nan", "inf", "-inf").
 
@@ -45,63 +46,6 @@ Phase = Literal["forward", "backward"]
 # the inputs and the module's own parameters
 IN_ROLES = {"forward": ("input",), "backward": ("grad_output",)}
 OUT_ROLES = {"forward": ("output",), "backward": ("grad_input", "param_grad")}
-
-
-# -- trace records (one JSON line each in a trace's index; docs/trace-format.md) ------------------------------
-class Stats(TypedDict, total=False):
-    """Summary statistics of one tensor, kept in every mode."""
-    numel: Int64
-    min: Optional[Number]
-    max: Optional[Number]
-    mean: Optional[Number]
-    l2: Optional[Number]
-    nan: Int64
-    inf: Int64
-
-
-class _TensorEntryKeys(TypedDict):
-    role: str  # input, output, grad_output, grad_input, param, param_grad
-    key: str  # "args.0", "kwargs.hidden_states", "out.0", "value"
-    dtype: str
-    shape: List[Count]
-    stats: Stats
-
-
-class TensorEntry(_TensorEntryKeys, total=False):
-    """One tensor in a trace record; ``offset``/``nbytes`` locate its stored bytes (full mode only)."""
-    offset: Count
-    nbytes: Count
-    placement: Dict[str, Any]  # how a distributed tensor is spread over ranks
-
-
-class _TraceRecordKeys(TypedDict):
-    kind: Literal["call", "param", "param_grad", "param_grad_use", "end"]
-
-
-class TraceRecord(_TraceRecordKeys, total=False):
-    """A module call (forward or backward), a parameter's value or gradient, a tied weight's per-use gradient,
-    or the trace's end. ``begin``/``end`` (calls) and ``seq`` (parameters) order records in time."""
-    phase: Phase
-    path: str
-    call: Count
-    step: Count
-    type: str
-    begin: Count
-    end: Count
-    seq: Count
-    parent: Optional[CallRef]
-    module: str
-    module_type: Optional[str]
-    hparams: Dict[str, Any]
-    scalars: Dict[str, Any]
-    arg_names: List[str]
-    tied: List[str]
-    incomplete: bool
-    error: str
-    tensors: List[TensorEntry]
-    status: str  # the end record: complete or error, with the failure, warnings and totals
-    failure: Optional[Dict[str, Any]]
-    warnings: List[Any]
 
 
 # -- comparison: one row per matched record, one tensor result per matched tensor pair ----------------------

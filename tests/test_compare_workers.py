@@ -52,15 +52,15 @@ def test_workers_give_the_metrics_of_an_in_process_comparison(tmp_path, slice_by
     _write(tmp_path / "a.h5", 1, 0.0)
     _write(tmp_path / "b.h5", 2, 1e-3)
     with open_trace(tmp_path / "a.h5") as ra, open_trace(tmp_path / "b.h5") as rb:
-        entries = [(x["tensors"][0], y["tensors"][0]) for x, y in zip(ra.records, rb.records) if x["kind"] == "param"]
-        pairs = [StoredPair(ra.data_location(a), a["offset"], a["dtype"], rb.data_location(b), b["offset"],
-                            b["dtype"], math.prod(a["shape"])) for a, b in entries]
+        entries = [(x.tensors[0], y.tensors[0]) for x, y in zip(ra.records, rb.records) if x.kind == "param"]
+        pairs = [StoredPair(ra.data_location(a), a.offset, a.dtype, rb.data_location(b), b.offset,
+                            b.dtype, math.prod(a.shape)) for a, b in entries]
         assert all(isinstance(p.location_a, DataLocation) for p in pairs)
         seen = []
         got = compare_pairs(pairs, 2, progress=type("P", (), {"advance": lambda self, n: seen.append(n)})(),
                             slice_bytes=slice_bytes)
-        expected = [compare_data(ra.tensor_chunks(a, CHUNK_ELEMS), rb.tensor_chunks(b, CHUNK_ELEMS), a["dtype"],
-                                 b["dtype"]) for a, b in entries]
+        expected = [compare_data(ra.tensor_chunks(a, CHUNK_ELEMS), rb.tensor_chunks(b, CHUNK_ELEMS), a.dtype,
+                                 b.dtype) for a, b in entries]
     assert got is not None and len(got) == len(expected)
     for x, y in zip(expected, got):
         _same(x, y)
@@ -72,10 +72,10 @@ def test_workers_give_the_metrics_of_an_in_process_comparison(tmp_path, slice_by
 def test_a_worker_that_fails_leaves_the_comparison_to_the_caller(tmp_path):
     _write(tmp_path / "a.h5", 1, 0.0)
     with open_trace(tmp_path / "a.h5") as reader:
-        entry = reader.records[0]["tensors"][0]
+        entry = reader.records[0].tensors[0]
         good = reader.data_location(entry)
     missing = DataLocation(str(tmp_path / "gone.h5"), good.chunk, good.addresses)
-    pair = StoredPair(good, entry["offset"], "float32", missing, entry["offset"], "float32", 1_500_001)
+    pair = StoredPair(good, entry.offset, "float32", missing, entry.offset, "float32", 1_500_001)
     assert compare_pairs([pair], 2) is None
 
 

@@ -105,14 +105,14 @@ def _check_tensors(reader) -> int:
     """Every tensor of every record reads back with its recorded shape, and its values match its statistics."""
     n = 0
     for rec in reader.records:
-        for entry in rec.get("tensors", ()):
+        for entry in rec.tensors:
             arr = reader.tensor(entry)
-            assert list(arr.shape) == list(entry["shape"]), (rec["path"], entry["key"])
-            stats = entry["stats"]
-            if entry["dtype"] in FLOAT_DTYPES and arr.size and not (stats["nan"] or stats["inf"]):
-                values = as_float(arr, entry["dtype"])
-                assert float(values.min()) == stats["min"], (rec["path"], entry["key"], "min")
-                assert float(values.max()) == stats["max"], (rec["path"], entry["key"], "max")
+            assert list(arr.shape) == list(entry.shape), (rec.path, entry.key)
+            stats = entry.stats
+            if entry.dtype in FLOAT_DTYPES and arr.size and not (stats["nan"] or stats["inf"]):
+                values = as_float(arr, entry.dtype)
+                assert float(values.min()) == stats["min"], (rec.path, entry.key, "min")
+                assert float(values.max()) == stats["max"], (rec.path, entry.key, "max")
             n += 1
     return n
 
@@ -184,7 +184,7 @@ def test_sigkill_loses_no_record_that_was_written(killed_runs):
             assert len(reader.records) >= run.written_at_kill, (run.path, len(reader.records), run.written_at_kill)
             lost.append(run.written_at_kill - len(reader.records))
             assert _check_tensors(reader) >= 0
-            steps = {r["step"] for r in reader.records if r["kind"] == "call" and r["path"] == ""}
+            steps = {r.step for r in reader.records if r.kind == "call" and r.path == ""}
             assert steps == set(range(len(steps))), "whole steps, in order, up to the kill"
     print(f"records lost per kill (counted before the kill - in the file; write-behind ring MB): "
           f"{list(zip(lost, [run.write_behind for run in killed_runs]))}")
@@ -238,7 +238,7 @@ def test_two_writers_on_one_path_one_is_refused(tmp_path):
     refused = next(out for (out, _), p in zip(outputs, procs) if p.returncode == 2)
     assert "is being written by another process" in refused
     with open_trace(path) as reader:  # the winner's trace, whole
-        assert reader.end["status"] == "complete" and reader.end["steps"] == 3
+        assert reader.end.status == "complete" and reader.end.steps == 3
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,27 +266,27 @@ def test_forward_raising_closes_the_trace_cleanly(tmp_path):
     with open_trace(path) as reader:
         assert not reader.crashed, "a run that raised is closed properly, not a crash"
         assert reader.end is not None
-        assert reader.end["status"] == "error"
-        failure = reader.end["failure"]
+        assert reader.end.status == "error"
+        failure = reader.end.failure
         assert failure["module"] == "2", failure
         assert "ValueError" in failure["error"] and "boom" in failure["error"]
-        forward = {r["path"]: r for r in reader.records if r["kind"] == "call" and r["phase"] == "forward"}
+        forward = {r.path: r for r in reader.records if r.kind == "call" and r.phase == "forward"}
         # the modules that ran before the failure are recorded, complete, with their real values
         for path_ in ("0", "1"):
-            assert path_ in forward and not forward[path_].get("incomplete"), sorted(forward)
+            assert path_ in forward and not forward[path_].incomplete, sorted(forward)
         assert "3" not in forward, "a module after the failing one never ran"
-        assert forward["2"].get("incomplete") and "boom" in forward["2"].get("error", "")
-        out0 = [t for t in forward["0"]["tensors"] if t["role"] == "output"]
+        assert forward["2"].incomplete and "boom" in (forward["2"].error or "")
+        out0 = [t for t in forward["0"].tensors if t.role == "output"]
         assert len(out0) == 1
         with torch.no_grad():
             expected = model[0](x).numpy()
         np.testing.assert_array_equal(reader.tensor(out0[0]), expected)
-        out1 = [t for t in forward["1"]["tensors"] if t["role"] == "output"]
+        out1 = [t for t in forward["1"].tensors if t.role == "output"]
         np.testing.assert_array_equal(reader.tensor(out1[0]), np.maximum(expected, 0))
-        in2 = [t for t in forward["2"]["tensors"] if t["role"] == "input"]
+        in2 = [t for t in forward["2"].tensors if t.role == "input"]
         assert in2, "the failing module's inputs are kept"
         np.testing.assert_array_equal(reader.tensor(in2[0]), np.maximum(expected, 0))
-        assert not any(r["kind"] == "call" and r["phase"] == "backward" for r in reader.records)
+        assert not any(r.kind == "call" and r.phase == "backward" for r in reader.records)
 
 
 def test_cli_trace_of_raising_model_exits_1_naming_the_module(tmp_path):
@@ -298,9 +298,9 @@ def test_cli_trace_of_raising_model_exits_1_naming_the_module(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("layerdiff"), _describe(proc)
     assert "ValueError" in lines[0] and "'2'" in lines[0], _describe(proc)
     with open_trace(tmp_path / "out.h5") as reader:
-        assert reader.end["status"] == "error"
-        assert reader.end["failure"]["module"] == "2"
-        assert {"0", "1"} <= {r["path"] for r in reader.records if r["kind"] == "call"}
+        assert reader.end.status == "error"
+        assert reader.end.failure["module"] == "2"
+        assert {"0", "1"} <= {r.path for r in reader.records if r.kind == "call"}
     proc = run_cli("show", "out.h5", cwd=tmp_path)
     _assert_cli_ok(proc)
     assert "failed in 2" in proc.stdout, proc.stdout

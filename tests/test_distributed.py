@@ -91,9 +91,9 @@ def test_every_rank_writes_its_own_trace_with_placements(runs):
     for rank in (0, 1):
         with open_trace(run / f"rank{rank}.h5") as reader:
             assert reader.meta["distributed"]["rank"] == rank and reader.meta["distributed"]["world_size"] == 2
-            weight = next(r for r in reader.records if r["kind"] == "param"
-                          and r["path"] == "model.layers.0.self_attn.q_proj.weight")["tensors"][0]
-            assert weight["shape"] == [32, 64] and weight["placement"] == {
+            weight = next(r for r in reader.records if r.kind == "param"
+                          and r.path == "model.layers.0.self_attn.q_proj.weight").tensors[0]
+            assert weight.shape == [32, 64] and weight.placement == {
                 "placements": ["S(0)"], "mesh": [2], "coord": [rank], "global_shape": [64, 64]}
 
 

@@ -139,10 +139,10 @@ def test_recorded_statistics_equal_the_stored_bytes_over_a_whole_model(tmp_path,
     by_torch = 0
     with open_trace(tmp_path / "t.h5") as trace:
         for record in trace.records:
-            for entry in record["tensors"]:
-                if entry["dtype"] not in ("float32", "bfloat16"):
+            for entry in record.tensors:
+                if entry.dtype not in ("float32", "bfloat16"):
                     continue
-                want = summarize(trace.tensor(entry), entry["dtype"])
-                _close(entry["stats"], want, rel=1e-5)
-                by_torch += entry["stats"]["numel"] >= (1 << 17 if dtype == torch.bfloat16 else 1 << 20)
+                want = summarize(trace.tensor(entry), entry.dtype)
+                _close(entry.stats, want, rel=1e-5)
+                by_torch += entry.stats["numel"] >= (1 << 17 if dtype == torch.bfloat16 else 1 << 20)
     assert by_torch >= 4  # logits and their gradient, the embedding's and the LM head's gradients at least

@@ -115,8 +115,8 @@ def test_tied_weight_is_recorded_under_every_owner_and_a_gradient_defect_in_one_
     from layerdiff.tracefile.reader import open_trace
 
     with open_trace(ref) as reader:
-        owners = {r["path"] for r in reader.records if r["kind"] == "param" and r.get("tied")}
-        uses = {r["module"] for r in reader.records if r["kind"] == "param_grad_use"}
+        owners = {r.path for r in reader.records if r.kind == "param" and r.tied}
+        uses = {r.module for r in reader.records if r.kind == "param_grad_use"}
     assert owners == {"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}
     assert uses == {"encoder.embed_tokens", "decoder.embed_tokens", "lm_head"}  # model.shared itself never runs
     bad = _trace(tmp_path / "bad.h5", _t5_with_embedding_grad_defect)

@@ -596,8 +596,8 @@ def test_handmade_trace_control(tmp_path):
     """The same trace with an intact line reads, and compares equal to the same weights."""
     path = write_trace(tmp_path / "t.h5", [param_line(), END_LINE])
     with open_trace(path) as reader:
-        assert len(reader.records) == 1 and reader.end["status"] == "complete" and not reader.crashed
-        np.testing.assert_array_equal(reader.tensor(reader.records[0]["tensors"][0]), [1, 2])
+        assert len(reader.records) == 1 and reader.end.status == "complete" and not reader.crashed
+        np.testing.assert_array_equal(reader.tensor(reader.records[0].tensors[0]), [1, 2])
     ck = open_checkpoint(path)
     assert ck.names() == ["w"] and ck.load("w")[0].tolist() == [1.0, 2.0]
     ck.close()
@@ -715,14 +715,14 @@ def test_fuzz_safetensors_header(scratch):
 def _check_trace_records(records, data_size):
     """What every accepted record guarantees to the readers after it."""
     for rec in records:
-        assert isinstance(rec["path"], str) and type(rec["call"]) is int and rec["call"] >= 0
-        for t in rec["tensors"]:
-            assert t["dtype"] in STORAGE_DTYPES and isinstance(t["key"], str) and isinstance(t["role"], str)
-            assert all(type(d) is int and d >= 0 for d in t["shape"])
-            if "offset" in t:
-                itemsize = np.dtype(STORAGE_DTYPES[t["dtype"]]).itemsize
-                assert t["nbytes"] == int(np.prod(t["shape"], dtype=np.int64)) * itemsize
-                assert 0 <= t["offset"] and t["offset"] + t["nbytes"] <= data_size
+        assert isinstance(rec.path, str) and type(rec.call) is int and rec.call >= 0
+        for t in rec.tensors:
+            assert t.dtype in STORAGE_DTYPES and isinstance(t.key, str) and isinstance(t.role, str)
+            assert all(type(d) is int and d >= 0 for d in t.shape)
+            if t.offset is not None:
+                itemsize = np.dtype(STORAGE_DTYPES[t.dtype]).itemsize
+                assert t.nbytes == int(np.prod(t.shape, dtype=np.int64)) * itemsize
+                assert 0 <= t.offset and t.offset + t.nbytes <= data_size
 
 
 if st is not None:
@@ -764,7 +764,7 @@ def test_fuzz_trace_index():
         assert not isinstance(result, LayerdiffError)
         records, end = result
         _check_trace_records(records, data_size)
-        assert end is None or end["kind"] == "end"
+        assert end is None or end.kind == "end"
 
     check()
 

@@ -11,6 +11,7 @@ import pytest
 
 from layerdiff.tracefile.writer import TraceWriter
 from layerdiff.tracefile.index import encode_line
+from layerdiff.tracefile.records import decode_line
 from layerdiff.tracefile.reader import open_trace
 
 
@@ -79,8 +80,8 @@ def test_index_lines_land_where_the_reader_finds_them_across_reserve_growth(tmp_
         pad = "x" * (70_000 if i % 1500 == 7 else int(rng.integers(0, 600)))  # now and then longer than a chunk
         record = {"kind": "param", "path": f"p{i}", "module": pad, "call": 0, "step": 0, "seq": i, "tensors": tensors}
         writer.write_record(record)
-        expected.append(json.loads(encode_line(record)))
+        expected.append(decode_line(encode_line(record)))  # the typed record the reader must find
     writer.close({"kind": "end", "status": "complete"})
     with open_trace(tmp_path / "t.h5") as trace:
-        assert trace.records == expected
-        assert trace.end["status"] == "complete"
+        assert trace.records == expected and None not in expected
+        assert trace.end.status == "complete"

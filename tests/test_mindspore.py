@@ -115,18 +115,18 @@ def test_trace_records_the_structure_of_a_training_step(traces):
     with open_trace(root / "ms_clean.h5") as r:
         assert r.meta["framework"] == "mindspore" and r.meta["execution_mode"] == "pynative"
         records = r.records
-        forward = {(x["path"], x["type"]) for x in records if x["kind"] == "call" and x["phase"] == "forward"}
+        forward = {(x.path, x.type) for x in records if x.kind == "call" and x.phase == "forward"}
         assert ("model.layers.1.self_attn.k_proj", "Dense") in forward and ("", "LlamaForCausalLM") in forward
-        backward = {x["path"]: x for x in records if x["kind"] == "call" and x["phase"] == "backward"}
-        roles = {(t["role"], t["key"]) for t in backward["model.layers.0.mlp.down_proj"]["tensors"]}
+        backward = {x.path: x for x in records if x.kind == "call" and x.phase == "backward"}
+        roles = {(t.role, t.key) for t in backward["model.layers.0.mlp.down_proj"].tensors}
         assert roles == {("grad_output", "out"), ("grad_input", "args.0")}
         # the root's logits output carries no gradient (only the loss does), as in torch
-        assert [t["key"] for t in backward[""]["tensors"]] == ["out.0"]
+        assert [t.key for t in backward[""].tensors] == ["out.0"]
         # parameter gradients are the ones ms.value_and_grad returned
-        grads = {x["path"]: x for x in records if x["kind"] == "param_grad"}
-        assert len(grads) == len([x for x in records if x["kind"] == "param"]) == 21
+        grads = {x.path: x for x in records if x.kind == "param_grad"}
+        assert len(grads) == len([x for x in records if x.kind == "param"]) == 21
         for name, expected in result["grads"].items():
-            stored = r.tensor(grads[name]["tensors"][0])
+            stored = r.tensor(grads[name].tensors[0])
             np.testing.assert_array_equal(stored, np.asarray(expected, dtype=np.float32))
 
 
@@ -176,13 +176,13 @@ def test_training_steps_with_an_optimizer(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SGD_SCRIPT, str(path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open_trace(path) as r:
-        assert r.end["steps"] == 2
-        values = [p for p in r.records if p["kind"] == "param" and p["path"] == "lm_head.weight"]
-        grads = [p for p in r.records if p["kind"] == "param_grad" and p["path"] == "lm_head.weight"]
-        assert [v["step"] for v in values] == [0, 1] and [g["step"] for g in grads] == [0, 1]
-        w0, w1 = (r.tensor(v["tensors"][0]) for v in values)
-        g0 = r.tensor(grads[0]["tensors"][0])
+        assert r.end.steps == 2
+        values = [p for p in r.records if p.kind == "param" and p.path == "lm_head.weight"]
+        grads = [p for p in r.records if p.kind == "param_grad" and p.path == "lm_head.weight"]
+        assert [v.step for v in values] == [0, 1] and [g.step for g in grads] == [0, 1]
+        w0, w1 = (r.tensor(v.tensors[0]) for v in values)
+        g0 = r.tensor(grads[0].tensors[0])
         assert not np.array_equal(w0, w1)
         np.testing.assert_allclose(w1, w0 - np.float32(0.1) * g0, rtol=1e-6, atol=1e-9)
-        backward = [c for c in r.records if c["kind"] == "call" and c["phase"] == "backward" and c["path"] == "lm_head"]
-        assert [c["step"] for c in backward] == [0, 1]
+        backward = [c for c in r.records if c.kind == "call" and c.phase == "backward" and c.path == "lm_head"]
+        assert [c.step for c in backward] == [0, 1]

@@ -253,43 +253,43 @@ def test_tracing_keeps_results_with_in_place_ops(traces):
     assert res["forward_identical"] and res["forward_identical_after"] and res["forward_identical_again"]
     assert res["grad_x_max_rel"] < 1e-6 and res["grad_param_max_rel"] < 1e-6
     with open_trace(_path(traces, "paddle_inplace")) as reader:
-        assert reader.end["status"] == "complete"
-        assert any("sneaky modifies its input in place" in w for w in reader.end["warnings"])
-        calls = [r for r in reader.records if r["kind"] == "call"]
-        fwd = {(r["path"], r["phase"]): r for r in calls}
+        assert reader.end.status == "complete"
+        assert any("sneaky modifies its input in place" in w for w in reader.end.warnings)
+        calls = [r for r in reader.records if r.kind == "call"]
+        fwd = {(r.path, r.phase): r for r in calls}
         # the recorded output is what the layer returned, before the caller modified it in place
-        out = next(t for t in fwd[("b1.lin", "forward")]["tensors"] if t["role"] == "output")
+        out = next(t for t in fwd[("b1.lin", "forward")].tensors if t.role == "output")
         import numpy as np
         np.testing.assert_array_equal(reader.tensor(out), np.asarray(res["lin_out"], dtype=np.float32))
         back = fwd[("b1.lin", "backward")]
-        assert {t["role"] for t in back["tensors"]} == {"grad_output", "grad_input"}
+        assert {t.role for t in back.tensors} == {"grad_output", "grad_input"}
         bump = fwd[("b1.bump", "backward")]  # inplace=True: output side only
-        assert {t["role"] for t in bump["tensors"]} == {"grad_output"}
-        grads = {r["path"] for r in reader.records if r["kind"] == "param_grad"}
+        assert {t.role for t in bump.tensors} == {"grad_output"}
+        grads = {r.path for r in reader.records if r.kind == "param_grad"}
         assert "b1.lin.weight" in grads and "head.bias" in grads
 
 
 def test_raising_layer_is_recorded(traces):
     assert "boom" in traces[1]["raised"]
     with open_trace(_path(traces, "paddle_raised")) as reader:
-        assert reader.end["status"] == "error"
-        assert reader.end["failure"]["module"] == "1"
-        assert "ValueError" in reader.end["failure"]["error"]
-        forward = {r["path"]: r for r in reader.records if r["kind"] == "call" and r["phase"] == "forward"}
-        assert not forward["0"].get("incomplete") and forward["1"].get("incomplete")
+        assert reader.end.status == "error"
+        assert reader.end.failure["module"] == "1"
+        assert "ValueError" in reader.end.failure["error"]
+        forward = {r.path: r for r in reader.records if r.kind == "call" and r.phase == "forward"}
+        assert not forward["0"].incomplete and forward["1"].incomplete
         assert "2" not in forward
 
 
 def test_parameters_recorded_when_changed(traces):
     n = traces[1]["num_params"]
     with open_trace(_path(traces, "paddle_steps")) as reader:
-        values = [r for r in reader.records if r["kind"] == "param"]
-        grads = [r for r in reader.records if r["kind"] == "param_grad"]
+        values = [r for r in reader.records if r.kind == "param"]
+        grads = [r for r in reader.records if r.kind == "param_grad"]
         # before step 0, and before step 1 and 2 (each follows a backward + update); not before step 3,
         # a forward-only step after a forward-only step
         assert len(values) == 3 * n
-        assert sorted({r["call"] for r in values}) == [0, 1, 2]
-        assert sorted({r["step"] for r in values}) == [0, 1, 2]
+        assert sorted({r.call for r in values}) == [0, 1, 2]
+        assert sorted({r.step for r in values}) == [0, 1, 2]
         assert len(grads) == 2 * n  # one accumulated gradient per parameter per backward
 
 

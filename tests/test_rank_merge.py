@@ -40,7 +40,7 @@ def _write_run(run, params):
 
 
 def _entry(run, name):
-    return next(r for r in run.records if r["path"] == name)["tensors"][0]
+    return next(r for r in run.records if r.path == name).tensors[0]
 
 
 def test_shards_and_copies_stream_from_the_rank_files(tmp_path):
@@ -76,7 +76,7 @@ def test_partial_sums_are_added_as_values(tmp_path, dtype):
     _write_run(tmp_path / "run", [("proj.weight", "P(sum)", stored, dtype)])
     with open_run(tmp_path / "run") as run:
         entry = _entry(run, "proj.weight")
-        assert entry["merge"]["how"] == "sum" and entry["dtype"] == dtype
+        assert entry.merge.how == "sum" and entry.dtype == dtype
         merged = as_float(run.tensor(entry), dtype)
         exact = sum(as_float(s, dtype).astype(np.float64) for s in stored)
         assert np.array_equal(merged, as_float(encode_float(exact, dtype), dtype))  # the sum, rounded once
@@ -118,7 +118,7 @@ def test_workers_compare_a_merged_tensor_from_the_rank_files_as_in_process(tmp_p
         for name in ("rows.weight", "norm.weight"):
             a, b = _entry(run, name), _entry(other, name)
             pieces = aligned_pairs(run.data_segments(a), "float32", other.data_segments(b), "float64")
-            assert sum(p.numel for p in pieces) == math.prod(a["shape"]) and len(pieces) >= len(run.data_segments(a))
+            assert sum(p.numel for p in pieces) == math.prod(a.shape) and len(pieces) >= len(run.data_segments(a))
             got = compare_pairs(pieces, 2, groups=[0] * len(pieces), slice_bytes=1 << 20)
             want = compare_data(run.tensor_chunks(a, CHUNK_ELEMS), other.tensor_chunks(b, CHUNK_ELEMS),
                                 "float32", "float64")

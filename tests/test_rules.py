@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from builders import Trace
+
 from layerdiff.match import fusion, modules, paramplan
 from layerdiff.match.layouts import TokenOrder, relate_shapes
 from layerdiff.match.mapping import match_modules
@@ -231,21 +233,16 @@ def test_merged_statistics_and_value_transforms():
     whole = summarize(np.concatenate([x, y]), "float64")
     assert merged["numel"] == 150 and abs(merged["l2"] - whole["l2"]) < 1e-9 and abs(merged["mean"] - whole["mean"]) < 1e-12
 
-    class Reader:
-        def __init__(self, arrays):
-            self.arrays = arrays
-
-        def tensor(self, entry):
-            return self.arrays[entry["id"]]
-
-    labels = np.array([[5, 6, 7]])
-    shifted = Operand(({"id": 0, "dtype": "int64", "shape": [1, 3]},), op="shift_left").values(Reader([labels]))
+    trace = Trace()
+    labels = trace.put("input", "labels", [[5, 6, 7]], "int64")
+    shifted = Operand((labels,), op="shift_left").values(trace)
     assert shifted.tolist() == [[6, 7, -100]]
-    additive = np.array([[0.0, -1e9]], dtype=np.float32)
-    keep = np.array([[True, False]])
-    a = Operand(({"id": 0, "dtype": "float32", "shape": [1, 2]},), op="masked").values(Reader([additive]))
-    b = Operand(({"id": 0, "dtype": "bool", "shape": [1, 2]},), op="masked").values(Reader([keep]))
-    c = Operand(({"id": 0, "dtype": "bool", "shape": [1, 2]},), op="masked", bool_masked=True).values(Reader([~keep]))
+    additive = trace.put("input", "mask", [[0.0, -1e9]], "float32")
+    keep = trace.put("input", "mask", [[True, False]], "bool")
+    drop = trace.put("input", "mask", [[False, True]], "bool")
+    a = Operand((additive,), op="masked").values(trace)
+    b = Operand((keep,), op="masked").values(trace)
+    c = Operand((drop,), op="masked", bool_masked=True).values(trace)
     assert a.tolist() == b.tolist() == c.tolist() == [[0.0, 1.0]]
 
 

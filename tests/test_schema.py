@@ -78,14 +78,27 @@ def test_every_key_a_report_holds_is_declared(report):
 
 
 def test_trace_records_have_the_declared_shape(tmp_path):
-    with open_trace(_run(tmp_path / "t.h5", 1.0)) as reader:
-        kinds = {r["kind"] for r in reader.records}
-        assert kinds == {"call", "param", "param_grad"}
-        for record in reader.records:
-            assert schema.problem(record, schema.TraceRecord) is None, record
-            assert set(record) <= _declared(schema.TraceRecord), set(record) - _declared(schema.TraceRecord)
-            for entry in record["tensors"]:
-                assert set(entry) <= _declared(schema.TensorEntry)
+    """Every line the writer writes decodes into its typed record, and every key it writes is a declared field
+    (the reader skips undeclared keys: one the writer adds but the declaration lacks would be lost)."""
+    import h5py
+    import msgspec
+
+    from layerdiff.tracefile import records
+
+    path = _run(tmp_path / "t.h5", 1.0)
+    with open_trace(path) as reader:
+        assert {r.kind for r in reader.records} == {"call", "param", "param_grad"}
+    with h5py.File(path, "r", locking=False) as f:
+        lines = [line for line in bytes(f["index"][:]).rstrip(b"\0").split(b"\n") if line]
+    for line in lines:
+        record = records.decode_line(line)
+        assert record is not None, line
+        written = json.loads(line)
+        declared = set(msgspec.structs.asdict(record)) | {"kind"}
+        assert set(written) <= declared, set(written) - declared
+        for entry in written.get("tensors", ()):
+            assert set(entry) <= set(records.TensorEntry.__struct_fields__), entry
+            assert set(entry["stats"]) <= set(records.Stats.__annotations__), entry["stats"]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("torch")
 
 import layerdiff  # noqa: E402
-from layerdiff.tracefile.reader import open_trace  # noqa: E402
+from layerdiff.tracefile.reader import open_trace
+from layerdiff.tracefile.records import decode_line  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -22,15 +23,15 @@ def test_every_tensor_reads_the_same_through_layerdiff_and_plain_h5py(tmp_path, 
         built["step"]()
     with open_trace(path) as reader, h5py.File(path, "r", locking=False) as f:
         assert (reader._raw is None) == (compression is not None)  # direct chunk reads only when unfiltered
-        lines = [json.loads(x) for x in bytes(f["index"][:]).splitlines() if x]
-        assert [r for r in lines if r["kind"] != "end"] == reader.records
-        entries = [t for r in reader.records for t in r["tensors"] if "offset" in t]
+        lines = [decode_line(x) for x in bytes(f["index"][:]).splitlines() if x]
+        assert [r for r in lines if r.kind != "end"] == reader.records
+        entries = [t for r in reader.records for t in r.tensors if t.offset is not None]
         assert len(entries) > 100
         for t in entries:
             ours = reader.tensor(t).reshape(-1).view(np.uint8)
-            plain = f["data"][t["offset"]:t["offset"] + t["nbytes"]]
+            plain = f["data"][t.offset:t.offset + t.nbytes]
             assert np.array_equal(ours, plain)
-            pieces = np.concatenate([c.view(np.uint8).copy() for c in reader.tensor_chunks(t, 1000)]) if t["nbytes"] else ours
+            pieces = np.concatenate([c.view(np.uint8).copy() for c in reader.tensor_chunks(t, 1000)]) if t.nbytes else ours
             assert np.array_equal(pieces, plain)
 
 
@@ -49,13 +50,13 @@ def test_deduplicated_tensors_share_bytes_and_keep_their_own_keys(tmp_path):
     with layerdiff.trace(built["model"], path):
         built["step"]()
     with open_trace(path) as r:
-        calls = {(c["path"], c["phase"]): c for c in r.records if c["kind"] == "call"}
-        out0 = next(t for t in calls[("model.layers.0", "forward")]["tensors"] if t["role"] == "output")
-        in1 = next(t for t in calls[("model.layers.1", "forward")]["tensors"] if t["role"] == "input"
-                   and t["key"] == "args.0")
-        assert (out0["offset"], out0["nbytes"]) == (in1["offset"], in1["nbytes"])  # stored once
-        assert (out0["key"], in1["key"]) == ("out", "args.0")
-        total = sum(t["nbytes"] for c in r.records for t in c["tensors"] if "offset" in t)
-        unique = sum(n for _, n in {(t["offset"], t["nbytes"]) for c in r.records for t in c["tensors"]
-                                    if "offset" in t})
-        assert unique == r.end["tensor_bytes"] < total
+        calls = {(c.path, c.phase): c for c in r.records if c.kind == "call"}
+        out0 = next(t for t in calls[("model.layers.0", "forward")].tensors if t.role == "output")
+        in1 = next(t for t in calls[("model.layers.1", "forward")].tensors if t.role == "input"
+                   and t.key == "args.0")
+        assert (out0.offset, out0.nbytes) == (in1.offset, in1.nbytes)  # stored once
+        assert (out0.key, in1.key) == ("out", "args.0")
+        total = sum(t.nbytes for c in r.records for t in c.tensors if t.offset is not None)
+        unique = sum(n for _, n in {(t.offset, t.nbytes) for c in r.records for t in c.tensors
+                                    if t.offset is not None})
+        assert unique == r.end.tensor_bytes < total

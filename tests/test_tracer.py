@@ -18,12 +18,12 @@ pytestmark = [pytest.mark.torch]
 
 
 def calls(reader, path, phase="forward"):
-    return [r for r in reader.records if r["kind"] == "call" and r["phase"] == phase and r["path"] == path]
+    return [r for r in reader.records if r.kind == "call" and r.phase == phase and r.path == path]
 
 
 def tensor(reader, rec, role, key):
-    entry = next(t for t in rec["tensors"] if t["role"] == role and t["key"] == key)
-    return as_float(reader.tensor(entry), entry["dtype"])
+    entry = next(t for t in rec.tensors if t.role == role and t.key == key)
+    return as_float(reader.tensor(entry), entry.dtype)
 
 
 class AddInPlace(nn.Module):
@@ -59,11 +59,11 @@ def test_inplace_ops_trace_and_gradients_are_unchanged(tmp_path):
     got = [p.grad for p in model.parameters()] + [x.grad]
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, got))
     with open_trace(tmp_path / "t.h5") as r:
-        assert r.end["status"] == "complete"
+        assert r.end.status == "complete"
         # the input recorded for "2" is the value before the in-place add/relu inside it
         fwd = calls(r, "2")[0]
         back = calls(r, "2", "backward")[0]
-        assert {t["role"] for t in back["tensors"]} == {"grad_output", "grad_input"}
+        assert {t.role for t in back.tensors} == {"grad_output", "grad_input"}
         out_rec = tensor(r, calls(r, "3")[0], "output", "out")
         assert np.array_equal(out_rec, out.detach().numpy())
         assert np.array_equal(tensor(r, fwd, "input", "args.0"), tensor(r, calls(r, "1")[0], "output", "out"))
@@ -86,12 +86,12 @@ def test_module_called_twice_gives_two_records(tmp_path):
         model(x).sum().backward()
     with open_trace(tmp_path / "t.h5") as r:
         first, second = calls(r, "lin")
-        assert (first["call"], second["call"]) == (0, 1)
+        assert (first.call, second.call) == (0, 1)
         assert np.array_equal(tensor(r, first, "input", "args.0"), x.numpy())
         assert np.array_equal(tensor(r, second, "input", "args.0"), tensor(r, first, "output", "out"))
-        assert sorted(b["call"] for b in calls(r, "lin", "backward")) == [0, 1]
-        assert first["parent"] == ["", 0]
-        grads = [p for p in r.records if p["kind"] == "param_grad" and p["path"] == "lin.weight"]
+        assert sorted(b.call for b in calls(r, "lin", "backward")) == [0, 1]
+        assert first.parent == ("", 0)
+        grads = [p for p in r.records if p.kind == "param_grad" and p.path == "lin.weight"]
         assert len(grads) == 1  # accumulated once per backward
 
 
@@ -106,12 +106,12 @@ def test_nested_and_non_tensor_outputs_and_keyword_inputs(tmp_path):
         model(x, scale=3.0, mask=mask)
     with open_trace(tmp_path / "t.h5") as r:
         rec = calls(r, "")[0]
-        keys = {(t["role"], t["key"]) for t in rec["tensors"]}
+        keys = {(t.role, t.key) for t in rec.tensors}
         assert keys == {("input", "args.0"), ("input", "kwargs.mask"), ("output", "out.0.y"),
                         ("output", "out.0.parts.0"), ("output", "out.1")}
-        assert rec["scalars"]["kwargs.scale"] == 3.0
-        assert rec["scalars"]["out.0.parts.2"] == 3 and rec["scalars"]["out.0.name"] == "hi"
-        assert next(t for t in rec["tensors"] if t["key"] == "kwargs.mask")["dtype"] == "bool"
+        assert rec.scalars["kwargs.scale"] == 3.0
+        assert rec.scalars["out.0.parts.2"] == 3 and rec.scalars["out.0.name"] == "hi"
+        assert next(t for t in rec.tensors if t.key == "kwargs.mask").dtype == "bool"
 
 
 def test_forward_only_under_no_grad_records_no_backward(tmp_path):
@@ -120,9 +120,9 @@ def test_forward_only_under_no_grad_records_no_backward(tmp_path):
     with layerdiff.trace(model, tmp_path / "t.h5"):
         built["step"]()
     with open_trace(tmp_path / "t.h5") as r:
-        phases = {rec.get("phase") for rec in r.records if rec["kind"] == "call"}
+        phases = {rec.phase for rec in r.records if rec.kind == "call"}
         assert phases == {"forward"}
-        assert not [rec for rec in r.records if rec["kind"] == "param_grad"]
+        assert not [rec for rec in r.records if rec.kind == "param_grad"]
 
 
 def test_backward_off_still_leaves_training_intact(tmp_path):
@@ -131,7 +131,7 @@ def test_backward_off_still_leaves_training_intact(tmp_path):
         built["step"]()
     assert built["model"].lm_head.weight.grad is not None
     with open_trace(tmp_path / "t.h5") as r:
-        assert not [rec for rec in r.records if rec.get("phase") == "backward"]
+        assert not [rec for rec in r.records if rec.phase == "backward"]
 
 
 def test_inputs_without_grad_give_grad_output_only(tmp_path):
@@ -140,10 +140,10 @@ def test_inputs_without_grad_give_grad_output_only(tmp_path):
         built["step"]()
     with open_trace(tmp_path / "t.h5") as r:
         emb = calls(r, "model.embed_tokens", "backward")[0]
-        assert [t["role"] for t in emb["tensors"]] == ["grad_output"]
+        assert [t.role for t in emb.tensors] == ["grad_output"]
         q = calls(r, "model.layers.0.self_attn.q_proj", "backward")[0]
-        assert sorted(t["role"] for t in q["tensors"]) == ["grad_input", "grad_output"]
-        assert [t["dtype"] for t in calls(r, "")[0]["tensors"] if t["key"] == "kwargs.input_ids"] == ["int64"]
+        assert sorted(t.role for t in q.tensors) == ["grad_input", "grad_output"]
+        assert [t.dtype for t in calls(r, "")[0].tensors if t.key == "kwargs.input_ids"] == ["int64"]
 
 
 def _step_grads(tmp_path=None):
@@ -178,15 +178,15 @@ def test_several_steps_with_optimizer(tmp_path):
             built["step"]()
             opt.step()
     with open_trace(tmp_path / "t.h5") as r:
-        assert r.end["steps"] == 3
-        assert [c["step"] for c in calls(r, "lm_head")] == [0, 1, 2]
-        assert [c["call"] for c in calls(r, "lm_head")] == [0, 1, 2]
-        values = [p for p in r.records if p["kind"] == "param" and p["path"] == "lm_head.weight"]
+        assert r.end.steps == 3
+        assert [c.step for c in calls(r, "lm_head")] == [0, 1, 2]
+        assert [c.call for c in calls(r, "lm_head")] == [0, 1, 2]
+        values = [p for p in r.records if p.kind == "param" and p.path == "lm_head.weight"]
         assert len(values) == 3  # recorded again after each optimizer update
-        assert [v["step"] for v in values] == [0, 1, 2]
-        first, second = (as_float(r.tensor(v["tensors"][0]), "float32") for v in values[:2])
+        assert [v.step for v in values] == [0, 1, 2]
+        first, second = (as_float(r.tensor(v.tensors[0]), "float32") for v in values[:2])
         assert not np.array_equal(first, second)
-        assert len([p for p in r.records if p["kind"] == "param_grad" and p["path"] == "lm_head.weight"]) == 3
+        assert len([p for p in r.records if p.kind == "param_grad" and p.path == "lm_head.weight"]) == 3
 
 
 def test_parameters_recorded_once_when_unchanged(tmp_path):
@@ -195,7 +195,7 @@ def test_parameters_recorded_once_when_unchanged(tmp_path):
         for _ in range(3):
             built["step"]()
     with open_trace(tmp_path / "t.h5") as r:
-        assert len([p for p in r.records if p["kind"] == "param" and p["path"] == "lm_head.weight"]) == 1
+        assert len([p for p in r.records if p.kind == "param" and p.path == "lm_head.weight"]) == 1
 
 
 def test_full_mode_data_round_trips_bit_exactly(tmp_path):
@@ -209,8 +209,8 @@ def test_full_mode_data_round_trips_bit_exactly(tmp_path):
         root = calls(r, "")[0]
         assert np.array_equal(tensor(r, root, "output", "out.logits"), logits.numpy())
         assert np.array_equal(tensor(r, root, "input", "kwargs.input_ids"), ids.numpy())
-        w = next(p for p in r.records if p["kind"] == "param" and p["path"] == "lm_head.weight")
-        assert np.array_equal(r.tensor(w["tensors"][0]), model.lm_head.weight.detach().numpy())
+        w = next(p for p in r.records if p.kind == "param" and p.path == "lm_head.weight")
+        assert np.array_equal(r.tensor(w.tensors[0]), model.lm_head.weight.detach().numpy())
 
 
 def test_bfloat16_tensors_are_stored_exactly(tmp_path):
@@ -219,10 +219,10 @@ def test_bfloat16_tensors_are_stored_exactly(tmp_path):
         built["step"]()
     w = built["model"].lm_head.weight.detach()
     with open_trace(tmp_path / "t.h5") as r:
-        entry = next(p for p in r.records if p["kind"] == "param" and p["path"] == "lm_head.weight")["tensors"][0]
-        assert entry["dtype"] == "bfloat16"
+        entry = next(p for p in r.records if p.kind == "param" and p.path == "lm_head.weight").tensors[0]
+        assert entry.dtype == "bfloat16"
         assert np.array_equal(as_float(r.tensor(entry), "bfloat16"), w.float().numpy())
-        assert entry["stats"]["max"] == pytest.approx(w.float().max().item())
+        assert entry.stats["max"] == pytest.approx(w.float().max().item())
 
 
 def test_stats_mode_keeps_statistics_not_data(tmp_path):
@@ -232,8 +232,8 @@ def test_stats_mode_keeps_statistics_not_data(tmp_path):
     w = built["model"].lm_head.weight.detach().numpy()
     with open_trace(tmp_path / "t.h5") as r:
         assert r.mode == "stats"
-        assert all("offset" not in t for rec in r.records for t in rec["tensors"])
-        stats = next(p for p in r.records if p["path"] == "lm_head.weight")["tensors"][0]["stats"]
+        assert all(t.offset is None for rec in r.records for t in rec.tensors)
+        stats = next(p for p in r.records if p.path == "lm_head.weight").tensors[0].stats
         assert stats["min"] == pytest.approx(w.min()) and stats["max"] == pytest.approx(w.max())
         assert stats["mean"] == pytest.approx(w.mean(dtype=np.float64), rel=1e-6)
         assert stats["l2"] == pytest.approx(math.sqrt((w.astype(np.float64) ** 2).sum()), rel=1e-5)
@@ -251,9 +251,9 @@ def test_hyper_parameters_and_metadata(tmp_path):
     with layerdiff.trace(model, tmp_path / "t.h5", meta={"note": "x"}):
         model(torch.randn(2, 4))
     with open_trace(tmp_path / "t.h5") as r:
-        assert calls(r, "1")[0]["hparams"]["eps"] == 1e-5
-        assert calls(r, "2")[0]["hparams"]["p"] == 0.25
-        assert calls(r, "0")[0]["hparams"]["in_features"] == 4
+        assert calls(r, "1")[0].hparams["eps"] == 1e-5
+        assert calls(r, "2")[0].hparams["p"] == 0.25
+        assert calls(r, "0")[0].hparams["in_features"] == 4
         m = r.meta
         assert m["framework"] == "torch" and m["framework_version"] == torch.__version__
         assert m["seed"] == 1234 and m["deterministic_algorithms"] is False
@@ -266,7 +266,7 @@ def test_include_and_exclude_filters(tmp_path):
     with layerdiff.trace(built["model"], tmp_path / "t.h5", include=[r"layers\.1"], exclude=[r"mlp"]):
         built["step"]()
     with open_trace(tmp_path / "t.h5") as r:
-        paths = {rec["path"] for rec in r.records if rec["kind"] == "call"}
+        paths = {rec.path for rec in r.records if rec.kind == "call"}
         assert "model.layers.1.self_attn.q_proj" in paths and "" in paths  # the root is always traced
         assert not any("layers.0" in p or "mlp" in p for p in paths)
 

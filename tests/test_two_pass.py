@@ -49,7 +49,7 @@ def test_two_pass_recipe_on_a_model_whose_full_trace_is_over_10x_its_stats_trace
     assert result["confirms"]["forward"] is True
     # the candidate's runs were traced with the reference's window too
     with open_trace(tmp_path / "w" / "replay.h5") as r:
-        paths = {rec["path"] for rec in r.records if rec["kind"] == "call"}
+        paths = {rec.path for rec in r.records if rec.kind == "call"}
     assert paths and all(p == "" or p.startswith("model.layers.5") for p in paths)
 
 
@@ -58,14 +58,14 @@ def test_layers_window_keeps_the_model_record_as_statistics(tmp_path):
     with layerdiff.trace(built["model"], tmp_path / "w.h5", layers=(1, 3)):
         built["step"]()
     with open_trace(tmp_path / "w.h5") as r:
-        calls = [rec for rec in r.records if rec["kind"] == "call"]
+        calls = [rec for rec in r.records if rec.kind == "call"]
         assert r.meta["window"] == ["model.layers.1", "model.layers.2"]
-        params = {rec["path"] for rec in r.records if rec["kind"] == "param"}
-    assert {c["path"].split(".")[2] for c in calls if c["path"]} == {"1", "2"}
-    root = [c for c in calls if c["path"] == ""]
-    assert root and all("offset" not in t for c in root for t in c["tensors"])  # statistics only
-    inner = [c for c in calls if c["path"]]
-    assert all("offset" in t for c in inner for t in c["tensors"])
+        params = {rec.path for rec in r.records if rec.kind == "param"}
+    assert {c.path.split(".")[2] for c in calls if c.path} == {"1", "2"}
+    root = [c for c in calls if c.path == ""]
+    assert root and all(t.offset is None for c in root for t in c.tensors)  # statistics only
+    inner = [c for c in calls if c.path]
+    assert all(t.offset is not None for c in inner for t in c.tensors)
     assert params and all(p.startswith(("model.layers.1.", "model.layers.2.")) for p in params)
 
 

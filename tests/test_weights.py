@@ -74,9 +74,9 @@ def test_cli_export_then_trace_with_those_weights(tmp_path):
     from layerdiff.tracefile.reader import open_trace
 
     with open_trace(tmp_path / "t.h5") as r:
-        rec = next(x for x in r.records if x["kind"] == "param" and x["path"] == "lm_head.weight")
+        rec = next(x for x in r.records if x.kind == "param" and x.path == "lm_head.weight")
         expected = safetensors_io.load(tmp_path / "w.safetensors")[0]["lm_head.weight"][0]
-        assert np.array_equal(r.tensor(rec["tensors"][0]), expected)
+        assert np.array_equal(r.tensor(rec.tensors[0]), expected)
         assert r.meta["user"]["weights"]["parameters"] == 21
 
 

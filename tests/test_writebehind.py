@@ -52,9 +52,9 @@ def test_write_behind_writes_what_inline_writes(tmp_path, ring):
         assert a.records == b.records  # the same index lines: offsets, sizes, order
         arrays = _arrays()
         for rec in b.records:
-            if rec["kind"] == "param":
-                expected = arrays[int(rec["path"][1:])][1]
-                got = b.tensor(rec["tensors"][0])
+            if rec.kind == "param":
+                expected = arrays[int(rec.path[1:])][1]
+                got = b.tensor(rec.tensors[0])
                 assert got.shape == expected.shape and np.array_equal(got, expected)
         assert b.size_bytes() - a.size_bytes() < 1 << 20  # alignment pads a little, no more
 
@@ -70,9 +70,9 @@ def test_pieces_read_through_the_mapping_or_preadv_equal_the_written_arrays(tmp_
         for mapping in (original, None):
             reader._raw.mapped = mapping
             for rec in reader.records:
-                if rec["kind"] != "param":
+                if rec.kind != "param":
                     continue
-                entry, expected = rec["tensors"][0], arrays[int(rec["path"][1:])][1]
+                entry, expected = rec.tensors[0], arrays[int(rec.path[1:])][1]
                 got = [piece.copy() for piece in reader.tensor_chunks(entry, 1000)]
                 got = np.concatenate(got) if got else np.empty(0, expected.dtype)
                 assert np.array_equal(got.view(np.uint8), np.ascontiguousarray(expected).reshape(-1).view(np.uint8))
@@ -100,9 +100,9 @@ def test_the_chunk_walk_finds_every_chunk_that_lookups_find(tmp_path):
         assert len({address - i * raw.chunk for i, address in walked.items()}) > 1  # not one run: growths moved it
         raw.addresses = {}
         for rec in reader.records:
-            if rec["kind"] == "param":
-                expected = arrays[int(rec["path"][1:])][1]
-                assert np.array_equal(reader.tensor(rec["tensors"][0]), expected)
+            if rec.kind == "param":
+                expected = arrays[int(rec.path[1:])][1]
+                assert np.array_equal(reader.tensor(rec.tensors[0]), expected)
 
 
 def test_a_trace_whose_file_outgrew_its_recorded_end_is_read_whole(tmp_path):
@@ -133,11 +133,11 @@ def test_a_trace_whose_file_outgrew_its_recorded_end_is_read_whole(tmp_path):
     with h5py.File(path, "r", locking=False) as f, pytest.raises(Exception, match="addr overflow"):
         f["index"][:]
     with open_trace(path) as reader:
-        assert [r["seq"] for r in reader.records] == list(range(3001)) and reader.end["status"] == "complete"
+        assert [r.seq for r in reader.records] == list(range(3001)) and reader.end.status == "complete"
         assert reader.crashed  # shown as a trace that was not closed cleanly
-        assert np.array_equal(reader.tensor(reader.records[0]["tensors"][0]), np.arange(1000, dtype=np.float32))
-        assert np.array_equal(reader.tensor(reader.records[-1]["tensors"][0]), last)
-        chunks = [piece.copy() for piece in reader.tensor_chunks(reader.records[-1]["tensors"][0], 100_000)]
+        assert np.array_equal(reader.tensor(reader.records[0].tensors[0]), np.arange(1000, dtype=np.float32))
+        assert np.array_equal(reader.tensor(reader.records[-1].tensors[0]), last)
+        chunks = [piece.copy() for piece in reader.tensor_chunks(reader.records[-1].tensors[0], 100_000)]
         assert np.array_equal(np.concatenate(chunks), last)
     assert path.read_bytes() == before  # read, never repaired in place
 
@@ -219,10 +219,10 @@ def test_a_full_disk_behind_the_step_is_one_line_and_the_trace_stays_readable(tm
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.startswith("ERROR ") and len(proc.stdout.strip().splitlines()) == 1, proc.stdout
     with open_trace(path) as reader:  # what was written before the error reads back, each with its own values
-        params = [r for r in reader.records if r["kind"] == "param"]
+        params = [r for r in reader.records if r.kind == "param"]
         assert 0 < len(params) < 200
         for rec in params:
-            assert np.all(reader.tensor(rec["tensors"][0]) == int(rec["path"][1:]))
+            assert np.all(reader.tensor(rec.tensors[0]) == int(rec.path[1:]))
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm")
@@ -234,7 +234,7 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path):
         with open_trace(shm) as b:
             arrays = _arrays()
             for rec in b.records:
-                if rec["kind"] == "param":
-                    assert np.array_equal(b.tensor(rec["tensors"][0]), arrays[int(rec["path"][1:])][1])
+                if rec.kind == "param":
+                    assert np.array_equal(b.tensor(rec.tensors[0]), arrays[int(rec.path[1:])][1])
     finally:
         shm.unlink(missing_ok=True)

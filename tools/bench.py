@@ -3,7 +3,7 @@
 
     python tools/bench.py                 # default run (a few minutes)
     python tools/bench.py --quick         # smaller/faster variant (about a minute)
-    python tools/bench.py --json out.json # also save every number as JSON
+    python tools/bench.py --json out.json # also save every number as JSON (read by tools/bench_pages.py)
     python tools/bench.py --profile       # additionally print cProfile hot spots (traced step and align)
     python tools/bench.py --threads 1     # torch.set_num_threads(1) (default: torch's default)
     python tools/bench.py --frameworks torch,paddle,mindspore  # only the step-time overhead, per framework,
@@ -67,8 +67,22 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # for `recipes`
 SELF = str(Path(__file__).resolve())
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib (stdlib only at import time)
+import benchlib  # noqa: E402
 from benchlib import (MB, MODEL_KW, QUIET_CORES, WAITER, Load, current_rss, drop_cache, fmt_list,  # noqa: E402
                       hot_functions, log, maxrss, med, print_hot, quiet_disk, run_block, timed_steps, vm_hwm)
+
+TITLE = "Tracing overhead, write throughput and align"
+METHOD = """A transformers Llama (recipes/torch_llama.py: 4 layers, hidden 256, 8 heads, vocab 32000, intermediate 688,
+batch 2 x 128 tokens), one step = zero_grad + forward with labels + backward on the CPU. Step time: interleaved
+rounds of untraced, `stats`, `full` and flush_interval=0 blocks (order rotated each round); a traced block opens a
+fresh trace, runs one untimed traced step (the first also records parameter values), then times K steps; os.sync()
+and a wait for idle CPUs precede every block. Medians over all timed steps are the headline, with the median over
+quiet blocks (other processes < 0.3 cores) and the best step beside them. Write throughput: the tensors of one full
+traced step written again by a fresh TraceWriter against a raw sequential write of the same bytes to the same
+directory, with and without fsync; the writer's time includes the summary statistics, also timed alone. Align: full
+traces of the reference, an identical pair and the RMSNorm eps defect (small: 1 step; large: 10 steps, --quick 3),
+each align in a fresh interpreter reporting its time and peak RSS; MB/s per side = one trace's tensor bytes /
+(open + align) seconds; warm = the traces in the page cache, cold = their pages dropped first."""
 
 BLOCK = 8 << 20
 
@@ -92,11 +106,14 @@ class Spawner:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, SELF, "--_spawner"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.cpu = 0.0  # CPU seconds of the interpreters it started (ours, though not yet in our children's time)
 
     def run(self, args: list[str]) -> dict:
         self.proc.stdin.write(json.dumps(args) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        out = json.loads(self.proc.stdout.readline())
+        self.cpu += out.get("cpu", 0.0)
+        return out
 
     def close(self):
         if self.proc.poll() is None:
@@ -153,8 +170,8 @@ def align_child(a: str, b: str, profile: bool):
     tensors = [t for r in report["records"] for t in r["tensors"]]
 
     def side(r):
-        return (r.end or {}).get("tensor_bytes") or sum(t.get("nbytes", 0) for rec in r.records
-                                                       for t in rec.get("tensors", ()))
+        end_bytes = r.end.tensor_bytes if r.end is not None else None
+        return end_bytes or sum(t.nbytes or 0 for rec in r.records for t in rec.tensors)
 
     fd = report["forward"]["first_divergence"]
     out = {"open_s": t_open, "align_s": t_total - t_open, "total_s": t_total,
@@ -502,7 +519,8 @@ def profile_steps(tmp: Path, res: dict, model, step):
 # ---------------------------------------------------------------------------------------------------------
 # summary
 # ---------------------------------------------------------------------------------------------------------
-def summary(res: dict):
+def summary_rows(res: dict) -> list[tuple[str, str, str]]:
+    """(metric, value, target) of the summary, printed at the end and saved in the JSON's tables."""
     rows = []
     s = res.get("step")
     if s:
@@ -560,6 +578,11 @@ def summary(res: dict):
             rows.append((f"align {pair}: peak RSS increase large/small", f"{g:.2f}x", "~1x"))
         if any("error" in r for r in a["runs"]):
             rows.append(("align runs that failed", str(sum("error" in r for r in a["runs"])), "0"))
+    return rows
+
+
+def summary(res: dict):
+    rows = summary_rows(res)
     width = max(len(r[0]) for r in rows) if rows else 10
     vwidth = max(len(r[1]) for r in rows) if rows else 10
     line = "=" * (width + vwidth + 22)
@@ -570,6 +593,55 @@ def summary(res: dict):
     for name, value, target in rows:
         log(f"{name:{width}}  {value:>{vwidth}}  {target}")
     log(line)
+
+
+def figures(res: dict) -> dict:
+    """The summary's figures as numbers (the JSON's "results"; every measurement stays under its own key too)."""
+    out = {}
+    s = res.get("step")
+    if s:
+        keys = ("median", "quiet_median", "min", "cpu_median", "ratio_median", "ratio_quiet", "ratio_min")
+        out["step_s"] = {name: {k: s[name].get(k) for k in keys} for name in s}
+        fb = s["full"]["last_block"]
+        out["full_tensor_bytes_per_step"] = fb["tensor_bytes_per_step"]
+        out["full_trace"] = {k: fb[k] for k in ("steps", "tensor_bytes", "file_bytes")}
+        if "full_store_mb_s_effective" in res:
+            out["full_store_mb_s_effective"] = res["full_store_mb_s_effective"]
+    w = res.get("write")
+    if w:
+        out["write"] = {k: v for k, v in w.items() if not isinstance(v, list)}
+    if res.get("flush"):
+        out["flush"] = res["flush"]
+    a = res.get("align")
+    if a:
+        out["sustained_tracing"] = {size: {"steps": t["ref"]["steps"],
+                                           "mb_s": t["ref"]["tensor_bytes"] / t["ref"]["seconds"] / MB,
+                                           "step_s_median": med(t["ref"]["step_walls"])}
+                                    for size, t in a["traces"].items()}
+        out["align"] = [{"size": b["size"], "pair": b["pair"], "cache": b["cache"], "bytes_per_side": b["bytes"],
+                         "mb_s_per_side_median": med(b["mb_s"]), "peak_rss": b["maxrss_after"],
+                         "peak_rss_over_start": b["peak_delta"]} for b in a["summary"]]
+        out["align_peak_delta_growth"] = a["peak_delta_growth"]
+        out["align_failed_runs"] = sum("error" in r for r in a["runs"])
+    return out
+
+
+def write_json(bench_run, path: str, res: dict, quick: bool, unreaped_cpu: float = 0.0):
+    """--json: the run's metadata, the summary as a table and its figures (benchlib.BenchRun); every key this JSON
+    had before stays at the top level."""
+    s, headline = res.get("step"), []
+    if s:
+        headline.append(f"`stats` {s['stats']['ratio_median']:.2f}x, `full` {s['full']['ratio_median']:.2f}x the "
+                        "untraced step (medians)")
+    for b in (res.get("align") or {}).get("summary", []):
+        if (b["size"], b["pair"], b["cache"]) == ("small", "identical", "warm"):
+            headline.append(f"align {med(b['mb_s']):.0f} MB/s per side ({b['bytes'] / MB:.0f} MB, warm)")
+    note = (f"Configuration {res['config']['name']!r}: {res['config']['rounds']} interleaved rounds x "
+            f"{res['config']['steps_per_block']} timed steps per block; large align trace "
+            f"{res['config']['large_steps']} steps. Values only, next to the targets of the spec; no judgement.")
+    bench_run.write(path, quick=quick, headline="; ".join(headline),
+                    tables=[benchlib.table("Summary", ["metric", "value", "target"], summary_rows(res), note)],
+                    results=figures(res), extra=res, unreaped_cpu=unreaped_cpu)
 
 
 def environment() -> dict:
@@ -620,6 +692,7 @@ def main(argv=None) -> int:
 
 
 def run(args, spawner: Spawner) -> int:
+    bench_run = benchlib.BenchRun("bench", TITLE, METHOD, packages=("numpy", "torch", "transformers", "h5py"))
     import torch
 
     from recipes.torch_llama import build
@@ -658,8 +731,7 @@ def run(args, spawner: Spawner) -> int:
         log(f"total bench time {res['seconds']:.0f} s (of which {WAITER.waited:.0f} s waiting for other processes to "
             f"leave the CPUs idle, budget {WAITER.budget:.0f} s); load average at end {' '.join(f.read().split()[:3])}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        write_json(bench_run, args.json, res, quick=args.quick, unreaped_cpu=spawner.cpu)
         log(f"results saved to {args.json}")
     return 0
 

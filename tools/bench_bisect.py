@@ -3,7 +3,7 @@
 
     python tools/bench_bisect.py            # layers=8, hidden=256, vocab=32000, batch 2 x 128 (~2 min)
     python tools/bench_bisect.py --quick    # layers=8, hidden=128, vocab=4096, batch 2 x 64
-    python tools/bench_bisect.py --json out.json
+    python tools/bench_bisect.py --json out.json   # also save the figures (read by tools/bench_pages.py)
 
 Reference: torch_llama clean; candidate: the same with the RMSNorm eps defect in layer 5. Everything runs in this
 process with the public Python API (bisect.replay / bisect.search, layerdiff.trace), on CPU.
@@ -14,7 +14,6 @@ full of everything, full of one block). It prints numbers; it never asserts.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,17 @@ from layerdiff.match.rename import RenameRules  # noqa: E402
 from layerdiff.compare.tolerance import TolerancePolicy  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib (stdlib only at import time)
+import benchlib  # noqa: E402
+
+TITLE = "Bisect: replay, binary search and two-pass tracing"
+METHOD = """The torch_llama recipe with 8 layers (hidden 256, vocab 32000, batch 2 x 128; --quick: hidden 128, vocab
+4096, batch 2 x 64) as the reference, and the same model with the RMSNorm eps defect in layer 5 as the candidate,
+all in one process through the public Python API (bisect.replay, bisect.search, layerdiff.trace) on the CPU; the
+times include building the model for every run. Measured: the untraced step (median of 3); a full-mode traced step
+(build, trace, close); replay (free run, forced run, align, own-error pass) and its forced run alone; the binary
+search (baseline + log2(N) splice runs) and the bytes of traces it writes; replay inside a one-block window trace
+(--layers 5:6); trace sizes in stats mode, full mode and full mode of one block."""
 FULL = dict(layers=8, hidden=256, heads=8, kv_heads=8, vocab=32000, intermediate=688, batch=2, seq=128)
 QUICK = dict(layers=8, hidden=128, heads=4, kv_heads=4, vocab=4096, intermediate=344, batch=2, seq=64)
 DEFECT = dict(defect="eps", defect_layer=5)
@@ -57,6 +67,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
+    run = benchlib.BenchRun("bench_bisect", TITLE, METHOD, packages=("numpy", "torch", "h5py", "transformers"))
     config = QUICK if args.quick else FULL
     out = {"config": config}
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +130,18 @@ def main():
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        parent, table_rows = "", []
+        for name, value in rows:  # the indented rows belong to the one above them
+            if not name.startswith("  "):
+                parent = name.split(",")[0]
+            table_rows.append([f"{parent}: {name.strip()}" if name.startswith("  ") else name, value])
+        run.write(args.json, quick=args.quick,
+                  headline=f"replay {out['replay_total_s']:.1f} s, binary search {out['search_total_s']:.1f} s "
+                           f"(untraced step {out['untraced_step_s']:.2f} s)",
+                  tables=[benchlib.table("Bisect on the 8-layer Llama", ["measure", "result"], table_rows,
+                                         f"Model: Llama layers={c['layers']} hidden={c['hidden']} vocab={c['vocab']} "
+                                         f"batch={c['batch']}x{c['seq']}, defect: RMSNorm eps in layer 5.")],
+                  results=out, extra=out)  # the keys this JSON had before stay at the top level
 
 
 if __name__ == "__main__":

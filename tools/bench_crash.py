@@ -11,9 +11,13 @@
    step time: the overhead of crash safety. Median of R rounds, alternating order.
 2. Kills. K traced loops (the small recipe model) are SIGKILLed at spread-out moments; each publishes how many
    records it had written; the file must hold at least that many. Records lost per kill are printed.
+
+    python tools/bench_crash.py --quick    # 3 rounds, 3 kills (checks the tool)
+    python tools/bench_crash.py --json docs/benchmarks/data/bench_crash.json  # also save the figures
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -24,10 +28,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib (stdlib only at import time)
+import benchlib  # noqa: E402
 
 ROUNDS = 7
 KILLS = 8
+TITLE = "Crash safety: its cost and what it keeps"
+METHOD = """Write cost: the records and tensors of one full-mode traced step of the benchmark Llama (4 layers, hidden
+256, vocab 32000, batch 2 x 128) are replayed into layerdiff's TraceWriter, which puts every tensor and index line
+straight into chunks reserved in the file (a kill loses at most the record being written), and into a buffered h5py
+writer that flushes once at the end (no crash safety: a kill loses everything since the last flush); median of R
+rounds in alternating order, os.sync() before each, the difference set against the untraced step. Kills: K traced
+loops of the small recipe model are SIGKILLed at spread-out moments; each publishes how many records it has written,
+and the file must hold at least that many: records lost per kill are counted."""
 
 LOOP = '''
 import mmap, struct, sys, threading, time
@@ -69,8 +85,10 @@ def _step_tensors(tmp: Path):
     with layerdiff.trace(built["model"], tmp / "one.h5"):
         built["step"]()
     with open_trace(tmp / "one.h5") as reader:
-        records = [(rec, [np.array(reader.tensor(t)) if "offset" in t else None for t in rec["tensors"]])
-                   for rec in reader.records]
+        records = []
+        for rec in reader.records:  # each record's dict (its JSON line), written again with its tensors
+            records.append((msgspec.to_builtins(rec), [
+                np.array(reader.tensor(t)) if t.offset is not None else None for t in rec.tensors]))
     return records, statistics.median(times)
 
 
@@ -117,11 +135,11 @@ def _buffered(path: Path, records, limit=8 << 20):
         f.flush()
 
 
-def write_cost(tmp: Path) -> dict:
+def write_cost(tmp: Path, rounds: int = ROUNDS) -> dict:
     records, untraced = _step_tensors(tmp)
     nbytes = sum(a.nbytes for _, arrays in records for a in arrays if a is not None)
     durable, buffered = [], []
-    for i in range(ROUNDS):
+    for i in range(rounds):
         for name, fn, out in (("durable", _durable, durable), ("buffered", _buffered, buffered))[::1 if i % 2 else -1]:
             os.sync()
             t0 = time.perf_counter()
@@ -133,12 +151,12 @@ def write_cost(tmp: Path) -> dict:
             "buffered_mb_s": nbytes / b / 1e6, "overhead_of_step": (d - b) / untraced}
 
 
-def kills(tmp: Path) -> list:
+def kills(tmp: Path, count: int = KILLS) -> list:
     from layerdiff.tracefile.reader import open_trace
 
     (tmp / "loop.py").write_text(LOOP)
     lost = []
-    for i in range(KILLS):
+    for i in range(count):
         trace, counter = tmp / f"k{i}.h5", tmp / f"k{i}.count"
         counter.write_bytes(b"\0" * 8)
         proc = subprocess.Popen([sys.executable, str(tmp / "loop.py"), str(trace), str(counter)],
@@ -154,10 +172,19 @@ def kills(tmp: Path) -> list:
     return lost
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, help=f"rounds of the write cost (default {ROUNDS}; --quick 3)")
+    p.add_argument("--kills", type=int, help=f"traced loops to kill (default {KILLS}; --quick 3)")
+    p.add_argument("--quick", action="store_true", help="3 rounds, 3 kills: checks the tool")
+    p.add_argument("--json", metavar="PATH", help="also save the figures as JSON (read by tools/bench_pages.py)")
+    args = p.parse_args(argv)
+    run = benchlib.BenchRun("bench_crash", TITLE, METHOD, packages=("numpy", "torch", "h5py"))
+    rounds = args.rounds or (3 if args.quick else ROUNDS)
+    count = args.kills or (3 if args.quick else KILLS)
     with tempfile.TemporaryDirectory(prefix="layerdiff-crash-") as d:
         tmp = Path(d)
-        cost = write_cost(tmp)
+        cost = write_cost(tmp, rounds)
         print(f"one full traced step: {cost['records']} records, {cost['tensor_mb']:.0f} MB of tensors; "
               f"untraced step {cost['untraced_step_ms']:.1f} ms")
         print(f"  crash-safe writer (straight into reserved chunks): {cost['durable_ms']:.1f} ms "
@@ -165,9 +192,29 @@ def main() -> int:
         print(f"  buffered writer, one flush at the end (no crash safety): {cost['buffered_ms']:.1f} ms "
               f"({cost['buffered_mb_s']:.0f} MB/s)")
         print(f"  crash safety costs {100 * cost['overhead_of_step']:+.1f}% of the untraced step")
-        lost = kills(tmp)
-        print(f"{KILLS} SIGKILLs at spread-out moments: records lost per kill "
+        lost = kills(tmp, count)
+        print(f"{count} SIGKILLs at spread-out moments: records lost per kill "
               f"{[entry['lost'] for entry in lost]} (records in the file: {[e['in_file'] for e in lost]})")
+    if args.json:
+        total_lost = sum(entry["lost"] for entry in lost)
+        rows = [["untraced step", f"{cost['untraced_step_ms']:.1f} ms"],
+                ["crash-safe writer (straight into reserved chunks)",
+                 f"{cost['durable_ms']:.1f} ms ({cost['durable_mb_s']:.0f} MB/s)"],
+                ["buffered writer, one flush at the end (no crash safety)",
+                 f"{cost['buffered_ms']:.1f} ms ({cost['buffered_mb_s']:.0f} MB/s)"],
+                ["crash safety's cost, of the untraced step", f"{100 * cost['overhead_of_step']:+.1f}%"]]
+        kill_rows = [[str(i + 1), str(e["written_before_kill"]), str(e["in_file"]), str(e["lost"])]
+                     for i, e in enumerate(lost)]
+        run.write(args.json, quick=args.quick or rounds < ROUNDS or count < KILLS,
+                  headline=f"crash safety {100 * cost['overhead_of_step']:+.1f}% of the untraced step; "
+                           f"{total_lost} records lost in {count} kills",
+                  tables=[benchlib.table("Write cost of one full traced step", ["measure", "value"], rows,
+                                         f"{cost['records']} records, {cost['tensor_mb']:.0f} MB of tensors; "
+                                         f"median of {rounds} rounds."),
+                          benchlib.table("SIGKILLs at spread-out moments",
+                                         ["kill", "records written before the kill", "records in the file",
+                                          "records lost"], kill_rows)],
+                  results={"rounds": rounds, "write_cost": cost, "kills": lost, "records_lost": total_lost})
     return 0
 
 

@@ -5,6 +5,7 @@
     python tools/bench_frameworks.py --frameworks paddle,mindspore    # a subset
     python tools/bench_frameworks.py --profile                        # + cProfile of traced stats steps
     python tools/bench_frameworks.py --json out.json                  # also save every number as JSON
+    python tools/bench_frameworks.py --quick                          # 1 round each, 2 s quiet budget (checks it)
     python tools/bench.py --frameworks torch,paddle,mindspore         # the same, from the main bench
 
 Model: the same Llama in each framework (``recipes/{torch,paddle,mindspore}_llama.py``, ``build(...)`` ->
@@ -52,7 +53,17 @@ PLAN = {"torch": dict(warmup=3, k=3, rounds=4, min_rounds=3, budget=40.0),
         "paddle": dict(warmup=2, k=2, rounds=4, min_rounds=3, budget=45.0),
         "mindspore": dict(warmup=2, k=2, rounds=3, min_rounds=2, budget=75.0)}
 RESULT = "@@RESULT "
+QUIET_BUDGET = 15.0  # --quick: 2 s
 log = benchlib.log
+TITLE = "Tracing cost per framework"
+METHOD = """The same Llama in PyTorch, PaddlePaddle and MindSpore (recipes/{torch,paddle,mindspore}_llama.py: 4 layers,
+hidden 256, 8 heads, vocab 32000, intermediate 688, batch 2 x 128 tokens), one step = forward with labels +
+backward on the CPU (MindSpore through ms.value_and_grad in PyNative mode). Every framework runs in its own fresh
+interpreter, one after the other. Inside it: warm-up steps, then interleaved rounds of [untraced, stats, full] blocks
+(order rotated each round); a traced block opens a fresh trace, runs one untimed traced step (the first step also
+records parameter values), then times K steps; os.sync() and a wait for idle CPUs precede every block. Medians over
+all timed steps are the headline, with the median over quiet blocks (other processes < 0.3 cores) and the best step
+beside them; ratios are traced / untraced. "MB per full step" = tensor bytes stored per steady-state step."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,6 +197,28 @@ def run_child(fw: str, args) -> dict:
     return result
 
 
+def _cell(a, ratio=None):
+    q = f"{a['quiet_median'] * 1e3:.0f}" if a["quiet_median"] else "n/a"
+    s = f"{a['median'] * 1e3:.0f} ({q}/{a['min'] * 1e3:.0f})"
+    return s if ratio is None else f"{s} {ratio:.2f}x"
+
+
+def _ratios(a):
+    q = f"{a['ratio_quiet']:.2f}" if a["ratio_quiet"] else "n/a"
+    return f"{a['ratio_median']:.2f}/{q}/{a['ratio_min']:.2f}"
+
+
+def _cpu(s):
+    cu = s["untraced"]["cpu_median"]
+    return (f"{cu * 1e3:.0f}/{s['stats']['cpu_median'] * 1e3:.0f}/{s['full']['cpu_median'] * 1e3:.0f} "
+            f"({s['stats']['cpu_median'] / cu:.2f}x/{s['full']['cpu_median'] / cu:.2f}x)")
+
+
+def _per_record(s):
+    """The fixed cost a traced record adds, whatever the model's size (median step difference / records per step)."""
+    return (s["stats"]["median"] - s["untraced"]["median"]) / max(s["stats"]["records_per_step"], 1)
+
+
 def summary(results: list[dict]):
     log("\n" + "=" * 112)
     log("SUMMARY: step time, median over all timed steps (quiet median / best in brackets); ratio = traced / untraced "
@@ -195,18 +228,13 @@ def summary(results: list[dict]):
     log(hdr)
     log("-" * len(hdr))
 
-    def cell(a, ratio=None):
-        q = f"{a['quiet_median'] * 1e3:.0f}" if a["quiet_median"] else "n/a"
-        s = f"{a['median'] * 1e3:.0f} ({q}/{a['min'] * 1e3:.0f})"
-        return s if ratio is None else f"{s} {ratio:.2f}x"
-
     for r in results:
         if "error" in r:
             log(f"{r['framework']:10} FAILED: {r['error'].splitlines()[-1] if r['error'] else ''}")
             continue
         s = r["steps"]
-        log(f"{r['framework']:10} {cell(s['untraced']):>24} {cell(s['stats'], s['stats']['ratio_median']):>32} "
-            f"{cell(s['full'], s['full']['ratio_median']):>32} {s['full']['bytes_per_step'] / benchlib.MB:12.1f}")
+        log(f"{r['framework']:10} {_cell(s['untraced']):>24} {_cell(s['stats'], s['stats']['ratio_median']):>32} "
+            f"{_cell(s['full'], s['full']['ratio_median']):>32} {s['full']['bytes_per_step'] / benchlib.MB:12.1f}")
     log("-" * len(hdr))
     log(f"{'framework':10} {'stats x (med/quiet/best)':>26} {'full x (med/quiet/best)':>26} {'cpu ms u/s/f (stats x/full x)':>32} "
         f"{'rec/step s/f':>13} {'rounds':>6} {'others max':>10}")
@@ -214,28 +242,52 @@ def summary(results: list[dict]):
         if "error" in r:
             continue
         s = r["steps"]
-
-        def rat(a):
-            q = f"{a['ratio_quiet']:.2f}" if a["ratio_quiet"] else "n/a"
-            return f"{a['ratio_median']:.2f}/{q}/{a['ratio_min']:.2f}"
-
-        cu = s["untraced"]["cpu_median"]
-        cpu = (f"{cu * 1e3:.0f}/{s['stats']['cpu_median'] * 1e3:.0f}/{s['full']['cpu_median'] * 1e3:.0f} "
-               f"({s['stats']['cpu_median'] / cu:.2f}x/{s['full']['cpu_median'] / cu:.2f}x)")
         recs = f"{s['stats']['records_per_step']:.0f}/{s['full']['records_per_step']:.0f}"
         others = max(o for n in s for o in s[n]["others"])
-        log(f"{r['framework']:10} {rat(s['stats']):>26} {rat(s['full']):>26} {cpu:>32} {recs:>13} "
+        log(f"{r['framework']:10} {_ratios(s['stats']):>26} {_ratios(s['full']):>26} {_cpu(s):>32} {recs:>13} "
             f"{r['rounds']:>6} {others:10.2f}")
     log("-" * 112)
     for r in results:  # the fixed cost a traced module call adds, whatever the model's size
         if "error" in r:
             continue
-        s = r["steps"]
-        per_record = (s["stats"]["median"] - s["untraced"]["median"]) / max(s["stats"]["records_per_step"], 1)
         log(f"{r['framework']:10} stats-mode cost per record (median step difference / records per step): "
-            f"{per_record * 1e3:.3f} ms")
+            f"{_per_record(r['steps']) * 1e3:.3f} ms")
     log("=" * 112)
     log("cpu ms = process CPU time per step (all threads), median; less sensitive than wall time to other processes")
+
+
+def write_json(run: benchlib.BenchRun, path: str, results: list[dict], quick: bool):
+    """The summary above as tables for docs/benchmarks/ (benchlib.BenchRun); ``results`` as it was saved before."""
+    steps, extra, failed = [], [], []
+    for r in results:
+        if "error" in r:
+            failed.append([r["framework"], r["error"].splitlines()[-1] if r["error"] else ""])
+            continue
+        s, version = r["steps"], r.get("env", {}).get("version", "")
+        name = f"{r['framework']} {version}".strip()
+        steps.append([name, _cell(s["untraced"]), _cell(s["stats"], s["stats"]["ratio_median"]),
+                      _cell(s["full"], s["full"]["ratio_median"]), f"{s['full']['bytes_per_step'] / benchlib.MB:.1f}"])
+        extra.append([name, _ratios(s["stats"]), _ratios(s["full"]), _cpu(s),
+                      f"{s['stats']['records_per_step']:.0f}/{s['full']['records_per_step']:.0f}", str(r["rounds"]),
+                      f"{max(o for n in s for o in s[n]['others']):.2f}", f"{_per_record(s) * 1e3:.3f} ms"])
+    tables = [benchlib.table("Step time", ["framework", "untraced ms", "`stats` ms (ratio)", "`full` ms (ratio)",
+                                           "MB per full step"], steps,
+                             "Median over all timed steps (quiet median / best in brackets); ratio = traced / "
+                             "untraced median; target: `stats` <= 1.3x."),
+              benchlib.table("Ratios, CPU time and records", ["framework", "`stats` x (median/quiet/best)",
+                                                              "`full` x (median/quiet/best)",
+                                                              "CPU ms untraced/stats/full (stats x/full x)",
+                                                              "records per step stats/full", "rounds",
+                                                              "others max (cores)", "`stats` cost per record"], extra,
+                             "CPU ms = process CPU time per step (all threads), median; less sensitive than wall "
+                             "time to other processes. Cost per record = median step difference / records per step.")]
+    if failed:
+        tables.append(benchlib.table("Frameworks that failed", ["framework", "error"], failed))
+    ok = [r for r in results if "error" not in r]
+    headline = ("`stats` / untraced (median step): "
+                + ", ".join(f"{r['framework']} {r['steps']['stats']['ratio_median']:.2f}x" for r in ok)
+                if ok else "every framework failed")
+    run.write(path, quick=quick, headline=headline, tables=tables, results=results)
 
 
 def main(argv=None) -> int:
@@ -246,12 +298,20 @@ def main(argv=None) -> int:
                    help="also print a cProfile (top 12 by tottime) of one traced stats step and one untraced step")
     p.add_argument("--json", metavar="FILE", help="also save the results as JSON")
     p.add_argument("--rounds", type=int, help="override the number of rounds per framework")
-    p.add_argument("--quiet-budget", type=float, default=15.0,
-                   help="seconds per framework to wait, in total, for other processes to leave the CPUs idle")
+    p.add_argument("--quiet-budget", type=float,
+                   help="seconds per framework to wait, in total, for other processes to leave the CPUs idle "
+                        f"(default {QUIET_BUDGET:.0f}; --quick 2)")
+    p.add_argument("--quick", action="store_true", help="1 round per framework, 2 s quiet budget: checks the tool")
     p.add_argument("--_child", metavar="FW", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.quick:
+        args.rounds = args.rounds or 1
+    if args.quiet_budget is None:
+        args.quiet_budget = 2.0 if args.quick else QUIET_BUDGET
     if args._child:
         return child(args._child, args.profile, args.quiet_budget, args.rounds)
+    run = benchlib.BenchRun("bench_frameworks", TITLE, METHOD,
+                            packages=("numpy", "torch", "paddle", "mindspore", "h5py"))
 
     fws = [f.strip() for f in args.frameworks.split(",") if f.strip()]
     bad = [f for f in fws if f not in FRAMEWORKS]
@@ -279,8 +339,8 @@ def main(argv=None) -> int:
     with open("/proc/loadavg") as f:
         log(f"total {time.perf_counter() - t0:.0f} s; load average at end {' '.join(f.read().split()[:3])}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        quick = bool(args.rounds and any(args.rounds < plan["min_rounds"] for plan in PLAN.values()))
+        write_json(run, args.json, results, quick)
         log(f"results saved to {args.json}")
     return 0 if all("error" not in r for r in results) else 1
 

@@ -6,6 +6,8 @@ fp32), batch 1 x 32 tokens, one forward + backward on the CPU. Prints numbers; a
     python tools/bench_scale.py --layers 4    # a smaller variant of the same shape (quick look)
     python tools/bench_scale.py --device cuda # the same on a GPU (statistics are then reduced on the device)
     python tools/bench_scale.py --dtype bfloat16  # the model in bf16 (what most ports are checked in)
+    python tools/bench_scale.py --quick       # 2 layers, 1 timed step per mode (checks the tool)
+    python tools/bench_scale.py --json docs/benchmarks/data/bench_scale.json  # also save the figures
 
 For each mode: warm-up steps, the median of timed untraced steps, then (a traced mode) the median of timed steps
 inside one trace, after its first step, which also records every parameter's value; peak RSS (VmHWM) and the
@@ -27,7 +29,23 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib (stdlib only at import time)
+import benchlib  # noqa: E402
+
 RESULT = "@@RESULT "
+LAYERS, STEPS = 24, 3  # the full mode; --quick: 2 layers, 1 step
+TITLE = "Tracing cost at the size people debug"
+METHOD = """A Qwen2-0.5B-shaped transformers model (24 layers, hidden 896, 14 heads, 2 KV heads, vocab 151936, tied
+embeddings: 494M parameters, random init, fp32 unless --dtype), batch 1 x 32 tokens, one forward + backward on the
+CPU (--device cuda: a GPU). Each mode (untraced, `stats`, `full`) runs in a fresh interpreter: warm-up steps, the
+median of timed untraced steps, then for a traced mode the median of timed steps inside one trace after its first
+step (which also records every parameter's value); peak RSS (VmHWM) and the bytes written. Ratios are against the
+same process's untraced steps, because the machine's speed drifts between processes. The "serial limit" of a full
+step is that untraced step plus writing one step's bytes at the speed plain numpy writes reach on the same
+filesystem over the same volume (measured in the same run): what tracing would cost if recording were free and
+writing did not overlap compute. Align: two one-step full traces that differ in the RMSNorm epsilon, aligned by the
+CLI in a fresh process, first with the traces dropped from the page cache (POSIX_FADV_DONTNEED), then warm, then
+warm with --workers 1."""
 
 CHILD = r'''
 import json, os, statistics, sys, time
@@ -180,9 +198,10 @@ def cuda_available() -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen2-0.5B)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per mode")
-    p.add_argument("--json", help="also save the numbers as JSON")
+    p.add_argument("--layers", type=int, help=f"decoder layers (default {LAYERS}: Qwen2-0.5B; --quick 2)")
+    p.add_argument("--steps", type=int, help=f"timed steps per mode (default {STEPS}; --quick 1)")
+    p.add_argument("--quick", action="store_true", help="2 layers, 1 timed step per mode: checks the tool")
+    p.add_argument("--json", help="also save the numbers as JSON (read by tools/bench_pages.py)")
     p.add_argument("--no-align", action="store_true", help="skip the align measurement (two more traces)")
     p.add_argument("--mmap-threshold", type=int, default=0,
                    help="run every child with MALLOC_MMAP_THRESHOLD_=N (e.g. 131072): glibc's fixed threshold, so "
@@ -196,6 +215,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="the model's parameters and activations")
     args = p.parse_args()
+    run = benchlib.BenchRun("bench_scale", TITLE, METHOD, packages=("numpy", "torch", "transformers", "h5py"))
+    args.layers = args.layers or (2 if args.quick else LAYERS)
+    args.steps = args.steps or (1 if args.quick else STEPS)
     if args.device == "cuda" and not cuda_available():
         print("bench_scale: --device cuda: torch sees no CUDA device on this machine", file=sys.stderr)
         return 2
@@ -246,10 +268,65 @@ def main() -> int:
                   f"{r['seconds']:.2f} s = {side / r['seconds'] / 1e9:.2f} GB/s per side, peak RSS "
                   f"{r['peak_rss'] / 1e6:.0f} MB{workers} (exit {r['exit']})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": res, "write_speed_clean": clean, "write_speed_sustained": sustained,
-                                               "serial_limit_s": limit, "align": aligned},
-                                              indent=1))
+        write_json(run, args, res, clean, sustained, limit, aligned)
     return 0
+
+
+def write_json(run: benchlib.BenchRun, args, res: dict, clean: float, sustained: float, limit: float,
+               aligned: dict | None):
+    """The figures printed above, as tables for docs/benchmarks/ (benchlib.BenchRun)."""
+    base, untraced = res["untraced"]["step_s"], res["untraced"]
+    rows = [["untraced", f"{base:.2f} s", "-", "-", "-", "-", f"{untraced['peak_rss'] / 1e9:.2f} GB", "-"]]
+    for mode in ("stats", "full"):
+        r = res[mode]
+        rows.append([f"`{mode}` trace", f"{r['step_s']:.2f} s",
+                     f"{r['step_s'] / r['base_s']:.2f}x (of {r['base_s']:.2f} s)", f"{r['step_s'] / base:.2f}x",
+                     f"{r['bytes_per_step'] / 1e9:.2f} GB", f"{r['file_bytes'] / 1e9:.2f} GB",
+                     f"{r['peak_rss'] / 1e9:.2f} GB", f"+{(r['peak_rss'] - untraced['peak_rss']) / 1e9:.2f} GB"])
+    setup = (f"Qwen2-0.5B shape, {args.layers} layers, {untraced['params'] / 1e6:.0f}M parameters, {args.dtype}, "
+             f"batch 1 x 32, forward + backward, {args.device.upper()}; median of {args.steps} steps per mode"
+             + (f"; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "")
+             + "".join(f"; {item}" for item in args.env) + ".")
+    tables = [benchlib.table("Step time per mode", ["mode", "step", "x its process's untraced step",
+                                                    "x the untraced process's", "tensors per step", "file",
+                                                    "peak RSS", "peak RSS over untraced"], rows, setup),
+              benchlib.table("Writes and the serial limit of a full step", ["measure", "value"], [
+                  ["plain writes of one step's bytes into a clean page cache", f"{clean / 1e9:.2f} GB/s"],
+                  ["plain writes, sustained over the trace's volume", f"{sustained / 1e9:.2f} GB/s"],
+                  ["serial limit (its process's untraced step + its bytes at the sustained speed)",
+                   f"{limit:.2f} s = {limit / res['full']['base_s']:.2f}x"],
+                  ["`full` trace / serial limit", f"{res['full']['step_s'] / limit:.2f}x"]])]
+    headline = (f"`stats` {res['stats']['step_s'] / res['stats']['base_s']:.2f}x, `full` "
+                f"{res['full']['step_s'] / res['full']['base_s']:.2f}x its process's untraced step "
+                f"({res['full']['step_s'] / limit:.2f}x the serial limit)")
+    if aligned:
+        side = aligned["bytes_per_side"]
+        align_rows, failed = [], False
+        for cache, r in aligned.items():
+            if cache == "bytes_per_side":
+                continue
+            ok = r["exit"] in (0, 1)  # aligned or divergent; anything else is no comparison at all
+            failed |= not ok
+            align_rows.append([cache, f"{r['seconds']:.2f} s" if ok else f"failed ({r['seconds']:.2f} s)",
+                               f"{side / r['seconds'] / 1e9:.2f} GB/s" if ok else "-",
+                               f"{r['peak_rss'] / 1e6:.0f} MB", "-" if "workers 1" in cache else
+                               f"{r['worker_peak_rss'] / 1e6:.0f} MB", str(r["exit"])])
+        tables.append(benchlib.table(f"Align of two one-step full traces ({side / 1e9:.2f} GB each)",
+                                     ["page cache", "time", "per side", "peak RSS", "each worker", "exit"],
+                                     align_rows, "Exit 0: aligned, 1: divergent (expected here: the traces differ "
+                                                 "in the RMSNorm epsilon); any other exit is a failed align, whose "
+                                                 "time says nothing." if failed else None))
+        warm = aligned.get("warm")
+        if warm and warm["exit"] in (0, 1):
+            headline += f"; align warm {side / warm['seconds'] / 1e9:.2f} GB/s per side"
+        elif failed:
+            headline += "; align failed"
+    run.write(args.json, quick=args.quick or args.layers < LAYERS or args.steps < STEPS, headline=headline,
+              tables=tables, results=res,
+              extra={"write_speed_clean": clean, "write_speed_sustained": sustained, "serial_limit_s": limit,
+                      "align": aligned,
+                      "config": {"layers": args.layers, "steps": args.steps, "device": args.device,
+                                 "dtype": args.dtype, "mmap_threshold": args.mmap_threshold, "env": args.env}})
 
 
 if __name__ == "__main__":

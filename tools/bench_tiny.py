@@ -21,6 +21,9 @@ model's own work is small and steady; besides untraced, layerdiff `stats` and th
 hand-written tracer that does only the essential work (statistics of each input, output, gradient and parameter
 gradient by numpy, one orjson line per record with one ``pwrite``, layerdiff's own gradient tap) and none of the
 rest (deduplication, keys, pairing of gradients, in-place checks, hyper-parameters): what the features cost.
+
+    python tools/bench_tiny.py --quick    # 5 steps per block, 1 round (checks the tool, not a figure to quote)
+    python tools/bench_tiny.py --json docs/benchmarks/data/bench_tiny.json  # also save the figures (benchlib.BenchRun)
 """
 from __future__ import annotations
 
@@ -30,6 +33,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib (stdlib only at import time)
+import benchlib  # noqa: E402
+
+TITLE = "Tracing cost on tiny models"
+METHOD = """Transformers GPT-2, BERT, T5 and ViT built from tiny configs (2 layers, hidden size 64, batch 2, fp32,
+random init), one step = zero_grad + forward with labels + backward on the CPU. Untraced blocks of steps, "floor" blocks
+(hooks that record nothing: a forward pre- and post-hook on every module passing the first input and the output
+through an identity autograd function, the least any tracer of every module's forward and backward adds) and
+`stats`-traced blocks (one trace each, its first step not timed) alternate in one process. Per model: the median
+step untraced and traced, their ratio, module calls and records per step, and the fixed cost per traced module call
+= (traced - untraced) / module calls per step. With --chain, also a Sequential of 100 x (Linear 16x16, Tanh) (301
+calls per step) against a minimal hand-written tracer doing only the essential work (statistics, one orjson line
+per record, layerdiff's gradient tap)."""
+STEPS, ROUNDS = 20, 3  # the full mode; --quick: 5 steps, 1 round
 
 
 def models():
@@ -185,8 +203,8 @@ def measure(model, step, steps: int, rounds: int, directory: Path, minimal: bool
             step()
             traced += block()
     with open_trace(path) as trace:  # every round records the same: the last trace's timed steps are counted
-        timed = [rec for rec in trace.records if rec.get("step", 0) > 0]
-    calls = sum(rec["kind"] == "call" and rec.get("phase") == "forward" for rec in timed) / steps
+        timed = [rec for rec in trace.records if rec.step > 0]
+    calls = sum(rec.kind == "call" and rec.phase == "forward" for rec in timed) / steps
     records = len(timed) / steps
     base, cost = statistics.median(untraced), statistics.median(traced)
     out = {"untraced": base, "stats": cost, "calls": calls, "records": records, "floor": statistics.median(floor),
@@ -198,19 +216,43 @@ def measure(model, step, steps: int, rounds: int, directory: Path, minimal: bool
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20, help="timed steps per block")
-    p.add_argument("--rounds", type=int, default=3, help="untraced/traced block pairs per model")
+    p.add_argument("--steps", type=int, help=f"timed steps per block (default {STEPS}; --quick 5)")
+    p.add_argument("--rounds", type=int, help=f"untraced/traced block pairs per model (default {ROUNDS}; --quick 1)")
     p.add_argument("--chain", action="store_true", help="also the 300-module chain against a minimal tracer")
+    p.add_argument("--quick", action="store_true", help="5 steps per block, 1 round: checks the tool")
+    p.add_argument("--json", metavar="PATH", help="also save the figures as JSON (read by tools/bench_pages.py)")
     args = p.parse_args(argv)
+    run = benchlib.BenchRun("bench_tiny", TITLE, METHOD, packages=("numpy", "torch", "transformers"))
+    steps = args.steps or (5 if args.quick else STEPS)
+    rounds = args.rounds or (1 if args.quick else ROUNDS)
     print(f"{'model':8} {'untraced':>10} {'stats':>10} {'ratio':>7} {'calls/step':>11} {'records/step':>13} "
           f"{'cost per call':>14} {'floor':>7} {'minimal tracer per call':>24}")
+    results, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="layerdiff-tiny-") as d:
         for name, model, step in models() + ([chain()] if args.chain else []):
-            r = measure(model, step, args.steps, args.rounds, Path(d), minimal=name == "chain")
+            r = measure(model, step, steps, rounds, Path(d), minimal=name == "chain")
+            results[name] = r
             minimal = f"{r['minimal_per_call'] * 1e6:21.0f} us" if "minimal_per_call" in r else ""
             print(f"{name:8} {r['untraced'] * 1e3:8.1f}ms {r['stats'] * 1e3:8.1f}ms {r['stats'] / r['untraced']:6.2f}x "
                   f"{r['calls']:11.0f} {r['records']:13.0f} {r['per_call'] * 1e6:11.0f} us "
                   f"{r['floor'] / r['untraced']:6.2f}x {minimal}")
+            rows.append([name, f"{r['untraced'] * 1e3:.1f} ms", f"{r['stats'] * 1e3:.1f} ms",
+                         f"{r['stats'] / r['untraced']:.2f}x", f"{r['calls']:.0f} / {r['records']:.0f}",
+                         f"{r['per_call'] * 1e6:.0f} us", f"{r['floor'] / r['untraced']:.2f}x",
+                         f"{r['minimal_per_call'] * 1e6:.0f} us" if "minimal_per_call" in r else "-"])
+    if args.json:
+        tiny = [r for name, r in results.items() if name != "chain"]
+        ratios = [r["stats"] / r["untraced"] for r in tiny]
+        per_call = [r["per_call"] * 1e6 for r in tiny]
+        headline = (f"`stats` step {min(ratios):.2f}x to {max(ratios):.2f}x the untraced one; "
+                    f"{min(per_call):.0f} to {max(per_call):.0f} us per traced module call")
+        columns = ["model", "untraced step", "`stats` step", "ratio", "module calls / records per step",
+                   "cost per module call", "floor", "minimal tracer per call"]
+        note = (f"Medians of {rounds} round(s) x {steps} timed steps per block. \"floor\" is the step with hooks that "
+                "record nothing, against the untraced step.")
+        run.write(args.json, quick=args.quick or steps < STEPS or rounds < ROUNDS, headline=headline,
+                  tables=[benchlib.table("Step time per model", columns, rows, note)],
+                  results={"steps": steps, "rounds": rounds, "models": results})
     return 0
 
 

@@ -1,10 +1,18 @@
-"""Helpers shared by tools/bench.py and tools/bench_frameworks.py: the toy model's size, timing of steps, the
-machine's load while a block runs, and the printing of profiles. Standard library only at import time."""
+"""Helpers shared by the benchmark tools: the toy model's size, timing of steps, the machine's load while a block
+runs, the printing of profiles, and the JSON document every tool writes with ``--json PATH`` (``BenchRun``), from
+which tools/bench_pages.py generates docs/benchmarks/. Standard library only at import time."""
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import json
 import os
+import platform
 import resource
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -156,4 +164,155 @@ def run_block(model, step, opts, k: int, path):
            "file_bytes": os.path.getsize(path), "tensor_bytes_per_step": bytes_per_step,
            "records_per_step": records_per_step}
     os.remove(path)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --json PATH: one document per run, read by tools/bench_pages.py
+# ---------------------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = "layerdiff-bench/1"
+# re-running a tool rewrites its JSON here: that is not a change of the code being measured
+OUTPUT_DIR = "docs/benchmarks"
+# the import name -> its distribution's name, for the versions recorded with the machine
+DISTRIBUTIONS = {"numpy": "numpy", "torch": "torch", "h5py": "h5py", "transformers": "transformers",
+                 "paddle": "paddlepaddle", "mindspore": "mindspore"}
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as run, ``python`` and the script's path relative to the repository (so is any absolute path
+    inside it among the arguments)."""
+    argv = list(sys.argv if argv is None else argv)
+
+    def relative(arg: str, force: bool = False) -> str:
+        path = Path(arg)
+        if not (force or path.is_absolute()):
+            return arg
+        try:
+            return path.resolve().relative_to(ROOT).as_posix()
+        except (ValueError, OSError):
+            return arg
+
+    return shlex.join(["python", relative(argv[0], force=True), *(relative(a) for a in argv[1:])])
+
+
+def git_commit() -> str:
+    """``git rev-parse --short HEAD``, plus "+dirty" when tracked files outside docs/benchmarks/ have changes."""
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        # --no-optional-locks: a status must not take the index lock from someone committing meanwhile
+        return subprocess.run(["git", "--no-optional-locks", "-C", str(ROOT), *args], capture_output=True,
+                              text=True, timeout=30, check=False)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "unknown"
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){OUTPUT_DIR}")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
+
+
+def package_version(name: str) -> str | None:
+    """The version of an importable package: the imported module's own, else its installed distribution's."""
+    module = sys.modules.get(name)
+    version = getattr(module, "__version__", None)
+    if version:
+        return str(version)
+    try:
+        return importlib.metadata.version(DISTRIBUTIONS.get(name, name))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages: how busy the machine was besides the benchmark."""
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(x) for x in f.read().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def machine(packages=("numpy", "torch")) -> dict:
+    """Cores, memory, CPU model, Python and the versions of ``packages`` that are installed."""
+    info = {"cores": os.cpu_count(), "memory_gb": None, "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version()}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["memory_gb"] = round(int(line.split()[1]) * 1024 / 1e9, 1)
+                    break
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    for name in packages:
+        version = package_version(name)
+        if version:
+            info[name] = version
+    return info
+
+
+class BenchRun:
+    """One run of a benchmark tool, for ``--json PATH``. Made when the tool starts (the command, the commit and the
+    date are those of the start); ``write`` adds the machine and the figures and writes one JSON document:
+
+    schema, tool, title, command, commit, date, duration_s, quick, other_cores (CPU cores that other processes kept
+    busy, on average over the run: the machine's busy time minus this process's and its children's),
+    load_average ({"start", "end"}), machine, method, headline, tables, results,
+    then ``extra``: the tool's own top-level keys (those its JSON had before these stay, for whoever reads them).
+
+    ``tables`` is how tools/bench_pages.py shows the figures (each {"title", "columns", "rows", "note"?}, the cells
+    formatted as the tool prints them); ``results`` holds the same figures as numbers."""
+
+    def __init__(self, tool: str, title: str, method: str, packages=("numpy", "torch")):
+        self.tool, self.title, self.method, self.packages = tool, title, " ".join(method.split()), tuple(packages)
+        self.command = command_line()
+        self.commit = git_commit()
+        self.date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        self.load_start = load_average()
+        try:
+            self.others = Load()
+        except (OSError, ValueError, IndexError):  # no /proc/stat
+            self.others = None
+        self.t0 = time.perf_counter()
+
+    def document(self, *, quick: bool, headline: str, tables: list[dict], results, extra: dict | None = None,
+                 unreaped_cpu: float = 0.0) -> dict:
+        """unreaped_cpu: CPU seconds of grandchildren whose parent is still running (not yet in our children's)."""
+        try:
+            others = round(self.others.others(extra_own=unreaped_cpu), 2) if self.others else None
+        except (OSError, ValueError, IndexError):
+            others = None
+        doc = {"schema": SCHEMA, "tool": self.tool, "title": self.title, "command": self.command,
+               "commit": self.commit, "date": self.date, "duration_s": round(time.perf_counter() - self.t0, 1),
+               "quick": bool(quick), "other_cores": others,
+               "load_average": {"start": self.load_start, "end": load_average()},
+               "machine": machine(self.packages), "method": self.method, "headline": headline,
+               "tables": tables, "results": results}
+        for key, value in (extra or {}).items():
+            if key in doc:
+                raise ValueError(f"{self.tool}: the JSON key {key!r} is taken by the run's metadata")
+            doc[key] = value
+        return doc
+
+    def write(self, path, **kwargs) -> dict:
+        doc = self.document(**kwargs)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        return doc
+
+
+def table(title: str, columns, rows, note: str | None = None) -> dict:
+    """One table of a benchmark page: cells as printed (strings; numbers are shown with str())."""
+    out = {"title": title, "columns": list(columns), "rows": [list(r) for r in rows]}
+    if note:
+        out["note"] = note
     return out

@@ -1,7 +1,8 @@
 """The framework-neutral half of tracing: call stack, call indices, records and backward pairing.
 
 An adapter installs the framework's hooks and hands this session numpy views of tensors; the session decides
-what a record is and writes it. Keeping this here is what makes the three adapters small and their traces
+what a record is and writes it (as a plain dict of the shape ``tracefile.records`` declares: the hot path stays
+cheap, and the reader checks every line against the declaration). Keeping this here is what makes the three adapters small and their traces
 identical in shape."""
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from layerdiff import schema
 from layerdiff.capture.options import MODES
 from layerdiff.tracefile.writer import TraceWriter
 
@@ -50,7 +50,7 @@ class CallFrame:
 class PendingBackward:
     frame: CallFrame
     begin: int
-    grad_outputs: list[schema.TensorEntry]
+    grad_outputs: list[dict]
 
 
 class TensorAccess(Protocol):
@@ -103,7 +103,7 @@ class TraceSession:
         self.seq += 1
         return self.seq
 
-    def _entries(self, role: str, tensors, full: bool = True) -> list[schema.TensorEntry]:
+    def _entries(self, role: str, tensors, full: bool = True) -> list[dict]:
         """Entries for (key, framework tensor) pairs; tensors that cannot be stored are skipped."""
         out = []
         for key, t in tensors:
@@ -112,7 +112,7 @@ class TraceSession:
                 out.append({**entry, "role": role, "key": key})
         return out
 
-    def _tensor_entry(self, t, store: bool) -> schema.TensorEntry | None:
+    def _tensor_entry(self, t, store: bool) -> dict | None:
         identity = self.tensors.identify(t)
         if identity is not None:
             hit = self.seen.get(identity)
@@ -171,8 +171,8 @@ class TraceSession:
         elif frame in self.stack:  # a hook of an inner module did not run; drop it with this one
             del self.stack[self.stack.index(frame):]
 
-    def _call_record(self, frame: CallFrame, phase: str, begin: int, tensors: list[schema.TensorEntry],
-                     **extra) -> schema.TraceRecord:
+    def _call_record(self, frame: CallFrame, phase: str, begin: int, tensors: list[dict],
+                     **extra) -> dict:
         rec = {"kind": "call", "phase": phase, "path": frame.path, "call": frame.call, "step": frame.step,
                "type": frame.type, "begin": begin, "end": self._next_seq(),
                "parent": list(frame.parent) if frame.parent else None, "tensors": tensors}
@@ -181,7 +181,7 @@ class TraceSession:
         rec.update(extra)
         return rec
 
-    def end_call(self, frame: CallFrame, outputs, scalars: dict) -> list[schema.TensorEntry]:
+    def end_call(self, frame: CallFrame, outputs, scalars: dict) -> list[dict]:
         """Writes the call's record; returns its output entries."""
         self._pop(frame)
         entries = self._entries("output", outputs, frame.full)

@@ -296,24 +296,24 @@ class TraceParams(Checkpoint):
         super().__init__(path)
         from layerdiff.tracefile.reader import open_trace
         self._reader = open_trace(path)
-        records = [r for r in self._reader.records if r["kind"] == "param" and r["tensors"]]
+        records = [r for r in self._reader.records if r.kind == "param" and r.tensors]
         if not records:
             crashed = self._reader.crashed
             self._reader.close()
             raise LayerdiffError(f"{path}: this trace holds no parameter values" + (
                 " (its index ends early: a damaged record, or the writing process died)" if crashed else ""))
-        steps = sorted({r.get("step", r["call"]) for r in records})
+        steps = sorted({r.step for r in records})
         chosen = steps[0] if step == "first" else steps[-1]
         self._entries = {}
         for r in records:
-            if r.get("step", r["call"]) == chosen:
-                t = r["tensors"][0]
-                self._entries[r["path"]] = t
-                self._index[r["path"]] = (t["dtype"], list(t["shape"]))
+            if r.step == chosen:
+                t = r.tensors[0]
+                self._entries[r.path] = t
+                self._index[r.path] = (t.dtype, list(t.shape))
 
     def _load(self, name):
         t = self._entries[name]
-        return self._reader.tensor(t), t["dtype"]
+        return self._reader.tensor(t), t.dtype
 
     def close(self):
         self._reader.close()

@@ -27,6 +27,7 @@ from layerdiff.match.pairing import TensorPair, match_records
 from layerdiff.match.rename import RenameRules
 from layerdiff.match.rules import RuleSet, ruleset
 from layerdiff.match.sides import TraceSide, token_order
+from layerdiff.tracefile.records import CallRecord, EndRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float
 
 
@@ -35,45 +36,45 @@ from layerdiff.tracefile.tensors import as_float
 # ---------------------------------------------------------------------------------------------------------
 def trace_summary(reader) -> schema.RunSummary:
     meta = reader.meta
-    end = reader.end or {}
+    end = reader.end or EndRecord(status="interrupted")
     return {"path": str(reader.path), "framework": meta.get("framework"),
             "framework_version": meta.get("framework_version"), "model_class": meta.get("model_class"),
             "mode": meta.get("mode"), "records": len(reader.records), "complete": not reader.crashed,
-            "status": end.get("status", "interrupted"), "failure": end.get("failure"),
-            "warnings": end.get("warnings", []), "param_dtypes": meta.get("param_dtypes"),
+            "status": end.status or "interrupted", "failure": end.failure,
+            "warnings": end.warnings, "param_dtypes": meta.get("param_dtypes"),
             "target": (meta.get("user") or {}).get("target"), "target_args": (meta.get("user") or {}).get("target_args"),
             "devices": meta.get("devices")}
 
 
-def _short(rec: dict) -> dict:
-    return {"kind": rec["kind"], "phase": rec.get("phase"), "path": rec["path"], "call": rec["call"]}
+def _short(rec: Record) -> dict:
+    return {"kind": rec.kind, "phase": rec.phase, "path": rec.path, "call": rec.call}
 
 
-def _region(entry: dict):
-    return entry.get("offset"), entry.get("nbytes"), entry["dtype"]
+def _region(entry: TensorEntry):
+    return entry.offset, entry.nbytes, entry.dtype
 
 
-def _compare_declared(reader_a, reader_b, ta: dict, tb: dict, rule) -> dict:
+def _compare_declared(reader_a, reader_b, ta: TensorEntry, tb: TensorEntry, rule) -> dict:
     """B's tensor through a user-declared layout transform, then compared as A's shape."""
-    if "offset" not in ta or "offset" not in tb:
-        metrics = compare_stats(ta["stats"], tb["stats"])  # statistics survive transposes and reshapes
+    if ta.offset is None or tb.offset is None:
+        metrics = compare_stats(ta.stats, tb.stats)  # statistics survive transposes and reshapes
     else:
         try:
             b = LayoutRules.apply(rule, _values(reader_b, tb))
         except ValueError as exc:
-            return {"basis": "shape", "mismatch": f"layout {rule[2]} on B's {tb['shape']}: {exc}",
-                    "numel": math.prod(ta["shape"])}
-        if list(b.shape) != list(ta["shape"]):
-            return {"basis": "shape", "mismatch": f"shape {ta['shape']} vs {list(b.shape)} after {rule[2]}",
-                    "numel": math.prod(ta["shape"])}
+            return {"basis": "shape", "mismatch": f"layout {rule[2]} on B's {tb.shape}: {exc}",
+                    "numel": math.prod(ta.shape)}
+        if list(b.shape) != list(ta.shape):
+            return {"basis": "shape", "mismatch": f"shape {ta.shape} vs {list(b.shape)} after {rule[2]}",
+                    "numel": math.prod(ta.shape)}
         metrics = _compare_values(_values(reader_a, ta), b)
     metrics["note"] = f"B compared after layout rule {rule[2]}"
     return metrics
 
 
-def _values(reader, t: dict) -> np.ndarray:
+def _values(reader, t: TensorEntry) -> np.ndarray:
     """Decoded values: float32 (for fp32/fp16/bf16) or float64 (fp64, integers)."""
-    values = as_float(reader.tensor(t), t["dtype"])
+    values = as_float(reader.tensor(t), t.dtype)
     return values if values.dtype in (np.float32, np.float64) else values.astype(np.float64)
 
 
@@ -104,14 +105,14 @@ def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: bool, worker
     jobs = {}
     for pair in pairs:
         for tp in pair.tensors:
-            a, b, rule, relation = _prepared(tp, pair.a["path"], layouts, swap)
+            a, b, rule, relation = _prepared(tp, pair.a.path, layouts, swap)
             key = _stored_key(a, b, rule, relation)
             if key is None or key in jobs:
                 continue
-            segments_a, segments_b = (getattr(r, "data_segments", lambda e: None)(o.entry)
+            segments_a, segments_b = (r.data_segments(o.entry)
                                       for r, o in zip(readers, (a, b)))
             if segments_a and segments_b:
-                pieces = aligned_pairs(segments_a, a.entry["dtype"], segments_b, b.entry["dtype"])
+                pieces = aligned_pairs(segments_a, a.entry.dtype, segments_b, b.entry.dtype)
                 if pieces:
                     jobs[key] = pieces
     total = sum(piece.nbytes() for pieces in jobs.values() for piece in pieces)
@@ -161,13 +162,13 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
         metrics = compare_stats(sa, sb)  # min/max/mean/RMS survive reshapes, permutations and broadcasting
     notes = list(tp.notes)
     for side, operand in (("A", a), ("B", b)):
-        merge = operand.entry.get("merge") if operand.op == "value" else None
-        if merge and len(operand.entry.get("parts", ())) > 1:
-            notes.append(f"{side}: {len(operand.entry['parts'])} ranks' " + {
-                "concat": f"shards joined on axis {merge['dim']}",
-                "concat_parts": f"shards joined part by part on axis {merge['dim']}",
+        merge = operand.entry.merge if operand.op == "value" else None
+        if merge and len(operand.entry.parts) > 1:
+            notes.append(f"{side}: {len(operand.entry.parts)} ranks' " + {
+                "concat": f"shards joined on axis {merge.dim}",
+                "concat_parts": f"shards joined part by part on axis {merge.dim}",
                 "replicate": "copies (rank 0's compared; each "
-                "rank's checked)", "sum": "partial sums added", "ranks": "tensors, unresolved"}[merge["how"]])
+                "rank's checked)", "sum": "partial sums added", "ranks": "tensors, unresolved"}[merge.how])
     if a.transposed != b.transposed:
         notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
     for side, operand in (("A", a), ("B", b)):
@@ -183,7 +184,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
 
 def _resolved(operand: Operand, other_shape) -> Operand:
     """A multi-rank tensor left per rank, read against the other run's shape (``ranks.resolve``)."""
-    if operand.op != "value" or operand.entry.get("merge", {}).get("how") != "ranks":
+    if operand.op != "value" or operand.entry.merge is None or operand.entry.merge.how != "ranks":
         return operand
     return replace(operand, entries=(per_rank.resolve(operand.entry, other_shape),))
 
@@ -192,7 +193,7 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
     """For a tensor one run holds spread over ranks: each rank's shard or copy against the matching piece of the
     other run, so a report can say "rank 1's shard of ..." ({rank: metrics})."""
     for side, operand, reader, other, other_reader in (("b", b, reader_b, a, reader_a), ("a", a, reader_a, b, reader_b)):
-        if operand.op != "value" or operand.transposed or len(operand.entry.get("parts", ())) < 2 \
+        if operand.op != "value" or operand.transposed or len(operand.entry.parts) < 2 \
                 or not hasattr(reader, "part_values") or other.op != "value":
             continue
         other_values = other.values(other_reader)
@@ -205,13 +206,13 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
             return None
         out, copies = {}, []
         for rank, (mine, theirs) in enumerate(zip(reader.part_values(operand.entry), pieces)):
-            mine = as_float(mine, operand.entry["dtype"]).reshape(-1)
+            mine = as_float(mine, operand.entry.dtype).reshape(-1)
             theirs = np.ascontiguousarray(theirs).reshape(-1)
             if mine.size != theirs.size:
                 return None
             copies.append(mine)
             out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
-        sharded = operand.entry["merge"]["how"] in ("concat", "concat_parts")
+        sharded = operand.entry.merge.how in ("concat", "concat_parts")
         out["how"] = "shards" if sharded else "copies"
         if not sharded and any(not np.array_equal(copies[0], c) for c in copies[1:]):
             # copies that should be equal are not: do they add up to the other run's (a missing all-reduce)?
@@ -223,14 +224,14 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
 
 def _tensor_row(tp: TensorPair, metrics: schema.Metrics) -> schema.TensorResult:
     def nonfinite(op):
-        return sum(e["stats"].get("nan", 0) + e["stats"].get("inf", 0) for e in op.entries if e.get("stats"))
+        return sum(e.stats.get("nan", 0) + e.stats.get("inf", 0) for e in op.entries if e.stats)
 
     row = {"role": tp.role, "key": tp.key, "dtype_a": tp.a.dtype, "dtype_b": tp.b.dtype,
            "shape_a": list(tp.a.shape), "shape_b": list(tp.b.shape), "metrics": metrics,
            "nonfinite_a": nonfinite(tp.a), "nonfinite_b": nonfinite(tp.b)}
     for side, op in (("a", tp.a), ("b", tp.b)):  # a loss or a scalar: its value, shown step by step
-        if len(op.entries) == 1 and (op.entries[0].get("stats") or {}).get("numel") == 1:
-            row[f"value_{side}"] = op.entries[0]["stats"].get("mean")
+        if len(op.entries) == 1 and (op.entries[0].stats or {}).get("numel") == 1:
+            row[f"value_{side}"] = op.entries[0].stats.get("mean")
     if tp.key_b != tp.key:
         row["key_b"] = tp.key_b
         if tp.a.plain and tp.b.plain and not tp.notes:
@@ -238,15 +239,15 @@ def _tensor_row(tp: TensorPair, metrics: schema.Metrics) -> schema.TensorResult:
     return row
 
 
-def _data_bytes(rec: dict) -> int:
-    return sum(t.get("nbytes", 0) for t in rec.get("tensors", ()))
+def _data_bytes(rec: Record) -> int:
+    return sum(t.nbytes or 0 for t in rec.tensors)
 
 
 def _ancestors(records) -> dict:
     """(path, call) -> A's chain of enclosing calls, innermost first: a row whose parent has no counterpart hangs
     under its nearest ancestor that has one."""
-    parents = {(r["path"], r["call"]): tuple(r["parent"]) if r.get("parent") else None
-               for r in records if r["kind"] == "call" and r["phase"] == "forward"}
+    parents = {(r.path, r.call): tuple(r.parent) if r.parent else None
+               for r in records if r.kind == "call" and r.phase == "forward"}
     out = {}
     for key in parents:
         chain, seen, up = [], {key}, parents[key]
@@ -274,7 +275,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
     layouts = layouts or LayoutRules()
     rules = rules or ruleset()
     for reader in (reader_a, reader_b):
-        if not any(r["kind"] == "call" for r in reader.records):
+        if not any(r.kind == "call" for r in reader.records):
             raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
                                  "or damaged)")
     side_a = TraceSide(reader_a.records, reader_a.meta, rules, reader_a)
@@ -293,31 +294,32 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
         ra, rb = pair.a, pair.b[0]
         tensors, skipped = [], list(pair.skipped)
         for tp in pair.tensors:
-            metrics = _pair_metrics(tp, ra["path"], (reader_a, reader_b), memo, layouts, swap)
+            metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), memo, layouts, swap)
             if metrics is None:
                 skipped.append(f"{tp.role}:{tp.key} (statistics only: a part or transform needs the values)")
             else:
                 tensors.append(_tensor_row(tp, metrics))
-        row = {"kind": ra["kind"], "phase": ra.get("phase"), "path": ra["path"],
-               "path_b": " + ".join(r["path"] for r in pair.b),
-               "call": ra["call"], "step": ra.get("step", 0), "type_a": ra.get("type"), "type_b": rb.get("type"),
-               "begin": ra.get("begin", ra.get("seq", 0)), "end": ra.get("end", ra.get("seq", 0)),
-               "parent": ra.get("parent"), "ancestors": ancestors.get((ra["path"], ra["call"]), []),
-               "module": ra.get("module"), "hparams_a": ra.get("hparams"), "hparams_b": rb.get("hparams"),
-               "family_a": rules.family(ra.get("type") or ra.get("module_type")),
-               "family_b": rules.family(rb.get("type") or rb.get("module_type")),
-               "error_a": ra.get("error"), "error_b": next((r.get("error") for r in pair.b if r.get("error")), None),
+        row = {"kind": ra.kind, "phase": ra.phase, "path": ra.path,
+               "path_b": " + ".join(r.path for r in pair.b),
+               "call": ra.call, "step": ra.step, "type_a": ra.type, "type_b": rb.type,
+               "begin": ra.begin if isinstance(ra, CallRecord) else ra.seq,
+               "end": ra.end if isinstance(ra, CallRecord) else ra.seq,
+               "parent": list(ra.parent) if ra.parent else None, "ancestors": ancestors.get((ra.path, ra.call), []),
+               "module": ra.module, "hparams_a": ra.hparams, "hparams_b": rb.hparams,
+               "family_a": rules.family(ra.type or ra.module_type),
+               "family_b": rules.family(rb.type or rb.module_type),
+               "error_a": ra.error, "error_b": next((r.error for r in pair.b if r.error), None),
                "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
         if skipped:
             row["skipped"] = skipped
-        if ra.get("tied"):
-            row["tied"] = ra["tied"]
+        if ra.tied:
+            row["tied"] = ra.tied
         records.append(row)
         if progress is not None:
             progress.advance(_data_bytes(ra) + sum(_data_bytes(r) for r in pair.b))
     bases = {t["metrics"]["basis"] for r in records if r["kind"] != "param_grad_use" for t in r["tensors"]} - {"shape"}
     same_model = reader_a.meta.get("model_class") == reader_b.meta.get("model_class")
-    phases = {phase: {side: any(r["kind"] == "call" and r["phase"] == phase for r in reader.records)
+    phases = {phase: {side: any(r.kind == "call" and r.phase == phase for r in reader.records)
                       for side, reader in (("a", reader_a), ("b", reader_b))} for phase in ("forward", "backward")}
     return {"report_version": schema.REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
@@ -353,21 +355,21 @@ def _same_file(a, b) -> bool:
 
 def _check_related(matching, reader_a, reader_b, rules: RuleSet):
     """Refuse to compare traces of unrelated models: nothing below the root matches, or types disagree."""
-    calls = [(p.a, p.b[0]) for p in matching.pairs if p.a["kind"] == "call" and p.a["path"]]
+    calls = [(p.a, p.b[0]) for p in matching.pairs if p.a.kind == "call" and p.a.path]
     if not calls:
-        a_paths = sorted({r["path"] for r in reader_a.records if r["kind"] == "call" and r["path"]})[:2]
-        b_paths = sorted({r["path"] for r in reader_b.records if r["kind"] == "call" and r["path"]})[:2]
+        a_paths = sorted({r.path for r in reader_a.records if r.kind == "call" and r.path})[:2]
+        b_paths = sorted({r.path for r in reader_b.records if r.kind == "call" and r.path})[:2]
         raise LayerdiffError(f"the traces share no module paths (A: {', '.join(a_paths) or 'none'}; "
                              f"B: {', '.join(b_paths) or 'none'}): different models? map names with "
                              "--map 'B_PATTERN=A_NAME'")
-    same_type = sum(1 for ra, rb in calls if rules.family(ra.get("type")) == rules.family(rb.get("type")))
+    same_type = sum(1 for ra, rb in calls if rules.family(ra.type) == rules.family(rb.type))
     if same_type < 0.5 * len(calls):
         raise LayerdiffError(f"only {same_type} of {len(calls)} matched module calls have the same type: the "
                              "traces look like different models")
-    matched = {"a": {ra["path"] for ra, _ in calls}, "b": {rb["path"] for _, rb in calls}}
+    matched = {"a": {ra.path for ra, _ in calls}, "b": {rb.path for _, rb in calls}}
     shares = []
     for side, reader in (("a", reader_a), ("b", reader_b)):
-        paths = {r["path"] for r in reader.records if r["kind"] == "call" and r["path"]}
+        paths = {r.path for r in reader.records if r.kind == "call" and r.path}
         shares.append(len(matched[side] & paths) / max(len(paths), 1))
     if max(shares) < 0.5:  # a shared lm_head is not a shared model
         raise LayerdiffError(f"only {len(matched['a'])} modules of A and B could be matched ({shares[0]:.0%} of A's, "

@@ -8,16 +8,16 @@ def first_nonfinite(records, phase: str | None = None) -> dict | None:
     """The first module call (execution order; forward before backward unless ``phase`` picks one) whose
     outputs hold NaN/Inf while its inputs are finite: where the NaN was born, not where it was first seen."""
     def bad(t):
-        return t["stats"].get("nan", 0) + t["stats"].get("inf", 0)
+        return t.stats.get("nan", 0) + t.stats.get("inf", 0)
 
-    calls = sorted((r for r in records if r["kind"] == "call" and phase in (None, r["phase"])),
-                   key=lambda r: (r["phase"] != "forward", r["end"]))
+    calls = sorted((r for r in records if r.kind == "call" and phase in (None, r.phase)),
+                   key=lambda r: (r.phase != "forward", r.end))
     for rec in calls:
-        ins = [t for t in rec["tensors"] if t["role"] in IN_ROLES[rec["phase"]]]
-        outs = [t for t in rec["tensors"] if t["role"] in OUT_ROLES[rec["phase"]]]
+        ins = [t for t in rec.tensors if t.role in IN_ROLES[rec.phase]]
+        outs = [t for t in rec.tensors if t.role in OUT_ROLES[rec.phase]]
         bad_outs = [t for t in outs if bad(t)]
         if bad_outs and not any(bad(t) for t in ins):
             t = bad_outs[0]
-            return {"module": rec["path"], "call": rec["call"], "phase": rec["phase"], "tensor": t["key"],
-                    "nan": t["stats"].get("nan", 0), "inf": t["stats"].get("inf", 0)}
+            return {"module": rec.path, "call": rec.call, "phase": rec.phase, "tensor": t.key,
+                    "nan": t.stats.get("nan", 0), "inf": t.stats.get("inf", 0)}
     return None

@@ -8,19 +8,21 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+from msgspec.structs import replace
 
 from layerdiff.match.layouts import relate_shapes
 from layerdiff.match.operands import combine_stats
+from layerdiff.tracefile.records import Merge, TensorEntry
 
 
-def resolve(entry: dict, other_shape) -> dict:
+def resolve(entry: TensorEntry, other_shape) -> TensorEntry:
     """A per-rank ("ranks") entry read against another run's tensor of ``other_shape``: replicated when the
     shapes line up (up to layout), shards along the one axis that, N times longer, lines them up; else as is."""
-    if entry.get("merge", {}).get("how") != "ranks" or len(entry.get("parts", ())) < 2:
+    if entry.merge is None or entry.merge.how != "ranks" or len(entry.parts) < 2:
         return entry
-    local, n = list(entry["shape"]), len(entry["parts"])
+    local, n = list(entry.shape), len(entry.parts)
     if relate_shapes(tuple(other_shape), tuple(local)).kind in ("same", "permute"):
-        return {**entry, "merge": {"how": "replicate", "dim": None}}
+        return replace(entry, merge=Merge("replicate"))
     fits = []
     for dim in range(len(local)):
         shape = list(local)
@@ -30,22 +32,23 @@ def resolve(entry: dict, other_shape) -> dict:
     if len(fits) != 1:
         return entry
     dim, shape = fits[0]
-    return {**entry, "shape": shape, "merge": {"how": "concat", "dim": dim},
-            "stats": combine_stats([p.get("stats") for p in entry["parts"]]) or entry["stats"]}
+    return replace(entry, shape=shape, merge=Merge("concat", dim),
+                   stats=combine_stats([p.stats for p in entry.parts]) or entry.stats)
 
 
-def rank_slices(entry: dict, values_in_b_layout: np.ndarray) -> list | None:
+def rank_slices(entry: TensorEntry, values_in_b_layout: np.ndarray) -> list | None:
     """The other run's values cut the way this merged entry's ranks hold them: one piece per rank (the whole for
     replicated copies), or None when the entry is not per-rank comparable (partial sums)."""
-    merge = entry.get("merge") or {}
-    n = len(entry.get("parts", ()))
-    if merge.get("how") == "replicate" or (merge.get("how") == "ranks" and n > 1):
+    merge, n = entry.merge, len(entry.parts)
+    if merge is None:
+        return None
+    if merge.how == "replicate" or (merge.how == "ranks" and n > 1):
         return [values_in_b_layout] * n
-    if merge.get("how") == "concat":
-        sizes = [p["shape"][merge["dim"]] for p in entry["parts"]]
-        return np.split(values_in_b_layout, list(itertools.accumulate(sizes))[:-1], axis=merge["dim"])
-    if merge.get("how") == "concat_parts":
-        per_part = [np.array_split(part, n, axis=merge["dim"])
-                    for part in np.split(values_in_b_layout, merge["parts"], axis=merge["dim"])]
-        return [np.concatenate([chunks[rank] for chunks in per_part], axis=merge["dim"]) for rank in range(n)]
+    if merge.how == "concat":
+        sizes = [p.shape[merge.dim] for p in entry.parts]
+        return np.split(values_in_b_layout, list(itertools.accumulate(sizes))[:-1], axis=merge.dim)
+    if merge.how == "concat_parts":
+        per_part = [np.array_split(part, n, axis=merge.dim)
+                    for part in np.split(values_in_b_layout, merge.parts, axis=merge.dim)]
+        return [np.concatenate([chunks[rank] for chunks in per_part], axis=merge.dim) for rank in range(n)]
     return None

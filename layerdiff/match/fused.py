@@ -10,6 +10,7 @@ from layerdiff.match.layouts import canonical_param_name
 from layerdiff.match.mapping import Match
 from layerdiff.match.operands import Operand
 from layerdiff.match.sides import ROLE_ORDER, TraceSide, torch_shape
+from layerdiff.tracefile.records import Record, TensorEntry
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -34,7 +35,7 @@ class FusedLinks:
         self.a, self.b = side_a, side_b
         self.cache: dict = {}
 
-    def resolve(self, match: Match, rec: dict) -> FusedLink:
+    def resolve(self, match: Match) -> FusedLink:
         key = (match.a, match.b)
         if key not in self.cache:
             self.cache[key] = self._resolve(match)
@@ -48,12 +49,12 @@ class FusedLinks:
         out_sizes = []
         for p in parts:
             rec = parts_side.calls.get(("forward", p, 0))
-            outs = [t for t in (rec or {}).get("tensors", ()) if t["role"] == "output"]
-            out_sizes.append(outs[0]["shape"][-1] if outs and outs[0]["shape"] else None)
+            outs = [t for t in (rec.tensors if rec is not None else ()) if t.role == "output"]
+            out_sizes.append(outs[0].shape[-1] if outs and outs[0].shape else None)
         row_sizes, weights = {}, {}
         for (kind, module, leaf, count), rec in parts_side.params.items():
             if kind == "param" and count == 0 and module in parts:
-                entry = rec["tensors"][0]
+                entry = rec.tensors[0]
                 row_sizes.setdefault(leaf, {})[module] = torch_shape(rec, entry, parts_side)[0]
                 weights.setdefault(leaf, {})[module] = (rec, entry)
         row_sizes = {leaf: tuple(sizes[p] for p in parts) for leaf, sizes in row_sizes.items() if len(sizes) == len(parts)}
@@ -78,24 +79,24 @@ class FusedLinks:
         readers = (getattr(fused_side, "reader", None), getattr(parts_side, "reader", None))
         if rec is None or not part_weights or len(part_weights) != len(parts) or None in readers:
             return None
-        entries = [rec["tensors"][0]] + [part_weights[p][1] for p in parts]
-        if not all("offset" in e for e in entries):
+        entries = [rec.tensors[0]] + [part_weights[p][1] for p in parts]
+        if not all(e.offset is not None for e in entries):
             return None
-        fused_values = fused_side.operand(rec, rec["tensors"][0]).values(readers[0])
+        fused_values = fused_side.operand(rec, rec.tensors[0]).values(readers[0])
         part_values = [parts_side.operand(*part_weights[p]).values(readers[1]) for p in parts]
         if any(v.ndim != fused_values.ndim for v in part_values):
             return None
         return fusion.infer_groups(fused_values, part_values, 0, candidates)
 
 
-def fused_operand(pair_rec_kind: str, role: str, entry: dict, rec: dict, side: TraceSide, link: FusedLink,
+def fused_operand(pair_rec_kind: str, role: str, entry: TensorEntry, rec: Record, side: TraceSide, link: FusedLink,
                    index: int) -> Operand | None:
     """One part of a fused tensor: activations split along their last axis, parameters along axis 0."""
     if pair_rec_kind == "call":
-        if link.out_sizes is None or not entry["shape"] or entry["shape"][-1] != sum(link.out_sizes):
+        if link.out_sizes is None or not entry.shape or entry.shape[-1] != sum(link.out_sizes):
             return None
         return Operand((entry,), op="part", axis=-1, sizes=link.out_sizes, groups=link.groups, index=index)
-    leaf = canonical_param_name(rec["path"]).rpartition(".")[2]
+    leaf = canonical_param_name(rec.path).rpartition(".")[2]
     sizes = link.row_sizes.get(leaf)
     if sizes is None:
         return None
@@ -103,53 +104,53 @@ def fused_operand(pair_rec_kind: str, role: str, entry: dict, rec: dict, side: T
                    transposed=side.transposed(rec, entry))
 
 
-def split_roles(rec: dict) -> tuple:
-    return ("output", "grad_output") if rec["kind"] == "call" else ("param", "param_grad")
+def split_roles(rec: Record) -> tuple:
+    return ("output", "grad_output") if rec.kind == "call" else ("param", "param_grad")
 
 
-def other_roles(rec: dict) -> tuple:
+def other_roles(rec: Record) -> tuple:
     return tuple(r for r in ROLE_ORDER if r not in split_roles(rec))
 
 
-def split_pairs(part_rec: dict, fused_rec: dict, fused_side: TraceSide, link: FusedLink, index: int):
+def split_pairs(part_rec: Record, fused_rec: Record, fused_side: TraceSide, link: FusedLink, index: int):
     """[(role, part entry, the fused tensor's part as an Operand)] and the unpaired ("role:key") of each side:
     outputs and their gradients pair with the fused tensor whose last axis holds every part; parameters by
     leaf."""
     out, only_part, only_fused = [], [], []
     for role in split_roles(part_rec):
-        parts = [t for t in part_rec["tensors"] if t["role"] == role]
-        fused = [t for t in fused_rec["tensors"] if t["role"] == role]
-        if part_rec["kind"] == "call" and link.out_sizes is not None:
-            parts = [t for t in parts if t["shape"] and t["shape"][-1] == link.out_sizes[index]]
-            fused = [t for t in fused if t["shape"] and t["shape"][-1] == sum(link.out_sizes)]
+        parts = [t for t in part_rec.tensors if t.role == role]
+        fused = [t for t in fused_rec.tensors if t.role == role]
+        if part_rec.kind == "call" and link.out_sizes is not None:
+            parts = [t for t in parts if t.shape and t.shape[-1] == link.out_sizes[index]]
+            fused = [t for t in fused if t.shape and t.shape[-1] == sum(link.out_sizes)]
         for ep, ef in zip(parts, fused):
-            operand = fused_operand(part_rec["kind"], role, ef, fused_rec, fused_side, link, index)
+            operand = fused_operand(part_rec.kind, role, ef, fused_rec, fused_side, link, index)
             if operand is None:
-                only_part.append(f"{role}:{ep['key']}")
+                only_part.append(f"{role}:{ep.key}")
             else:
                 out.append((role, ep, ef, operand))
-        only_part += [f"{role}:{t['key']}" for t in parts[len(fused):]]
-        only_fused += [f"{role}:{t['key']}" for t in fused[len(parts):]]
+        only_part += [f"{role}:{t.key}" for t in parts[len(fused):]]
+        only_fused += [f"{role}:{t.key}" for t in fused[len(parts):]]
     return out, only_part, only_fused
 
 
-def merged_parts(rec: dict, role: str, key: str, parts: tuple, side: TraceSide, axis: int) -> Operand | None:
+def merged_parts(rec: Record, role: str, key: str, parts: tuple, side: TraceSide, axis: int) -> Operand | None:
     """The parts' tensors (``role``/``key`` of each part's twin record) as one merged operand."""
     entries = []
     for path in parts:
         twin = side.twin(rec, path)
-        entry = next((t for t in (twin or {}).get("tensors", ()) if t["role"] == role and t["key"] == key), None)
+        entry = next((t for t in (twin.tensors if twin is not None else ()) if t.role == role and t.key == key), None)
         if entry is None:
             return None
         entries.append(entry)
     return Operand(tuple(entries), op="merge", axis=axis)
 
 
-def sum_over_parts(rec: dict, key: str, parts: tuple, side: TraceSide) -> Operand | None:
+def sum_over_parts(rec: Record, key: str, parts: tuple, side: TraceSide) -> Operand | None:
     entries = []
     for path in parts:
-        twin = side.calls.get((rec["phase"], path, rec["call"]))
-        entry = next((t for t in (twin or {}).get("tensors", ()) if t["role"] == "grad_input" and t["key"] == key), None)
+        twin = side.calls.get((rec.phase, path, rec.call))
+        entry = next((t for t in (twin.tensors if twin is not None else ()) if t.role == "grad_input" and t.key == key), None)
         if entry is None:
             return None
         entries.append(entry)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from layerdiff.match.layouts import canonical_param_name
+from layerdiff.tracefile.records import CallRecord
 
 _INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 
@@ -101,26 +102,25 @@ def from_records(records) -> dict:
     """path -> ModuleInfo from a trace's records: the first step's forward calls, plus modules that own
     parameters but were never called (a tied or unused head)."""
     infos: dict[str, ModuleInfo] = {}
-    calls = sorted((r for r in records if r["kind"] == "call" and r["phase"] == "forward" and r.get("step", 0) == 0),
-                   key=lambda r: r["begin"])
+    calls = sorted((r for r in records if isinstance(r, CallRecord) and r.phase == "forward" and r.step == 0),
+                   key=lambda r: r.begin)
     for r in calls:
-        if r["path"] in infos:
+        if r.path in infos:
             continue
-        outs = tuple(math.prod(t["shape"]) for t in r["tensors"] if t["role"] == "output")
-        infos[r["path"]] = ModuleInfo(r["path"], r.get("type"), r["parent"][0] if r.get("parent") else None,
-                                      r["begin"], out_numels=outs, hparams=dict(r.get("hparams") or {}))
+        outs = tuple(math.prod(t.shape) for t in r.tensors if t.role == "output")
+        infos[r.path] = ModuleInfo(r.path, r.type, r.parent[0] if r.parent else None, r.begin, out_numels=outs,
+                                   hparams=dict(r.hparams or {}))
     seen = set()
     for r in records:
-        if r["kind"] != "param" or r["path"] in seen or not r["tensors"]:
+        if r.kind != "param" or r.path in seen or not r.tensors:
             continue
-        seen.add(r["path"])
-        module = r.get("module", r["path"].rpartition(".")[0])
+        seen.add(r.path)
+        module = r.module_path
         if module not in infos:
-            infos[module] = ModuleInfo(module, r.get("module_type"), _nearest_known(module, infos), math.inf,
-                                       called=False)
-        t = r["tensors"][0]
-        leaf = canonical_param_name(r["path"]).rpartition(".")[2]
-        infos[module].params.append(ParamInfo(leaf, tuple(t["shape"]), Fingerprint.of_stats(t.get("stats"))))
+            infos[module] = ModuleInfo(module, r.module_type, _nearest_known(module, infos), math.inf, called=False)
+        t = r.tensors[0]
+        leaf = canonical_param_name(r.path).rpartition(".")[2]
+        infos[module].params.append(ParamInfo(leaf, tuple(t.shape), Fingerprint.of_stats(t.stats)))
     _link_children(infos)
     return infos
 

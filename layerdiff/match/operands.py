@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerdiff.match import fusion
+from layerdiff.tracefile.records import TensorEntry
 from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float
 
 _FLOAT_KINDS = ("float", "bfloat", "complex")
@@ -28,7 +29,7 @@ def dtype_kind(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class Operand:
-    entries: tuple  # stored entries (dicts with dtype, shape, stats and, in full mode, offset/nbytes)
+    entries: tuple[TensorEntry, ...]  # stored entries (dtype, shape, stats and, in full mode, offset/nbytes)
     op: str = "value"  # value | part | merge | sum | cos | sin | masked | shift_left | topk_dense | topk_map
     axis: int = 0
     sizes: tuple = ()
@@ -38,11 +39,11 @@ class Operand:
     bool_masked: bool = False  # masked: True in a boolean mask means "masked" (Megatron), else "attend"
 
     @classmethod
-    def stored(cls, entry: dict, transposed: bool = False) -> "Operand":
+    def stored(cls, entry: TensorEntry, transposed: bool = False) -> Operand:
         return cls((entry,), transposed=transposed)
 
     @property
-    def entry(self) -> dict:
+    def entry(self) -> TensorEntry:
         return self.entries[0]
 
     @property
@@ -51,10 +52,10 @@ class Operand:
 
     @property
     def dtype(self) -> str:
-        return "float32" if self.op in ("cos", "sin", "masked", "topk_map") else self.entry["dtype"]
+        return "float32" if self.op in ("cos", "sin", "masked", "topk_map") else self.entry.dtype
 
     def _base_shape(self, entry) -> tuple:
-        shape = tuple(entry["shape"])
+        shape = tuple(entry.shape)
         return shape[::-1] if self.transposed and len(shape) == 2 else shape
 
     @property
@@ -72,16 +73,16 @@ class Operand:
 
     @property
     def has_data(self) -> bool:
-        return all("offset" in e for e in self.entries)
+        return all(e.offset is not None for e in self.entries)
 
     def stats(self) -> dict | None:
         """Summary statistics of the operand, when its entries' statistics determine them."""
         if self.op == "value":
-            return self.entry.get("stats")
+            return self.entry.stats
         if self.op == "merge":
-            return combine_stats([e.get("stats") for e in self.entries])
+            return combine_stats([e.stats for e in self.entries])
         if self.op == "topk_dense":  # the chosen scores, and a zero for every expert not chosen
-            scores, zeros = self.entry.get("stats"), math.prod(self.shape) - math.prod(self.entry["shape"])
+            scores, zeros = self.entry.stats, math.prod(self.shape) - math.prod(self.entry.shape)
             return combine_stats([scores, {"numel": zeros, "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0}])
         return None
 
@@ -100,7 +101,7 @@ class Operand:
         if self.op == "sin":
             return np.sin(arrays[0].astype(np.float64)).astype(np.float32)
         if self.op == "masked":
-            return masked_flags(arrays[0], self.entry["dtype"], self.bool_masked)
+            return masked_flags(arrays[0], self.entry.dtype, self.bool_masked)
         if self.op in ("topk_dense", "topk_map"):  # (scores,) indices -> [tokens, experts], zero where not chosen
             indices = arrays[-1].astype(np.int64)
             chosen = arrays[0] if self.op == "topk_dense" else np.ones(indices.shape, np.float32)
@@ -114,7 +115,7 @@ class Operand:
 
     def _load(self, reader, entry) -> np.ndarray:
         raw = reader.tensor(entry)
-        values = as_float(raw, entry["dtype"]) if entry["dtype"] in FLOAT_DTYPES else raw
+        values = as_float(raw, entry.dtype) if entry.dtype in FLOAT_DTYPES else raw
         if self.op not in ("masked", "topk_dense", "topk_map") and values.dtype not in (np.float32, np.float64):
             values = values.astype(np.float64)
         return values.T if self.transposed and values.ndim == 2 else values

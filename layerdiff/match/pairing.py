@@ -12,11 +12,14 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from msgspec.structs import replace
+
 from layerdiff.match.fused import FusedLink, FusedLinks, merged_parts, other_roles, split_pairs, sum_over_parts
 from layerdiff.match.layouts import relate_shapes
 from layerdiff.match.mapping import Match, ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
-from layerdiff.match.sides import RECORD_KINDS, ROLE_ORDER, TraceSide, token_order, torch_shape
+from layerdiff.match.sides import ROLE_ORDER, TraceSide, token_order, torch_shape
+from layerdiff.tracefile.records import CallRecord, Record, TensorEntry
 
 HIDDEN_NAMES = {"hidden_states", "hidden_state", "hidden", "x", "xs", "input", "input_", "inputs", "input_tensor", "h"}
 _POSITIONAL = re.compile(r"^(args\.\d+|out)(\.\d+)*$")
@@ -38,7 +41,7 @@ class TensorPair:
 
 @dataclass
 class RecordPair:
-    a: dict
+    a: Record
     b: tuple  # B's record(s): several when A's module is fused and B's is split
     tensors: list = field(default_factory=list)
     only_a: list = field(default_factory=list)  # "role:key" of tensors with no counterpart
@@ -53,8 +56,8 @@ class Matching:
     only_b: list = field(default_factory=list)
 
 
-def _module_of(rec: dict) -> str:
-    return rec["path"] if rec["kind"] == "call" else rec.get("module", rec["path"].rpartition(".")[0])
+def _module_of(rec: Record) -> str:
+    return rec.module_path
 
 
 def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) -> Matching:
@@ -62,18 +65,16 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
     used = set()
     links = FusedLinks(side_a, side_b)
     for ra in side_a.records:
-        if ra["kind"] not in RECORD_KINDS:
-            continue
         match = mapping.for_a(_module_of(ra))
         sources = [] if match is None else [side_b.twin(ra, p) for p in match.b]
         if not sources or any(s is None for s in sources):
             result.only_a.append(ra)
             continue
         used.update(id(s) for s in sources)
-        if match.fused_side is None and ra["kind"] == "call" and not side_a.children.get(ra["path"]):
+        if match.fused_side is None and isinstance(ra, CallRecord) and not side_a.children.get(ra.path):
             sources = [_with_absorbed(sources[0], match, side_b, mapping)]
         result.pairs.append(_pair(ra, tuple(sources), match, links))
-    result.only_b = [rb for rb in side_b.records if rb["kind"] in RECORD_KINDS and id(rb) not in used]
+    result.only_b = [rb for rb in side_b.records if id(rb) not in used]
     return result
 
 
@@ -90,28 +91,28 @@ def absorbed_child(path_b: str, match: Match, side_b: TraceSide, mapping: Module
     return None
 
 
-def _with_absorbed(rb: dict, match: Match, side_b: TraceSide, mapping: ModuleMapping) -> dict:
+def _with_absorbed(rb: CallRecord, match: Match, side_b: TraceSide, mapping: ModuleMapping) -> CallRecord:
     """B's module may run, inside itself, a child whose counterpart in A sits outside A's module (mindformers'
     ``w1`` Linear applies its SiLU as a child; HF's ``gate_proj`` does not): then B's own result is that child's
     input, and B's record stands in with it as output (and the child's input gradient as grad_output)."""
-    child = absorbed_child(rb["path"], match, side_b, mapping)
-    twin = side_b.calls.get((rb["phase"], child, rb["call"])) if child else None
+    child = absorbed_child(rb.path, match, side_b, mapping)
+    twin = side_b.calls.get((rb.phase, child, rb.call)) if child else None
     if twin is None:
         return rb
-    inner = [{**t, "role": _ABSORBED_ROLES[t["role"]], "key": f"{child.rpartition('.')[2]}:{t['key']}"}
-             for t in twin["tensors"] if t["role"] in _ABSORBED_ROLES]
-    kept = [t for t in rb["tensors"] if t["role"] not in ("output", "grad_output")]
-    return {**rb, "tensors": kept + inner, "absorbed": child}
+    inner = [replace(t, role=_ABSORBED_ROLES[t.role], key=f"{child.rpartition('.')[2]}:{t.key}")
+             for t in twin.tensors if t.role in _ABSORBED_ROLES]
+    kept = [t for t in rb.tensors if t.role not in ("output", "grad_output")]
+    return replace(rb, tensors=kept + inner, absorbed=child)
 
 
-def _pair(ra: dict, sources: tuple, match: Match, links: "FusedLinks") -> RecordPair:
+def _pair(ra: Record, sources: tuple, match: Match, links: FusedLinks) -> RecordPair:
     pair = RecordPair(ra, sources)
     side_a, side_b = links.a, links.b
     if match.fused_side is None:
         pairs, pair.only_a, pair.only_b = pair_tensors(ra, sources[0], side_a, side_b)
         pair.tensors = pairs
         return pair
-    link = links.resolve(match, ra)
+    link = links.resolve(match)
     if match.fused_side == "b":
         _pair_part_of_b(pair, match, link, side_a, side_b)
     else:
@@ -139,24 +140,24 @@ def _positional(key: str) -> bool:
     return bool(_POSITIONAL.match(key.rpartition(":")[2]))
 
 
-def pair_tensors(ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide, roles=ROLE_ORDER):
+def pair_tensors(ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide, roles=ROLE_ORDER):
     """(tensor pairs, A's unpaired "role:key", B's unpaired "role:key") for two records of one module."""
     pairs, only_a, only_b = [], [], []
-    activation = ra["kind"] == "call"
+    activation = isinstance(ra, CallRecord)
     for role in roles:
-        ta = [t for t in ra["tensors"] if t["role"] == role]
-        tb = [t for t in rb["tensors"] if t["role"] == role]
+        ta = [t for t in ra.tensors if t.role == role]
+        tb = [t for t in rb.tensors if t.role == role]
         if not ta and not tb:
             continue
         ta, tb = _router_choices(role, ta, tb, ra, rb, side_a, side_b, pairs)
         found, left_a, left_b = pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=transforms_step(
             role, ra, rb, side_a, side_b, pairs))
         for ea, eb, note in found:
-            tp = TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), side_b.operand(rb, eb),
+            tp = TensorPair(role, ea.key, eb.key, side_a.operand(ra, ea), side_b.operand(rb, eb),
                             (note,) if note else (), activation)
             pairs.append(_shifted_labels(tp, ra, rb, side_a, side_b))
-        only_a += [f"{role}:{t['key']}" for t in left_a]
-        only_b += [f"{role}:{t['key']}" for t in left_b]
+        only_a += [f"{role}:{t.key}" for t in left_a]
+        only_b += [f"{role}:{t.key}" for t in left_b]
     return pairs, only_a, only_b
 
 
@@ -164,50 +165,51 @@ def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, 
     """An MoE router hands on its choice as top-k scores and expert indices (HF) or as dense probabilities and a
     routing map over all experts (Megatron): the top-k side is spread over the experts and compared with the dense
     one (its gradients too, through the forward call's indices). Returns what is left of ``ta`` and ``tb``."""
-    if role not in ("output", "grad_output") or side_a.rules.family(ra.get("type")) != "router" or \
-            side_b.rules.family(rb.get("type")) != "router":
+    if role not in ("output", "grad_output") or side_a.rules.family(ra.type) != "router" or \
+            side_b.rules.family(rb.type) != "router":
         return ta, tb
     for topk_side in ("a", "b"):
         top, dense, top_rec, top_side = (ta, tb, ra, side_a) if topk_side == "a" else (tb, ta, rb, side_b)
         dense_rec, dense_side = (rb, side_b) if topk_side == "a" else (ra, side_a)
-        probs = next((t for t in dense if dtype_kind(t["dtype"]) == "float" and len(t["shape"]) == 2), None)
+        probs = next((t for t in dense if dtype_kind(t.dtype) == "float" and len(t.shape) == 2), None)
         if probs is None:
             continue
-        tokens, experts = probs["shape"]
+        tokens, experts = probs.shape
         indices = _chosen_experts(top_side, top_rec, tokens, experts)
         if indices is None or _chosen_experts(dense_side, dense_rec, tokens, experts) is not None:
             continue  # both hand on top-k indices: the same form, compared tensor by tensor
-        scores = next((t for t in top if dtype_kind(t["dtype"]) == "float" and t["shape"] == indices["shape"]), None)
+        scores = next((t for t in top if dtype_kind(t.dtype) == "float" and t.shape == indices.shape), None)
         if scores is None:
             continue
         spread = Operand((scores, indices), op="topk_dense", sizes=(experts,))
         found = [(scores, probs, spread, Operand.stored(probs))]
-        flags = next((t for t in dense if t["dtype"] == "bool" and list(t["shape"]) == [tokens, experts]), None)
+        flags = next((t for t in dense if t.dtype == "bool" and list(t.shape) == [tokens, experts]), None)
         if role == "output" and flags is not None:
             found.append((indices, flags, Operand((indices,), op="topk_map", sizes=(experts,)),
                           Operand((flags,), op="masked", bool_masked=True)))  # 1.0 where chosen
         for top_entry, dense_entry, top_op, dense_op in found:
             pair = (top_entry, dense_entry, top_op, dense_op) if topk_side == "a" else \
                 (dense_entry, top_entry, dense_op, top_op)
-            out.append(TensorPair(role, pair[0]["key"], pair[1]["key"], pair[2], pair[3],
+            out.append(TensorPair(role, pair[0].key, pair[1].key, pair[2], pair[3],
                                   ("router: top-k choices compared over all experts",)))
         used = {id(t) for item in found for t in item[:2]}
         return [t for t in ta if id(t) not in used], [t for t in tb if id(t) not in used]
     return ta, tb
 
 
-def _chosen_experts(side: TraceSide, rec: dict, tokens: int, experts: int) -> dict | None:
+def _chosen_experts(side: TraceSide, rec: Record, tokens: int, experts: int) -> TensorEntry | None:
     """The expert indices ([tokens, k], k < experts) among the outputs of ``rec``'s forward call."""
-    forward = side.calls.get(("forward", rec["path"], rec["call"])) or {}
-    return next((t for t in forward.get("tensors", ()) if t["role"] == "output" and dtype_kind(t["dtype"]) == "int"
-                 and len(t["shape"]) == 2 and t["shape"][0] == tokens and t["shape"][1] < experts), None)
+    forward = side.calls.get(("forward", rec.path, rec.call))
+    tensors = forward.tensors if forward is not None else []
+    return next((t for t in tensors if t.role == "output" and dtype_kind(t.dtype) == "int"
+                 and len(t.shape) == 2 and t.shape[0] == tokens and t.shape[1] < experts), None)
 
 
-def _shifted_labels(tp: TensorPair, ra: dict, rb: dict, side_a: TraceSide, side_b: TraceSide) -> TensorPair:
+def _shifted_labels(tp: TensorPair, ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide) -> TensorPair:
     """The model's "labels" when exactly one run takes them already shifted (mindformers' data pipeline)."""
     shifted_a, shifted_b = side_a.labels_shifted, side_b.labels_shifted
-    if shifted_a == shifted_b or ra.get("parent") or tp.role != "input" or \
-            canonical_key(tp.key, ra.get("arg_names")) != "labels":
+    if shifted_a == shifted_b or ra.parent or tp.role != "input" or \
+            canonical_key(tp.key, ra.arg_names) != "labels":
         return tp
     if shifted_b:
         return TensorPair(tp.role, tp.key, tp.key_b, Operand((tp.a.entry,), op="shift_left"), tp.b, tp.notes,
@@ -230,11 +232,11 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
     """Pairs [(A entry, B entry, note)] by exact key, then name, then (``before_shapes``: the rule set's value
     transforms) a kind-and-shape fit where at least one side's key is positional."""
     found, left_a = [], []
-    by_key = {t["key"]: t for t in tb}
+    by_key = {t.key: t for t in tb}
     used = set()
     for ea in ta:
-        eb = by_key.get(ea["key"])
-        if eb is not None and id(eb) not in used and dtype_kind(ea["dtype"]) == dtype_kind(eb["dtype"]):
+        eb = by_key.get(ea.key)
+        if eb is not None and id(eb) not in used and dtype_kind(ea.dtype) == dtype_kind(eb.dtype):
             used.add(id(eb))
             found.append((ea, eb, None))
         else:
@@ -242,13 +244,13 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
     names_b = {}
     for eb in tb:
         if id(eb) not in used:
-            names_b.setdefault(canonical_key(eb["key"], rb.get("arg_names")), eb)
+            names_b.setdefault(canonical_key(eb.key, rb.arg_names), eb)
     still = []
     for ea in left_a:
-        eb = names_b.get(canonical_key(ea["key"], ra.get("arg_names")))
-        if eb is not None and id(eb) not in used and dtype_kind(ea["dtype"]) == dtype_kind(eb["dtype"]):
+        eb = names_b.get(canonical_key(ea.key, ra.arg_names))
+        if eb is not None and id(eb) not in used and dtype_kind(ea.dtype) == dtype_kind(eb.dtype):
             used.add(id(eb))
-            found.append((ea, eb, f"matched by name (B's key: {eb['key']})"))
+            found.append((ea, eb, f"matched by name (B's key: {eb.key})"))
         else:
             still.append(ea)
     left_b = [t for t in tb if id(t) not in used]
@@ -260,7 +262,7 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
             shape_a = torch_shape(ra, ea, side_a)
             fits = []
             for eb in left_b:
-                if dtype_kind(eb["dtype"]) != dtype_kind(ea["dtype"]):
+                if dtype_kind(eb.dtype) != dtype_kind(ea.dtype):
                     continue
                 shape_b = torch_shape(rb, eb, side_b)
                 relation = relate_shapes(shape_a, shape_b, swap)
@@ -270,13 +272,13 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
             if not fits:
                 continue
             choice = min(fits, key=lambda f: f[0])[1]
-            named_a = not _positional(canonical_key(ea["key"], ra.get("arg_names")))
-            named_b = not _positional(canonical_key(choice["key"], rb.get("arg_names")))
+            named_a = not _positional(canonical_key(ea.key, ra.arg_names))
+            named_b = not _positional(canonical_key(choice.key, rb.arg_names))
             if named_a and named_b:
                 continue  # two different names (labels vs position_ids): never paired by shape alone
             still.remove(ea)
             left_b.remove(choice)
-            found.append((ea, choice, f"matched by position and shape (B's key: {choice['key']})"))
+            found.append((ea, choice, f"matched by position and shape (B's key: {choice.key})"))
     return found, still, left_b
 
 
@@ -294,20 +296,20 @@ def _transforms(role, left_a, left_b, ra, rb, side_a: TraceSide, side_b: TraceSi
     """Pairs that a rule explains: rotary angles vs their cos and sin, masks of different conventions."""
     pairs = []
     rules = side_a.rules
-    fam_a, fam_b = rules.family(ra.get("type")), rules.family(rb.get("type"))
+    fam_a, fam_b = rules.family(ra.type), rules.family(rb.type)
     for rule in rules.angles:
         for angles_side in ("b", "a"):
             ang_entries, ang_rec, ang_sd, ang_fam = (left_b, rb, side_b, fam_b) if angles_side == "b" else \
                 (left_a, ra, side_a, fam_a)
             cs_entries, cs_rec, cs_fam = (left_a, ra, fam_a) if angles_side == "b" else (left_b, rb, fam_b)
             angle = next((t for t in ang_entries
-                          if _key_matches(rule.angles, canonical_key(t["key"], ang_rec.get("arg_names")), ang_fam)), None)
+                          if _key_matches(rule.angles, canonical_key(t.key, ang_rec.arg_names), ang_fam)), None)
             if angle is None:
                 continue
             found = {}
             for which in ("cos", "sin"):
                 found[which] = next((t for t in cs_entries if _key_matches(
-                    getattr(rule, which), canonical_key(t["key"], cs_rec.get("arg_names")), cs_fam)), None)
+                    getattr(rule, which), canonical_key(t.key, cs_rec.arg_names), cs_fam)), None)
             if not all(found.values()):
                 continue
             ang_entries.remove(angle)
@@ -316,17 +318,17 @@ def _transforms(role, left_a, left_b, ra, rb, side_a: TraceSide, side_b: TraceSi
                 derived = Operand((angle,), op=which)
                 plain = Operand.stored(entry)
                 a_op, b_op = (plain, derived) if angles_side == "b" else (derived, plain)
-                pairs.append(TensorPair(role, entry["key"] if angles_side == "b" else angle["key"] + f"[{which}]",
-                                        angle["key"] if angles_side == "b" else entry["key"], a_op, b_op,
+                pairs.append(TensorPair(role, entry.key if angles_side == "b" else angle.key + f"[{which}]",
+                                        angle.key if angles_side == "b" else entry.key, a_op, b_op,
                                         (f"{rule.name}: {which} of {'B' if angles_side == 'b' else 'A'}'s angles",)))
     keys = rules.mask_keys()
-    masks_a = [t for t in left_a if canonical_key(t["key"], ra.get("arg_names")) in keys]
-    masks_b = [t for t in left_b if canonical_key(t["key"], rb.get("arg_names")) in keys]
+    masks_a = [t for t in left_a if canonical_key(t.key, ra.arg_names) in keys]
+    masks_b = [t for t in left_b if canonical_key(t.key, rb.arg_names) in keys]
     if len(masks_a) == 1 and len(masks_b) == 1:
         ea, eb = masks_a[0], masks_b[0]
         left_a.remove(ea)
         left_b.remove(eb)
-        pairs.append(TensorPair(role, ea["key"], eb["key"], Operand((ea,), op="masked", bool_masked=side_a.bool_masked),
+        pairs.append(TensorPair(role, ea.key, eb.key, Operand((ea,), op="masked", bool_masked=side_a.bool_masked),
                                 Operand((eb,), op="masked", bool_masked=side_b.bool_masked),
                                 ("masks compared as masked/attended flags",)))
     return pairs, left_a, left_b
@@ -340,21 +342,21 @@ def _pair_part_of_b(pair: RecordPair, match: Match, link: FusedLink, side_a: Tra
     split, only_a, only_b = split_pairs(ra, rb, side_b, link, index)
     pair.only_a += only_a
     pair.only_b += only_b
-    activation = ra["kind"] == "call"
+    activation = ra.kind == "call"
     fused_name = match.b[0].rpartition(".")[2]
     for role, ea, eb, part in split:
-        if "offset" in ea and "offset" in eb:
-            pair.tensors.append(TensorPair(role, ea["key"], eb["key"], side_a.operand(ra, ea), part,
+        if ea.offset is not None and eb.offset is not None:
+            pair.tensors.append(TensorPair(role, ea.key, eb.key, side_a.operand(ra, ea), part,
                                            (f"{_module_of(ra).rpartition('.')[2]} part of B's {fused_name} "
-                                            f"{eb['key']} ({link.note})",), activation))
+                                            f"{eb.key} ({link.note})",), activation))
         elif index == 0:  # statistics only: the parts together against the fused tensor, on the first part
-            merged = merged_parts(ra, role, ea["key"], match.a, side_a, part.axis)
+            merged = merged_parts(ra, role, ea.key, match.a, side_a, part.axis)
             if merged is not None:
-                pair.tensors.append(TensorPair(role, ea["key"], eb["key"], merged, Operand.stored(eb), (
+                pair.tensors.append(TensorPair(role, ea.key, eb.key, merged, Operand.stored(eb), (
                     f"statistics of {' + '.join(p.rpartition('.')[2] for p in match.a)} together vs B's "
                     f"{fused_name}",), activation))
         else:
-            pair.skipped.append(f"{role}:{ea['key']} (statistics only: compared with the other parts on "
+            pair.skipped.append(f"{role}:{ea.key} (statistics only: compared with the other parts on "
                                 f"{match.a[0]})")
     for tp in found:
         if tp.role == "grad_input":
@@ -375,21 +377,21 @@ def _pair_parts_of_a(pair: RecordPair, match: Match, link: FusedLink, side_a: Tr
     """A's record is a fused module (linear_qkv) and B has its parts: compare A's tensor part by part."""
     ra = pair.a
     names = [p.rpartition(".")[2] for p in match.b]
-    activation = ra["kind"] == "call"
+    activation = ra.kind == "call"
     only_a, only_b = set(), set()
     for index, rb in enumerate(pair.b):
         split, ob, oa = split_pairs(rb, ra, side_a, link, index)
         only_a.update(oa)
         only_b.update(ob)
         for role, eb, ea, part in split:
-            if "offset" in ea and "offset" in eb:
-                pair.tensors.append(TensorPair(role, f"{ea['key']}[{names[index]}]", eb["key"], part,
-                                               side_b.operand(rb, eb), (f"A's {ea['key']} split: the "
+            if ea.offset is not None and eb.offset is not None:
+                pair.tensors.append(TensorPair(role, f"{ea.key}[{names[index]}]", eb.key, part,
+                                               side_b.operand(rb, eb), (f"A's {ea.key} split: the "
                                                                         f"{names[index]} part ({link.note})",), activation))
             elif index == 0:  # statistics only: A's fused tensor against B's parts together
-                merged = merged_parts(rb, role, eb["key"], match.b, side_b, part.axis)
+                merged = merged_parts(rb, role, eb.key, match.b, side_b, part.axis)
                 if merged is not None:
-                    pair.tensors.append(TensorPair(role, ea["key"], eb["key"], Operand.stored(ea), merged, (
+                    pair.tensors.append(TensorPair(role, ea.key, eb.key, Operand.stored(ea), merged, (
                         f"statistics of B's {' + '.join(names)} together",), activation))
         if index:
             continue

@@ -37,6 +37,7 @@ from layerdiff.replay.search import find_blocks, next_splice, observe
 from layerdiff.replay.segments import evaluate_replay
 from layerdiff.runs.ranks import open_run, rank_files
 from layerdiff.tracefile.reader import open_trace
+from layerdiff.tracefile.records import CallRecord
 from layerdiff.tracing import Tracer
 
 STATE_VERSION = 1
@@ -161,11 +162,11 @@ def _reference(path):
     """Open the reference and check it can drive a replay: full-mode tensors of step 0 (a multi-rank run is read
     merged: the candidate is fed the full tensors)."""
     reader = open_run(path)
-    calls = [r for r in reader.records if r["kind"] == "call" and r.get("step", 0) == 0]
+    calls = [r for r in reader.records if isinstance(r, CallRecord) and r.step == 0]
     if not calls:
         reader.close()
         raise LayerdiffError(f"{path}: holds no module calls to replay")
-    if not any("offset" in t for r in calls for t in r["tensors"]):
+    if not any(t.offset is not None for r in calls for t in r.tensors):
         reader.close()
         raise LayerdiffError(f"{path}: traced in stats mode; bisect needs the reference's tensors: trace the "
                              "suspect window in full mode (layerdiff trace ... --layers START:END)")
@@ -288,7 +289,7 @@ class _BlockNames:
 
     def found(self, trace_path: Path, blocks_a) -> bool:
         with open_trace(trace_path) as trace:
-            paths = {self.rename(r["path"]) for r in trace.records if r["kind"] == "call"}
+            paths = {self.rename(r.path) for r in trace.records if isinstance(r, CallRecord)}
         return any(b in paths for b in blocks_a)
 
     def learn(self, target, kwargs, workdir: Workdir, progress):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 
 from layerdiff.match import fusion
@@ -16,6 +17,7 @@ from layerdiff.match.pairing import absorbed_child, canonical_key, pair_role, tr
 from layerdiff.match.rename import RenameRules
 from layerdiff.match.rules import RuleSet, ruleset
 from layerdiff.match.sides import TraceSide, token_order
+from layerdiff.tracefile.records import CallRecord, TensorEntry
 from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float
 
 _FORWARD_ROLE = {"grad_output": "output", "grad_input": "input"}
@@ -62,8 +64,8 @@ class Forcer:
         self.where = where
         self.calls = {}  # (phase, path, call) -> the reference's record of step 0
         for rec in reader.records:
-            if rec["kind"] == "call" and rec.get("step", 0) == 0:
-                self.calls.setdefault((rec["phase"], rec["path"], rec["call"]), rec)
+            if isinstance(rec, CallRecord) and rec.step == 0:
+                self.calls.setdefault((rec.phase, rec.path, rec.call), rec)
         self.keys: dict = {}  # (B's path, call, forward role) -> {B's key: how to get A's gradient}
         self.forced = 0
         self.unforced: list[str] = []  # why a matched tensor could not be forced (shown in the report)
@@ -81,8 +83,9 @@ class Forcer:
         if role == "output" and self.mapping is not None and match.fused_side is None and \
                 absorbed_child(frame.path, match, self.side_b, self.mapping):
             return {}  # its output is its child's (forced there); A has no tensor for what it computes before
-        pseudo_b = {"kind": "call", "path": frame.path, "type": frame.type, "arg_names": list(frame.arg_names),
-                    "tensors": entries_b}
+        entries_b = [msgspec.convert(e, TensorEntry) for e in entries_b]  # the live session's, as a trace's
+        pseudo_b = CallRecord(phase="forward", path=frame.path, call=frame.call, tensors=entries_b, type=frame.type,
+                              arg_names=list(frame.arg_names))
         keys = self.keys.setdefault((frame.path, frame.call, role), {})
         if role == "output" and match.fused_side == "b":
             return self._merged_outputs(frame, match, entries_b, keys)
@@ -90,10 +93,10 @@ class Forcer:
             return self._part_outputs(frame, match, entries_b, keys)
         path_a = match.a[0]  # inputs are shared by a fused module's parts
         rec = self.calls.get(("forward", path_a, frame.call))
-        if rec is None or not any("offset" in t for t in rec["tensors"]):
+        if rec is None or not any(t.offset is not None for t in rec.tensors):
             return {}  # not recorded, or statistics only (the model itself around a --layers window)
         transformed: list = []  # rotary angles vs cos/sin, masks: compared after a transform, never forced
-        pairs, _, _ = pair_role([t for t in rec["tensors"] if t["role"] == role], entries_b, rec, pseudo_b,
+        pairs, _, _ = pair_role([t for t in rec.tensors if t.role == role], entries_b, rec, pseudo_b,
                                 self.side_a, self.side_b,
                                 before_shapes=transforms_step(role, rec, pseudo_b, self.side_a, self.side_b, transformed))
         for tp in transformed:
@@ -101,27 +104,27 @@ class Forcer:
                            " left as the candidate computed it")
         out = {}
         for ta, tb, _ in pairs:
-            if not rec.get("parent") and self.side_a.labels_shifted != self.side_b.labels_shifted and \
-                    canonical_key(ta["key"], rec.get("arg_names")) == "labels":
-                self._unforced(f"<root> {role} {tb['key']}: labels shifted by one run's pipeline, left as given")
+            if not rec.parent and self.side_a.labels_shifted != self.side_b.labels_shifted and \
+                    canonical_key(ta.key, rec.arg_names) == "labels":
+                self._unforced(f"<root> {role} {tb.key}: labels shifted by one run's pipeline, left as given")
                 continue
-            if "offset" not in ta:
-                self._unforced(f"{path_a or '<root>'} {role} {ta['key']}: the reference holds statistics only")
+            if ta.offset is None:
+                self._unforced(f"{path_a or '<root>'} {role} {ta.key}: the reference holds statistics only")
                 continue
             if role == "input" and match.fused_side == "b":
-                keys[tb["key"]] = ("sum", match.a, ta["key"], tb["shape"])
+                keys[tb.key] = ("sum", match.a, ta.key, tb.shape)
             elif role == "input" and match.fused_side == "a":
-                keys[tb["key"]] = None  # one part's own input gradient: the reference only has the parts' sum
+                keys[tb.key] = None  # one part's own input gradient: the reference only has the parts' sum
             else:
-                keys[tb["key"]] = ("plain", path_a, ta["key"], tb["shape"])
-            value = self._fit(self._values(ta), tb["shape"], path_a, f"{path_a or '<root>'} {role} {tb['key']}")
+                keys[tb.key] = ("plain", path_a, ta.key, tb.shape)
+            value = self._fit(self._values(ta), tb.shape, path_a, f"{path_a or '<root>'} {role} {tb.key}")
             if value is not None:
-                out[tb["key"]] = value
+                out[tb.key] = value
         return out
 
     def _merged_outputs(self, frame, match: Match, entries_b, keys) -> dict:
         """B's fused output from A's parts (q, k, v -> linear_qkv)."""
-        link = self.links.resolve(match, None)
+        link = self.links.resolve(match)
         if link.out_sizes is None:
             return {}
         parts = [self._part_entry(p, frame.call, "forward", "output", size) for p, size in zip(match.a, link.out_sizes)]
@@ -129,34 +132,34 @@ class Forcer:
             return {}
         out = {}
         for tb in entries_b:
-            if tb["shape"] and tb["shape"][-1] == sum(link.out_sizes):
-                keys[tb["key"]] = ("merge", match.a, [t["key"] for t in parts], tb["shape"], link.groups)
+            if tb.shape and tb.shape[-1] == sum(link.out_sizes):
+                keys[tb.key] = ("merge", match.a, [t.key for t in parts], tb.shape, link.groups)
                 merged = fusion.merge([self._values(t) for t in parts], -1, link.groups)
-                value = self._fit(merged, tb["shape"], match.a[0], f"{match.a[0]} (merged parts) {tb['key']}")
+                value = self._fit(merged, tb.shape, match.a[0], f"{match.a[0]} (merged parts) {tb.key}")
                 if value is not None:
-                    out[tb["key"]] = value
+                    out[tb.key] = value
                 break
         return out
 
     def _part_outputs(self, frame, match: Match, entries_b, keys) -> dict:
         """One part of A's fused output (linear_qkv -> k_proj)."""
-        link = self.links.resolve(match, None)
+        link = self.links.resolve(match)
         if link.out_sizes is None:
             return {}
         index = match.b.index(frame.path)
         fused = self._part_entry(match.a[0], frame.call, "forward", "output", sum(link.out_sizes))
-        target = next((t for t in entries_b if t["shape"] and t["shape"][-1] == link.out_sizes[index]), None)
+        target = next((t for t in entries_b if t.shape and t.shape[-1] == link.out_sizes[index]), None)
         if fused is None or target is None:
             return {}
-        keys[target["key"]] = ("part", match.a[0], fused["key"], target["shape"], link.out_sizes, link.groups, index)
+        keys[target.key] = ("part", match.a[0], fused.key, target.shape, link.out_sizes, link.groups, index)
         part = fusion.split(self._values(fused), -1, link.out_sizes, link.groups)[index]
-        value = self._fit(part, target["shape"], match.a[0], f"{match.a[0]} (part {index}) {target['key']}")
-        return {} if value is None else {target["key"]: value}
+        value = self._fit(part, target.shape, match.a[0], f"{match.a[0]} (part {index}) {target.key}")
+        return {} if value is None else {target.key: value}
 
     def _part_entry(self, path_a: str, call: int, phase: str, role: str, last: int):
         rec = self.calls.get((phase, path_a, call))
-        return next((t for t in (rec or {}).get("tensors", ()) if t["role"] == role and "offset" in t
-                     and t["shape"] and t["shape"][-1] == last), None)
+        return next((t for t in (rec.tensors if rec is not None else ()) if t.role == role and t.offset is not None
+                     and t.shape and t.shape[-1] == last), None)
 
     def gradient(self, frame, grad_role: str, key_b: str):
         """The reference's gradient w.r.t. one of a call's outputs ("grad_output") or inputs ("grad_input"),
@@ -189,15 +192,16 @@ class Forcer:
 
     def _grad_entry(self, path_a: str, call: int, grad_role: str, key_a: str):
         rec = self.calls.get(("backward", path_a, call))
-        entry = next((t for t in (rec or {}).get("tensors", ()) if t["role"] == grad_role and t["key"] == key_a), None)
-        if entry is not None and "offset" not in entry:
+        entry = next((t for t in (rec.tensors if rec is not None else ()) if t.role == grad_role and t.key == key_a),
+                     None)
+        if entry is not None and entry.offset is None:
             self._unforced(f"{path_a} {grad_role} {key_a}: the reference holds statistics only")
             return None
         return entry
 
-    def _values(self, ta: dict) -> np.ndarray:
+    def _values(self, ta: TensorEntry) -> np.ndarray:
         raw = self.reader.tensor(ta)
-        return as_float(raw, ta["dtype"]) if ta["dtype"] in FLOAT_DTYPES else raw
+        return as_float(raw, ta.dtype) if ta.dtype in FLOAT_DTYPES else raw
 
     def _fit(self, values: np.ndarray, shape_b, path_a: str, what: str):
         """A's values in B's layout: a declared ``--layout`` rule inverted, else the relation of the shapes."""

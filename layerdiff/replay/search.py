@@ -6,6 +6,7 @@ from layerdiff import schema
 from layerdiff.compare.tolerance import TolerancePolicy
 from layerdiff.judge.tree import judge_rows
 from layerdiff.match.modules import find_blocks as blocks_of
+from layerdiff.tracefile.records import CallRecord
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -13,7 +14,7 @@ from layerdiff.match.modules import find_blocks as blocks_of
 # ---------------------------------------------------------------------------------------------------------
 def find_blocks(records, container: str | None = None) -> tuple[str, list[str]]:
     """The ordered top-level blocks among a trace's forward calls (see ``modules.find_blocks``)."""
-    return blocks_of([r["path"] for r in records if r["kind"] == "call" and r["phase"] == "forward"], container)
+    return blocks_of([r.path for r in records if isinstance(r, CallRecord) and r.phase == "forward"], container)
 
 
 def observe(measurements: schema.Report, policy: TolerancePolicy, blocks: list[str], spliced: int | None) -> dict:

@@ -9,6 +9,7 @@ from rich.tree import Tree
 from layerdiff.compare.nonfinite import first_nonfinite
 from layerdiff.report.terminal import make_console
 from layerdiff.runs.ranks import open_run
+from layerdiff.tracefile.records import CallRecord, EndRecord
 
 _META_KEYS = ("framework", "framework_version", "model_class", "mode", "distributed", "num_parameters", "devices",
               "param_dtypes",
@@ -25,10 +26,10 @@ def module_tree(records) -> Tree:
     calls = Counter()
     types, first_call = {}, {}
     for r in records:
-        if r["kind"] == "call" and r["phase"] == "forward":
-            calls[r["path"]] += 1
-            types[r["path"]] = r["type"]
-            first_call[r["path"]] = min(first_call.get(r["path"], r["begin"]), r["begin"])
+        if isinstance(r, CallRecord) and r.phase == "forward":
+            calls[r.path] += 1
+            types[r.path] = r.type
+            first_call[r.path] = min(first_call.get(r.path, r.begin), r.begin)
     root = Tree(f"<root> [dim]{types.get('', '')}[/] x{calls.get('', 0)}")
     nodes = {"": root}
     for path in sorted((p for p in calls if p), key=lambda p: first_call[p]):  # in the order the model ran
@@ -50,24 +51,23 @@ def summary(path) -> dict:
 
 
 def _summary(reader) -> dict:
-    meta, end = reader.meta, reader.end or {}
-    kinds = Counter((r["kind"], r.get("phase")) for r in reader.records)  # the end marker is no record
-    holding = {id(r) for r in reader.records for t in r.get("tensors", ())
-               if t["stats"].get("nan") or t["stats"].get("inf")}
+    meta, end = reader.meta, reader.end or EndRecord(status="interrupted")
+    kinds = Counter((r.kind, r.phase) for r in reader.records)  # the end marker is no record
+    holding = {id(r) for r in reader.records for t in r.tensors if t.stats.get("nan") or t.stats.get("inf")}
     calls, types, first_call = Counter(), {}, {}
     for r in reader.records:
-        if r["kind"] == "call" and r["phase"] == "forward":
-            calls[r["path"]] += 1
-            types[r["path"]] = r["type"]
-            first_call[r["path"]] = min(first_call.get(r["path"], r["begin"]), r["begin"])
+        if isinstance(r, CallRecord) and r.phase == "forward":
+            calls[r.path] += 1
+            types[r.path] = r.type
+            first_call[r.path] = min(first_call.get(r.path, r.begin), r.begin)
     return {"path": str(reader.path), "size_bytes": reader.size_bytes(), "ranks": meta.get("ranks"),
-            "status": end.get("status", "interrupted"), "failure": end.get("failure"),
+            "status": end.status or "interrupted", "failure": end.failure,
             "meta": {key: meta[key] for key in _META_KEYS if key in meta},
             "records": len(reader.records),
             "record_kinds": {f"{k}/{p}" if p else k: n for (k, p), n in sorted(kinds.items(), key=str)},
-            "tensors": sum(len(r.get("tensors", ())) for r in reader.records),
-            "tensor_bytes": sum(t.get("nbytes", 0) for r in reader.records for t in r.get("tensors", ())),
-            "steps": end.get("steps"), "warnings": end.get("warnings", []),
+            "tensors": sum(len(r.tensors) for r in reader.records),
+            "tensor_bytes": sum(t.nbytes or 0 for r in reader.records for t in r.tensors),
+            "steps": end.steps, "warnings": end.warnings,
             "nonfinite_records": len(holding),
             "nonfinite_origin": {phase: first_nonfinite(reader.records, phase) for phase in ("forward", "backward")},
             "modules": [{"path": p, "type": types[p], "calls": calls[p]}
@@ -108,7 +108,7 @@ def show(path, records: bool = False, nan: bool = False):
         console.print(module_tree(reader.records))
         by_module = defaultdict(int)
         for r in reader.records:
-            by_module[r["path"]] += sum(t.get("nbytes", 0) for t in r.get("tensors", ()))
+            by_module[r.path] += sum(t.nbytes or 0 for t in r.tensors)
         if data:
             table = Table(title="largest modules by stored bytes", title_justify="left", box=None)
             table.add_column("module")
@@ -121,7 +121,6 @@ def show(path, records: bool = False, nan: bool = False):
             for col in ("#", "kind", "phase", "module", "call", "step", "tensors"):
                 table.add_column(col)
             for i, r in enumerate(reader.records):
-                table.add_row(str(i), r["kind"], r.get("phase") or "", r["path"] or "<root>", str(r["call"]),
-                              str(r.get("step", "")), ", ".join(f"{t['role']}:{t['key']}{t['shape']}"
-                                                               for t in r.get("tensors", ())))
+                table.add_row(str(i), r.kind, r.phase or "", r.path or "<root>", str(r.call), str(r.step),
+                              ", ".join(f"{t.role}:{t.key}{t.shape}" for t in r.tensors))
             console.print(table)

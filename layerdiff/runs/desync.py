@@ -15,6 +15,7 @@ from layerdiff.errors import LayerdiffError
 from layerdiff.judge.evaluate import align
 from layerdiff.match.rules import ruleset
 from layerdiff.runs.ranks import RankedRun, RankView, open_run
+from layerdiff.tracefile.records import CallRecord
 
 
 def check_run(path, policy: TolerancePolicy | None = None, rule_files=(), workers: int | None = None,
@@ -50,8 +51,9 @@ def check_run(path, policy: TolerancePolicy | None = None, rule_files=(), worker
 
 def _execution_order(run: RankedRun) -> dict:
     order = {}
-    for rec in sorted((r for r in run.records if r["kind"] == "call"), key=lambda r: (r["phase"] != "forward", r["begin"])):
-        order.setdefault(rec["path"], len(order))
+    calls = [r for r in run.records if isinstance(r, CallRecord)]
+    for rec in sorted(calls, key=lambda r: (r.phase != "forward", r.begin)):
+        order.setdefault(rec.path, len(order))
     return order
 
 

@@ -23,10 +23,12 @@ import re
 from pathlib import Path
 
 import numpy as np
+from msgspec.structs import replace
 
 from layerdiff.errors import TraceFormatError
 from layerdiff.match.operands import combine_stats
 from layerdiff.tracefile.reader import TraceReader
+from layerdiff.tracefile.records import CallRecord, Merge, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
@@ -54,9 +56,9 @@ def open_run(path, rules=None):
     return RankedRun(path, files, rules)
 
 
-def _placement_kind(entry: dict):
+def _placement_kind(entry: TensorEntry):
     """("concat", dim) | ("replicate", None) | ("sum", None) from a recorded 1-D placement; None otherwise."""
-    place = entry.get("placement")
+    place = entry.placement
     if not place or len(place.get("placements", ())) != 1:
         return None
     text = place["placements"][0]
@@ -92,7 +94,7 @@ class RankedRun:
         self.meta = {**first.meta, "ranks": len(self.readers)}
         self.crashed = any(r.crashed for r in self.readers)
         self.end = self._end()
-        self._virtual: dict[int, dict] = {}
+        self._joined = 0  # joined entries made so far (each gets its own negative offset)
         self.records = self._merge()
 
     @property
@@ -112,8 +114,8 @@ class RankedRun:
         ends = [r.end for r in self.readers]
         if any(e is None for e in ends):
             return None
-        failed = next((e for e in ends if e.get("status") == "error"), None)
-        return {**ends[0], **({"status": "error", "failure": failed["failure"]} if failed else {})}
+        failed = next((e for e in ends if e.status == "error"), None)
+        return replace(ends[0], status="error", failure=failed.failure) if failed else ends[0]
 
     # -- merging ------------------------------------------------------------------------------------------
     def _merge(self) -> list:
@@ -128,35 +130,31 @@ class RankedRun:
         for rec in self.readers[0].records:
             twins = [index.get(_key(rec)) for index in per_rank]
             if any(t is None for t in twins):
-                merged = dict(rec)
-                merged["ranks_missing"] = [i for i, t in enumerate(twins) if t is None]
-                merged["tensors"] = [self._per_rank_entry([t]) for t in rec["tensors"]]
-                out.append(merged)
+                out.append(replace(rec, ranks_missing=[i for i, t in enumerate(twins) if t is None],
+                                   tensors=[self._per_rank_entry([t]) for t in rec.tensors]))
                 continue
             tensors, known = [], {}
-            for i, entry in enumerate(rec["tensors"]):
-                parts = [t["tensors"][i] if i < len(t["tensors"]) and t["tensors"][i]["key"] == entry["key"]
+            for i, entry in enumerate(rec.tensors):
+                parts = [t.tensors[i] if i < len(t.tensors) and t.tensors[i].key == entry.key
                          else _find(t, entry) for t in twins]
                 if any(p is None for p in parts):
                     tensors.append(self._per_rank_entry([entry]))
                     continue
                 how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, shards_by_region) \
                     or forward_how.get(_forward_key(rec, entry)) or param_how.get(_param_of(rec)) \
-                    or (None if rec["path"] in sharded_weights else _like_input(entry, known))
+                    or (None if rec.path in sharded_weights else _like_input(entry, known))
                 how = self._every_part(rec, how)
                 merged_entry = self._merged_entry(parts, how)
-                if rec["kind"] == "param" and how:
-                    param_how[rec["path"]] = how
+                if rec.kind == "param" and how:
+                    param_how[rec.path] = how
                 if how and how[0] == "concat":
-                    known[tuple(entry["shape"])] = how
-                    if "offset" in entry:
+                    known[tuple(entry.shape)] = how
+                    if entry.offset is not None:
                         shards_by_region[_region(entry)] = how
-                if how and rec["kind"] == "call" and rec["phase"] == "forward":
-                    forward_how[(rec["path"], rec["call"], entry["role"], entry["key"])] = how
+                if how and isinstance(rec, CallRecord) and rec.phase == "forward":
+                    forward_how[(rec.path, rec.call, entry.role, entry.key)] = how
                 tensors.append(merged_entry)
-            merged = dict(rec)
-            merged["tensors"] = tensors
-            out.append(merged)
+            out.append(replace(rec, tensors=tensors))
         return out
 
     def _sharded_weights(self) -> dict:
@@ -165,127 +163,117 @@ class RankedRun:
         go to ``self.every_part`` with the number of parts."""
         out = {}
         for rec in self.readers[0].records:
-            if rec["kind"] == "param" and rec["path"].rpartition(".")[2] in ("weight", "gamma") and rec["tensors"]:
-                entry = rec["tensors"][0]
+            if rec.kind == "param" and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.tensors:
+                entry = rec.tensors[0]
                 how = _placement_kind(entry)
                 if how and how[0] == "concat":
-                    module = rec.get("module", rec["path"].rpartition(".")[0])
-                    dim, local = how[1], list(entry["shape"])
-                    if len(local) == 2 and self.rules.is_transposed(self.meta_framework, rec.get("module_type"), rec["path"]):
+                    module = rec.module_path
+                    dim, local = how[1], list(entry.shape)
+                    if len(local) == 2 and self.rules.is_transposed(self.meta_framework, rec.module_type, rec.path):
                         dim, local = 1 - dim % 2, local[::-1]  # Paddle's [in, out]: as PyTorch's [out, in]
                     out[module] = (dim, local)
                     rule = self.rules.fused_rule(module.rpartition(".")[2])
-                    if rule is not None and rule.tp_every_part and entry["placement"].get("source") == "megatron":
+                    if rule is not None and rule.tp_every_part and entry.placement.get("source") == "megatron":
                         self.every_part[module] = len(rule.parts)
         return out
 
-    def _every_part(self, rec: dict, how):
+    def _every_part(self, rec: Record, how):
         """A shard of a fused tensor that holds a slice of every part is joined part by part."""
-        module = rec["path"] if rec["kind"] == "call" else rec.get("module", "")
+        module = rec.path if isinstance(rec, CallRecord) else (rec.module or "")
         if how and how[0] == "concat" and module in self.every_part:
             return "concat_parts", how[1], self.every_part[module]
         return how
 
-    def _inferred(self, rec: dict, entry: dict, weights: dict, regions: dict):
+    def _inferred(self, rec: Record, entry: TensorEntry, weights: dict, regions: dict):
         """The placement of a plain tensor: that of the same stored bytes elsewhere, or the layer's by its weight
         (column-parallel: the output's last axis; row-parallel: the input's)."""
-        if "offset" in entry and _region(entry) in regions:
+        if entry.offset is not None and _region(entry) in regions:
             return regions[_region(entry)]
-        if rec["kind"] != "call" or rec["path"] not in weights or not entry["shape"]:
+        if not isinstance(rec, CallRecord) or rec.path not in weights or not entry.shape:
             return None
-        dim, local = weights[rec["path"]]
-        outputs = entry["role"] in ("output", "grad_output")
-        if dim == 0 and outputs and entry["shape"][-1] == local[0]:
-            return "concat", len(entry["shape"]) - 1
-        if dim in (1, -1) and not outputs and len(local) > 1 and entry["shape"][-1] == local[1]:
-            return "concat", len(entry["shape"]) - 1
+        dim, local = weights[rec.path]
+        outputs = entry.role in ("output", "grad_output")
+        if dim == 0 and outputs and entry.shape[-1] == local[0]:
+            return "concat", len(entry.shape) - 1
+        if dim in (1, -1) and not outputs and len(local) > 1 and entry.shape[-1] == local[1]:
+            return "concat", len(entry.shape) - 1
         return None
 
-    def _merged_entry(self, parts: list, how) -> dict:
-        entry = dict(parts[0])
-        entry.pop("placement", None)
+    def _merged_entry(self, parts: list[TensorEntry], how) -> TensorEntry:
         kind, dim = how[:2] if how else ("ranks", None)
-        shape = list(parts[0]["shape"])
+        shape = list(parts[0].shape)
         if kind in ("concat", "concat_parts"):
             dim %= max(len(shape), 1)
-            shape[dim] = sum(p["shape"][dim] for p in parts)
-            stats = combine_stats([p.get("stats") for p in parts])
+            shape[dim] = sum(p.shape[dim] for p in parts)
+            stats = combine_stats([p.stats for p in parts])
         elif kind == "sum":
             stats = {"numel": math.prod(shape), "min": None, "max": None, "mean": None, "l2": None,
-                     "nan": sum(p["stats"].get("nan", 0) for p in parts), "inf": sum(p["stats"].get("inf", 0) for p in parts)}
+                     "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
         else:
-            stats = parts[0].get("stats")
-        merge = {"how": kind, "dim": dim}
-        if kind == "concat_parts":
-            merge["parts"] = how[2]
-        entry.update(shape=shape, stats=stats or parts[0].get("stats"), merge=merge, parts=parts)
-        if parts[0].get("placement"):
-            entry["placement_b"] = parts[0]["placement"]
-        return self._register(entry, parts)
+            stats = parts[0].stats
+        merge = Merge(kind, dim, how[2] if kind == "concat_parts" else None)
+        return self._register(replace(parts[0], shape=shape, stats=stats or parts[0].stats, merge=merge,
+                                      parts=tuple(parts), placement=None), parts)
 
-    def _per_rank_entry(self, parts: list) -> dict:
-        entry = dict(parts[0])
-        entry.update(merge={"how": "ranks", "dim": None}, parts=parts)
-        return self._register(entry, parts)
+    def _per_rank_entry(self, parts: list[TensorEntry]) -> TensorEntry:
+        return self._register(replace(parts[0], merge=Merge("ranks"), parts=tuple(parts)), parts)
 
-    def _register(self, entry: dict, parts: list) -> dict:
-        if all("offset" in p for p in parts):
-            vid = -(len(self._virtual) + 1)  # a unique region: comparisons are memoized by region
-            entry["offset"], entry["nbytes"] = vid, sum(p["nbytes"] for p in parts)
-            self._virtual[vid] = entry
-        else:
-            entry.pop("offset", None)
-            entry.pop("nbytes", None)
-        return entry
+    def _register(self, entry: TensorEntry, parts: list[TensorEntry]) -> TensorEntry:
+        """A joined entry's bytes are its parts': it gets a region of its own (a negative offset, unique in this
+        run) so that comparisons memoized by region never mistake it for one rank's tensor."""
+        if all(p.offset is not None for p in parts):
+            self._joined += 1
+            return replace(entry, offset=-self._joined, nbytes=sum(p.nbytes or 0 for p in parts))
+        return replace(entry, offset=None, nbytes=None)
 
     # -- reading ------------------------------------------------------------------------------------------
-    def part_values(self, entry: dict) -> list:
+    def part_values(self, entry: TensorEntry) -> list:
         """Each rank's stored bits of a merged entry, in rank order."""
-        return [reader.tensor(part) for reader, part in zip(self.readers, entry["parts"])]
+        return [reader.tensor(part) for reader, part in zip(self.readers, entry.parts)]
 
-    def tensor(self, entry: dict) -> np.ndarray:
-        if "parts" not in entry:
+    def tensor(self, entry: TensorEntry) -> np.ndarray:
+        merge = entry.merge
+        if merge is None:
             return self.readers[0].tensor(entry)
-        merge = entry["merge"]
-        if merge["how"] in _ONE_COPY:
-            return self.readers[0].tensor(entry["parts"][0])
+        if merge.how in _ONE_COPY:
+            return self.readers[0].tensor(entry.parts[0])
         values = self.part_values(entry)
-        if merge["how"] == "concat":
-            return np.concatenate(values, axis=merge["dim"])
-        if merge["how"] == "concat_parts":  # [g0; u0], [g1; u1] -> [g0; g1; u0; u1]
-            pieces = [np.split(v, merge["parts"], axis=merge["dim"]) for v in values]
-            return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge["dim"])
-                                   for i in range(merge["parts"])], axis=merge["dim"])
-        if merge["how"] == "sum":  # added as values (bfloat16's stored bits are integers), kept as stored bits
-            total = np.sum([as_float(v, entry["dtype"]).astype(np.float64) for v in values], axis=0)
-            return encode_float(total, entry["dtype"])
+        if merge.how == "concat":
+            return np.concatenate(values, axis=merge.dim)
+        if merge.how == "concat_parts":  # [g0; u0], [g1; u1] -> [g0; g1; u0; u1]
+            pieces = [np.split(v, merge.parts, axis=merge.dim) for v in values]
+            return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge.dim)
+                                   for i in range(merge.parts)], axis=merge.dim)
+        if merge.how == "sum":  # added as values (bfloat16's stored bits are integers), kept as stored bits
+            total = np.sum([as_float(v, entry.dtype).astype(np.float64) for v in values], axis=0)
+            return encode_float(total, entry.dtype)
         return values[0]
 
-    def tensor_chunks(self, entry: dict, chunk_elems: int):
+    def tensor_chunks(self, entry: TensorEntry, chunk_elems: int):
         """The merged tensor's stored bits, flattened, in pieces (``TraceReader.tensor_chunks``). Streamed from the
         rank files, so memory stays flat, where the parts follow one another in its flat order: one rank's copy,
         shards joined on the first axis. Shards of another axis interleave and partial sums add up: those are
         joined in memory first."""
-        merge, parts = entry.get("merge") or {}, entry.get("parts")
-        if not parts:
+        merge, parts = entry.merge, entry.parts
+        if merge is None or not parts:
             return self.readers[0].tensor_chunks(entry, chunk_elems)
-        if merge.get("how") in _ONE_COPY:
+        if merge.how in _ONE_COPY:
             return self.readers[0].tensor_chunks(parts[0], chunk_elems)
-        if merge.get("how") == "concat" and merge.get("dim") == 0:
+        if merge.how == "concat" and merge.dim == 0:
             return itertools.chain.from_iterable(reader.tensor_chunks(part, chunk_elems)
                                                  for reader, part in zip(self.readers, parts))
         flat = self.tensor(entry).reshape(-1)
         return (flat[start:start + chunk_elems] for start in range(0, flat.size, chunk_elems))
 
-    def data_segments(self, entry: dict) -> list | None:
+    def data_segments(self, entry: TensorEntry) -> list | None:
         """``TraceReader.data_segments`` of a merged tensor: one rank's copy, or each rank's shard when shards
         follow one another in its flat order (joined on the first axis); None for the joins made in memory."""
-        merge, parts = entry.get("merge") or {}, entry.get("parts")
-        if not parts:
+        merge, parts = entry.merge, entry.parts
+        if merge is None or not parts:
             return self.readers[0].data_segments(entry)
-        if merge.get("how") in _ONE_COPY:
+        if merge.how in _ONE_COPY:
             return self.readers[0].data_segments(parts[0])
-        if merge.get("how") != "concat" or merge.get("dim") != 0:
+        if merge.how != "concat" or merge.dim != 0:
             return None
         segments = [reader.data_segments(part) for reader, part in zip(self.readers, parts)]
         return None if any(s is None for s in segments) else [seg for found in segments for seg in found]
@@ -307,35 +295,37 @@ class RankedRun:
 _GRAD_OF = {"grad_output": "output", "grad_input": "input"}
 
 
-def _param_of(rec: dict):
+def _param_of(rec: Record):
     """A parameter gradient (whole or one use) is spread over the ranks as its parameter is."""
-    return rec["path"] if rec["kind"] in ("param_grad", "param_grad_use") else None
+    return rec.path if rec.kind in ("param_grad", "param_grad_use") else None
 
 
-def _forward_key(rec: dict, entry: dict):
+def _forward_key(rec: Record, entry: TensorEntry):
     """The forward tensor a gradient belongs to (it is spread over the ranks as that tensor is)."""
-    if rec["kind"] != "call" or rec["phase"] != "backward" or entry["role"] not in _GRAD_OF:
+    if not isinstance(rec, CallRecord) or rec.phase != "backward" or entry.role not in _GRAD_OF:
         return None
-    return rec["path"], rec["call"], _GRAD_OF[entry["role"]], entry["key"]
+    return rec.path, rec.call, _GRAD_OF[entry.role], entry.key
 
 
-def _like_input(entry: dict, known: dict):
+def _like_input(entry: TensorEntry, known: dict):
     """An output shaped like a sharded input of the same call (an activation, a dropout on a shard)."""
-    if entry["role"] not in ("output", "grad_input"):
+    if entry.role not in ("output", "grad_input"):
         return None
-    return known.get(tuple(entry["shape"]))
+    return known.get(tuple(entry.shape))
 
 
-def _key(rec: dict) -> tuple:
-    return rec["kind"], rec.get("phase"), rec["path"], rec.get("module"), rec["call"]
+def _key(rec: Record) -> tuple:
+    if isinstance(rec, CallRecord):
+        return rec.kind, rec.phase, rec.path, None, rec.call
+    return rec.kind, None, rec.path, rec.module, rec.call
 
 
-def _region(entry: dict):
-    return entry.get("offset"), entry.get("nbytes"), entry["dtype"]
+def _region(entry: TensorEntry):
+    return entry.offset, entry.nbytes, entry.dtype
 
 
-def _find(rec: dict, entry: dict):
-    return next((t for t in rec["tensors"] if t["role"] == entry["role"] and t["key"] == entry["key"]), None)
+def _find(rec: Record, entry: TensorEntry) -> TensorEntry | None:
+    return next((t for t in rec.tensors if t.role == entry.role and t.key == entry.key), None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -349,13 +339,13 @@ class RankView:
         self.reader = run.readers[rank]
         self.path = Path(f"{run.path}/rank{rank}.h5")
         self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
-        kinds = {(t.get("merge") or {}).get("how") for rec in run.records for t in rec["tensors"]}
+        kinds = {t.merge.how for rec in run.records for t in rec.tensors if t.merge is not None}
         left_out = {"concat", "concat_parts", "sum"}
         if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
             left_out.add("ranks")
-        spread = {(_key(rec), t["role"], t["key"]) for rec in run.records for t in rec["tensors"]
-                  if (t.get("merge") or {}).get("how") in left_out}
-        self.records = [{**rec, "tensors": [t for t in rec["tensors"] if (_key(rec), t["role"], t["key"]) not in spread]}
+        spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors
+                  if t.merge is not None and t.merge.how in left_out}
+        self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread])
                         for rec in self.reader.records]
 
     def tensor(self, entry):

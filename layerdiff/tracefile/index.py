@@ -1,5 +1,5 @@
-"""The index of a trace: one JSON line per record, written by ``encode_line`` and read back by ``parse_index``,
-which checks every line before anything else reads it."""
+"""The index of a trace: one JSON line per record, written by ``encode_line`` and read back by ``parse_index``
+into typed records (``records``), every line checked before anything else reads it."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,7 @@ import math
 import numpy as np
 import orjson
 
-from layerdiff import schema
-from layerdiff.tracefile.tensors import storage_dtype
+from layerdiff.tracefile.records import EndRecord, Record, decode_line
 
 
 def encode_line(record: dict) -> bytes:
@@ -59,66 +58,22 @@ def _json_default(obj):
     return repr(obj)
 
 
-def parse_index(raw: bytes, data_size: int) -> tuple[list[schema.TraceRecord], schema.TraceRecord | None]:
+def parse_index(raw: bytes, data_size: int) -> tuple[list[Record], EndRecord | None]:
     """Records up to the last complete, consistent line; a torn tail (crash mid-write) is dropped, and so is
-    everything from the first line that is not JSON (or is nested too deeply to decode), fails
-    ``_valid_record`` or points past the end of /data."""
-    records, end = [], None
+    everything from the first line that is not a record (``records.decode_line``: not JSON, nested too deeply,
+    of the wrong shape or types) or that points past the end of /data."""
+    records: list[Record] = []
+    end = None
     for line in raw.rstrip(b"\x00").split(b"\n"):  # a killed writer's reserve ends in zeros
         if not line:
             continue
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):  # also UnicodeDecodeError, integers over 4300 digits
+        rec = decode_line(line)
+        if rec is None:
             break
-        if not _valid_record(rec):
-            break
-        if any(t.get("offset", 0) + t.get("nbytes", 0) > data_size for t in rec.get("tensors", ())):
-            break
-        if rec.get("kind") == "end":
+        if isinstance(rec, EndRecord):
             end = rec
             continue
+        if any((t.offset or 0) + (t.nbytes or 0) > data_size for t in rec.tensors):
+            break
         records.append(rec)
     return records, end
-
-
-_RECORD_FIELDS = {"call": ("phase", "path", "call", "tensors"), "param": ("path", "call", "tensors"),
-                  "param_grad": ("path", "call", "tensors"), "end": (),
-                  "param_grad_use": ("path", "module", "call", "tensors")}  # format 2
-
-
-def _valid_record(rec) -> bool:
-    """A check of each line as it is read, so a damaged line ends the readable part instead of crashing a later
-    pass: the declared shape (``schema.TraceRecord``: types, non-negative counts, ``phase`` forward/backward,
-    ``parent`` null or [path, call]), the fields its ``kind`` needs, and what types alone do not say: an end
-    record holds no tensors; a tensor's ``dtype`` is one this reader knows, its ``shape`` has at most 64
-    dimensions and an element count that fits int64, its ``stats`` are numbers, and in full mode ``offset`` and
-    ``nbytes`` come together with nbytes = elements x itemsize (at most 32 dimensions: numpy's limit)."""
-    if schema.problem(rec, schema.TraceRecord) is not None:
-        return False
-    if any(k not in rec for k in _RECORD_FIELDS[rec["kind"]]):
-        return False
-    if rec["kind"] == "end":  # read by show / align: status, failure {module, error, module_stack}, warnings
-        return rec.get("tensors", []) == []
-    return all(_valid_entry(t) for t in rec["tensors"])
-
-
-def _valid_entry(t: schema.TensorEntry) -> bool:
-    try:
-        itemsize = storage_dtype(t["dtype"]).itemsize
-    except ValueError:  # a dtype name this reader does not know
-        return False
-    shape = t["shape"]
-    if len(shape) > 64:
-        return False
-    numel = 1
-    for d in shape:
-        numel *= d
-        if numel > (1 << 63) - 1:
-            return False
-    if not all(v is None or type(v) in (int, float) for v in t["stats"].values()):
-        return False
-    stored = ("offset" in t, "nbytes" in t)
-    if stored == (True, True):
-        return t["nbytes"] == numel * itemsize and len(shape) <= 32
-    return stored == (False, False)

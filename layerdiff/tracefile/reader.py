@@ -12,6 +12,7 @@ from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
 from layerdiff.tracefile.chunks import DataLocation, LengthenedFile, RawChunkReader, stored_pieces
 from layerdiff.tracefile.index import parse_index
 from layerdiff.tracefile.layout import FORMAT_NAME, FORMAT_VERSION, load_h5py
+from layerdiff.tracefile.records import TensorEntry
 from layerdiff.tracefile.tensors import storage_dtype
 
 
@@ -94,14 +95,14 @@ class TraceReader:
         except Exception as exc:
             raise TraceFormatError(f"{self.path}: damaged tensor data ({first_line(exc)})") from None
 
-    def tensor(self, entry: dict) -> np.ndarray:
+    def tensor(self, entry: TensorEntry) -> np.ndarray:
         """The stored bits of a tensor (decode with ``tensors.as_float``)."""
-        if "offset" not in entry:
+        if entry.offset is None:
             raise LayerdiffError(f"{self.path}: tensor data not stored (trace made in 'stats' mode)")
-        raw = self._read(entry["offset"], entry["nbytes"])
-        return raw.view(storage_dtype(entry["dtype"])).reshape(entry["shape"])
+        raw = self._read(entry.offset, entry.nbytes)
+        return raw.view(storage_dtype(entry.dtype)).reshape(entry.shape)
 
-    def tensor_chunks(self, entry: dict, chunk_elems: int):
+    def tensor_chunks(self, entry: TensorEntry, chunk_elems: int):
         """The stored bits of a tensor, flattened, in pieces of ``chunk_elems`` (bounded memory).
 
         Each piece is valid until the next one. Where the file's chunks sit back to back, a piece is a read-only
@@ -109,13 +110,13 @@ class TraceReader:
         for ahead (``MADV_WILLNEED``) and those compared are let go (``MADV_DONTNEED``): resident memory stays flat.
         """
         raw = self._raw if self._raw is not None and self._raw.mapped is not None else None
-        return stored_pieces(raw, self._read, entry["offset"], entry["nbytes"], storage_dtype(entry["dtype"]), chunk_elems)
+        return stored_pieces(raw, self._read, entry.offset, entry.nbytes, storage_dtype(entry.dtype), chunk_elems)
 
-    def data_location(self, entry: dict) -> DataLocation | None:
+    def data_location(self, entry: TensorEntry) -> DataLocation | None:
         """Where the tensor's bytes lie in the file, for a reader in another process (``MappedData``); None when
         HDF5 did not report every chunk's address (compressed or damaged data, an older HDF5)."""
         raw = self._raw
-        if raw is None or raw.mapped is None or "offset" not in entry:
+        if raw is None or raw.mapped is None or entry.offset is None:
             return None
         if self._location is None:
             count = -(-self._data.shape[0] // raw.chunk)
@@ -123,11 +124,11 @@ class TraceReader:
             self._location = DataLocation(str(self.path), raw.chunk, addresses) if None not in addresses else False
         return self._location or None
 
-    def data_segments(self, entry: dict) -> list | None:
+    def data_segments(self, entry: TensorEntry) -> list | None:
         """[(DataLocation, byte offset, elements)]: where a tensor's flat values lie, for worker processes (one
         segment here; a run of ranks may give several); None where ``data_location`` gives none."""
         location = self.data_location(entry)
-        return None if location is None else [(location, entry["offset"], math.prod(entry["shape"]))]
+        return None if location is None else [(location, entry.offset, math.prod(entry.shape))]
 
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)

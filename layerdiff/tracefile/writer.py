@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from layerdiff import schema
 from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
 from layerdiff.tracefile.index import encode_line
 from layerdiff.tracefile.layout import COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION, INDEX_CHUNK, load_h5py
+from layerdiff.tracefile.records import Stats
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writebehind import BLOCK, WriteBehind
 
@@ -236,7 +236,7 @@ class TraceWriter:
         self.closed = False
 
     def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool,
-                     stats: schema.Stats | None = None) -> schema.TensorEntry:
+                     stats: Stats | None = None) -> dict:
         """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
@@ -269,11 +269,12 @@ class TraceWriter:
         self.records_written += len(lines)
 
     @staticmethod
-    def summary_entry(dtype: str, shape, stats: schema.Stats) -> schema.TensorEntry:
+    def summary_entry(dtype: str, shape, stats: Stats) -> dict:
         """A tensor entry without data: what every record keeps, in both modes."""
         return {"dtype": dtype, "shape": list(shape), "stats": stats}
 
-    def write_record(self, record: schema.TraceRecord):
+    def write_record(self, record: dict):
+        """One record (a dict of the shape ``records`` declares) as the index's next line."""
         line = encode_line(record)
         with self._lock:
             if self.compressed:  # the index may only point at data that is on disk: lines wait for a flush
