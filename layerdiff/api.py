@@ -5,47 +5,22 @@ The CLI's ``align`` and ``report`` commands are thin layers over these functions
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerdiff.compare.spec import Comparison
 from layerdiff.errors import LayerdiffError
 from layerdiff.files import refuse_existing
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_UNTRUSTED = 0, 1, 3
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """How two traces are compared: tolerances, B->A renames, layouts and rules (the flags align and bisect
-    share)."""
-
-    policy: object
-    rename: object
-    layouts: object
-    rules: object
-
-
-def comparison(*, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=()) -> Comparison:  # noqa: A002
-    """Validate the comparison options once; a bad value is a ``LayerdiffError`` naming the option."""
-    from layerdiff.compare.tolerance import TolerancePolicy, check_value, parse_rule
-    from layerdiff.match.layouts import LayoutRules
-    from layerdiff.match.rename import RenameRules
-    from layerdiff.match.rules import ruleset
-
-    try:
-        parsed = [parse_rule(text) for text in tol or ()]
-        for name, value in (("atol", atol), ("rtol", rtol), ("cos", cos)):
-            if value is not None:
-                check_value(name, value)
-    except (ValueError, re.error) as exc:
-        raise LayerdiffError(f"bad tolerance: {exc}") from None
-    try:
-        layouts = LayoutRules(list(layout or ()))
-    except ValueError as exc:
-        raise LayerdiffError(str(exc)) from None
-    return Comparison(TolerancePolicy(atol, rtol, cos, parsed), RenameRules.parse(list(map or ())), layouts,
-                      ruleset(list(rules or ())))
+def comparison(*, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=(),  # noqa: A002
+               auto_map: bool = True) -> Comparison:
+    """Validate the comparison options once (``Comparison.of``); a bad value is a ``LayerdiffError`` naming the
+    option."""
+    return Comparison.of(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules,
+                         auto_map=auto_map)
 
 
 @dataclass(frozen=True)
@@ -166,18 +141,17 @@ def align(a, b=None, *, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(
     from layerdiff.report.progress import ByteProgress
     from layerdiff.runs.ranks import open_run
 
-    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
+    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules, auto_map=auto_map)
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise LayerdiffError(f"--workers must be a whole number >= 1, not {workers!r}")
     if b is None:
         from layerdiff.runs.desync import check_run
 
-        return Report(check_run(a, how.policy, list(rules or ()), workers=workers))
+        return Report(check_run(a, how, workers=workers))
     with open_run(a, how.rules) as ra, open_run(b, how.rules) as rb:
         bar = ByteProgress("aligning", enabled=None if progress else False)
         try:
-            data = align_traces(ra, rb, rename=how.rename, policy=how.policy, progress=bar, auto_map=auto_map,
-                                layouts=how.layouts, rules=how.rules, workers=workers)
+            data = align_traces(ra, rb, how, progress=bar, workers=workers)
         finally:
             bar.close()
     return Report(data)
@@ -213,7 +187,7 @@ def bisect(reference, target, *, args=(), search: bool = False, blocks=None, inc
     from layerdiff.report.jsonio import write_json
     from layerdiff.report.progress import RunProgress
 
-    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules)
+    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules, auto_map=auto_map)
     if json:
         refuse_existing(json, force)
     if json and not Path(json).resolve().parent.is_dir():
@@ -231,12 +205,10 @@ def bisect(reference, target, *, args=(), search: bool = False, blocks=None, inc
     bar = RunProgress(enabled=progress)
     try:
         if search:
-            result = bisection.search(reference, target, kwargs, work, rename=how.rename, layouts=how.layouts,
-                                      policy=how.policy, container=blocks, progress=bar, rules=how.rules)
+            result = bisection.search(reference, target, kwargs, work, how, container=blocks, progress=bar)
         else:
-            result = bisection.replay(reference, target, kwargs, work, rename=how.rename, layouts=how.layouts,
-                                      policy=how.policy, auto_map=auto_map, include=include, exclude=exclude,
-                                      progress=bar, rules=how.rules)
+            result = bisection.replay(reference, target, kwargs, work, how, include=include, exclude=exclude,
+                                      progress=bar)
     finally:
         bar.close()
     if json:

@@ -57,13 +57,13 @@ def recipe_trace(tmp_path_factory):
     return make
 
 
-def align_files(a, b, **kwargs):
-    """``layerdiff.judge.evaluate.align`` on two trace paths."""
+def align_files(a, b, how=None, **kwargs):
+    """``layerdiff.judge.evaluate.align`` on two trace paths (``how``: a ``Comparison``; ``workers=``)."""
     from layerdiff.judge.evaluate import align
     from layerdiff.runs.ranks import open_run
 
     with open_run(a) as ra, open_run(b) as rb:
-        return align(ra, rb, **kwargs)
+        return align(ra, rb, how, **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,7 @@ pytest.importorskip("torch")
 
 from conftest import run_cli  # noqa: E402
 from layerdiff.replay import driver as bisect  # noqa: E402
-from layerdiff.match.layouts import LayoutRules  # noqa: E402
-from layerdiff.match.rename import RenameRules  # noqa: E402
-from layerdiff.compare.tolerance import TolerancePolicy  # noqa: E402
+from layerdiff.compare.spec import Comparison  # noqa: E402
 from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -22,14 +20,12 @@ pytestmark = [pytest.mark.torch]
 
 def replay(reference, tmp_path, **kwargs):
     workdir = bisect.Workdir(tmp_path / "work", {"test": kwargs})
-    return bisect.replay(reference, "torch_llama", kwargs, workdir, rename=RenameRules(), layouts=LayoutRules(),
-                         policy=TolerancePolicy())
+    return bisect.replay(reference, "torch_llama", kwargs, workdir, Comparison())
 
 
 def search(reference, tmp_path, **kwargs):
     workdir = bisect.Workdir(tmp_path / "work", {"test": kwargs})
-    return bisect.search(reference, "torch_llama", kwargs, workdir, rename=RenameRules(), layouts=LayoutRules(),
-                         policy=TolerancePolicy())
+    return bisect.search(reference, "torch_llama", kwargs, workdir, Comparison())
 
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))

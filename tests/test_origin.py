@@ -3,6 +3,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from layerdiff.compare.spec import Comparison  # noqa: E402
 from layerdiff.compare.tolerance import TolerancePolicy  # noqa: E402
 from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
 
@@ -117,6 +118,6 @@ def test_bf16_run_judged_with_bf16_tolerance(recipe_trace, align_paths):
 
 def test_per_module_tolerance_rule_silences_only_that_module(recipe_trace, align_paths):
     loose = TolerancePolicy(rules=[(r"post_attention_layernorm$", {"atol": 1.0, "cos": 0.9})])
-    report = align_paths(recipe_trace(), recipe_trace("eps"), policy=loose)
+    report = align_paths(recipe_trace(), recipe_trace("eps"), Comparison(policy=loose))
     origin = report["forward"]["first_divergence"]
     assert origin is not None and origin["module"] != DEFECTS["eps"][1]

@@ -1,5 +1,4 @@
 """Trace file reading paths agree with each other and with plain h5py."""
-import json
 
 import h5py
 import numpy as np

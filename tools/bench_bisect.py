@@ -25,9 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import layerdiff  # noqa: E402
 from layerdiff.replay import driver as bisect  # noqa: E402
-from layerdiff.match.layouts import LayoutRules  # noqa: E402
-from layerdiff.match.rename import RenameRules  # noqa: E402
-from layerdiff.compare.tolerance import TolerancePolicy  # noqa: E402
+from layerdiff.compare.spec import Comparison  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib (stdlib only at import time)
@@ -79,21 +77,21 @@ def main():
         out["stats_bytes"] = trace_once(tmp / "ref_stats.h5", config, mode="stats")
         out["full_bytes"] = trace_once(tmp / "ref.h5", config)
         out["window_bytes"] = trace_once(tmp / "ref_window.h5", config, layers=(5, 6))
-        common = dict(rename=RenameRules(), layouts=LayoutRules(), policy=TolerancePolicy())
+        how = Comparison()
         cand = {**config, **DEFECT}
 
         work = bisect.Workdir(tmp / "replay", {"bench": 1})
-        out["replay_total_s"], result = timed(lambda: bisect.replay(tmp / "ref.h5", "torch_llama", cand, work, **common))
+        out["replay_total_s"], result = timed(lambda: bisect.replay(tmp / "ref.h5", "torch_llama", cand, work, how))
         out["replay_culprit"] = result["forward"]["culprit"]["description"]
         out["replay_forced_tensors"] = result["forcing"]["forced_tensors"]
         forcer_only = bisect.Workdir(tmp / "forced", {"bench": 2})
         forcer_only.record("free", dict(work.done("free")))  # reuse the free run: time the forced run alone
         (tmp / "forced" / "free.h5").symlink_to(tmp / "replay" / "free.h5")
         out["replay_forced_run_s"], _ = timed(lambda: bisect.replay(tmp / "ref.h5", "torch_llama", cand, forcer_only,
-                                                                    **common))
+                                                                    how))
 
         work = bisect.Workdir(tmp / "search", {"bench": 3})
-        out["search_total_s"], result = timed(lambda: bisect.search(tmp / "ref.h5", "torch_llama", cand, work, **common))
+        out["search_total_s"], result = timed(lambda: bisect.search(tmp / "ref.h5", "torch_llama", cand, work, how))
         out["search_block"] = result["block"]
         out["search_bytes"] = sum(f.stat().st_size for f in (tmp / "search").glob("*.h5"))
         out["replay_bytes"] = sum(f.stat().st_size for f in (tmp / "replay").glob("*.h5"))
@@ -101,7 +99,7 @@ def main():
 
         work = bisect.Workdir(tmp / "window", {"bench": 4})
         out["window_replay_total_s"], result = timed(
-            lambda: bisect.replay(tmp / "ref_window.h5", "torch_llama", cand, work, **common))
+            lambda: bisect.replay(tmp / "ref_window.h5", "torch_llama", cand, work, how))
         out["window_culprit"] = result["forward"]["culprit"]["description"]
 
     c = config

@@ -17,6 +17,7 @@ from layerdiff.compare.configs import diff_configs, from_values
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from layerdiff.compare.nonfinite import first_nonfinite
 from layerdiff.compare.settings import settings_report
+from layerdiff.compare.spec import Comparison
 from layerdiff.compare.workers import aligned_pairs, compare_pairs, worker_count
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules
@@ -24,8 +25,7 @@ from layerdiff.match.layouts import LayoutRules, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
 from layerdiff.match.operands import Operand
 from layerdiff.match.pairing import TensorPair, match_records
-from layerdiff.match.rename import RenameRules
-from layerdiff.match.rules import RuleSet, ruleset
+from layerdiff.match.rules import RuleSet
 from layerdiff.match.sides import TraceSide, token_order
 from layerdiff.tracefile.records import CallRecord, EndRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float
@@ -259,21 +259,18 @@ def _ancestors(records) -> dict:
     return out
 
 
-def module_mapping(reader_a, reader_b, rules: RuleSet, rename: RenameRules | None = None,
-                   auto_map: bool = True) -> ModuleMapping:
-    """Which module of B is which of A (``core.mapping``), from the two traces' records."""
-    return match_modules(modules.from_records(reader_a.records), modules.from_records(reader_b.records), rules,
-                         rename or RenameRules(), auto_map)
+def module_mapping(reader_a, reader_b, how: Comparison) -> ModuleMapping:
+    """Which module of B is which of A (``match.mapping``), from the two traces' records."""
+    return match_modules(modules.from_records(reader_a.records), modules.from_records(reader_b.records), how.rules,
+                         how.rename, how.auto_map)
 
 
-def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None, auto_map: bool = True,
-            layouts: LayoutRules | None = None, rules: RuleSet | None = None,
-            mapping: ModuleMapping | None = None, workers: int | None = 1) -> schema.Report:
-    """Match the two traces (inferring renamed and fused modules) and compute metrics for every tensor pair
-    (``workers`` processes compare large stored tensors: None, one per core; 1, none)."""
-    rename = rename or RenameRules()
-    layouts = layouts or LayoutRules()
-    rules = rules or ruleset()
+def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None, mapping: ModuleMapping | None = None,
+            workers: int | None = 1) -> schema.Report:
+    """Match the two traces (inferring renamed and fused modules unless ``how`` says not to) and compute metrics for
+    every tensor pair (``workers`` processes compare large stored tensors: None, one per core; 1, none)."""
+    how = how or Comparison()
+    rename, layouts, rules = how.rename, how.layouts, how.rules
     for reader in (reader_a, reader_b):
         if not any(r.kind == "call" for r in reader.records):
             raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
@@ -281,7 +278,7 @@ def measure(reader_a, reader_b, rename: RenameRules | None = None, progress=None
     side_a = TraceSide(reader_a.records, reader_a.meta, rules, reader_a)
     side_b = TraceSide(reader_b.records, reader_b.meta, rules, reader_b)
     if mapping is None:  # a mapping made elsewhere (bisect's statistics run of the whole candidate) is reused
-        mapping = module_mapping(reader_a, reader_b, rules, rename, auto_map)
+        mapping = module_mapping(reader_a, reader_b, how)
     matching = match_records(side_a, side_b, mapping)
     _check_related(matching, reader_a, reader_b, rules)
     swap = token_order(side_a, side_b)

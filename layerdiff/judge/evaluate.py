@@ -8,13 +8,11 @@ from __future__ import annotations
 from layerdiff import schema
 from layerdiff.compare.measure import measure
 from layerdiff.compare.metrics import relative_error
+from layerdiff.compare.spec import Comparison
 from layerdiff.compare.tolerance import TolerancePolicy
 from layerdiff.judge.origin import phase_result
 from layerdiff.judge.tree import call_tree, judge_rows, param_rows
-from layerdiff.match.layouts import LayoutRules
 from layerdiff.match.modules import find_blocks
-from layerdiff.match.rename import RenameRules
-from layerdiff.match.rules import RuleSet
 
 
 def evaluate(measurements: schema.Report, policy: TolerancePolicy) -> schema.Report:
@@ -127,8 +125,8 @@ def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows:
     return table
 
 
-def align(reader_a, reader_b, *, rename: RenameRules | None = None, policy: TolerancePolicy | None = None,
-          progress=None, auto_map: bool = True, layouts: LayoutRules | None = None,
-          rules: RuleSet | None = None, workers: int | None = 1) -> schema.Report:
-    return evaluate(measure(reader_a, reader_b, rename, progress, auto_map, layouts, rules, workers=workers),
-                    policy or TolerancePolicy())
+def align(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
+          workers: int | None = 1) -> schema.Report:
+    """Two traces (readers) measured and judged as ``how`` says: the report ``layerdiff align`` writes."""
+    how = how or Comparison()
+    return evaluate(measure(reader_a, reader_b, how, progress=progress, workers=workers), how.policy)

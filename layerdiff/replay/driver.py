@@ -19,18 +19,16 @@ import hashlib
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from layerdiff import runner
 from layerdiff.capture.options import TraceOptions
 from layerdiff.compare.measure import measure, module_mapping
-from layerdiff.compare.tolerance import TolerancePolicy
+from layerdiff.compare.spec import Comparison
 from layerdiff.errors import LayerdiffError
 from layerdiff.files import write_atomically
 from layerdiff.judge.evaluate import align
-from layerdiff.match.layouts import LayoutRules
-from layerdiff.match.rename import RenameRules
-from layerdiff.match.rules import RuleSet, ruleset
 from layerdiff.match.sides import TraceSide
 from layerdiff.replay.forcer import Forcer
 from layerdiff.replay.search import find_blocks, next_splice, observe
@@ -180,11 +178,9 @@ def _reference_options(reader) -> dict:
             "layers": options.get("layers")}
 
 
-def replay(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: RenameRules, layouts: LayoutRules,
-           policy: TolerancePolicy, auto_map: bool = True, include=None, exclude=None, progress=None,
-           rules: RuleSet | None = None) -> dict:
+def replay(reference, target: str, kwargs: dict, workdir: Workdir, how: Comparison, *, include=None, exclude=None,
+           progress=None) -> dict:
     """Free run + forced run of the candidate; the replay result (see ``evaluate_replay``)."""
-    rules = rules or ruleset()
     with _reference(reference) as ref:
         _expect(progress, 2)
         options = _reference_options(ref)
@@ -194,21 +190,20 @@ def replay(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
         free = _run_once(workdir, "free", f"free run of {target}", progress,
                          lambda: run_candidate(target, kwargs, workdir.trace_path("free"), **traced))
         with open_trace(workdir.trace_path("free")) as free_trace:
-            free_report = align(ref, free_trace, rename=rename, policy=policy, auto_map=auto_map, layouts=layouts,
-                                rules=rules)
-            mapping = module_mapping(ref, free_trace, rules, rename, auto_map)
+            free_report = align(ref, free_trace, how)
+            mapping = module_mapping(ref, free_trace, how)
 
             def forced_run():  # the free run says which module is which, fused ones and layouts included
-                forcer = Forcer(ref, rename, layouts, backward=options["backward"], rules=rules, mapping=mapping,
-                                side_b=TraceSide(free_trace.records, free_trace.meta, rules, free_trace))
+                forcer = Forcer(ref, how, backward=options["backward"], mapping=mapping,
+                                side_b=TraceSide(free_trace.records, free_trace.meta, how.rules, free_trace))
                 run = run_candidate(target, kwargs, workdir.trace_path("replay"), forcer=forcer, **traced)
                 return {**run, "forcing": {"forced_tensors": forcer.forced, "not_forced": forcer.unforced}}
 
             forced = _run_once(workdir, "replay", f"replay of {target} on the reference's values", progress,
                                forced_run)
         with open_trace(workdir.trace_path("replay")) as forced_trace:
-            measured = measure(ref, forced_trace, rename, auto_map=auto_map, layouts=layouts, rules=rules)
-    result = evaluate_replay(measured, policy, free_report, forced.get("forcing"))
+            measured = measure(ref, forced_trace, how)
+    result = evaluate_replay(measured, how.policy, free_report, forced.get("forcing"))
     result["runs"] = {"free": free, "replay": forced}
     result["workdir"] = str(workdir.path)
     return result
@@ -227,17 +222,16 @@ def _run_once(workdir: Workdir, name: str, label: str, progress, make) -> dict:
     return workdir.done(name)
 
 
-def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: RenameRules, layouts: LayoutRules,
-           policy: TolerancePolicy, container: str | None = None, progress=None, rules: RuleSet | None = None) -> dict:
+def search(reference, target: str, kwargs: dict, workdir: Workdir, how: Comparison, *, container: str | None = None,
+           progress=None) -> dict:
     """Binary search over the reference's top-level blocks by splicing its activations into the candidate."""
-    rules = rules or ruleset()
     with _reference(reference) as ref:
         parent, blocks = find_blocks(ref.records, container)
         if len(blocks) < 2:
             where = f"under {container!r}" if container else "(a module list with numbered children)"
             raise LayerdiffError(f"{reference}: found no blocks to search {where}; name them with --blocks PATH")
         _expect(progress, 1 + math.ceil(math.log2(len(blocks))))
-        names = _BlockNames(ref, rename, rules)
+        names = _BlockNames(ref, how)
         runs: list[dict] = []
         while True:
             spliced, answer = next_splice(len(blocks), runs) if runs else (None, None)
@@ -250,8 +244,8 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
             def splice_run(spliced=spliced, name=name):
                 # the model itself is recorded too, with statistics only (its logits can outweigh every block)
                 watched = [blocks[0], blocks[-1]] + ([blocks[spliced]] if spliced is not None else [])
-                forcer = None if spliced is None else Forcer(ref, rename, layouts, backward=False, rules=rules,
-                                                             where=_splice_at(blocks[spliced]), **names.forcing())
+                forcer = None if spliced is None else Forcer(ref, how, backward=False, where=_splice_at(blocks[spliced]),
+                                                             **names.forcing())
                 run = run_candidate(target, kwargs, workdir.trace_path(name), forcer=forcer, backward=False,
                                     include=names.include(watched), params=False, strict_filters=False)
                 if spliced is None and not names.found(workdir.trace_path(name), watched):
@@ -259,10 +253,9 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
                     run = run_candidate(target, kwargs, workdir.trace_path(name), backward=False,
                                         include=names.include(watched), params=False, strict_filters=False)
                 with open_trace(workdir.trace_path(name)) as cand:
-                    measured = measure(ref, cand, rename, auto_map=False, layouts=layouts, rules=rules,
-                                       mapping=names.mapping)
+                    measured = measure(ref, cand, replace(how, auto_map=False), mapping=names.mapping)
                 return {**run, "ported": names.mapping is not None,
-                        "observation": {**observe(measured, policy, blocks, spliced), "raised": run["raised"]}}
+                        "observation": {**observe(measured, how.policy, blocks, spliced), "raised": run["raised"]}}
 
             done = _run_once(workdir, name, label, progress, splice_run)
             if done.get("ported") and names.mapping is None:  # resumed: the port's names come from the state
@@ -274,7 +267,7 @@ def search(reference, target: str, kwargs: dict, workdir: Workdir, *, rename: Re
             "splice_runs": sum(1 for r in runs if r["spliced"] is not None),
             "expected_runs": math.ceil(math.log2(len(blocks))), "answer": answer, "block": block,
             "block_b": names.own_name(block) if block else None,
-            "tolerances": policy.describe(), "workdir": str(workdir.path),
+            "tolerances": how.policy.describe(), "workdir": str(workdir.path),
             "verdict": "aligned" if answer["where"] == "none" else "divergent"}
 
 
@@ -283,21 +276,21 @@ class _BlockNames:
     ``model.layers.3``), one cheap run (statistics only, forward, every module) gives the module mapping; the
     splice runs then hook the candidate's own blocks and force through that mapping."""
 
-    def __init__(self, ref, rename: RenameRules, rules: RuleSet):
-        self.ref, self.rename, self.rules = ref, rename, rules
+    def __init__(self, ref, how: Comparison):
+        self.ref, self.how = ref, how
         self.mapping = self.side_b = None
 
     def found(self, trace_path: Path, blocks_a) -> bool:
         with open_trace(trace_path) as trace:
-            paths = {self.rename(r.path) for r in trace.records if isinstance(r, CallRecord)}
+            paths = {self.how.rename(r.path) for r in trace.records if isinstance(r, CallRecord)}
         return any(b in paths for b in blocks_a)
 
     def learn(self, target, kwargs, workdir: Workdir, progress):
         _run_once(workdir, "names", f"names of {target}'s modules (statistics only)", progress,
                   lambda: run_candidate(target, kwargs, workdir.trace_path("names"), backward=False, mode="stats"))
         with open_trace(workdir.trace_path("names")) as trace:
-            self.mapping = module_mapping(self.ref, trace, self.rules, self.rename)
-            self.side_b = TraceSide(trace.records, trace.meta, self.rules)
+            self.mapping = module_mapping(self.ref, trace, replace(self.how, auto_map=True))
+            self.side_b = TraceSide(trace.records, trace.meta, self.how.rules)
 
     def include(self, blocks_a) -> list:
         """Regexes for the candidate's include filter: its own names of the reference's blocks."""

@@ -9,13 +9,12 @@ import math
 import msgspec
 import numpy as np
 
+from layerdiff.compare.spec import Comparison
 from layerdiff.match import fusion
 from layerdiff.match.fused import FusedLinks
 from layerdiff.match.layouts import LayoutRules, relate_shapes
 from layerdiff.match.mapping import Match, ModuleMapping
 from layerdiff.match.pairing import absorbed_child, canonical_key, pair_role, transforms_step
-from layerdiff.match.rename import RenameRules
-from layerdiff.match.rules import RuleSet, ruleset
 from layerdiff.match.sides import TraceSide, token_order
 from layerdiff.tracefile.records import CallRecord, TensorEntry
 from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float
@@ -48,17 +47,16 @@ class Forcer:
     forcing (the binary search forces one boundary); ``backward`` forces gradients too.
     """
 
-    def __init__(self, reader, rename: RenameRules | None = None, layouts: LayoutRules | None = None, *,
-                 backward: bool = True, where=None, rules: RuleSet | None = None, mapping: ModuleMapping | None = None,
-                 side_b: TraceSide | None = None):
+    def __init__(self, reader, how: Comparison | None = None, *, backward: bool = True, where=None,
+                 mapping: ModuleMapping | None = None, side_b: TraceSide | None = None):
         self.reader = reader
-        rules = rules or ruleset()
-        self.side_a = TraceSide(reader.records, reader.meta, rules, reader)
-        self.side_b = side_b or TraceSide([], {}, rules)
+        how = how or Comparison()
+        self.side_a = TraceSide(reader.records, reader.meta, how.rules, reader)
+        self.side_b = side_b or TraceSide([], {}, how.rules)
         self.links = FusedLinks(self.side_a, self.side_b)
         self.mapping = mapping
-        self.rename = rename or RenameRules()
-        self.layouts = layouts or LayoutRules()
+        self.rename = how.rename
+        self.layouts = how.layouts
         self.swap = token_order(self.side_a, self.side_b)
         self.backward = backward
         self.where = where

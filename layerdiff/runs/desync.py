@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ProcessPoolExecutor
 
+from layerdiff.compare.spec import Comparison
 from layerdiff.compare.tolerance import TolerancePolicy
 from layerdiff.errors import LayerdiffError
 from layerdiff.judge.evaluate import align
@@ -18,16 +19,17 @@ from layerdiff.runs.ranks import RankedRun, RankView, open_run
 from layerdiff.tracefile.records import CallRecord
 
 
-def check_run(path, policy: TolerancePolicy | None = None, rule_files=(), workers: int | None = None,
-              progress=None) -> dict:
-    """A report of every rank against rank 0 (see the module docstring)."""
-    policy = policy or TolerancePolicy()
-    with open_run(path, ruleset(rule_files)) as run:
+def check_run(path, how: Comparison | None = None, workers: int | None = None, progress=None) -> dict:
+    """A report of every rank against rank 0 (see the module docstring): by ``how``'s tolerances and rules (the
+    ranks of one run share their names, so no renames or layouts apply)."""
+    how = how or Comparison()
+    policy = how.policy
+    with open_run(path, how.rules) as run:
         if not isinstance(run, RankedRun):
             raise LayerdiffError(f"{path}: a single trace; align it with another one (layerdiff align A B), or "
                                  "give a run directory of several ranks to compare its ranks")
         world, order = run.world_size, _execution_order(run)
-    jobs = [(str(path), rank, policy.describe(), list(rule_files or ())) for rank in range(1, world)]
+    jobs = [(str(path), rank, policy.describe(), list(how.rule_files)) for rank in range(1, world)]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     if workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -58,10 +60,10 @@ def _execution_order(run: RankedRun) -> dict:
 
 
 def _rank_against_rank0(path: str, rank: int, policy: dict, rule_files: list) -> dict:
-    rules = ruleset(rule_files)
-    with open_run(path, rules) as run:
-        report = align(RankView(run, 0), RankView(run, rank), policy=TolerancePolicy.from_description(policy),
-                       rules=rules)
+    how = Comparison(policy=TolerancePolicy.from_description(policy), rules=ruleset(rule_files),
+                     rule_files=tuple(rule_files))
+    with open_run(path, how.rules) as run:
+        report = align(RankView(run, 0), RankView(run, rank), how)
     return {"rank": rank, "verdict": report["verdict"], "forward": report["forward"]["first_divergence"],
             "backward": report["backward"]["first_divergence"],
             "failing_tensors": report["forward"]["failing_tensors"] + report["backward"]["failing_tensors"],
