@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping, cast
 
+from layerdiff import schema
 from layerdiff.compare.spec import Comparison
 from layerdiff.errors import LayerdiffError
 from layerdiff.files import refuse_existing
@@ -29,7 +31,7 @@ class Report:
 
     Re-judging under other tolerances needs no trace: ``report.rethreshold(atol=1e-3)``."""
 
-    data: dict
+    data: Mapping[str, Any]
 
     @property
     def verdict(self) -> str:
@@ -164,6 +166,7 @@ def rethreshold(report, *, atol=None, rtol=None, cos=None, tol=()) -> Report:
     from layerdiff.judge.evaluate import evaluate
     from layerdiff.report.jsonio import read_json
 
+    data: Mapping[str, Any]
     if isinstance(report, Report):
         data = report.data
     elif isinstance(report, dict):
@@ -173,7 +176,9 @@ def rethreshold(report, *, atol=None, rtol=None, cos=None, tol=()) -> Report:
     if "forward" not in data:
         raise LayerdiffError("a comparison of ranks is judged when it is made: align the run again instead")
     policy = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol).policy
-    return Report(evaluate(data, policy))  # evaluate returns a new report: the one given is not changed
+    # a report given in Python is taken as the schema says (a file is checked by read_json); evaluate returns a new
+    # report: the one given is not changed
+    return Report(evaluate(cast(schema.Report, data), policy))
 
 
 def bisect(reference, target, *, args=(), search: bool = False, blocks=None, include=None, exclude=None,

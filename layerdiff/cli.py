@@ -271,21 +271,21 @@ def cmd_trace(args) -> int:
             opened = True
             for _ in range(args.steps):
                 step()
-                progress.advance(tracer.session.writer)
+                progress.advance(tracer.writer)
     except Exception as exc:  # the trace is closed by now and keeps every record written before
         if not opened:
             raise
         if isinstance(exc, (LayerdiffError, OSError)) and not isinstance(exc, (FileNotFoundError,)):
             raise LayerdiffError(f"writing {out} failed ({_one_line(exc)}); the records written before are "
                                  "readable") from None  # a full disk
-        failure = tracer.session.failure or {}  # the user's model raised
+        failure = tracer.failure or {}  # the user's model raised
         where = failure.get("module")
         print(f"layerdiff: the traced run raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
               f"{f' in module {where!r}' if where else ''}; {out} holds every record before it", file=sys.stderr)
         return EXIT_DIVERGENT
     finally:
         progress.close()
-    writer = tracer.session.writer
+    writer = tracer.writer
     print(f"wrote {writer.path}: {writer.records_written - 1} records, {writer.tensor_bytes / 1e6:.1f} MB of "
           f"tensors ({args.mode} mode)")  # records as `show` counts them: the end marker is not one
     return EXIT_OK

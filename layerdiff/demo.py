@@ -9,12 +9,16 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from layerdiff.adapters import FRAMEWORKS
 from layerdiff.errors import LayerdiffError
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def _trace_elsewhere(recipe: str, path, defect: str):
+
+def _trace_elsewhere(recipe: str, path: Path, defect: str) -> None:
     """Trace a recipe with the real CLI in its own process (one framework per process, as users run it)."""
     import subprocess
     import sys
@@ -70,7 +74,7 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
     write_json(report, workdir / "report.json")
     console.print(f"  aligned in {time.perf_counter() - start:.1f} s total; JSON report: {workdir / 'report.json'}\n")
     render(report, console)
-    found = report[direction]["first_divergence"]
+    found = (report["forward"] if direction == "forward" else report["backward"])["first_divergence"]
     hit = found is not None and found["module"] == expected
     console.print(f"\ninjected at [bold]{expected}[/] ({direction}); layerdiff named "
                   f"[bold]{found['module'] if found else 'nothing'}[/]: "
@@ -81,7 +85,8 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
     return 0 if hit and confirmed else 1
 
 
-def _confirm_by_replay(console, reference, framework, defect, workdir, direction, expected) -> bool:
+def _confirm_by_replay(console: Console, reference: Path, framework: str, defect: str, workdir: Path,
+                      direction: str, expected: str) -> bool:
     """``layerdiff bisect``: the candidate re-run on the reference's values; its own error must be the defect."""
     import json
     import subprocess

@@ -14,31 +14,20 @@ import functools
 import json
 import math
 import typing
-from typing import Any, Dict, List, Literal, Optional, TypedDict, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, TypedDict, Union
 
 import orjson
 
 REPORT_VERSION = 1
 
 
-class Int64:
-    """An integer within int64 (JSON's true/false are not integers)."""
-
-
-class Count:
-    """A non-negative ``Int64``: an index, a size, a position in a file."""
-
-
-class Number:
-    """An int64 or a float: what arithmetic and ``"{:.3g}"`` accept (a 400-digit integer overflows a float)."""
-
-
-class CallRef:
-    """``[module path, call index]``: a call's parent or ancestor (the index a ``Count``)."""
-
-
-class ParentRef:
-    """A ``CallRef``, or ``[]`` (a root call)."""
+# The leaves of the declarations: what a type checker reads as int, float and list, and ``problem`` checks more
+# closely at run time (the string in ``Annotated`` says how)
+Int64 = Annotated[int, "int64"]  # an integer within int64 (JSON's true/false are not integers)
+Count = Annotated[int, "count"]  # a non-negative Int64: an index, a size, a position in a file
+Number = Annotated[float, "number"]  # an int64 or a float: what arithmetic and "{:.3g}" accept
+CallRef = Annotated[list, "call_ref"]  # [module path, call index]: a call's parent or ancestor
+ParentRef = Annotated[list, "parent_ref"]  # a CallRef, or [] (a root call)
 
 
 Phase = Literal["forward", "backward"]
@@ -61,6 +50,7 @@ class Metrics(TypedDict, total=False):
     numel: Int64
     mismatch: Any  # why the pair could not be compared (shape, dtype, one side absent)
     nonfinite_mismatch: Any
+    l2_rel: Number  # statistics only: relative difference of the L2 norms
     note: str  # how the pair was compared: transposed, a part of a fused tensor, ...
     matched_by: str
     ranks: Dict[str, Any]  # per-rank metrics ("0", "1", ...) and "sum" of a run spread over ranks
@@ -158,12 +148,18 @@ class RunSummary(_RunSummaryKeys, total=False):
     devices: Optional[List[Any]]
 
 
-class ShortRecord(TypedDict):
-    """A record of one run without a counterpart in the other."""
+class _ShortRecordKeys(TypedDict):
     path: str
 
 
-class _NonfiniteKeys(TypedDict):
+class ShortRecord(_ShortRecordKeys, total=False):
+    """A record of one run without a counterpart in the other."""
+    kind: str
+    phase: Optional[Phase]
+    call: Int64
+
+
+class _NonfiniteOriginKeys(TypedDict):
     module: Any
     phase: Any
     tensor: Any
@@ -171,10 +167,15 @@ class _NonfiniteKeys(TypedDict):
     inf: Any
 
 
+class NonfiniteOrigin(_NonfiniteOriginKeys, total=False):
+    """The first call whose inputs are finite and whose outputs (or input gradients) hold NaN or Inf."""
+    call: Int64
+
+
 class FirstNonfinite(TypedDict):
     """Where each run first produced NaN or Inf (None: it never did)."""
-    a: Optional[_NonfiniteKeys]
-    b: Optional[_NonfiniteKeys]
+    a: Optional[NonfiniteOrigin]
+    b: Optional[NonfiniteOrigin]
 
 
 class _ModuleMatchKeys(TypedDict):
@@ -328,7 +329,7 @@ def _name(tp) -> str:
 def _checker(tp):
     """The checking function of one declared type, built once per type."""
     if _is_typeddict(tp):
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, include_extras=True)
         fields = [(key, _checker(hint)) for key, hint in hints.items()]
         required = [k for k in hints if k in tp.__required_keys__]
 

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 from layerdiff.adapters import detect_framework, load_adapter
+from layerdiff.adapters.base import RankPlace
 from layerdiff.capture.filters import PathFilter
+from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.hparams import model_config
 from layerdiff.capture.options import TraceOptions
 from layerdiff.capture.session import TraceSession
@@ -32,7 +34,7 @@ class Tracer:
         self.adapter = load_adapter(detect_framework(model))
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
         self.session: TraceSession | None = None
-        self._hooks = None
+        self._hooks: ModuleHooks | None = None
 
     def __enter__(self):
         adapter, options = self.adapter, self.options
@@ -57,11 +59,12 @@ class Tracer:
                              compression=options.compression, flush_interval=options.flush_interval,
                              write_behind=int(options.write_behind_mb * 2**20))
         self.session = TraceSession(writer, adapter, options.mode)
-        self._hooks = adapter.hooks(self.model, self.session, options, path_filter, self.forcer)
-        self._hooks.install()
+        hooks = adapter.hooks(self.model, self.session, options, path_filter, self.forcer)
+        hooks.install()
+        self._hooks = hooks
         return self
 
-    def _file_path(self, ranks: dict | None) -> str:
+    def _file_path(self, ranks: RankPlace | None) -> str:
         """The trace file: ``path`` itself, or, in a job of several ranks, ``path/rank{R}.h5`` (one directory per
         run, one file per rank: the same call in every rank never clobbers another rank's trace)."""
         run = Path(self.path)
@@ -78,12 +81,26 @@ class Tracer:
             raise LayerdiffError(f"cannot create the run directory {run}: {exc.strerror or exc}") from None
         return str(run / f"rank{ranks['rank']}.h5")
 
+    @property
+    def writer(self) -> TraceWriter:
+        """The trace's writer, once the trace is open."""
+        if self.session is None:
+            raise LayerdiffError("the trace is not open")
+        return self.session.writer
+
+    @property
+    def failure(self) -> dict | None:
+        """Where the traced run raised, once it has (the innermost module and the error)."""
+        return self.session.failure if self.session is not None else None
+
     def flush(self):
-        self.session.writer.flush()
+        self.writer.flush()
 
     def __exit__(self, exc_type, exc, tb):
-        self._hooks.remove()
-        self.session.close(exc)
+        if self._hooks is not None:
+            self._hooks.remove()
+        if self.session is not None:
+            self.session.close(exc)
         return False
 
 

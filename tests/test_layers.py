@@ -24,3 +24,12 @@ def test_no_module_is_named_like_a_public_function():
     top = {p.stem for p in (ROOT / "layerdiff").glob("*.py")} | {p.name for p in (ROOT / "layerdiff").iterdir()
                                                                 if p.is_dir() and (p / "__init__.py").exists()}
     assert not public & top, public & top
+
+
+def test_the_type_checker_passes(tmp_path):
+    """mypy (settings in pyproject: untyped functions are checked too) finds nothing in the package."""
+    pytest.importorskip("mypy")
+    done = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Success: no issues found" in done.stdout

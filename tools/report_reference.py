@@ -33,7 +33,7 @@ OBJECTS = {
     "Failure": "Where a traced run raised: the module, the error, and the modules active then.",
     "Tolerance": "The tolerance a tensor pair was judged by: it passes when "
                  "`max_abs <= atol + rtol * ref_max_abs` and `cosine >= cos`.",
-    "Nonfinite": "The first call of a run whose inputs are finite and whose outputs (or input gradients) are not.",
+    "NonfiniteOrigin": "The first call of a run whose inputs are finite and whose outputs (or input gradients) are not.",
     "ModuleMatch": "One inferred module match and its evidence.",
     "Unmatched": "Modules of each run with no counterpart in the other.",
     "PhaseResult": "One direction of the alignment, forward or backward: its verdict and its origin.",
@@ -170,18 +170,22 @@ KEYS = {
         "cos": "Minimum cosine similarity.",
     },
     "ShortRecord": {
-        "path": "Its module path (also `kind`, `phase` and `call`).",
+        "path": "Its module path.",
+        "kind": "`call`, `param`, `param_grad` or `param_grad_use`.",
+        "phase": "`forward` or `backward` (null for a parameter's record).",
+        "call": "Its call index (a parameter's: the how-manieth record of it).",
     },
     "FirstNonfinite": {
         "a": "Run A's first NaN/Inf; null if it has none.",
         "b": "Run B's first NaN/Inf; null if it has none.",
     },
-    "Nonfinite": {
+    "NonfiniteOrigin": {
         "module": "The call's module path.",
         "phase": "`forward` or `backward`.",
         "tensor": "The tensor's key.",
         "nan": "How many NaN values it holds.",
         "inf": "How many Inf values it holds.",
+        "call": "The call's index.",
     },
     "ModuleMatch": {
         "a": "A's module path.",
@@ -266,7 +270,7 @@ def is_object(tp) -> bool:
 
 
 def title(cls) -> str:
-    """The object's name on the page: ``_NonfiniteKeys`` is ``Nonfinite``."""
+    """The object's name on the page: ``_RunSummaryKeys`` is ``RunSummary``."""
     name = cls.__name__.lstrip("_")
     return name[:-4] if name.endswith("Keys") else name
 
@@ -304,7 +308,7 @@ def reachable(root) -> list:
 
     found, queue = [root], [root]
     while queue:
-        for hint in typing.get_type_hints(queue.pop(0)).values():
+        for hint in typing.get_type_hints(queue.pop(0), include_extras=True).values():
             for cls in objects_in(hint):
                 if cls not in found:
                     found.append(cls)
@@ -334,7 +338,7 @@ def cell(text: str) -> str:
 
 
 def section(cls) -> list:
-    name, hints = title(cls), typing.get_type_hints(cls)
+    name, hints = title(cls), typing.get_type_hints(cls, include_extras=True)
     described = KEYS.get(name, {})
     stale = sorted(set(described) - set(hints))
     if stale:

@@ -27,7 +27,7 @@ UNSUPPORTED = {
 UNSUPPORTED["mindtorch"] = UNSUPPORTED["mindnlp"]
 
 
-def detect_framework(model) -> str:
+def detect_framework(model: object) -> str:
     """The framework a model belongs to, from its class hierarchy (no framework is imported to find out)."""
     roots = [(cls.__module__ or "").split(".")[0] for cls in type(model).__mro__]
     refused = next((UNSUPPORTED[r] for r in roots if r in UNSUPPORTED), None)
@@ -43,7 +43,8 @@ def detect_framework(model) -> str:
 def load_adapter(framework: str) -> FrameworkAdapter:
     """The adapter of ``framework`` (importing the framework itself)."""
     try:
-        return importlib.import_module(f"{__name__}.{framework}_adapter").ADAPTER
+        adapter: FrameworkAdapter = importlib.import_module(f"{__name__}.{framework}_adapter").ADAPTER
+        return adapter
     except ModuleNotFoundError as exc:
         if framework in FRAMEWORKS and exc.name and exc.name.startswith(f"{__name__}."):
             raise LayerdiffError(f"no layerdiff adapter for {framework} yet") from None

@@ -9,7 +9,7 @@ sets (``match/rulesets``), so a trace is read without its framework installed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, TypedDict
 
 from layerdiff.capture import hparams
 
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from layerdiff.capture.hooks import ModuleHooks
     from layerdiff.capture.options import TraceOptions
     from layerdiff.capture.session import TraceSession
-    from layerdiff.schema import Stats
 
 
 class RankPlace(TypedDict):
@@ -46,7 +45,7 @@ class FrameworkAdapter(ABC):
         """The trace's name of the tensor's dtype ("bfloat16", "float8_e4m3fn", ...), None if a trace cannot hold it."""
 
     @abstractmethod
-    def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None:
+    def to_stored(self, t: Any) -> tuple[np.ndarray[Any, Any], str] | None:
         """(numpy array of the tensor's bits, dtype name), or None if it cannot be stored."""
 
     def identify(self, t: Any) -> Any:
@@ -54,7 +53,7 @@ class FrameworkAdapter(ABC):
         dtype, in-place version), or None where the framework cannot tell (every tensor is then stored)."""
         return None
 
-    def fast_stats(self, t: Any) -> Stats | None:
+    def fast_stats(self, t: Any) -> Mapping[str, Any] | None:
         """The tensor's summary statistics reduced by the framework itself, or None to take them with numpy."""
         return None
 
@@ -62,7 +61,7 @@ class FrameworkAdapter(ABC):
         """(dtype name, shape) of what ``fast_stats`` summarized: lets "stats" mode skip the host copy."""
         raise NotImplementedError(f"{self.name}: fast_stats without describe")
 
-    def placement(self, t: Any) -> dict | None:
+    def placement(self, t: Any) -> dict[str, Any] | None:
         """How a distributed tensor is spread over ranks (``{"placements": ["S(0)"], "mesh": [2], "coord": [1],
         "global_shape": [...]}``), or None: the stored bytes are then this rank's local part."""
         return None
@@ -84,7 +83,7 @@ class FrameworkAdapter(ABC):
         """(name, parameter, type name of its module) for weight transfer."""
         return hparams.typed_parameters(self.named_modules(model), self.named_parameters(model))
 
-    def module_entries(self, model: Any) -> list:
+    def module_entries(self, model: Any) -> list[hparams.ModuleEntry]:
         """(path, type name, hyper-parameters, [(parameter leaf, shape)]) of every module, in the model's order:
         what weight transfer matches a model's modules by."""
         return hparams.module_entries(self.named_modules(model), self.named_parameters(model))
@@ -96,7 +95,7 @@ class FrameworkAdapter(ABC):
         """The hooks that trace ``model`` into ``session`` (installed by the tracer, removed on exit)."""
 
     @abstractmethod
-    def metadata(self, model: Any) -> dict:
+    def metadata(self, model: Any) -> dict[str, Any]:
         """Framework, version, devices, dtypes, seeds and determinism switches: what explains most mismatches."""
 
     @abstractmethod
@@ -105,9 +104,9 @@ class FrameworkAdapter(ABC):
 
     # -- weights ---------------------------------------------------------------------------------------------
     @abstractmethod
-    def assign(self, param: Any, array: np.ndarray, dtype: str) -> None:
+    def assign(self, param: Any, array: np.ndarray[Any, Any], dtype: str) -> None:
         """Copy stored bits into a parameter (cast to the parameter's dtype if they differ)."""
 
     @abstractmethod
-    def to_framework(self, array: np.ndarray, like: Any) -> Any:
+    def to_framework(self, array: np.ndarray[Any, Any], like: Any) -> Any:
         """A tensor holding ``array``'s values with ``like``'s dtype and device (a reference value for replay)."""

@@ -20,7 +20,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from layerdiff.adapters.base import FrameworkAdapter
+from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
 
 _DTYPE_NAMES = {
@@ -58,7 +58,7 @@ def identify(t):
     return None
 
 
-def distributed() -> dict | None:
+def distributed() -> RankPlace | None:
     """This process's place in a MindSpore job of several ranks, launched by msrun (None when it runs alone).
 
     Asks the communication module only once it is initialized (``init()`` ran): calling ``get_rank`` earlier

@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 import paddle
 
-from layerdiff.adapters.base import FrameworkAdapter
+from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
 
 _DTYPE_NAMES = {name: name for name in (
@@ -181,7 +181,7 @@ def describe(t):
     return _dtype_name(t), list(t.shape)
 
 
-def distributed() -> dict | None:
+def distributed() -> RankPlace | None:
     """This process's place in a paddle.distributed job of several ranks (None when it runs alone)."""
     import paddle.distributed as dist
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import torch
 
-from layerdiff.adapters.base import FrameworkAdapter
+from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
 
 _DTYPE_NAMES = {
@@ -54,7 +54,7 @@ def placement(t: torch.Tensor):
     if getattr(t, "tensor_model_parallel", False) and hasattr(t, "partition_dim"):
         state = sys.modules.get("megatron.core.parallel_state")  # set by Megatron itself; never imported here
         size = state.get_tensor_model_parallel_world_size() if state else 1
-        if size > 1:
+        if state is not None and size > 1:
             shape = list(t.shape)
             shape[t.partition_dim] *= size
             return {"placements": [f"S({t.partition_dim})"], "mesh": [size],
@@ -197,7 +197,7 @@ def describe(t: torch.Tensor):
     return _DTYPE_NAMES[t.dtype], list(local(t).shape)
 
 
-def distributed() -> dict | None:
+def distributed() -> RankPlace | None:
     """This process's place in a torch.distributed job of several ranks (None when it runs alone)."""
     import torch.distributed as dist
 
@@ -300,7 +300,8 @@ class Hooks(ModuleHooks):
         own = self.tied_in_module.get(frame.path)
         if not own:
             return
-        stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        seen: set[int] = set()
         while stack and len(seen) < _MAX_GRAPH_WALK:
             node = stack.pop()
             if id(node) in seen or type(node).__name__ == "_GradTapBackward":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import Any
 
 from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
@@ -51,7 +52,7 @@ class ModuleHooks:
         self.backward = options.backward
         self.path_filter = path_filter
         self.record_params = options.params
-        self.handles = []
+        self.handles: list = []
         self.active = False  # hooks that cannot be removed (Paddle's parameter reduce hooks) check this
         self.open_frames: dict[int, list] = {}  # id(module) -> frames of its calls in progress (recursion)
         self.no_input_taps: set[str] = set()  # paths caught modifying a tapped input in place
@@ -170,7 +171,7 @@ class ModuleHooks:
         session = self.session
         is_tensor = self.adapter.is_tensor
         # hyper-parameters are read again in every step (they may change); the extra repr is parsed when it does
-        read = {"step": None, "hparams": {}, "repr": None, "repr_values": {}}
+        read: dict[str, Any] = {"step": None, "hparams": {}, "repr": None, "repr_values": {}}
 
         def hook(module, args, kwargs):
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
@@ -182,7 +183,8 @@ class ModuleHooks:
                 if text != read["repr"]:
                     read["repr"], read["repr_values"] = text, extra_repr_values(text)
                 read["step"], read["hparams"] = step, hyper_parameters(module, read["repr_values"])
-            tensors, scalars = [], {}
+            tensors: list = []
+            scalars: dict[str, Any] = {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names)
@@ -221,7 +223,8 @@ class ModuleHooks:
             except Exception as exc:
                 session.fail_call(frame, exc)
                 raise
-            tensors, scalars = [], {}
+            tensors: list = []
+            scalars: dict[str, Any] = {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             entries = session.end_call(frame, tensors, scalars)
             if path in self.tied_in_module and self._taps_enabled() and self.record_params:

@@ -3,9 +3,13 @@ the ``key=value`` pairs of its extra repr), its parameters and the model's own c
 from __future__ import annotations
 
 import re
+from typing import Any, Iterable
 
 _KV = re.compile(r"(\w+)=([^,=()\[\]]+|\([^)]*\)|\[[^\]]*\])(?=,|$)")
 _MAX_STR = 100
+
+# (path, type name, hyper-parameters, [(parameter leaf, shape)]): one module as weight transfer matches it
+ModuleEntry = tuple[str, str, dict[str, Any], list[tuple[str, tuple[int, ...]]]]
 
 
 def _scalar(v):
@@ -34,10 +38,11 @@ def typed_parameters(named_modules, named_parameters) -> list:
     return [(name, p, types.get(name.rpartition(".")[0])) for name, p in named_parameters]
 
 
-def module_entries(named_modules, named_parameters) -> list:
+def module_entries(named_modules: Iterable[tuple[str, Any]], named_parameters: Iterable[tuple[str, Any]]
+                   ) -> list[ModuleEntry]:
     """(path, type name, hyper-parameters, [(parameter leaf, shape)]) per module in the model's own order: what
     weight transfer needs to match a model's modules with another's (``core.modules.from_model``)."""
-    params: dict = {}
+    params: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for name, p in named_parameters:
         module, _, leaf = name.rpartition(".")
         params.setdefault(module, []).append((leaf, tuple(p.shape)))
@@ -66,7 +71,7 @@ def hyper_parameters(module, repr_values: dict) -> dict:
 
 def extra_repr_values(extra_repr: str) -> dict:
     """The ``key=value`` pairs of a module's extra repr, as values."""
-    out = {}
+    out: dict = {}
     for key, text in _KV.findall(extra_repr or ""):
         out.setdefault(key, _parse_literal(text))
     return out

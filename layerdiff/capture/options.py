@@ -26,17 +26,17 @@ class TraceOptions:
     backward: bool = True
     include: Patterns = None
     exclude: Patterns = None
-    layers: Optional[tuple] = None
+    layers: Optional[tuple[int, ...]] = None
     params: bool = True
     compression: Optional[str] = None
     flush_interval: float = 1.0
     write_behind: Optional[float] = None
     overwrite: bool = False
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
     strict_filters: bool = True
     one_process: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise LayerdiffError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         behind = self.write_behind
@@ -62,7 +62,7 @@ class TraceOptions:
                     write_behind=self.write_behind_mb)
 
 
-def check_flush_interval(value) -> None:
+def check_flush_interval(value: object) -> None:
     """A finite number of seconds >= 0 (the CLI's flag and the writer share this check)."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
         raise LayerdiffError(f"flush interval must be a finite number of seconds >= 0, not {value!r}")

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from typing import Any, Callable
 
 SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
-def walk(obj, prefix: str, is_tensor, on_tensor, on_scalar=None):
+def walk(obj: Any, prefix: str, is_tensor: Callable[[Any], bool], on_tensor: Callable[[str, Any], object],
+         on_scalar: Callable[[str, Any], object] | None = None) -> None:
     """Call ``on_tensor(key, t)`` for every tensor leaf, ``on_scalar(key, v)`` for simple scalars."""
     if is_tensor(obj):
         on_tensor(prefix, obj)
@@ -26,7 +28,7 @@ def walk(obj, prefix: str, is_tensor, on_tensor, on_scalar=None):
             on_scalar(prefix, obj)
 
 
-def replace_tensors(obj, is_tensor, replacement: dict):
+def replace_tensors(obj: Any, is_tensor: Callable[[Any], bool], replacement: dict[int, Any]) -> Any:
     """A copy of ``obj`` with the tensors whose ``id`` is in ``replacement`` swapped; untouched parts are shared."""
     if not replacement:
         return obj
@@ -38,17 +40,17 @@ def replace_tensors(obj, is_tensor, replacement: dict):
             return obj
         if type(obj) in (dict,):
             return items
-        new = copy.copy(obj)  # ModelOutput, OrderedDict, ...: keep the type and its attributes
+        new: Any = copy.copy(obj)  # ModelOutput, OrderedDict, ...: keep the type and its attributes
         for k, v in items.items():
             new[k] = v
         return new
     if isinstance(obj, (tuple, list)):
-        items = [replace_tensors(v, is_tensor, replacement) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
+        elements = [replace_tensors(v, is_tensor, replacement) for v in obj]
+        if all(a is b for a, b in zip(elements, obj)):
             return obj
         if isinstance(obj, list):
-            return type(obj)(items) if type(obj) is not list else items
+            return type(obj)(elements) if type(obj) is not list else elements
         if hasattr(type(obj), "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)
+            return type(obj)(*elements)
+        return type(obj)(elements)
     return obj

@@ -33,7 +33,7 @@ def _spill(ck: Checkpoint) -> Checkpoint:
     safetensors_io.save(target, tensors)
     del tensors
     spilled = SafetensorsFiles(ck.path, [target])
-    spilled.format, spilled.notes, spilled._tmp = ck.format, ck.notes, target
+    spilled.format, spilled.notes, spilled.spill_file = ck.format, ck.notes, target
     ck.close()
     return spilled
 
@@ -86,7 +86,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
     a, b = _AtHome(a, rules), _AtHome(b, rules)
     patterns = _transpose_patterns(transpose)
     a_names = {canonical_param_name(n): n for n in a.names()}
-    b_to_a = {}
+    b_to_a: dict[str, str] = {}
     for n in b.names():
         key = canonical_param_name(rename(n))
         if key in b_to_a:
@@ -140,8 +140,9 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
             near += entry["within_tolerance"]
         identical += same
         different += not same
-        if math.isfinite(m["max_abs"]):
-            max_all = max(max_all, m["max_abs"])
+        max_abs = m.get("max_abs")
+        if max_abs is not None and math.isfinite(max_abs):
+            max_all = max(max_all, max_abs)
         result[shown] = entry
         del xa, xb
     result["__summary__"] = {
@@ -193,9 +194,9 @@ def _stats(ck: Checkpoint, name: str) -> dict:
     return summarize(values, dtype)
 
 
-def _cleanup(ck):
+def _cleanup(ck: Checkpoint):
     ck.close()
-    tmp = getattr(ck, "_tmp", None)
+    tmp = ck.spill_file
     if tmp is not None:
         tmp.unlink(missing_ok=True)
         try:

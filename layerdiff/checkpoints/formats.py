@@ -10,6 +10,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ class Checkpoint:
         self.path = Path(path)
         self._index: dict = {}
         self.notes: list = []
+        self.spill_file: Path | None = None  # a temporary file its tensors were moved into (removed after use)
 
     def names(self) -> list:
         return list(self._index)
@@ -77,7 +79,7 @@ class SafetensorsFiles(Checkpoint):
 
     def __init__(self, path, files):
         super().__init__(path)
-        self._where = {}
+        self._where: dict[str, tuple] = {}
         for file in files:
             for name, entry in safetensors_io.read_header(file)[0].items():
                 if name in self._where:
@@ -205,8 +207,8 @@ class TorchFile(Checkpoint):
         if obj is None:
             obj, mmapped = torch_load(path)
         self.whole = not mmapped
-        skipped = []
-        self._tensors = {}
+        skipped: list[str] = []
+        self._tensors: dict[str, Any] = {}
         flatten(obj, "", self._tensors, lambda x: isinstance(x, torch.Tensor), skipped, source=path)
         if not self._tensors:
             raise LayerdiffError(f"{path}: no tensors in this PyTorch file")
@@ -253,7 +255,8 @@ def load_pdparams(path) -> InMemory:
         raise LayerdiffError(f"{path}: not a readable .pdparams file ({first_line(exc)})") from None
     if not isinstance(obj, dict):
         raise LayerdiffError(f"{path}: a .pdparams file should hold a dict of arrays, not {type(obj).__name__}")
-    tensors, skipped = {}, []
+    tensors: dict = {}
+    skipped: list = []
     flatten({k: v for k, v in obj.items() if k != "StructuredToParameterName@@"}, "", tensors,
              lambda x: isinstance(x, np.ndarray), skipped, source=path)
     out = {}

@@ -18,7 +18,8 @@ def megatron_globals() -> tuple:
     that load; none of them runs user code."""
     import numpy.core.multiarray as multiarray
 
-    return (argparse.Namespace, multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32")))
+    reconstruct = multiarray._reconstruct  # type: ignore[attr-defined]  # numpy's private pickling helper
+    return (argparse.Namespace, reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32")))
 
 
 _REPLICATED_HINT = re.compile(r"norm", re.I)
@@ -126,7 +127,7 @@ def load_megatron(path: Path) -> Checkpoint:
                 raise LayerdiffError(f"{file}: no 'model' entry (not a Megatron checkpoint)")
             flat = {}
             for key in models:
-                part = {}
+                part: dict = {}
                 flatten(obj[key], "", part, lambda x: isinstance(x, torch.Tensor), [], source=file)
                 prefix = f"{key}." if len(models) > 1 else ""
                 flat.update({prefix + k: v for k, v in part.items()})

@@ -39,7 +39,7 @@ def save(path, tensors: dict, metadata: dict | None = None, *, overwrite: bool =
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for array in arrays:  # a non-contiguous array is copied only while it is written
-            f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+            f.write(np.ascontiguousarray(array).data.cast("B"))
 
 
 def read_header(path) -> tuple[dict, dict]:
@@ -84,7 +84,7 @@ def read_header(path) -> tuple[dict, dict]:
         dtype, shape, begin, end = _check_entry(path, name, info)
         ranges.append((begin, end, name))
         entries[name] = (dtype, shape, 8 + n + begin, end - begin)
-    expected, previous = 0, None
+    expected, previous = 0, ""
     for begin, end, name in sorted(ranges):
         if begin < expected:
             raise LayerdiffError(f"{path}: tensors {_show(previous)!r} and {_show(name)!r} overlap (data bytes "

@@ -21,6 +21,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -113,6 +114,9 @@ class DistCheckpoint(Checkpoint):
         metadata = _read_metadata(self.path / ".metadata")
         storage = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}
         self._parts: dict = {}  # name -> (key, index along the stacked axes or None, [(offsets, sizes, info)])
+        head: list[tuple[str, tuple]]
+        tail: list[tuple[str, tuple]]
+        layers: dict[int, list[tuple[str, tuple]]]
         head, layers, tail = [], {}, []  # names in model order: what precedes the layers, layer by layer, the rest
         skipped, objects = 0, 0
         for key, meta in metadata.state_dict_metadata.items():
@@ -148,7 +152,7 @@ class DistCheckpoint(Checkpoint):
         self.notes.append(f"{len(metadata.state_dict_metadata)} entries read from {self.path.name}/.metadata" + (
             f"; left out: {skipped} optimizer / RNG tensors" if skipped else "") + (
             f", {objects} non-tensor entries" if objects else ""))
-        self._last = (None, None)  # the last chunk read: a chunk can hold several layers
+        self._last: tuple[Any, Any] = (None, None)  # the last chunk read: a chunk can hold several layers
 
     def _load(self, name):
         key, index, chunks = self._parts[name]

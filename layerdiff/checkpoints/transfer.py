@@ -56,13 +56,16 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
         groups = {}
     else:
         plan, groups, stacked = _inferred_plan(adapter, model, state, params, rename, rules)
-    problems, assignments, used = [], [], set()
+    problems: list[str] = []
+    assignments: list[tuple] = []
+    used: set[str] = set()
     for name, tensor, module_type in params:
         pieces = stacked.get(name, [name])  # an expert tensor of all experts is built expert by expert
-        sources = [plan.get(piece) for piece in pieces]
-        if None in sources:
-            problems.append(f"{name}: no {canonical_param_name(rename(pieces[sources.index(None)]))} in the source")
+        missing = [piece for piece in pieces if piece not in plan]
+        if missing:
+            problems.append(f"{name}: no {canonical_param_name(rename(missing[0]))} in the source")
             continue
+        sources = [plan[piece] for piece in pieces]
         for source in sources:
             used.update(source.sources)
         arrays = [paramplan.build(source, lambda n: state[n][0], groups.get(source.name, 1)) for source in sources]
@@ -90,7 +93,7 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
     group counts, and {model parameter: its per-expert pieces}."""
     source_infos = modules.from_params([(n, a.shape, summarize(a, d)) for n, (a, d) in state.items()])
     entries = adapter.module_entries(model)
-    experts = _stacked_experts(entries) if adapter.name == "torch" else {}
+    experts = _stacked_experts(entries) if adapter.name == "torch" else set()
     mapping = match_modules(source_infos, modules.from_model(_per_expert(entries, experts)), rules, rename)
     own, stacked = {}, {}
     for name, tensor, module_type in params:

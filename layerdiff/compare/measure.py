@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
+from typing import Any, Optional, cast
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from layerdiff.compare.spec import Comparison
 from layerdiff.compare.workers import aligned_pairs, compare_pairs, worker_count
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules
-from layerdiff.match.layouts import LayoutRules, relate_shapes
+from layerdiff.match.layouts import LayoutRules, TokenOrder, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
 from layerdiff.match.operands import Operand
 from layerdiff.match.pairing import TensorPair, match_records
@@ -40,13 +41,13 @@ def trace_summary(reader) -> schema.RunSummary:
     return {"path": str(reader.path), "framework": meta.get("framework"),
             "framework_version": meta.get("framework_version"), "model_class": meta.get("model_class"),
             "mode": meta.get("mode"), "records": len(reader.records), "complete": not reader.crashed,
-            "status": end.status or "interrupted", "failure": end.failure,
+            "status": end.status or "interrupted", "failure": cast(Optional[schema.Failure], end.failure),
             "warnings": end.warnings, "param_dtypes": meta.get("param_dtypes"),
             "target": (meta.get("user") or {}).get("target"), "target_args": (meta.get("user") or {}).get("target_args"),
             "devices": meta.get("devices")}
 
 
-def _short(rec: Record) -> dict:
+def _short(rec: Record) -> schema.ShortRecord:
     return {"kind": rec.kind, "phase": rec.phase, "path": rec.path, "call": rec.call}
 
 
@@ -54,7 +55,7 @@ def _region(entry: TensorEntry):
     return entry.offset, entry.nbytes, entry.dtype
 
 
-def _compare_declared(reader_a, reader_b, ta: TensorEntry, tb: TensorEntry, rule) -> dict:
+def _compare_declared(reader_a, reader_b, ta: TensorEntry, tb: TensorEntry, rule) -> schema.Metrics:
     """B's tensor through a user-declared layout transform, then compared as A's shape."""
     if ta.offset is None or tb.offset is None:
         metrics = compare_stats(ta.stats, tb.stats)  # statistics survive transposes and reshapes
@@ -78,11 +79,11 @@ def _values(reader, t: TensorEntry) -> np.ndarray:
     return values if values.dtype in (np.float32, np.float64) else values.astype(np.float64)
 
 
-def _compare_values(a: np.ndarray, b: np.ndarray) -> dict:
+def _compare_values(a: np.ndarray, b: np.ndarray) -> schema.Metrics:
     return compare_arrays(np.ascontiguousarray(a), np.ascontiguousarray(b), str(a.dtype), str(b.dtype))
 
 
-def _prepared(tp: TensorPair, path_a: str, layouts: LayoutRules, swap: bool):
+def _prepared(tp: TensorPair, path_a: str, layouts: LayoutRules, swap: TokenOrder | bool):
     """(A's operand, B's operand, a declared layout rule or None, how their shapes relate)."""
     a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
     return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, swap if tp.activation else False)
@@ -96,7 +97,8 @@ def _stored_key(a: Operand, b: Operand, rule, relation):
     return None
 
 
-def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: bool, workers: int | None, progress) -> dict:
+def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: TokenOrder | bool, workers: int | None,
+                        progress) -> dict:
     """Metrics of the pairs compared straight from stored bytes, by worker processes (``compare_workers``), keyed
     like ``_pair_metrics``' memo; empty when they are too few bytes to be worth it, or workers cannot be used."""
     count = worker_count(workers)
@@ -128,7 +130,8 @@ def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: bool, worker
     return dict(zip(jobs, results)) if results is not None else {}
 
 
-def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: LayoutRules, swap: bool) -> dict | None:
+def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: LayoutRules,
+                  swap: TokenOrder | bool) -> schema.Metrics | None:
     """Metrics for one tensor pair (None: it cannot be compared from what the traces hold). A pair of stored
     regions already compared (records share deduplicated tensors, or workers compared it) is not read again."""
     reader_a, reader_b = readers
@@ -144,7 +147,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
             if key not in memo:
                 memo[key] = compare_data(reader_a.tensor_chunks(a.entry, CHUNK_ELEMS),
                                          reader_b.tensor_chunks(b.entry, CHUNK_ELEMS), a.dtype, b.dtype)
-            metrics = dict(memo[key])
+            metrics: schema.Metrics = {**memo[key]}
         else:
             try:
                 va, vb = relation.views(a.values(reader_a), b.values(reader_b))
@@ -189,7 +192,7 @@ def _resolved(operand: Operand, other_shape) -> Operand:
     return replace(operand, entries=(per_rank.resolve(operand.entry, other_shape),))
 
 
-def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> dict | None:
+def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> dict[str, Any] | None:
     """For a tensor one run holds spread over ranks: each rank's shard or copy against the matching piece of the
     other run, so a report can say "rank 1's shard of ..." ({rank: metrics})."""
     for side, operand, reader, other, other_reader in (("b", b, reader_b, a, reader_a), ("a", a, reader_a, b, reader_b)):
@@ -204,7 +207,8 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
         pieces = per_rank.rank_slices(operand.entry, laid_out) if laid_out is not None else None
         if pieces is None:
             return None
-        out, copies = {}, []
+        out: dict[str, Any] = {}
+        copies = []
         for rank, (mine, theirs) in enumerate(zip(reader.part_values(operand.entry), pieces)):
             mine = as_float(mine, operand.entry.dtype).reshape(-1)
             theirs = np.ascontiguousarray(theirs).reshape(-1)
@@ -212,7 +216,7 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
                 return None
             copies.append(mine)
             out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
-        sharded = operand.entry.merge.how in ("concat", "concat_parts")
+        sharded = operand.entry.merge is not None and operand.entry.merge.how in ("concat", "concat_parts")
         out["how"] = "shards" if sharded else "copies"
         if not sharded and any(not np.array_equal(copies[0], c) for c in copies[1:]):
             # copies that should be equal are not: do they add up to the other run's (a missing all-reduce)?
@@ -226,17 +230,24 @@ def _tensor_row(tp: TensorPair, metrics: schema.Metrics) -> schema.TensorResult:
     def nonfinite(op):
         return sum(e.stats.get("nan", 0) + e.stats.get("inf", 0) for e in op.entries if e.stats)
 
-    row = {"role": tp.role, "key": tp.key, "dtype_a": tp.a.dtype, "dtype_b": tp.b.dtype,
-           "shape_a": list(tp.a.shape), "shape_b": list(tp.b.shape), "metrics": metrics,
-           "nonfinite_a": nonfinite(tp.a), "nonfinite_b": nonfinite(tp.b)}
-    for side, op in (("a", tp.a), ("b", tp.b)):  # a loss or a scalar: its value, shown step by step
-        if len(op.entries) == 1 and (op.entries[0].stats or {}).get("numel") == 1:
-            row[f"value_{side}"] = op.entries[0].stats.get("mean")
+    row: schema.TensorResult = {
+        "role": tp.role, "key": tp.key, "dtype_a": tp.a.dtype, "dtype_b": tp.b.dtype,
+        "shape_a": list(tp.a.shape), "shape_b": list(tp.b.shape), "metrics": metrics,
+        "nonfinite_a": nonfinite(tp.a), "nonfinite_b": nonfinite(tp.b)}
+    if _one_value(tp.a):  # a loss or a scalar: its value, shown step by step
+        row["value_a"] = tp.a.entries[0].stats.get("mean")
+    if _one_value(tp.b):
+        row["value_b"] = tp.b.entries[0].stats.get("mean")
     if tp.key_b != tp.key:
         row["key_b"] = tp.key_b
         if tp.a.plain and tp.b.plain and not tp.notes:
             metrics["matched_by"] = f"position and shape (B's key: {tp.key_b})"
     return row
+
+
+def _one_value(op: Operand) -> bool:
+    """One stored tensor of one element (a loss)."""
+    return len(op.entries) == 1 and (op.entries[0].stats or {}).get("numel") == 1
 
 
 def _data_bytes(rec: Record) -> int:
@@ -285,18 +296,20 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     memo = _compare_in_workers(matching.pairs, (reader_a, reader_b), layouts, swap, workers, progress)
     if progress is not None:
         progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in matching.pairs))
-    records = []
+    records: list[schema.Row] = []
     ancestors = _ancestors(reader_a.records)
     for pair in matching.pairs:
         ra, rb = pair.a, pair.b[0]
-        tensors, skipped = [], list(pair.skipped)
+        tensors: list[schema.TensorResult] = []
+        skipped = list(pair.skipped)
         for tp in pair.tensors:
             metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), memo, layouts, swap)
             if metrics is None:
                 skipped.append(f"{tp.role}:{tp.key} (statistics only: a part or transform needs the values)")
             else:
                 tensors.append(_tensor_row(tp, metrics))
-        row = {"kind": ra.kind, "phase": ra.phase, "path": ra.path,
+        row: schema.Row = {
+               "kind": ra.kind, "phase": ra.phase, "path": ra.path,
                "path_b": " + ".join(r.path for r in pair.b),
                "call": ra.call, "step": ra.step, "type_a": ra.type, "type_b": rb.type,
                "begin": ra.begin if isinstance(ra, CallRecord) else ra.seq,

@@ -9,9 +9,11 @@ report can be re-thresholded without re-tracing.
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import numpy as np
 
+from layerdiff.schema import Metrics
 from layerdiff.tracefile.tensors import as_float
 
 CHUNK_ELEMS = 1 << 18   # elements read from a trace at a time
@@ -113,7 +115,7 @@ class DataAccumulator:
         if finite.any():
             self._block(a[finite], b[finite])
 
-    def result(self) -> dict:
+    def result(self) -> Metrics:
         na, nb = math.sqrt(self.aa), math.sqrt(self.bb)
         if na > 0 and nb > 0:
             norm_gap = self.ds / (na + nb)  # |a| - |b|, computed without cancellation
@@ -155,7 +157,7 @@ def accumulate(chunks_a, chunks_b, dtype_a: str, dtype_b: str) -> DataAccumulato
     return acc
 
 
-def compare_data(chunks_a, chunks_b, dtype_a: str, dtype_b: str) -> dict:
+def compare_data(chunks_a, chunks_b, dtype_a: str, dtype_b: str) -> Metrics:
     """Metrics over two equally long streams of flat chunks (numpy arrays of stored bits)."""
     return accumulate(chunks_a, chunks_b, dtype_a, dtype_b).result()
 
@@ -176,14 +178,14 @@ def _rechunk(chunks_a, chunks_b):
         a, b = a[n:], b[n:]
 
 
-def compare_arrays(a: np.ndarray, b: np.ndarray, dtype_a: str, dtype_b: str) -> dict:
+def compare_arrays(a: np.ndarray, b: np.ndarray, dtype_a: str, dtype_b: str) -> Metrics:
     """``compare_data`` for in-memory arrays (used by tests and by small tensors)."""
     fa, fb = a.reshape(-1), b.reshape(-1)
     return compare_data((fa[i:i + CHUNK_ELEMS] for i in range(0, fa.size, CHUNK_ELEMS)),
                         (fb[i:i + CHUNK_ELEMS] for i in range(0, fb.size, CHUNK_ELEMS)), dtype_a, dtype_b)
 
 
-def compare_stats(sa: dict, sb: dict) -> dict:
+def compare_stats(sa: Mapping[str, Any], sb: Mapping[str, Any]) -> Metrics:
     """Metrics from summary statistics: the largest difference among min, max, mean and RMS."""
     if sa.get("numel", 0) == 0 or sa.get("min") is None or sb.get("min") is None:
         same = sa.get("numel") == sb.get("numel") and sa.get("nan") == sb.get("nan")
@@ -201,7 +203,7 @@ def compare_stats(sa: dict, sb: dict) -> dict:
             "ref_max_abs": ref, "cosine": None, "nonfinite_mismatch": nonfinite, "numel": sa["numel"]}
 
 
-def relative_error(m: dict) -> float:
+def relative_error(m: Mapping[str, Any]) -> float:
     """Worst absolute difference over the reference's largest magnitude (inf for a mismatch): how errors are
     ranked along the model."""
     if m.get("mismatch") or m.get("nonfinite_mismatch"):

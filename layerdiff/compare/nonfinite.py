@@ -1,16 +1,19 @@
 """Where NaN and Inf are born in one trace: the first call whose inputs are finite and whose outputs are not."""
 from __future__ import annotations
 
-from layerdiff.schema import IN_ROLES, OUT_ROLES
+from typing import Iterable
+
+from layerdiff.schema import IN_ROLES, OUT_ROLES, NonfiniteOrigin
+from layerdiff.tracefile.records import CallRecord, Record, TensorEntry
 
 
-def first_nonfinite(records, phase: str | None = None) -> dict | None:
+def first_nonfinite(records: Iterable[Record], phase: str | None = None) -> NonfiniteOrigin | None:
     """The first module call (execution order; forward before backward unless ``phase`` picks one) whose
     outputs hold NaN/Inf while its inputs are finite: where the NaN was born, not where it was first seen."""
-    def bad(t):
+    def bad(t: TensorEntry) -> int:
         return t.stats.get("nan", 0) + t.stats.get("inf", 0)
 
-    calls = sorted((r for r in records if r.kind == "call" and phase in (None, r.phase)),
+    calls = sorted((r for r in records if isinstance(r, CallRecord) and phase in (None, r.phase)),
                    key=lambda r: (r.phase != "forward", r.end))
     for rec in calls:
         ins = [t for t in rec.tensors if t.role in IN_ROLES[rec.phase]]
@@ -18,6 +21,7 @@ def first_nonfinite(records, phase: str | None = None) -> dict | None:
         bad_outs = [t for t in outs if bad(t)]
         if bad_outs and not any(bad(t) for t in ins):
             t = bad_outs[0]
-            return {"module": rec.path, "call": rec.call, "phase": rec.phase, "tensor": t.key,
-                    "nan": t.stats.get("nan", 0), "inf": t.stats.get("inf", 0)}
+            origin: NonfiniteOrigin = {"module": rec.path, "call": rec.call, "phase": rec.phase, "tensor": t.key,
+                                       "nan": t.stats.get("nan", 0), "inf": t.stats.get("inf", 0)}
+            return origin
     return None

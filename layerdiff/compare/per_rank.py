@@ -6,6 +6,7 @@ tensor of unknown placement) is decided here, against the other run's tensor.
 from __future__ import annotations
 
 import itertools
+from typing import Any, Sequence
 
 import numpy as np
 from msgspec.structs import replace
@@ -15,7 +16,7 @@ from layerdiff.match.operands import combine_stats
 from layerdiff.tracefile.records import Merge, TensorEntry
 
 
-def resolve(entry: TensorEntry, other_shape) -> TensorEntry:
+def resolve(entry: TensorEntry, other_shape: Sequence[int]) -> TensorEntry:
     """A per-rank ("ranks") entry read against another run's tensor of ``other_shape``: replicated when the
     shapes line up (up to layout), shards along the one axis that, N times longer, lines them up; else as is."""
     if entry.merge is None or entry.merge.how != "ranks" or len(entry.parts) < 2:
@@ -36,7 +37,7 @@ def resolve(entry: TensorEntry, other_shape) -> TensorEntry:
                    stats=combine_stats([p.stats for p in entry.parts]) or entry.stats)
 
 
-def rank_slices(entry: TensorEntry, values_in_b_layout: np.ndarray) -> list | None:
+def rank_slices(entry: TensorEntry, values_in_b_layout: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]] | None:
     """The other run's values cut the way this merged entry's ranks hold them: one piece per rank (the whole for
     replicated copies), or None when the entry is not per-rank comparable (partial sums)."""
     merge, n = entry.merge, len(entry.parts)
@@ -45,10 +46,10 @@ def rank_slices(entry: TensorEntry, values_in_b_layout: np.ndarray) -> list | No
     if merge.how == "replicate" or (merge.how == "ranks" and n > 1):
         return [values_in_b_layout] * n
     if merge.how == "concat":
-        sizes = [p.shape[merge.dim] for p in entry.parts]
-        return np.split(values_in_b_layout, list(itertools.accumulate(sizes))[:-1], axis=merge.dim)
+        sizes = [p.shape[merge.axis] for p in entry.parts]
+        return np.split(values_in_b_layout, list(itertools.accumulate(sizes))[:-1], axis=merge.axis)
     if merge.how == "concat_parts":
-        per_part = [np.array_split(part, n, axis=merge.dim)
-                    for part in np.split(values_in_b_layout, merge.parts, axis=merge.dim)]
-        return [np.concatenate([chunks[rank] for chunks in per_part], axis=merge.dim) for rank in range(n)]
+        per_part = [np.array_split(part, n, axis=merge.axis)
+                    for part in np.split(values_in_b_layout, merge.part_count, axis=merge.axis)]
+        return [np.concatenate([chunks[rank] for chunks in per_part], axis=merge.axis) for rank in range(n)]
     return None

@@ -8,6 +8,7 @@ compared only when both runs recorded them) and says why each one matters.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 # key in the trace metadata -> why a difference matters
 WHY = {
@@ -42,7 +43,7 @@ class SettingDiff:
     why: str
 
 
-def differing_settings(meta_a: dict, meta_b: dict) -> list[SettingDiff]:
+def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[SettingDiff]:
     """Settings both runs recorded with different values, plus environment variables and framework flags set
     differently (set on one side only counts)."""
     out = [SettingDiff(key, meta_a[key], meta_b[key], why) for key, why in WHY.items()
@@ -56,7 +57,7 @@ def differing_settings(meta_a: dict, meta_b: dict) -> list[SettingDiff]:
     return out
 
 
-def settings_report(meta_a: dict, meta_b: dict) -> dict:
+def settings_report(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> dict[str, Any]:
     """``report["settings"]``: what differs, and each run's own notes (``meta={...}`` given to trace)."""
     return {"differ": [asdict(d) for d in differing_settings(meta_a, meta_b)],
             "notes": {"a": meta_a.get("user") or {}, "b": meta_b.get("user") or {}}}

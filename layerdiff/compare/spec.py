@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from os import PathLike
+from typing import Iterable
 
 from layerdiff.compare.tolerance import TolerancePolicy, check_value, parse_rule
 from layerdiff.errors import LayerdiffError
@@ -24,10 +26,12 @@ class Comparison:
     layouts: LayoutRules = field(default_factory=LayoutRules)
     rules: RuleSet = field(default_factory=ruleset)
     auto_map: bool = True
-    rule_files: tuple = ()  # the files ``rules`` was made from (worker processes make it again from them)
+    rule_files: tuple[str, ...] = ()  # the files ``rules`` was made from (worker processes make it again from them)
 
     @classmethod
-    def of(cls, *, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=(),  # noqa: A002
+    def of(cls, *, atol: float | None = None, rtol: float | None = None, cos: float | None = None,
+           tol: Iterable[str] | None = (), map: Iterable[str] | None = (),  # noqa: A002
+           layout: Iterable[str] | None = (), rules: Iterable[str | PathLike[str]] | None = (),
            auto_map: bool = True) -> Comparison:
         """From the options as the CLI and the Python API name them; a bad value is a ``LayerdiffError`` naming the
         option."""

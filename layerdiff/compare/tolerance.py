@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
 
+from layerdiff import schema
 from layerdiff.tracefile.tensors import FLOAT_DTYPES, PRECISION_RANK
 
 
@@ -20,7 +22,7 @@ class Tolerance:
     rtol: float
     cos: float | None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> schema.Tolerance:
         return {"atol": self.atol, "rtol": self.rtol, "cos": self.cos}
 
 
@@ -34,7 +36,7 @@ DEFAULTS = {
 }
 
 
-def dtype_class(dtype_a: str, dtype_b: str) -> str:
+def dtype_class(dtype_a: str | None, dtype_b: str | None) -> str:
     floats = [d for d in (dtype_a, dtype_b) if d in FLOAT_DTYPES]
     if not floats:
         return "exact"
@@ -45,11 +47,12 @@ def dtype_class(dtype_a: str, dtype_b: str) -> str:
 class TolerancePolicy:
     """Defaults per dtype, overridden globally and then by the first matching module-path rule."""
 
-    def __init__(self, atol=None, rtol=None, cos=None, rules=()):
+    def __init__(self, atol: float | None = None, rtol: float | None = None, cos: float | None = None,
+                 rules: Iterable[tuple[str, Mapping[str, float]]] = ()) -> None:
         self.global_override = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("cos", cos)) if v is not None}
         self.rules = [(re.compile(pattern), dict(values)) for pattern, values in rules]
 
-    def for_tensor(self, path: str, dtype_a: str, dtype_b: str) -> Tolerance:
+    def for_tensor(self, path: str, dtype_a: str | None, dtype_b: str | None) -> Tolerance:
         cls = dtype_class(dtype_a, dtype_b)
         tol = DEFAULTS[cls]
         if cls != "exact":
@@ -60,17 +63,17 @@ class TolerancePolicy:
                 break
         return tol
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"defaults": {k: v.as_dict() for k, v in DEFAULTS.items()}, "override": self.global_override,
                 "rules": [[p.pattern, v] for p, v in self.rules]}
 
     @classmethod
-    def from_description(cls, desc: dict) -> "TolerancePolicy":
+    def from_description(cls, desc: Mapping[str, Any]) -> TolerancePolicy:
         o = desc.get("override", {})
         return cls(o.get("atol"), o.get("rtol"), o.get("cos"), rules=desc.get("rules", ()))
 
 
-def parse_rule(text: str):
+def parse_rule(text: str) -> tuple[str, dict[str, float]]:
     """``REGEX:atol=1e-3,rtol=0,cos=0.999`` -> (regex, {...}); raises ValueError with a readable message."""
     pattern, sep, body = text.rpartition(":")
     if not sep or not pattern:
@@ -95,7 +98,7 @@ def check_value(name: str, value: float) -> float:
     return value
 
 
-def judge(metrics: dict, tol: Tolerance) -> tuple[bool, str]:
+def judge(metrics: Mapping[str, Any], tol: Tolerance) -> tuple[bool, str]:
     """(passed, reason). The reason names the first check that failed, for the report."""
     if metrics.get("mismatch"):
         return False, metrics["mismatch"]

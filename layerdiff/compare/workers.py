@@ -20,8 +20,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, cast
 
 from layerdiff.compare.metrics import CHUNK_ELEMS, DataAccumulator, accumulate
+from layerdiff.schema import Metrics
 from layerdiff.tracefile.chunks import DataLocation, MappedData
 from layerdiff.tracefile.tensors import storage_dtype
 
@@ -76,7 +78,7 @@ def worker_count(requested: int | None) -> int:
 
 
 def compare_pairs(pairs: list[StoredPair], workers: int, progress=None, slice_bytes: int = SLICE_BYTES,
-                  groups: list[int] | None = None) -> list[dict] | None:
+                  groups: list[int] | None = None) -> list[Metrics] | None:
     """``compare_data``'s metrics of each pair, in order, computed by up to ``workers`` processes; None when they
     could not start or one failed (the caller then compares in-process). ``groups``: the result each pair's sums
     go to (the pieces of one comparison, from ``aligned_pairs``); one result per pair when None.
@@ -84,7 +86,7 @@ def compare_pairs(pairs: list[StoredPair], workers: int, progress=None, slice_by
     groups = list(range(len(pairs))) if groups is None else groups
     locations = sorted({p.location_a for p in pairs} | {p.location_b for p in pairs}, key=lambda loc: loc.path)
     index = {loc: i for i, loc in enumerate(locations)}
-    slices = []
+    slices: list = []
     for n, pair in enumerate(pairs):
         widest = max(storage_dtype(pair.dtype_a).itemsize, storage_dtype(pair.dtype_b).itemsize)
         step = max(slice_bytes // widest // CHUNK_ELEMS, 1) * CHUNK_ELEMS  # the blocks an in-process pass sums
@@ -127,7 +129,7 @@ class _Pool:
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
                 self.procs.append(proc)
                 self._send(proc, header)
-                self.selector.register(proc.stdout, selectors.EVENT_READ, proc)
+                self.selector.register(cast(IO[bytes], proc.stdout), selectors.EVENT_READ, proc)  # PIPE: set
         except OSError:
             self.close()
             raise _WorkerFailed from None
@@ -177,7 +179,8 @@ class _Pool:
         for proc in self.procs:
             for stream in (proc.stdin, proc.stdout):
                 try:
-                    stream.close()
+                    if stream is not None:
+                        stream.close()
                 except OSError:
                     pass
             if proc.poll() is None:

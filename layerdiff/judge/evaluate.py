@@ -24,10 +24,7 @@ def evaluate(measurements: schema.Report, policy: TolerancePolicy) -> schema.Rep
     forward = phase_result(rows, "forward", call_tree(rows, "forward", strict), params, None)
     backward = phase_result(rows, "backward", call_tree(rows, "backward", strict), params,
                              forward["first_divergence"])
-    for key, side in (("failure", "b"), ("failure_a", "a")):  # a run that raised: where, and what
-        failure = measurements[side].get("failure")
-        forward[key] = failure and {"module": failure.get("module"), "error": failure.get("error"),
-                                    "module_stack": failure.get("module_stack", [])}
+    forward["failure"], forward["failure_a"] = _failure(measurements["b"]), _failure(measurements["a"])
     crash = forward["failure"] or forward["failure_a"]
     if crash and forward["first_divergence"] is None:  # everything before the crash agrees: the crash is it
         run = "B" if forward["failure"] else "A"
@@ -37,28 +34,36 @@ def evaluate(measurements: schema.Report, policy: TolerancePolicy) -> schema.Rep
             "description": f"{crash['module'] or '<root>'} raised in run {run}: {crash['error']}",
             "chain": [p or "<root>" for p in crash["module_stack"]], "hparam_diff": {}, "param_diffs": []}
     param_values = params["param"]
-    report = {**measurements, "records": rows}
+    report: schema.Report = {**measurements, "records": rows}
     report["trust"] = trust(measurements, forward, backward)
     report["next_pass"] = window_suggestion(measurements, forward["first_divergence"])
-    report.update(
-        tolerances=policy.describe(), forward=forward, backward=backward,
-        params={"compared": len(param_values), "differ": [p["name"] for p in param_values if not p["passed"]],
-                "grads_compared": len(params["param_grad"]),
-                "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]],
-                "grad_uses_differ": [f"{p['module']} (call {p['call']})" for p in params["param_grad_use"]
-                                     if not p["passed"]]},
-        growth=growth_table(rows, forward["first_divergence"]),
-        verdict="divergent" if {"divergent", "failed"} & {forward["status"], backward["status"]}
-        or any(not p["passed"] for p in param_values) else "aligned")
+    report["tolerances"] = policy.describe()
+    report["forward"], report["backward"] = forward, backward
+    report["params"] = {
+        "compared": len(param_values), "differ": [p["name"] for p in param_values if not p["passed"]],
+        "grads_compared": len(params["param_grad"]),
+        "grads_differ": [p["name"] for p in params["param_grad"] if not p["passed"]],
+        "grad_uses_differ": [f"{p['module']} (call {p['call']})" for p in params["param_grad_use"] if not p["passed"]]}
+    report["growth"] = growth_table(rows, forward["first_divergence"])
+    divergent = {"divergent", "failed"} & {forward["status"], backward["status"]}
+    report["verdict"] = "divergent" if divergent or any(not p["passed"] for p in param_values) else "aligned"
     return report
+
+
+def _failure(run: schema.RunSummary) -> schema.Failure | None:
+    """A run that raised: where, and what."""
+    failure = run.get("failure")
+    if not failure:
+        return failure
+    return {"module": failure.get("module"), "error": failure.get("error"),
+            "module_stack": failure.get("module_stack", [])}
 
 
 def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: schema.PhaseResult) -> schema.Trust:
     """Why an "aligned" verdict could still be wrong: a run that did not finish, a phase recorded on one side
     only, the same trace twice. ``{"ok": bool, "problems": [...]}``; the CLI exits 3 for aligned-but-not-ok."""
     problems = []
-    for side, name in (("a", "A"), ("b", "B")):
-        summary = measurements[side]
+    for summary, name in ((measurements["a"], "A"), (measurements["b"], "B")):
         if not summary.get("complete", True):
             problems.append(f"{name} ({summary['path']}) is incomplete: its run did not finish, so only what it "
                             "recorded before was compared")
@@ -76,14 +81,19 @@ def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: sc
 
 def window_suggestion(measurements: schema.Report, origin: schema.Origin | None) -> dict | None:
     """Two-pass tracing: after a statistics-only align, the block to trace again in full mode and bisect."""
-    if origin is None or measurements.get("basis") not in ("stats", "mixed") or not origin.get("module"):
+    module = origin.get("module") if origin is not None else None
+    if not module or measurements.get("basis") not in ("stats", "mixed"):
         return None
     container, blocks = find_blocks(r["path"] for r in measurements["records"] if r["kind"] == "call")
-    index = next((i for i, b in enumerate(blocks) if origin["module"] == b or origin["module"].startswith(b + ".")),
-                 None)
+    index = next((i for i, b in enumerate(blocks) if module == b or module.startswith(b + ".")), None)
     if index is None:
         return None
     return {"block": blocks[index], "layers": f"{index}:{index + 1}", "container": container}
+
+
+def _parent_path(row: schema.Row) -> str | None:
+    parent = row.get("parent")
+    return parent[0] if parent else None
 
 
 def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows: int = 16) -> list:
@@ -102,13 +112,13 @@ def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows:
     if origin and origin.get("chain"):
         chain = [p if p != "<root>" else "" for p in origin["chain"]]
         near.update(chain)
-        parent = chain[-2] if len(chain) > 1 else None
-        near.update(r["path"] for r in calls if parent is not None and r.get("parent") and r["parent"][0] == parent)
-        near.update(r["path"] for r in calls if r.get("parent") and r["parent"][0] == chain[-1])
-    tree_depth = {}
+        grandparent = chain[-2] if len(chain) > 1 else None
+        near.update(r["path"] for r in calls if grandparent is not None and _parent_path(r) == grandparent)
+        near.update(r["path"] for r in calls if _parent_path(r) == chain[-1])
+    tree_depth: dict[tuple | None, int] = {}
     for r in calls:  # depth in the call tree (a never-called ModuleList adds no level)
-        parent = tuple(r["parent"]) if r.get("parent") else None
-        tree_depth[(r["path"], r["call"])] = tree_depth.get(parent, -1) + 1
+        parent = r.get("parent")
+        tree_depth[(r["path"], r["call"])] = tree_depth.get(tuple(parent) if parent else None, -1) + 1
     table = []
     for r in calls:
         if depth(r) > chosen and r["path"] not in near:

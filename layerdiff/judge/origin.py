@@ -7,14 +7,14 @@ inputs of backward) and w.r.t. inputs plus the module's own parameter gradients 
 from __future__ import annotations
 
 from layerdiff import schema
-from layerdiff.judge.tree import Node
+from layerdiff.judge.tree import Judged, Node
 from layerdiff.match.rules import builtin
 
 HPARAM_ALIASES = {"epsilon": "eps", "variance_epsilon": "eps", "layer_norm_eps": "eps", "rms_norm_eps": "eps",
                   "layer_norm_epsilon": "eps", "norm_eps": "eps", "dropout_p": "p", "attention_dropout": "p"}
 
 
-def _first_failing(tensors) -> dict | None:
+def _first_failing(tensors: list[Judged]) -> Judged | None:
     return next((t for t in tensors if not t["passed"]), None)
 
 
@@ -59,7 +59,7 @@ def describe_origin(node: Node, where: str, after, before, ranks: tuple | None =
     return f"{path}, own code"
 
 
-def _partial_ranks(tensor: dict | None) -> tuple | None:
+def _partial_ranks(tensor: Judged | None) -> tuple | None:
     """(ranks, "shards" or "copies") whose part is off, when only some are (all of them: none is singled out)."""
     ranks = (tensor or {}).get("ranks")
     per_rank = ((tensor or {}).get("metrics") or {}).get("ranks", {})
@@ -75,7 +75,7 @@ def hparam_diff(a: dict | None, b: dict | None) -> dict:
     return {k: [na[k], nb[k]] for k in sorted(set(na) & set(nb)) if na[k] != nb[k]}
 
 
-def _origin_dict(node: Node, where: str, after, before, chain, phase: str, params: list) -> schema.Origin:
+def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Phase, params: list) -> schema.Origin:
     row = node.row
     if where == "inputs":
         bad = _first_failing(node.ins)
@@ -93,8 +93,8 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: str, param
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
             "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
             "description": describe_origin(node, where, after, before, _partial_ranks(bad)),
-            "tensor": bad and {"role": bad["role"], "key": bad["key"], "reason": bad["reason"],
-                               "metrics": bad["metrics"]},
+            "tensor": {"role": bad["role"], "key": bad["key"], "reason": bad["reason"], "metrics": bad["metrics"]}
+            if bad else None,
             "ranks": bad.get("ranks") if bad else None, "hint": bad.get("hint") if bad else None,
             "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
             "class_diff": same_family_types,
@@ -111,24 +111,27 @@ def _first_over_tolerance(rows, phase):
     return {"module": first["path"], "call": first["call"]}
 
 
-def phase_result(rows, phase, roots, params, forward_origin) -> schema.PhaseResult:
+def phase_result(rows: list[schema.Row], phase: schema.Phase, roots: list[Node], params: dict,
+                 forward_origin: schema.Origin | None) -> schema.PhaseResult:
     present = any(r["kind"] == "call" and r["phase"] == phase for r in rows)
-    failing = [t for r in rows if r["kind"] == "call" and r["phase"] == phase for t in r["tensors"]
-               if not t["passed"]]
+    failing: list[Judged] = [t for r in rows if r["kind"] == "call" and r["phase"] == phase for t in r["tensors"]
+                             if not t["passed"]]
     if phase == "backward":
         failing += [p for kind in ("param_grad", "param_grad_use") for p in params.get(kind, []) if not p["passed"]]
     failing += [t for root in roots for t in root.ins if t.get("one_sided")]
-    result = {"present": present, "status": "aligned" if present and not failing else
-              ("divergent" if failing else "absent"), "failing_tensors": len(failing),
-              "first_divergence": None, "first_over_tolerance": _first_over_tolerance(rows, phase)}
+    result: schema.PhaseResult = {
+        "present": present, "status": "aligned" if present and not failing else ("divergent" if failing else "absent"),
+        "failing_tensors": len(failing), "first_divergence": None,
+        "first_over_tolerance": _first_over_tolerance(rows, phase)}
     if failing:
         origin = _origin(roots, phase, params)
         if phase == "backward" and forward_origin is not None:
             # Once forward differs, every gradient is computed from differing activations, and small
             # differences grow through sums (weight gradients): backward is attributed to the forward origin;
             # what the backward descent alone would name is kept to look at after the forward fix.
-            inherited = {**forward_origin, "where": "forward", "phase": "backward",
-                         "description": f"{forward_origin['description']} (inherited from the forward divergence)"}
+            inherited: schema.Origin = {
+                **forward_origin, "where": "forward", "phase": "backward",
+                "description": f"{forward_origin['description']} (inherited from the forward divergence)"}
             if origin is not None and origin["where"] != "inputs":
                 inherited["backward_candidate"] = origin["description"]
             origin = inherited
@@ -136,7 +139,7 @@ def phase_result(rows, phase, roots, params, forward_origin) -> schema.PhaseResu
     return result
 
 
-def _origin(roots, phase, params) -> schema.Origin | None:
+def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Origin | None:
     for root in roots:
         if not root.inputs_ok:
             what = "inputs" if phase == "forward" else "gradient of the loss w.r.t. the outputs"

@@ -3,24 +3,34 @@ tomorrow), with its tensors judged under a tolerance policy and sorted into the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
 
 from layerdiff import schema
 from layerdiff.compare.tolerance import TolerancePolicy, judge
 from layerdiff.schema import IN_ROLES, OUT_ROLES
 
+Judged = Mapping[str, Any]  # a judged tensor of a row (``schema.TensorResult``), or a parameter's (``param_rows``)
+NodeKind = Literal["module", "op"]
+CallKey = tuple[str, int]  # (path, call number): one call of a module or operation
+NODE_KINDS = {"call": "module", "op": "op"}  # the rows a tree is made of, by the kind of their record
 
-# ---------------------------------------------------------------------------------------------------------
-# Pass 2: evaluate
-# ---------------------------------------------------------------------------------------------------------
+
 @dataclass
 class Node:
+    """One call of the judged tree: a module call, or (``kind`` "op") an operation that a module's own code ran.
+    ``ins``/``outs`` are its tensors by direction (in backward, gradients w.r.t. outputs are its inputs)."""
+
     row: schema.Row
-    ins: list[schema.TensorResult]
-    outs: list[schema.TensorResult]
-    children: list = field(default_factory=list)
+    ins: list[Judged]
+    outs: list[Judged]
+    children: list[Node] = field(default_factory=list)
 
     @property
-    def key(self):
+    def kind(self) -> NodeKind:
+        return "op" if self.row["kind"] == "op" else "module"
+
+    @property
+    def key(self) -> tuple[str, int]:
         return self.row["path"], self.row["call"]
 
     @property
@@ -45,9 +55,9 @@ def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[sch
 def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy) -> schema.TensorResult:
     tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"])
     passed, reason = judge(tensor["metrics"], tol)
-    t = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
-    for stale in ("ranks", "hint"):  # from an earlier judgement under other tolerances
-        t.pop(stale, None)
+    t: schema.TensorResult = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
+    t.pop("ranks", None)  # from an earlier judgement under other tolerances
+    t.pop("hint", None)
     per_rank = tensor["metrics"].get("ranks")
     if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
         t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]
@@ -57,12 +67,12 @@ def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy) -> 
     return t
 
 
-def _one_sided(row: schema.Row, phase: str) -> list[schema.TensorResult]:
+def _one_sided(row: schema.Row, phase: str) -> list[Judged]:
     """Pseudo-tensors that fail: inputs given to one run only (a mask passed on one side)."""
     roles = IN_ROLES[phase]
-    out = []
-    for side, other in (("only_a", "B"), ("only_b", "A")):
-        for item in row.get(side) or ():
+    out: list[Judged] = []
+    for items, other in ((row.get("only_a"), "B"), (row.get("only_b"), "A")):
+        for item in items or ():
             role, _, key = item.partition(":")
             if role in roles:
                 out.append({"role": role, "key": key, "passed": False, "one_sided": True,
@@ -71,16 +81,17 @@ def _one_sided(row: schema.Row, phase: str) -> list[schema.TensorResult]:
     return out
 
 
-def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict, strict_inputs: bool = False, uses: dict | None = None) -> list:
-    """The call tree of A's matched calls. A call whose parent has no counterpart hangs under its nearest
-    ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
+def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict[CallKey, list[Judged]],
+                strict_inputs: bool = False, uses: dict[CallKey, list[Judged]] | None = None) -> list[Node]:
+    """The call tree of A's matched calls (and operations). A call whose parent has no counterpart hangs under its
+    nearest ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
     root of one run only counts as a difference of the inputs."""
-    nodes = {}
+    nodes: dict[CallKey, Node] = {}
     for row in rows:
-        if row["kind"] != "call" or row["phase"] != phase:
+        if row["kind"] not in NODE_KINDS or row["phase"] != phase:
             continue
-        ins = [t for t in row["tensors"] if t["role"] in IN_ROLES[phase]]
-        outs = [t for t in row["tensors"] if t["role"] in OUT_ROLES[phase]]
+        ins: list[Judged] = [t for t in row["tensors"] if t["role"] in IN_ROLES[phase]]
+        outs: list[Judged] = [t for t in row["tensors"] if t["role"] in OUT_ROLES[phase]]
         nodes[(row["path"], row["call"])] = Node(row, ins, outs)
     if phase == "backward":  # a module's parameter gradients belong to its first call of that step
         for (module, step), tensors in param_grads.items():
@@ -91,11 +102,12 @@ def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict, strict_in
         for key, tensors in (uses or {}).items():  # a tied weight's gradient, per use: on the call that used it
             if key in nodes:
                 nodes[key].outs.extend(tensors)
-    roots = []
+    roots: list[Node] = []
     for node in sorted(nodes.values(), key=lambda n: n.row["begin"]):
         chain = node.row.get("ancestors")
         if chain is None:
-            chain = [node.row["parent"]] if node.row.get("parent") else []
+            parent_ref = node.row.get("parent")
+            chain = [parent_ref] if parent_ref else []
         parent = next((nodes[tuple(up)] for up in chain if tuple(up) in nodes), None)
         if parent is not None:
             parent.children.append(node)
@@ -114,7 +126,8 @@ def call_tree(rows: list[schema.Row], phase: str, strict_inputs: bool = False) -
         return _build_tree(rows, phase, {}, strict_inputs)
     uses = param_rows(rows, "param_grad_use")
     used = {p["name"] for p in uses}
-    grads_by_module, uses_by_call = {}, {}
+    grads_by_module: dict[CallKey, list[Judged]] = {}
+    uses_by_call: dict[CallKey, list[Judged]] = {}
     for p in param_rows(rows, "param_grad"):
         if not (p.get("tied") and used):
             grads_by_module.setdefault((p["module"], p["step"]), []).append(p)
@@ -123,7 +136,9 @@ def call_tree(rows: list[schema.Row], phase: str, strict_inputs: bool = False) -
     return _build_tree(rows, phase, grads_by_module, strict_inputs, uses_by_call)
 
 
-def param_rows(rows, kind):
+def param_rows(rows: list[schema.Row], kind: str) -> list[dict[str, Any]]:
+    """The judged rows of one kind of parameter record (``param``, ``param_grad``, ``param_grad_use``), one entry
+    each: what the report lists under ``params`` and an origin under ``param_diffs``."""
     out = []
     for r in rows:
         if r["kind"] == kind and r["tensors"]:

@@ -47,7 +47,7 @@ def parse_tolerance(text: str, into: dict | None = None) -> dict:
 
 
 def ranges(its) -> list[list[int]]:
-    out = []
+    out: list[list[int]] = []
     for i in its:
         if out and i == out[-1][1] + 1:
             out[-1][1] = i

@@ -276,11 +276,11 @@ def _read_text(path: Path) -> str:
 def detect_format(lines) -> str | None:
     """The format whose parser recognises the most lines (log formats first: a log may contain stray JSON)."""
     sample = list(lines)
-    counts = {}
+    counts: dict[str, int] = {}
     for name in ("megatron", "mindspore"):
         rx = _MEGATRON_RE if name == "megatron" else _MS_RE
         counts[name] = sum(1 for ln in sample if rx.search(ln))
-    best = max(counts, key=counts.get)
+    best = max(counts, key=lambda name: counts[name])
     if counts[best]:
         return best
     if parse_jsonl(sample[:200]):
@@ -299,7 +299,7 @@ def load_log(path, fmt: str | None = None) -> tuple[str, dict]:
         data = PARSERS[fmt](lines) if fmt else {}
     except LogLineError as exc:
         raise LayerdiffError(f"{path}: line {exc.line}: {exc.detail}") from None
-    if not data:
+    if not data or fmt is None:
         raise LayerdiffError(f"no training-log lines recognised in {path} "
                              "(expected Megatron-LM, MindSpore Transformers, CSV or JSONL)")
     return fmt, dict(sorted(data.items()))

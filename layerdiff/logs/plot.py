@@ -55,7 +55,8 @@ def _svg_panel(its, curves, title, ylabel, width=760, height=240) -> str:
     out.append(f'<text x="14" y="{mt + ph / 2}" text-anchor="middle" '
                f'transform="rotate(-90 14 {mt + ph / 2})">{e(ylabel)}</text>')
     for n, (label, vals, color) in enumerate(curves):
-        segs, cur = [], []
+        segs: list = []
+        cur: list = []
         for x, v in zip(xs, vals):
             if v is None or not math.isfinite(v):
                 if cur:

@@ -48,19 +48,23 @@ class FusedLinks:
         rule = fused_side.rules.fused_rule(fused.rpartition(".")[2])
         out_sizes = []
         for p in parts:
-            rec = parts_side.calls.get(("forward", p, 0))
-            outs = [t for t in (rec.tensors if rec is not None else ()) if t.role == "output"]
+            call = parts_side.calls.get(("forward", p, 0))
+            outs = [t for t in (call.tensors if call is not None else ()) if t.role == "output"]
             out_sizes.append(outs[0].shape[-1] if outs and outs[0].shape else None)
-        row_sizes, weights = {}, {}
+        sizes_by_module: dict[str, dict[str, int]] = {}
+        weights: dict[str, dict[str, tuple]] = {}
         for (kind, module, leaf, count), rec in parts_side.params.items():
             if kind == "param" and count == 0 and module in parts:
                 entry = rec.tensors[0]
-                row_sizes.setdefault(leaf, {})[module] = torch_shape(rec, entry, parts_side)[0]
+                sizes_by_module.setdefault(leaf, {})[module] = torch_shape(rec, entry, parts_side)[0]
                 weights.setdefault(leaf, {})[module] = (rec, entry)
-        row_sizes = {leaf: tuple(sizes[p] for p in parts) for leaf, sizes in row_sizes.items() if len(sizes) == len(parts)}
+        row_sizes = {leaf: tuple(sizes[p] for p in parts) for leaf, sizes in sizes_by_module.items()
+                     if len(sizes) == len(parts)}
         hparams = [fused_side.hparams(fused), fused_side.hparams(fused_side.parent(fused) or ""),
                    parts_side.hparams(parts_side.parent(parts[0]) or "")]
-        sizes = row_sizes.get("weight") or (tuple(out_sizes) if None not in out_sizes else ())
+        known_sizes = tuple(s for s in out_sizes if s is not None)
+        complete = len(known_sizes) == len(out_sizes)  # every part's output size was recorded
+        sizes = row_sizes.get("weight") or (known_sizes if complete else ())
         candidates = fusion.group_candidates(rule.groups if rule else (), hparams, sizes) if sizes else [1]
         groups, note = candidates[0], f"rule {rule.name if rule else 'fused'}"
         verified = self._verify(fused, parts, weights.get("weight"), fused_side, parts_side, candidates)
@@ -69,7 +73,7 @@ class FusedLinks:
             note += f", {groups} group{'s' if groups > 1 else ''}, checked against the weights"
         elif groups > 1:
             note += f", {groups} groups"
-        return FusedLink(tuple(parts), tuple(out_sizes) if None not in out_sizes else None, row_sizes, groups, note)
+        return FusedLink(tuple(parts), known_sizes if complete else None, row_sizes, groups, note)
 
     @staticmethod
     def _verify(fused, parts, part_weights, fused_side, parts_side, candidates):

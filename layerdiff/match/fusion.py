@@ -114,6 +114,6 @@ def infer_groups(fused: np.ndarray, parts, axis: int = 0, candidates=()) -> int 
         key = (equal, -distance)
         if best_key is None or key > best_key:
             best, best_key = g, key
-    if best is None or (best_key[0] == 0 and -best_key[1] > 1e-2):
+    if best is None or best_key is None or (best_key[0] == 0 and -best_key[1] > 1e-2):
         return None
     return best

@@ -10,6 +10,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class LayoutRules:
 
     _SPEC = re.compile(r"^(transpose|permute|reshape)(?:\(([-\d,\s]*)\))?$")
 
-    def __init__(self, specs=()):
+    def __init__(self, specs: Iterable[str] | None = ()) -> None:
         self.rules = []
         for spec in specs or ():
             pattern, eq, transform = spec.rpartition("=")

@@ -180,7 +180,8 @@ def _score(a: _Unit, b: _Unit) -> tuple[float, list]:
 
 def _group_parts(units: list, fused_rules: set, rules: RuleSet) -> list:
     """Stand the parts of a fused module in for it: siblings whose tokens are a rule's parts become one unit."""
-    out, used = [], set()
+    out: list = []
+    used: set[int] = set()
     by_parent: dict = {}
     for u in units:
         by_parent.setdefault(u.info.parent, []).append(u)
@@ -188,9 +189,10 @@ def _group_parts(units: list, fused_rules: set, rules: RuleSet) -> list:
         for siblings in by_parent.values():
             if any(u.rule is rule and len(u.paths) == 1 for u in siblings):
                 continue  # this side fuses them too
-            parts = [next((u for u in siblings if u.token == t and id(u) not in used and len(u.paths) == 1), None)
+            found = [next((u for u in siblings if u.token == t and id(u) not in used and len(u.paths) == 1), None)
                      for t in rule.parts]
-            if all(parts):
+            parts = [u for u in found if u is not None]
+            if len(parts) == len(found):
                 used.update(id(u) for u in parts)
                 out.append(_unit([u.info for u in parts], rules, rule))
     return [u for u in units if id(u) not in used] + out
@@ -292,7 +294,8 @@ def _descendant_matches(infos: dict, path: str, owner: dict, cache: dict) -> fro
 def _match_containers(a: dict, b: dict, rules: RuleSet, matches: list, used_a: set, used_b: set) -> list:
     owner_a = {p: i for i, m in enumerate(matches) for p in m.a}
     owner_b = {p: i for i, m in enumerate(matches) for p in m.b}
-    cache_a, cache_b = {}, {}
+    cache_a: dict = {}
+    cache_b: dict = {}
     conts_a = [p for p, info in a.items() if info.children and p not in used_a]
     conts_b = [p for p, info in b.items() if info.children and p not in used_b]
     desc_a = {p: _descendant_matches(a, p, owner_a, cache_a) for p in conts_a}

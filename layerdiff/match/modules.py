@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from layerdiff.match.layouts import canonical_param_name
 from layerdiff.tracefile.records import CallRecord
@@ -27,7 +28,7 @@ class Fingerprint:
     high: float
 
     @classmethod
-    def of_stats(cls, stats: dict | None):
+    def of_stats(cls, stats: Mapping[str, Any] | None) -> Fingerprint | None:
         if not stats or stats.get("min") is None or stats.get("nan") or stats.get("inf"):
             return None
         n = stats["numel"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class Operand:
     def has_data(self) -> bool:
         return all(e.offset is not None for e in self.entries)
 
-    def stats(self) -> dict | None:
+    def stats(self) -> Mapping[str, Any] | None:
         """Summary statistics of the operand, when its entries' statistics determine them."""
         if self.op == "value":
             return self.entry.stats
@@ -155,12 +156,13 @@ def masked_flags(values: np.ndarray, dtype: str, bool_masked: bool) -> np.ndarra
     return np.asarray(hidden, dtype=np.float32)
 
 
-def combine_stats(stats) -> dict | None:
+def combine_stats(stats: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """Statistics of the concatenation of tensors, from theirs."""
-    if not stats or any(s is None or s.get("min") is None for s in stats):
+    known = [s for s in stats if s is not None and s.get("min") is not None]
+    if not known or len(known) < len(stats):
         return None
-    numel = sum(s["numel"] for s in stats)
-    return {"numel": numel, "min": min(s["min"] for s in stats), "max": max(s["max"] for s in stats),
-            "mean": sum(s["mean"] * s["numel"] for s in stats) / max(numel, 1),
-            "l2": math.sqrt(sum(s["l2"] ** 2 for s in stats)),
-            "nan": sum(s.get("nan", 0) for s in stats), "inf": sum(s.get("inf", 0) for s in stats)}
+    numel = sum(s["numel"] for s in known)
+    return {"numel": numel, "min": min(s["min"] for s in known), "max": max(s["max"] for s in known),
+            "mean": sum(s["mean"] * s["numel"] for s in known) / max(numel, 1),
+            "l2": math.sqrt(sum(s["l2"] ** 2 for s in known)),
+            "nan": sum(s.get("nan", 0) for s in known), "inf": sum(s.get("inf", 0) for s in known)}

@@ -62,17 +62,19 @@ def _module_of(rec: Record) -> str:
 
 def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) -> Matching:
     result = Matching()
-    used = set()
+    used: set[int] = set()
     links = FusedLinks(side_a, side_b)
     for ra in side_a.records:
         match = mapping.for_a(_module_of(ra))
-        sources = [] if match is None else [side_b.twin(ra, p) for p in match.b]
-        if not sources or any(s is None for s in sources):
+        twins = [] if match is None else [side_b.twin(ra, p) for p in match.b]
+        sources = [s for s in twins if s is not None]
+        if match is None or not sources or len(sources) < len(twins):
             result.only_a.append(ra)
             continue
         used.update(id(s) for s in sources)
-        if match.fused_side is None and isinstance(ra, CallRecord) and not side_a.children.get(ra.path):
-            sources = [_with_absorbed(sources[0], match, side_b, mapping)]
+        first = sources[0]
+        if match.fused_side is None and isinstance(first, CallRecord) and not side_a.children.get(ra.path):
+            sources = [_with_absorbed(first, match, side_b, mapping)]
         result.pairs.append(_pair(ra, tuple(sources), match, links))
     result.only_b = [rb for rb in side_b.records if id(rb) not in used]
     return result
@@ -97,7 +99,7 @@ def _with_absorbed(rb: CallRecord, match: Match, side_b: TraceSide, mapping: Mod
     input, and B's record stands in with it as output (and the child's input gradient as grad_output)."""
     child = absorbed_child(rb.path, match, side_b, mapping)
     twin = side_b.calls.get((rb.phase, child, rb.call)) if child else None
-    if twin is None:
+    if child is None or twin is None:
         return rb
     inner = [replace(t, role=_ABSORBED_ROLES[t.role], key=f"{child.rpartition('.')[2]}:{t.key}")
              for t in twin.tensors if t.role in _ABSORBED_ROLES]
@@ -142,7 +144,9 @@ def _positional(key: str) -> bool:
 
 def pair_tensors(ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide, roles=ROLE_ORDER):
     """(tensor pairs, A's unpaired "role:key", B's unpaired "role:key") for two records of one module."""
-    pairs, only_a, only_b = [], [], []
+    pairs: list[TensorPair] = []
+    only_a: list[str] = []
+    only_b: list[str] = []
     activation = isinstance(ra, CallRecord)
     for role in roles:
         ta = [t for t in ra.tensors if t.role == role]
@@ -231,7 +235,8 @@ def transforms_step(role, ra, rb, side_a, side_b, out: list):
 def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
     """Pairs [(A entry, B entry, note)] by exact key, then name, then (``before_shapes``: the rule set's value
     transforms) a kind-and-shape fit where at least one side's key is positional."""
-    found, left_a = [], []
+    found: list[tuple[TensorEntry, TensorEntry, str | None]] = []
+    left_a: list[TensorEntry] = []
     by_key = {t.key: t for t in tb}
     used = set()
     for ea in ta:
@@ -241,7 +246,7 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
             found.append((ea, eb, None))
         else:
             left_a.append(ea)
-    names_b = {}
+    names_b: dict[str, TensorEntry] = {}
     for eb in tb:
         if id(eb) not in used:
             names_b.setdefault(canonical_key(eb.key, rb.arg_names), eb)
@@ -294,7 +299,7 @@ def _key_matches(patterns, key: str, family: str) -> bool:
 
 def _transforms(role, left_a, left_b, ra, rb, side_a: TraceSide, side_b: TraceSide):
     """Pairs that a rule explains: rotary angles vs their cos and sin, masks of different conventions."""
-    pairs = []
+    pairs: list[TensorPair] = []
     rules = side_a.rules
     fam_a, fam_b = rules.family(ra.type), rules.family(rb.type)
     for rule in rules.angles:
@@ -306,14 +311,13 @@ def _transforms(role, left_a, left_b, ra, rb, side_a: TraceSide, side_b: TraceSi
                           if _key_matches(rule.angles, canonical_key(t.key, ang_rec.arg_names), ang_fam)), None)
             if angle is None:
                 continue
-            found = {}
-            for which in ("cos", "sin"):
-                found[which] = next((t for t in cs_entries if _key_matches(
-                    getattr(rule, which), canonical_key(t.key, cs_rec.arg_names), cs_fam)), None)
-            if not all(found.values()):
+            found = {which: next((t for t in cs_entries if _key_matches(
+                getattr(rule, which), canonical_key(t.key, cs_rec.arg_names), cs_fam)), None) for which in ("cos", "sin")}
+            cos, sin = found["cos"], found["sin"]
+            if cos is None or sin is None:
                 continue
             ang_entries.remove(angle)
-            for which, entry in found.items():
+            for which, entry in (("cos", cos), ("sin", sin)):
                 cs_entries.remove(entry)
                 derived = Operand((angle,), op=which)
                 plain = Operand.stored(entry)

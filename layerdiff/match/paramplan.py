@@ -6,6 +6,7 @@ PyTorch layout ([out, in]): parts are rows (axis 0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -45,7 +46,9 @@ def plan(mapping: ModuleMapping, own: dict, other: dict, own_side: str) -> tuple
     counterpart, other names used)."""
     by_leaf = {_leaf(n): n for n in other}
     own_by_leaf = {_leaf(n): n for n in own}
-    sources, missing, used = [], [], set()
+    sources: list = []
+    missing: list = []
+    used: set = set()
     for name, shape in own.items():
         module, leaf = _leaf(name)
         match = mapping.for_a(module) if own_side == "a" else mapping.for_b(module)
@@ -90,6 +93,7 @@ def group_count(source: ParamSource, rules: RuleSet, hparams, load=None, own_loa
     if source.op == "same":
         return 1
     rule = rules.fused_rule(source.fused_module.rpartition(".")[2])
+    sizes: Sequence[int]
     if source.op == "part":
         sizes = source.sizes
     else:

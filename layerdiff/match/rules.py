@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -267,9 +268,9 @@ def from_dict(data: dict, source: str) -> RuleSet:
 def load_file(path) -> RuleSet:
     """A user's rule file (TOML, the schema of ``from_dict``)."""
     path = Path(path)
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python < 3.11
+    else:  # Python < 3.11
         import tomli as tomllib
     try:
         data = tomllib.loads(path.read_text())

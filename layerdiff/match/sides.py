@@ -51,7 +51,7 @@ class TraceSide:
     def transposed(self, rec: Record, entry: TensorEntry) -> bool:
         """A parameter (or its gradient) this framework stores transposed relative to PyTorch."""
         return (isinstance(rec, ParamRecord) and len(entry.shape) == 2
-                and self.rules.is_transposed(self.framework, self.types.get(rec.module), rec.path))
+                and self.rules.is_transposed(self.framework, self.types.get(rec.module or ""), rec.path))
 
     def operand(self, rec: Record, entry: TensorEntry) -> Operand:
         return Operand.stored(entry, self.transposed(rec, entry))

@@ -21,6 +21,7 @@ import math
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from layerdiff import runner
 from layerdiff.capture.options import TraceOptions
@@ -29,6 +30,7 @@ from layerdiff.compare.spec import Comparison
 from layerdiff.errors import LayerdiffError
 from layerdiff.files import write_atomically
 from layerdiff.judge.evaluate import align
+from layerdiff.match.mapping import ModuleMapping
 from layerdiff.match.sides import TraceSide
 from layerdiff.replay.forcer import Forcer
 from layerdiff.replay.search import find_blocks, next_splice, observe
@@ -52,7 +54,7 @@ class Workdir:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise LayerdiffError(f"cannot use {self.path} as the work directory: {exc.strerror or exc}") from None
-        self.state = {"version": STATE_VERSION, "command": command, "runs": {}}
+        self.state: dict[str, Any] = {"version": STATE_VERSION, "command": command, "runs": {}}
         if self.state_file.exists() and not restart:
             try:
                 saved = json.loads(self.state_file.read_text())
@@ -219,7 +221,10 @@ def _run_once(workdir: Workdir, name: str, label: str, progress, make) -> dict:
     run = make()
     workdir.record(name, run)
     _advance(progress, f"{label}: done" + (f" (the candidate raised {run['raised']})" if run.get("raised") else ""))
-    return workdir.done(name)
+    done = workdir.done(name)
+    if done is None:  # its trace is gone already
+        raise LayerdiffError(f"{workdir.path}: the {name} run left no trace")
+    return done
 
 
 def search(reference, target: str, kwargs: dict, workdir: Workdir, how: Comparison, *, container: str | None = None,
@@ -278,7 +283,8 @@ class _BlockNames:
 
     def __init__(self, ref, how: Comparison):
         self.ref, self.how = ref, how
-        self.mapping = self.side_b = None
+        self.mapping: ModuleMapping | None = None
+        self.side_b: TraceSide | None = None
 
     def found(self, trace_path: Path, blocks_a) -> bool:
         with open_trace(trace_path) as trace:

@@ -60,7 +60,7 @@ class Forcer:
         self.swap = token_order(self.side_a, self.side_b)
         self.backward = backward
         self.where = where
-        self.calls = {}  # (phase, path, call) -> the reference's record of step 0
+        self.calls: dict[tuple, CallRecord] = {}  # (phase, path, call) -> the reference's record of step 0
         for rec in reader.records:
             if isinstance(rec, CallRecord) and rec.step == 0:
                 self.calls.setdefault((rec.phase, rec.path, rec.call), rec)

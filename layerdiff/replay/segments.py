@@ -7,6 +7,7 @@ difference left is that segment's OWN error: nothing inherited, nothing amplifie
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 from layerdiff import schema
 from layerdiff.compare.metrics import relative_error
@@ -23,7 +24,7 @@ def _worst(tensors: list[schema.TensorResult]) -> schema.TensorResult | None:
     return max(failing, key=lambda t: relative_error(t["metrics"]), default=None)
 
 
-def _segment(node, where: str, description: str, tensor: dict | None, order: int, phase: str) -> dict:
+def _segment(node, where: str, description: str, tensor: Mapping[str, Any] | None, order: int, phase: str) -> dict:
     row = node.row
     return {"phase": phase, "module": row["path"], "call": row["call"], "where": where,
             "description": description, "order": order,
@@ -102,10 +103,10 @@ def _backward_segments(roots) -> list:
     return out
 
 
-def amplification(free_report: schema.Report | None) -> dict:
+def amplification(free_report: Mapping[str, Any] | None) -> dict:
     """(path, call) -> how a module call of the free-running candidate turned its input error into output
     error: relative error in, relative error out, and their ratio."""
-    out = {}
+    out: dict[tuple, dict] = {}
     for row in (free_report or {}).get("records", []):
         if row["kind"] != "call" or row["phase"] != "forward":
             continue
@@ -119,15 +120,16 @@ def amplification(free_report: schema.Report | None) -> dict:
     return out
 
 
-def evaluate_replay(measurements: schema.Report, policy: TolerancePolicy | None = None, free_report: dict | None = None,
+def evaluate_replay(measurements: schema.Report, policy: TolerancePolicy | None = None,
+                    free_report: Mapping[str, Any] | None = None,
                     forcer_notes: dict | None = None) -> dict:
     """Judge the replay trace against the reference; list the segments with own error, in execution order,
     and set them against what ``align`` (the free run) blamed."""
     policy = policy or TolerancePolicy()
     # records with statistics only were not forced (the model itself around a --layers window): its "own code"
     # would include every module outside the window
-    measurements = {**measurements, "records": [r for r in measurements["records"] if not _stats_only(r)]}
-    rows = judge_rows(measurements, policy)
+    kept: schema.Report = {**measurements, "records": [r for r in measurements["records"] if not _stats_only(r)]}
+    rows = judge_rows(kept, policy)
     strict = measurements.get("structure") == "same_model"  # a tensor given to one run only is a difference
     forward = _forward_segments(call_tree(rows, "forward", strict))
     backward = _backward_segments(call_tree(rows, "backward", strict))
@@ -143,7 +145,7 @@ def evaluate_replay(measurements: schema.Report, policy: TolerancePolicy | None 
         modules.append({"module": row["path"], "call": row["call"], "type": row.get("type_a"),
                         "depth": row["path"].count(".") + 1 if row["path"] else 0,
                         "own_rel": own, "own_error": key in own_forward, **amp.get(key, {})})
-    result = {"kind": "replay", "a": measurements["a"], "b": measurements["b"], "map": measurements.get("map"),
+    result: dict[str, Any] = {"kind": "replay", "a": kept["a"], "b": kept["b"], "map": kept.get("map"),
               "tolerances": policy.describe(),
               "forward": {"segments": forward, "culprit": forward[0] if forward else None},
               "backward": {"segments": backward, "culprit": backward[0] if backward else None},

@@ -12,8 +12,7 @@ from html import escape
 
 from rich.text import Text
 
-from layerdiff import schema
-from layerdiff.report.terminal import fmt_number, origin_lines, row_passed, step_count
+from layerdiff.report.terminal import View, fmt_number, origin_lines, row_passed, step_count
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -37,7 +36,7 @@ def _number(x) -> str:
     return escape(x) if isinstance(x, str) else fmt_number(float(x) if isinstance(x, int) else x)
 
 
-def _rel(row: schema.Row) -> float | None:
+def _rel(row: View) -> float | None:
     """A record's largest relative error over its tensors (max abs diff / the reference's max |value|)."""
     worst = None
     for t in row.get("tensors", ()):
@@ -49,7 +48,7 @@ def _rel(row: schema.Row) -> float | None:
     return worst
 
 
-def _series(report: schema.Report, phase: str) -> list[tuple[str, float, bool]]:
+def _series(report: View, phase: str) -> list[tuple[str, float, bool]]:
     """(module, relative error, is the origin) of each call record of ``phase`` in execution order."""
     origin = (report.get(phase) or {}).get("first_divergence") or {}
     rows = sorted((r for r in report.get("records", ()) if r.get("kind") == "call" and r.get("phase") == phase),
@@ -63,7 +62,7 @@ def _series(report: schema.Report, phase: str) -> list[tuple[str, float, bool]]:
     return out
 
 
-def error_plot(report: schema.Report, width: int = 1000, height: int = 260) -> str:
+def error_plot(report: View, width: int = 1000, height: int = 260) -> str:
     """An SVG line plot of each call's relative error (log scale) in execution order, forward and backward."""
     pad_l, pad_b, pad_t = 60, 28, 14
     series = {phase: _series(report, phase) for phase in ("forward", "backward")}
@@ -102,7 +101,7 @@ def error_plot(report: schema.Report, width: int = 1000, height: int = 260) -> s
     return "".join(parts)
 
 
-def _origin_block(report: schema.Report, phase: str, steps: int) -> str:
+def _origin_block(report: View, phase: str, steps: int) -> str:
     res = report.get(phase) or {}
     origin = res.get("first_divergence")
     if res.get("status") == "absent":
@@ -116,7 +115,7 @@ def _origin_block(report: schema.Report, phase: str, steps: int) -> str:
             f"origin: <b class='bad'>{escape(lines[0])}</b><br>{body}</div>")
 
 
-def _tensor_table(row: schema.Row) -> str:
+def _tensor_table(row: View) -> str:
     cells = ["<table><tr><th>role</th><th>key</th><th>shape A / B</th><th>max abs</th><th>rel</th>"
              "<th>cosine</th><th>judged</th></tr>"]
     for t in row.get("tensors", ()):
@@ -131,7 +130,7 @@ def _tensor_table(row: schema.Row) -> str:
     return "".join(cells) + "</table>"
 
 
-def _tree(report: schema.Report, phase: str) -> str:
+def _tree(report: View, phase: str) -> str:
     """Each call of ``phase`` under its parent call, with its verdict and (folded) its tensors."""
     origin = (report.get(phase) or {}).get("first_divergence") or {}
     rows = [r for r in report.get("records", ()) if r.get("kind") == "call" and r.get("phase") == phase]
@@ -154,7 +153,7 @@ def _tree(report: schema.Report, phase: str) -> str:
     return "<div class='tree'>" + "".join(node(r) for r in roots) + "</div>"
 
 
-def _settings(report: schema.Report) -> str:
+def _settings(report: View) -> str:
     out = ["<table><tr><th></th><th>A</th><th>B</th></tr>"]
     for key in ("path", "framework", "framework_version", "model_class", "mode", "param_dtypes", "devices",
                 "target", "target_args", "status"):
@@ -167,7 +166,7 @@ def _settings(report: schema.Report) -> str:
     return "".join(out) + "</table>"
 
 
-def _mapping(report: schema.Report) -> str:
+def _mapping(report: View) -> str:
     rows = report.get("mapping") or []
     out = [f"<p>{len(rows)} modules renamed (B &rarr; A); layouts: {escape(str(report.get('layouts') or 'none'))}; "
            f"rules: {escape(str(report.get('rules') or 'built-in'))}</p>"]
@@ -180,7 +179,7 @@ def _mapping(report: schema.Report) -> str:
     return "".join(out)
 
 
-def report_html(report: schema.Report) -> str:
+def report_html(report: View) -> str:
     """The whole page for a two-run align report."""
     steps = step_count(report)
     verdict = report.get("verdict", "?")

@@ -6,23 +6,24 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any, Mapping
 
 from layerdiff import schema
 from layerdiff.errors import LayerdiffError
 from layerdiff.files import write_atomically
 
 
-def json_text(report: dict) -> str:
+def json_text(report: Mapping[str, Any]) -> str:
     """The report as JSON text (non-finite numbers as "nan", "inf", "-inf": strict JSON readers accept it)."""
     return schema.dumps(report)
 
 
-def write_json(report: dict, path, *, overwrite: bool = False):
+def write_json(report: Mapping[str, Any], path, *, overwrite: bool = False):
     """Write atomically (temp file + rename) and never over an existing file unless asked."""
     write_atomically(path, json_text(report), overwrite=overwrite)
 
 
-def publish(report: dict, *, json_path=None, overwrite: bool = False, quiet: bool = False, line=None, render=None):
+def publish(report: Mapping[str, Any], *, json_path=None, overwrite: bool = False, quiet: bool = False, line=None, render=None):
     """What a comparing command does with its result: the JSON file if asked, then one verdict line (quiet) or
     the full rendering."""
     if json_path:
@@ -111,15 +112,18 @@ def _tree_too_deep(rows: list[schema.Row], limit: int) -> bool:
     ancestor) nests deeper than ``limit``; cycles never reach a root, so they do not count."""
     for phase in ("forward", "backward"):
         nodes = {(r["path"], r["call"]): r for r in rows if r["kind"] == "call" and r["phase"] == phase}
-        parent_of = {}
+        parent_of: dict[tuple, tuple | None] = {}
         for key, r in nodes.items():
             chain = r.get("ancestors")
             if chain is None:
-                chain = [r["parent"]] if r.get("parent") else []
+                parent = r.get("parent")
+                chain = [parent] if parent else []
             parent_of[key] = next((tuple(up) for up in chain if tuple(up) in nodes), None)
         depth: dict = {}  # call -> depth below its root, None when no root is above it (a cycle)
         for key in nodes:
-            walk, seen, k = [], set(), key
+            walk: list[tuple] = []
+            seen: set[tuple] = set()
+            k: tuple | None = key
             while k is not None and k not in depth and k not in seen:
                 walk.append(k)
                 seen.add(k)

@@ -3,8 +3,12 @@ bisect runs."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 class ByteProgress:
@@ -13,22 +17,22 @@ class ByteProgress:
     def __init__(self, description: str, enabled: bool | None = None):
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.description = description
-        self._bar = None
-        self._task = None
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
 
     def start(self, total: int):
         if not self.enabled or total <= 0:
             return
         from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-        self._bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                             TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                             transient=True)
-        self._bar.start()
-        self._task = self._bar.add_task(self.description, total=total)
+        bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                       TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        bar.start()
+        self._task = bar.add_task(self.description, total=total)
+        self._bar = bar
 
     def advance(self, n: int):
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.advance(self._task, n)
 
     def close(self):
@@ -42,17 +46,19 @@ class StepProgress:
 
     def __init__(self, steps: int, enabled: bool | None = None):
         enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._bar = None
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress("tracing", BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[written]}"),
-                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task("steps", total=steps, written="")
+            bar = Progress("tracing", BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[written]}"),
+                           TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            bar.start()
+            self._task = bar.add_task("steps", total=steps, written="")
+            self._bar = bar
 
     def advance(self, writer):
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.update(self._task, advance=1,
                              written=f"{writer.records_written} records, {writer.tensor_bytes / 1e6:.1f} MB")
 
@@ -69,8 +75,8 @@ class RunProgress:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.console = Console(stderr=True)
-        self._bar = None
-        self._task = None
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
         self.started = 0
 
     def expect(self, runs: int):
@@ -79,11 +85,12 @@ class RunProgress:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        if self._bar is None:
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=self.console, transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task("bisect", total=runs)
+        if self._bar is None or self._task is None:
+            bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           console=self.console, transient=True)
+            bar.start()
+            self._task = bar.add_task("bisect", total=runs)
+            self._bar = bar
         else:
             self._bar.update(self._task, total=runs)
 
@@ -93,7 +100,7 @@ class RunProgress:
         if start:
             self.started += 1
             message = f"run {self.started}: {message}"
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.update(self._task, description=message, advance=0 if start else 1)
         self.console.print(f"[dim]{message}[/]", highlight=False)
 

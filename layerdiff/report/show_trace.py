@@ -21,18 +21,25 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def module_tree(records) -> Tree:
-    """Module paths as a tree, each with its type and how many forward calls it recorded."""
-    calls = Counter()
-    types, first_call = {}, {}
+def _forward_calls(records) -> tuple[Counter, dict[str, str | None], list[str]]:
+    """(forward calls per module path, each path's type, the paths in the order they were first called)."""
+    calls: Counter = Counter()
+    types: dict[str, str | None] = {}
+    first_call: dict[str, int] = {}
     for r in records:
         if isinstance(r, CallRecord) and r.phase == "forward":
             calls[r.path] += 1
             types[r.path] = r.type
             first_call[r.path] = min(first_call.get(r.path, r.begin), r.begin)
+    return calls, types, sorted(calls, key=lambda p: first_call[p])
+
+
+def module_tree(records) -> Tree:
+    """Module paths as a tree, each with its type and how many forward calls it recorded."""
+    calls, types, order = _forward_calls(records)
     root = Tree(f"<root> [dim]{types.get('', '')}[/] x{calls.get('', 0)}")
     nodes = {"": root}
-    for path in sorted((p for p in calls if p), key=lambda p: first_call[p]):  # in the order the model ran
+    for path in (p for p in order if p):  # in the order the model ran
         parts = path.split(".")
         parent = ""
         for i in range(1, len(parts) + 1):
@@ -54,12 +61,7 @@ def _summary(reader) -> dict:
     meta, end = reader.meta, reader.end or EndRecord(status="interrupted")
     kinds = Counter((r.kind, r.phase) for r in reader.records)  # the end marker is no record
     holding = {id(r) for r in reader.records for t in r.tensors if t.stats.get("nan") or t.stats.get("inf")}
-    calls, types, first_call = Counter(), {}, {}
-    for r in reader.records:
-        if isinstance(r, CallRecord) and r.phase == "forward":
-            calls[r.path] += 1
-            types[r.path] = r.type
-            first_call[r.path] = min(first_call.get(r.path, r.begin), r.begin)
+    calls, types, order = _forward_calls(reader.records)
     return {"path": str(reader.path), "size_bytes": reader.size_bytes(), "ranks": meta.get("ranks"),
             "status": end.status or "interrupted", "failure": end.failure,
             "meta": {key: meta[key] for key in _META_KEYS if key in meta},
@@ -70,8 +72,7 @@ def _summary(reader) -> dict:
             "steps": end.steps, "warnings": end.warnings,
             "nonfinite_records": len(holding),
             "nonfinite_origin": {phase: first_nonfinite(reader.records, phase) for phase in ("forward", "backward")},
-            "modules": [{"path": p, "type": types[p], "calls": calls[p]}
-                        for p in sorted(calls, key=lambda p: first_call[p])]}
+            "modules": [{"path": p, "type": types[p], "calls": calls[p]} for p in order]}
 
 
 def show(path, records: bool = False, nan: bool = False):
@@ -106,7 +107,7 @@ def show(path, records: bool = False, nan: bool = False):
         for w in info["warnings"]:
             console.print(f"[yellow]warning: {w}[/]")
         console.print(module_tree(reader.records))
-        by_module = defaultdict(int)
+        by_module: defaultdict[str, int] = defaultdict(int)
         for r in reader.records:
             by_module[r.path] += sum(t.nbytes or 0 for t in r.tensors)
         if data:

@@ -3,14 +3,17 @@ how the error grows block by block, the mapping, the settings that differ; and t
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from layerdiff import schema
 from layerdiff.match.mapping import collapse_indices
+
+# A report, or a part of one, as it reads back from JSON: rendered as far as it goes, never trusted to hold every key
+View = Mapping[str, Any]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -42,7 +45,7 @@ def fmt_cos(x) -> str:
     return f"{x:.6f}"
 
 
-def _render_settings(report: schema.Report, console: Console):
+def _render_settings(report: View, console: Console):
     """Run settings that differ (seeds, deterministic switches, versions, ...) and the runs' own notes."""
     settings = report.get("settings") or {}
     differ = settings.get("differ") or []
@@ -58,7 +61,7 @@ def _render_settings(report: schema.Report, console: Console):
                                                        for k in keys))
 
 
-def trace_line(side: schema.RunSummary) -> str:
+def trace_line(side: View) -> str:
     parts = [side.get("framework") or "?", side.get("framework_version") or "",
              (side.get("model_class") or "").rsplit(".", 1)[-1], f"mode={side.get('mode')}"]
     state = "" if side.get("complete") else " [yellow](incomplete: run did not finish)[/]"
@@ -70,12 +73,12 @@ def as_text(value) -> str:
     return escape(str(value))
 
 
-def step_count(report: schema.Report) -> int:
+def step_count(report: View) -> int:
     """How many steps the compared records span (a multi-step trace names the step where divergence starts)."""
     return max((r.get("step", 0) for r in report.get("records", ())), default=0) + 1
 
 
-def origin_lines(origin: schema.Origin, steps: int = 1) -> list[str]:
+def origin_lines(origin: View, steps: int = 1) -> list[str]:
     lines = [f"[bold red]{as_text(origin['description'])}[/]"
              + (f"  [dim]({as_text(origin['type'])})[/]" if origin.get("type") else "")
              + (f"  [bold]at step {origin.get('step', 0) + 1} of {steps}[/]" if steps > 1 else "")]
@@ -121,7 +124,7 @@ def origin_lines(origin: schema.Origin, steps: int = 1) -> list[str]:
     return lines
 
 
-def scalar_outputs_by_step(report: schema.Report) -> list[tuple[int, str, float, float, bool]]:
+def scalar_outputs_by_step(report: View) -> list[tuple[int, str, float, float, bool]]:
     """(step, key, A's value, B's value, within tolerance) of the model's one-element outputs (the loss) in
     every step: what a training comparison looks at first."""
     out = []
@@ -133,7 +136,7 @@ def scalar_outputs_by_step(report: schema.Report) -> list[tuple[int, str, float,
     return sorted(out)
 
 
-def _render_steps(report: schema.Report, console: Console):
+def _render_steps(report: View, console: Console):
     steps = step_count(report)
     if steps < 2:
         return
@@ -162,7 +165,7 @@ def _value(x) -> str:
     return "-" if x is None else f"{x:.7g}"  # a loss: enough digits to see a difference in the 6th
 
 
-def row_passed(row: schema.Row) -> bool:
+def row_passed(row: View) -> bool:
     """Every tensor of a report row within tolerance."""
     return all(t.get("passed", True) for t in row.get("tensors", ()))
 
@@ -173,7 +176,7 @@ def make_console(**kwargs) -> Console:
     return probe if probe.is_terminal else Console(width=max(probe.width, 140), **kwargs)
 
 
-def render(report: schema.Report, console: Console | None = None):
+def render(report: View, console: Console | None = None):
     console = console or make_console()
     _render_body(report, console)
     for problem in (report.get("trust") or {}).get("problems", []):
@@ -182,7 +185,7 @@ def render(report: schema.Report, console: Console | None = None):
         console.print("[bold yellow]the runs agree on what was compared, but the comparison is incomplete (exit 3)[/]")
 
 
-def _render_body(report: schema.Report, console: Console):
+def _render_body(report: View, console: Console):
     console.print(f"[bold]A[/] {trace_line(report['a'])}")
     console.print(f"[bold]B[/] {trace_line(report['b'])}")
     basis = report.get("basis")
@@ -230,7 +233,7 @@ def _render_body(report: schema.Report, console: Console):
     _render_footer(report, console)
 
 
-def _render_mapping(report: schema.Report, console: Console, shown: int = 12):
+def _render_mapping(report: View, console: Console, shown: int = 12):
     """The inferred mapping, with repeated blocks shown once (``layers.*``), in A's execution order."""
     mapping = report.get("mapping") or []
     if mapping:
@@ -258,7 +261,7 @@ def _render_mapping(report: schema.Report, console: Console, shown: int = 12):
                       + (f" (+{len(names) - 6})" if len(names) > 6 else "") + "[/]")
 
 
-def _render_growth(report: schema.Report, console: Console):
+def _render_growth(report: View, console: Console):
     rows = report.get("growth") or []
     if not rows or report["forward"]["status"] == "aligned":
         return
@@ -278,14 +281,14 @@ def _render_growth(report: schema.Report, console: Console):
     console.print(table)
 
 
-def target_command(side: schema.RunSummary, placeholder: str) -> str:
+def target_command(side: View, placeholder: str) -> str:
     target = side.get("target")
     if not target:
         return placeholder
     return " ".join([target] + [f"--arg {k}={v}" for k, v in (side.get("target_args") or {}).items()])
 
 
-def _render_next_pass(report: schema.Report, console: Console):
+def _render_next_pass(report: View, console: Console):
     nxt = report.get("next_pass")
     if not nxt:
         return
@@ -297,7 +300,7 @@ def _render_next_pass(report: schema.Report, console: Console):
                   soft_wrap=True)
 
 
-def _render_footer(report: schema.Report, console: Console):
+def _render_footer(report: View, console: Console):
     notes = []
     p = report.get("params", {})
     if p.get("compared"):
@@ -317,7 +320,7 @@ def _render_footer(report: schema.Report, console: Console):
     console.print(f"verdict: [bold {'green' if verdict == 'aligned' else 'red'}]{verdict}[/]")
 
 
-def render_ranks(result: dict, console: Console):
+def render_ranks(result: View, console: Console):
     """``layerdiff align RUN``: one line per rank against rank 0, then the first desync."""
     console.print(f"[bold]{as_text(result['path'])}[/]: {result['world_size']} ranks, each compared with rank 0 on what "
                   "replicas must agree on (shards and partial sums left out)")

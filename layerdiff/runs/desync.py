@@ -52,7 +52,7 @@ def check_run(path, how: Comparison | None = None, workers: int | None = None, p
 
 
 def _execution_order(run: RankedRun) -> dict:
-    order = {}
+    order: dict[str, int] = {}
     calls = [r for r in run.records if isinstance(r, CallRecord)]
     for rec in sorted(calls, key=lambda r: (r.phase != "forward", r.begin)):
         order.setdefault(rec.path, len(order))

@@ -21,6 +21,7 @@ import itertools
 import math
 import re
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 from msgspec.structs import replace
@@ -28,12 +29,20 @@ from msgspec.structs import replace
 from layerdiff.errors import TraceFormatError
 from layerdiff.match.operands import combine_stats
 from layerdiff.tracefile.reader import TraceReader
-from layerdiff.tracefile.records import CallRecord, Merge, Record, TensorEntry
+from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
 _ONE_COPY = ("replicate", "ranks")  # merges read as rank 0's tensor (the per-rank comparison checks the others)
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
+
+
+def _rank_number(path) -> int:
+    """The rank of a file named ``rank{N}.h5`` (``rank_files`` lists only such files)."""
+    found = RANK_FILE.match(Path(path).name)
+    if found is None:
+        raise TraceFormatError(f"{path}: not a rank's trace (rank{{N}}.h5)")
+    return int(found.group(1))
 
 
 def rank_files(path) -> list | None:
@@ -104,15 +113,15 @@ class RankedRun:
     def _check_complete(self, files):
         sizes = {(r.meta.get("distributed") or {}).get("world_size") for r in self.readers}
         expected = sizes.pop() if len(sizes) == 1 else None
-        numbers = [int(RANK_FILE.match(Path(f).name).group(1)) for f in files]
+        numbers = [_rank_number(f) for f in files]
         if expected is None or numbers != list(range(expected)):
             self.close()
             raise TraceFormatError(f"{self.path}: incomplete run: traces of ranks {numbers}, but the run had "
                                    f"{expected if expected is not None else 'differing world sizes'} ranks")
 
-    def _end(self):
-        ends = [r.end for r in self.readers]
-        if any(e is None for e in ends):
+    def _end(self) -> EndRecord | None:
+        ends = [r.end for r in self.readers if r.end is not None]
+        if len(ends) < len(self.readers):
             return None
         failed = next((e for e in ends if e.status == "error"), None)
         return replace(ends[0], status="error", failure=failed.failure) if failed else ends[0]
@@ -128,16 +137,19 @@ class RankedRun:
         param_how: dict = {}  # parameter name -> how: its gradient is spread as it is
         out = []
         for rec in self.readers[0].records:
-            twins = [index.get(_key(rec)) for index in per_rank]
-            if any(t is None for t in twins):
-                out.append(replace(rec, ranks_missing=[i for i, t in enumerate(twins) if t is None],
+            found = [index.get(_key(rec)) for index in per_rank]
+            twins = [t for t in found if t is not None]
+            if len(twins) < len(found):
+                out.append(replace(rec, ranks_missing=[i for i, t in enumerate(found) if t is None],
                                    tensors=[self._per_rank_entry([t]) for t in rec.tensors]))
                 continue
-            tensors, known = [], {}
+            tensors: list[TensorEntry] = []
+            known: dict[tuple, tuple] = {}
             for i, entry in enumerate(rec.tensors):
-                parts = [t.tensors[i] if i < len(t.tensors) and t.tensors[i].key == entry.key
-                         else _find(t, entry) for t in twins]
-                if any(p is None for p in parts):
+                located = [t.tensors[i] if i < len(t.tensors) and t.tensors[i].key == entry.key
+                           else _find(t, entry) for t in twins]
+                parts = [p for p in located if p is not None]
+                if len(parts) < len(located):
                     tensors.append(self._per_rank_entry([entry]))
                     continue
                 how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, shards_by_region) \
@@ -173,7 +185,7 @@ class RankedRun:
                         dim, local = 1 - dim % 2, local[::-1]  # Paddle's [in, out]: as PyTorch's [out, in]
                     out[module] = (dim, local)
                     rule = self.rules.fused_rule(module.rpartition(".")[2])
-                    if rule is not None and rule.tp_every_part and entry.placement.get("source") == "megatron":
+                    if rule is not None and rule.tp_every_part and (entry.placement or {}).get("source") == "megatron":
                         self.every_part[module] = len(rule.parts)
         return out
 
@@ -199,11 +211,13 @@ class RankedRun:
             return "concat", len(entry.shape) - 1
         return None
 
-    def _merged_entry(self, parts: list[TensorEntry], how) -> TensorEntry:
-        kind, dim = how[:2] if how else ("ranks", None)
+    def _merged_entry(self, parts: list[TensorEntry], how: tuple | None) -> TensorEntry:
+        kind = how[0] if how else "ranks"
+        dim = None
         shape = list(parts[0].shape)
-        if kind in ("concat", "concat_parts"):
-            dim %= max(len(shape), 1)
+        stats: Mapping[str, Any] | None
+        if how and kind in ("concat", "concat_parts"):
+            dim = how[1] % max(len(shape), 1)
             shape[dim] = sum(p.shape[dim] for p in parts)
             stats = combine_stats([p.stats for p in parts])
         elif kind == "sum":
@@ -211,7 +225,7 @@ class RankedRun:
                      "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
         else:
             stats = parts[0].stats
-        merge = Merge(kind, dim, how[2] if kind == "concat_parts" else None)
+        merge = Merge(kind, dim, how[2] if how and kind == "concat_parts" else None)
         return self._register(replace(parts[0], shape=shape, stats=stats or parts[0].stats, merge=merge,
                                       parts=tuple(parts), placement=None), parts)
 
@@ -239,11 +253,11 @@ class RankedRun:
             return self.readers[0].tensor(entry.parts[0])
         values = self.part_values(entry)
         if merge.how == "concat":
-            return np.concatenate(values, axis=merge.dim)
+            return np.concatenate(values, axis=merge.axis)
         if merge.how == "concat_parts":  # [g0; u0], [g1; u1] -> [g0; g1; u0; u1]
-            pieces = [np.split(v, merge.parts, axis=merge.dim) for v in values]
-            return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge.dim)
-                                   for i in range(merge.parts)], axis=merge.dim)
+            pieces = [np.split(v, merge.part_count, axis=merge.axis) for v in values]
+            return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge.axis)
+                                   for i in range(merge.part_count)], axis=merge.axis)
         if merge.how == "sum":  # added as values (bfloat16's stored bits are integers), kept as stored bits
             total = np.sum([as_float(v, entry.dtype).astype(np.float64) for v in values], axis=0)
             return encode_float(total, entry.dtype)
@@ -276,7 +290,12 @@ class RankedRun:
         if merge.how != "concat" or merge.dim != 0:
             return None
         segments = [reader.data_segments(part) for reader, part in zip(self.readers, parts)]
-        return None if any(s is None for s in segments) else [seg for found in segments for seg in found]
+        joined: list = []
+        for found in segments:
+            if found is None:
+                return None
+            joined.extend(found)
+        return joined
 
     def size_bytes(self) -> int:
         return sum(r.size_bytes() for r in self.readers)

@@ -191,7 +191,7 @@ class RawChunkReader:
 
     def read(self, start: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty(length, dtype=np.uint8) if out is None else out
-        view = memoryview(out)
+        view = out.data
         done = 0
         while done < length:
             index, inner = divmod(start + done, self.chunk)
@@ -218,14 +218,14 @@ class RawChunkReader:
     def view(self, start: int, length: int) -> np.ndarray | None:
         """A read-only view of logical bytes in the mapped file (None where they are not back to back)."""
         where = self._file_range(start, length)
-        if where is None:
+        if where is None or self.mapped is None:
             return None
         return np.frombuffer(self.mapped, dtype=np.uint8, count=length, offset=where[0])
 
     def _advise(self, advice: int, start: int, length: int, margin: int):
         """madvise the file pages of logical bytes, widened to multiples of ``margin`` (a multiple of the page)."""
         where = self._file_range(start, length)
-        if where is not None:
+        if where is not None and self.mapped is not None:
             first = where[0] // margin * margin
             end = min(-(-(where[0] + where[1]) // margin) * margin, self.file_size)
             self.mapped.madvise(advice, first, end - first)

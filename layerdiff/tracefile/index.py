@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any, Iterable
 
 import numpy as np
 import orjson
@@ -11,7 +12,7 @@ import orjson
 from layerdiff.tracefile.records import EndRecord, Record, decode_line
 
 
-def encode_line(record: dict) -> bytes:
+def encode_line(record: dict[str, Any]) -> bytes:
     """A record as one JSON line of the index.
 
     orjson writes it (about a tenth of the standard library's time: at ~100 records per step of a small model,
@@ -29,9 +30,10 @@ def encode_line(record: dict) -> bytes:
     return (json.dumps(record, separators=(",", ":"), default=_json_default) + "\n").encode()
 
 
-def _has_nonfinite(value) -> bool:
+def _has_nonfinite(value: object) -> bool:
     """A NaN or infinite float anywhere in a record's values (leaves are looked at in their container: most are
     strings and integers, and a call per leaf doubled the cost of a checked line)."""
+    values: Iterable[Any]
     if isinstance(value, dict):
         values = value.values()
     elif isinstance(value, (list, tuple)):
@@ -50,7 +52,7 @@ def _has_nonfinite(value) -> bool:
     return False
 
 
-def _json_default(obj):
+def _json_default(obj: object) -> int | float | str:
     if isinstance(obj, (np.integer,)):
         return int(obj)
     if isinstance(obj, (np.floating,)):

@@ -1,4 +1,6 @@
 """The names, version and chunk sizes of the trace file: what its writer and reader agree on."""
+import importlib
+from types import ModuleType
 
 FORMAT_NAME = "layerdiff-trace"
 FORMAT_VERSION = 2  # 2: param_grad_use records (a tied weight's gradient per use), arg_names, tied
@@ -7,8 +9,6 @@ INDEX_CHUNK = 1 << 16
 COMPRESSIONS = (None, "gzip", "lzf")
 
 
-def load_h5py():
+def load_h5py() -> ModuleType:
     """h5py, imported when a trace is opened (a core dependency, imported late so `layerdiff --help` stays fast)."""
-    import h5py
-
-    return h5py
+    return importlib.import_module("h5py")

@@ -66,7 +66,8 @@ class TraceReader:
         if self.end is None:
             self.crashed = True
         self._raw = RawChunkReader.open(self.path, self._data)
-        self._location: DataLocation | None | bool = None  # made on first use (False: not available)
+        self._location: DataLocation | None = None  # made on first use (None: not available)
+        self._located = False
 
     def _load(self) -> bytes:
         """Checks the format, reads the metadata and returns the index's bytes."""
@@ -97,10 +98,14 @@ class TraceReader:
 
     def tensor(self, entry: TensorEntry) -> np.ndarray:
         """The stored bits of a tensor (decode with ``tensors.as_float``)."""
-        if entry.offset is None:
-            raise LayerdiffError(f"{self.path}: tensor data not stored (trace made in 'stats' mode)")
-        raw = self._read(entry.offset, entry.nbytes)
+        raw = self._read(*self._span(entry))
         return raw.view(storage_dtype(entry.dtype)).reshape(entry.shape)
+
+    def _span(self, entry: TensorEntry) -> tuple[int, int]:
+        """(offset, nbytes) of a tensor's bytes in /data."""
+        if entry.offset is None or entry.nbytes is None:
+            raise LayerdiffError(f"{self.path}: tensor data not stored (trace made in 'stats' mode)")
+        return entry.offset, entry.nbytes
 
     def tensor_chunks(self, entry: TensorEntry, chunk_elems: int):
         """The stored bits of a tensor, flattened, in pieces of ``chunk_elems`` (bounded memory).
@@ -110,7 +115,7 @@ class TraceReader:
         for ahead (``MADV_WILLNEED``) and those compared are let go (``MADV_DONTNEED``): resident memory stays flat.
         """
         raw = self._raw if self._raw is not None and self._raw.mapped is not None else None
-        return stored_pieces(raw, self._read, entry.offset, entry.nbytes, storage_dtype(entry.dtype), chunk_elems)
+        return stored_pieces(raw, self._read, *self._span(entry), storage_dtype(entry.dtype), chunk_elems)
 
     def data_location(self, entry: TensorEntry) -> DataLocation | None:
         """Where the tensor's bytes lie in the file, for a reader in another process (``MappedData``); None when
@@ -118,11 +123,12 @@ class TraceReader:
         raw = self._raw
         if raw is None or raw.mapped is None or entry.offset is None:
             return None
-        if self._location is None:
+        if not self._located:
             count = -(-self._data.shape[0] // raw.chunk)
             addresses = tuple(raw.addresses.get(i) for i in range(count))
-            self._location = DataLocation(str(self.path), raw.chunk, addresses) if None not in addresses else False
-        return self._location or None
+            self._location = DataLocation(str(self.path), raw.chunk, addresses) if None not in addresses else None
+            self._located = True
+        return self._location
 
     def data_segments(self, entry: TensorEntry) -> list | None:
         """[(DataLocation, byte offset, elements)]: where a tensor's flat values lie, for worker processes (one

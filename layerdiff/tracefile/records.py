@@ -45,6 +45,20 @@ class Merge(msgspec.Struct, frozen=True, omit_defaults=True):
     dim: Optional[int] = None
     parts: Optional[int] = None
 
+    @property
+    def axis(self) -> int:
+        """The axis the shards are joined on ("concat", "concat_parts")."""
+        if self.dim is None:
+            raise ValueError(f"a {self.how!r} join has no axis")
+        return self.dim
+
+    @property
+    def part_count(self) -> int:
+        """How many parts each shard holds a slice of ("concat_parts")."""
+        if self.parts is None:
+            raise ValueError(f"a {self.how!r} join has no parts")
+        return self.parts
+
 
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One tensor of a record: what it is (``role``: input, output, grad_output, grad_input, param, param_grad;
@@ -126,12 +140,12 @@ class ParamRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
         return self.path.rpartition(".")[0] if self.module is None else self.module
 
 
-class ParamGradRecord(ParamRecord, tag="param_grad"):
+class ParamGradRecord(ParamRecord, frozen=True, tag="param_grad"):
     """A parameter's gradient once accumulated (after the backward pass)."""
     kind: ClassVar[str] = "param_grad"
 
 
-class ParamUseRecord(ParamRecord, tag="param_grad_use"):
+class ParamUseRecord(ParamRecord, frozen=True, tag="param_grad_use"):
     """A tied weight's gradient from one of its uses (``module``'s call ``call``), before the uses are summed."""
     kind: ClassVar[str] = "param_grad_use"
 

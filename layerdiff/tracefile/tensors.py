@@ -7,6 +7,7 @@ framework-free and a trace made by one framework reads the same in any other env
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -122,7 +123,7 @@ def _one_piece(x: np.ndarray) -> tuple[float, float, float, float] | None:
     return float(np.minimum.reduce(x)), float(np.maximum.reduce(x)), float(np.add.reduce(x)), square
 
 
-def summarize(stored: np.ndarray, dtype: str) -> dict:
+def summarize(stored: np.ndarray, dtype: str) -> dict[str, Any]:
     """min, max, mean, l2 norm and NaN/Inf counts: kept for every tensor in every mode.
 
     NaN/Inf are counted only when a statistic came out non-finite, which keeps the common all-finite case at one
@@ -130,7 +131,7 @@ def summarize(stored: np.ndarray, dtype: str) -> dict:
     the finite min of another piece, but every sum it enters is NaN.
     """
     n = int(stored.size)
-    stats = {"numel": n, "min": None, "max": None, "mean": None, "l2": None, "nan": 0, "inf": 0}
+    stats: dict[str, Any] = {"numel": n, "min": None, "max": None, "mean": None, "l2": None, "nan": 0, "inf": 0}
     if n == 0:
         return stats
     x = np.ascontiguousarray(as_float(stored, dtype).reshape(-1))

@@ -98,7 +98,7 @@ class WriteBehind:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join()
-        self.ring = self._map = None  # unmapped once no view of it is left (an error's traceback may hold one)
+        del self.ring, self._map  # unmapped once no view of it is left (an error's traceback may hold one)
 
     def _raise_error(self):
         if self.error is not None:

@@ -9,13 +9,13 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 
 from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
 from layerdiff.tracefile.index import encode_line
 from layerdiff.tracefile.layout import COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION, INDEX_CHUNK, load_h5py
-from layerdiff.tracefile.records import Stats
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writebehind import BLOCK, WriteBehind
 
@@ -85,6 +85,7 @@ class _ReservedBytes:
         self.dataset = h5py.Dataset(h5py.h5d.create(h5file.id, name.encode(), h5py.h5t.NATIVE_UINT8, space, dcpl=dcpl))
         self.h5file, self.fd, self.chunk = h5file, fd, chunk
         self.size = 0
+        self.runs: list[list[int]] = []  # [logical start, file address, length] of consecutive chunks
         self._map()
 
     def _map(self, since: int = 0):
@@ -202,6 +203,7 @@ class TraceWriter:
         if self.path.parent and not self.path.parent.exists():
             raise LayerdiffError(f"directory {self.path.parent} does not exist")
         self._fd = _open_exclusively(self.path, overwrite)
+        self._released = False  # the descriptor (and with it the lock) given back
         try:
             h5py = load_h5py()
             behind = write_behind > 0 and compression is None
@@ -210,8 +212,10 @@ class TraceWriter:
             self._file.attrs["format"] = FORMAT_NAME
             self._file.attrs["format_version"] = FORMAT_VERSION
             self._file.attrs["meta"] = json.dumps(meta, default=str)
+            self._data: _ReservedBytes | _AppendOnlyBytes
+            self._reserved: _ReservedBytes | None = None  # the data of an uncompressed trace, written in place
             if compression is None:
-                self._data = _ReservedBytes(self._file, "data", self._fd, DATA_CHUNK, 0)  # none until a tensor
+                self._data = self._reserved = _ReservedBytes(self._file, "data", self._fd, DATA_CHUNK, 0)
             else:
                 data = self._file.create_dataset("data", shape=(0,), maxshape=(None,), dtype="u1",
                                                  chunks=(DATA_CHUNK,), compression=compression)
@@ -236,7 +240,7 @@ class TraceWriter:
         self.closed = False
 
     def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool,
-                     stats: Stats | None = None) -> dict:
+                     stats: Mapping[str, Any] | None = None) -> dict:
         """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
@@ -250,17 +254,21 @@ class TraceWriter:
         return entry
 
     def _write_behind_data(self, start: int, view: memoryview):
-        """The writer thread's data: whole blocks, with O_DIRECT while the file and filesystem allow it."""
-        if self._direct_fd is not None and self._data.aligned(BLOCK):
+        """The writer thread's data: whole blocks, with O_DIRECT while the file and filesystem allow it (a trace
+        written behind is uncompressed: its data is reserved in place)."""
+        data = self._reserved
+        if data is None:
+            raise TraceFormatError("internal: write-behind without reserved data")
+        if self._direct_fd is not None and data.aligned(BLOCK):
             try:
-                self._data.write_at(start, [view], self._direct_fd)
+                data.write_at(start, [view], self._direct_fd)
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no direct I/O after all
                     raise _write_error(exc) from None
             self._close_direct()
         try:
-            self._data.write_at(start, [view], self._fd)
+            data.write_at(start, [view], self._fd)
         except OSError as exc:
             raise _write_error(exc) from None
 
@@ -269,7 +277,7 @@ class TraceWriter:
         self.records_written += len(lines)
 
     @staticmethod
-    def summary_entry(dtype: str, shape, stats: Stats) -> dict:
+    def summary_entry(dtype: str, shape, stats: Mapping[str, Any]) -> dict:
         """A tensor entry without data: what every record keeps, in both modes."""
         return {"dtype": dtype, "shape": list(shape), "stats": stats}
 
@@ -297,7 +305,7 @@ class TraceWriter:
                 return
             if self._behind is not None:
                 self._behind.drain()
-            if self.compressed:
+            if isinstance(self._data, _AppendOnlyBytes):  # compressed
                 self._data.flush()  # data before the index lines that point into it
                 pending, self._pending = self._pending, []
                 if pending:
@@ -312,9 +320,9 @@ class TraceWriter:
             try:
                 self.write_record(end_record)
                 self.flush()  # drains the writer thread; it stays idle (the lock is held) until stopped below
-                if not self.compressed:
-                    self._data.size = self.tensor_bytes  # the written stream's end (whole blocks may pass it)
-                    self._data.finish()
+                if self._reserved is not None:  # uncompressed
+                    self._reserved.size = self.tensor_bytes  # the written stream's end (whole blocks may pass it)
+                    self._reserved.finish()
                 self._index.finish()
                 self._file.close()
             except OSError as exc:  # a full disk: what was written before stays readable
@@ -337,9 +345,9 @@ class TraceWriter:
             self._direct_fd = None
 
     def _release(self):
-        if self._fd is not None:
+        if not self._released:
             os.close(self._fd)  # also drops the lock
-            self._fd = None
+            self._released = True
 
 
 _METADATA_ROOM = 1 << 17  # room past the reserved chunks for HDF5's own metadata (chunk index nodes)
