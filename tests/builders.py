@@ -3,11 +3,13 @@ model would record, without a framework, a model or a file.
 
 ``entry`` makes one tensor, ``call`` one module call (forward or backward), ``param`` a parameter's value or
 gradient; ``Trace`` holds records in memory with a reader's interface (``records``, ``meta``, ``tensor``), so
-``measure``/``align`` run on it as on a file. Tensors get their values from ``Trace.put``.
+``measure``/``align`` run on it as on a file. Tensors get their values from ``Trace.put``; ``Recorder`` writes
+the records of a small model's run, calls nested as they ran.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,3 +74,43 @@ class Trace:
 
     def close(self):
         pass
+
+
+class Recorder:
+    """Writes what tracing a model would into a ``Trace``: module calls nested as they run, with their inputs,
+    outputs and parameters. ``with rec.call("layers.0", "Block", x) as out: out.append(y)`` records one call of
+    layers.0 taking x and returning y; calls opened inside it are its children."""
+
+    def __init__(self, trace: Trace | None = None, phase: str = "forward"):
+        self.trace = trace or Trace()
+        self.phase = phase
+        self.clock = 0
+        self.open: list[tuple[str, int]] = []
+        self.calls: dict[str, int] = {}
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    @contextmanager
+    def call(self, path: str, type: str, *inputs, hparams: dict | None = None, roles=("input", "output")):
+        begin, parent = self._tick(), (self.open[-1] if self.open else None)
+        index = self.calls.get(path, 0)
+        self.calls[path] = index + 1
+        self.open.append((path, index))
+        outputs: list = []
+        try:
+            yield outputs
+        finally:
+            self.open.pop()
+        tensors = [self.trace.put(roles[0], f"args.{i}", x) for i, x in enumerate(inputs)]
+        tensors += [self.trace.put(roles[1], "out" if len(outputs) == 1 else f"out.{i}", y)
+                    for i, y in enumerate(outputs)]
+        self.trace.records.append(call(path, tensors, phase=self.phase, call_index=index, type=type, begin=begin,
+                                       end=self._tick(), parent=parent, hparams=hparams))
+
+    def param(self, name: str, values, module_type: str | None = None) -> np.ndarray:
+        """A parameter's value, recorded as tracing does before the first step; returns the values."""
+        values = np.asarray(values, dtype=np.float32)
+        self.trace.records.append(param(name, self.trace.put("param", "value", values), module_type=module_type))
+        return values

@@ -33,3 +33,22 @@ def test_the_type_checker_passes(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "Success: no issues found" in done.stdout
+
+
+FRAMEWORK_FREE_TESTS = ["tests/judge/test_call_tree.py", "tests/match/test_module_mapping.py",
+                        "tests/match/test_rules.py", "tests/compare/test_metrics.py", "tests/logs/test_logs.py",
+                        "tests/tracefile/test_index_lines.py"]
+
+
+def test_the_framework_free_tests_pass_with_every_framework_blocked():
+    """Matching and judging are tested on synthetic records (``tests/builders.py``): those tests run where no
+    framework can be imported."""
+    blocked = ["torch", "paddle", "mindspore", "megatron", "transformers"]
+    code = (f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n"
+            "import pytest\n"
+            f"rc = pytest.main(['-q', '-p', 'no:xdist', '-p', 'no:cacheprovider', '-o', 'addopts=', *{FRAMEWORK_FREE_TESTS!r}])\n"
+            f"assert all(sys.modules.get(name) is None for name in {blocked!r}), 'a framework was imported'\n"
+            "sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]

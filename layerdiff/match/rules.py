@@ -189,8 +189,9 @@ def _check_keys(entry, section: str, where: str):
                              f"{', '.join(sorted(_ENTRY_KEYS[section]))}; top-level keys go before the first table)")
 
 
-def from_dict(data: dict, source: str) -> RuleSet:
-    """Validate and compile one rule set (built-in data or a user's TOML); every error names the entry."""
+def from_dict(data: dict, source: str, *, listed: bool = True) -> RuleSet:
+    """Validate and compile one rule set (built-in data or a user's TOML); every error names the entry. ``listed``:
+    named by ``describe`` (a report's "rules")."""
     if not isinstance(data, dict):
         raise LayerdiffError(f"{source}: a rule file is a table of sections")
     unknown = set(data) - _SECTIONS
@@ -261,7 +262,7 @@ def from_dict(data: dict, source: str) -> RuleSet:
             raise LayerdiffError(f"{where}: needs 'framework', 'family' (a type family such as \"linear\") and "
                                  "'params' (parameter names stored [in, out])")
         transposed += [(entry["framework"], entry["family"], leaf) for leaf in _strings(entry["params"], where)]
-    return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted, (source,),
+    return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted, (source,) if listed else (),
                    moved_params, tuple(transposed))
 
 
@@ -289,8 +290,8 @@ def builtin() -> RuleSet:
     from layerdiff.match.rulesets import ALL
 
     merged = RuleSet()
-    for name, data in ALL:
-        merged = merged.merged(from_dict(data, f"built-in:{name}"))
+    for name, data, listed in ALL:
+        merged = merged.merged(from_dict(data, f"built-in:{name}", listed=listed))
     return merged
 
 

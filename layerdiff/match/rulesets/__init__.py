@@ -2,5 +2,7 @@
 (the same as a user's TOML rule file). Each acts only where its module names appear, so all of them are always on."""
 from layerdiff.match.rulesets import huggingface, megatron, mindformers, mindspore, paddle
 
-ALL = (("huggingface", huggingface.RULES), ("megatron", megatron.RULES), ("mindformers", mindformers.RULES),
-       ("paddle", paddle.RULES), ("mindspore", mindspore.RULES))
+# (name, rules, listed): the model families' sets are named in a report's "rules"; the frameworks' own facts (type
+# names, stored layouts) are always on, as the facts of the core they came from were, and are not listed
+ALL = (("huggingface", huggingface.RULES, True), ("megatron", megatron.RULES, True),
+       ("mindformers", mindformers.RULES, True), ("paddle", paddle.RULES, False), ("mindspore", mindspore.RULES, False))

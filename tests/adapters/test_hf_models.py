@@ -135,6 +135,8 @@ def test_mask_given_to_one_run_only_is_a_difference_of_the_inputs(tmp_path):
 
 
 T5_TARGET = """
+import sys
+sys.path[:0] = PATHS  # this test file's folder and the conftest's it imports
 import torch, transformers
 import test_hf_models as t
 
@@ -153,8 +155,9 @@ def test_bisect_is_not_fooled_by_one_sided_inputs_or_tied_weights(tmp_path):
     from pathlib import Path
 
     target = tmp_path / "t5_target.py"
-    target.write_text(T5_TARGET)
-    tests_dir = str(Path(__file__).parent)
+    here = Path(__file__).resolve().parent
+    target.write_text(T5_TARGET.replace("PATHS", repr([str(here), str(here.parent)])))
+    tests_dir = str(here)
     code, _, err = run_cli("trace", f"{target}:build", "-o", tmp_path / "ref.h5", "-q", cwd=tests_dir)
     assert code == 0, err
     code, out, err = run_cli("bisect", tmp_path / "ref.h5", f"{target}:build", "--arg", "variant=mask", "-q",
