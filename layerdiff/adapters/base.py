@@ -89,10 +89,13 @@ class FrameworkAdapter(ABC):
         return hparams.module_entries(self.named_modules(model), self.named_parameters(model))
 
     # -- tracing ---------------------------------------------------------------------------------------------
-    @abstractmethod
+    #: the framework's half of the hooks (a ``ModuleHooks`` subclass: how it registers hooks and taps gradients)
+    hooks_class: ClassVar[type[ModuleHooks]]
+
     def hooks(self, model: Any, session: TraceSession, options: TraceOptions, path_filter: PathFilter,
               forcer: Any = None) -> ModuleHooks:
         """The hooks that trace ``model`` into ``session`` (installed by the tracer, removed on exit)."""
+        return self.hooks_class(self, model, session, options, path_filter, forcer)
 
     @abstractmethod
     def metadata(self, model: Any) -> dict[str, Any]:

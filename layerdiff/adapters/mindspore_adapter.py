@@ -309,15 +309,13 @@ class MindSporeAdapter(FrameworkAdapter):
     distributed = staticmethod(distributed)
     assign = staticmethod(assign)
     to_framework = staticmethod(to_framework)
+    hooks_class = Hooks
 
     def named_modules(self, model):
         return model.cells_and_names()
 
     def named_parameters(self, model):
         return model.parameters_and_names()
-
-    def hooks(self, model, session, options, path_filter, forcer=None):
-        return Hooks(self, model, session, options, path_filter, forcer)
 
 
 ADAPTER = MindSporeAdapter()

@@ -384,15 +384,13 @@ class PaddleAdapter(FrameworkAdapter):
     distributed = staticmethod(distributed)
     assign = staticmethod(assign)
     to_framework = staticmethod(to_framework)
+    hooks_class = Hooks
 
     def named_modules(self, model):
         return model.named_sublayers(include_self=True)
 
     def named_parameters(self, model):
         return model.named_parameters()
-
-    def hooks(self, model, session, options, path_filter, forcer=None):
-        return Hooks(self, model, session, options, path_filter, forcer)
 
 
 ADAPTER = PaddleAdapter()

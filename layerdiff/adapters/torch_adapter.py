@@ -365,15 +365,13 @@ class TorchAdapter(FrameworkAdapter):
     distributed = staticmethod(distributed)
     assign = staticmethod(assign)
     to_framework = staticmethod(to_framework)
+    hooks_class = Hooks
 
     def named_modules(self, model):
         return model.named_modules()
 
     def named_parameters(self, model):
         return model.named_parameters()
-
-    def hooks(self, model, session, options, path_filter, forcer=None):
-        return Hooks(self, model, session, options, path_filter, forcer)
 
 
 ADAPTER = TorchAdapter()
