@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", metavar="START:END", help="trace only blocks START..END-1 of the model's main module "
                    "list (e.g. model.layers) and their submodules: the full-mode second pass of two-pass tracing")
     t.add_argument("--no-params", action="store_true", help="do not record parameter values and gradients")
+    t.add_argument("--ops", action="store_true",
+                   help="also record every operation the modules' own code runs (torch functions, tensor methods "
+                        "and operators, custom autograd functions), with its source line and where each input came "
+                        "from; an origin is then named at its operation and line")
+    t.add_argument("--ops-in", action="append", metavar="REGEX",
+                   help="record operations only inside modules whose path matches (repeatable; --include's "
+                        "matching): the window a module-level report points at")
     t.add_argument("--compression", choices=["gzip", "lzf"], help="compress tensor data (slower to write)")
     t.add_argument("--flush-interval", type=float, default=1.0, metavar="SECONDS",
                    help="flush to disk at most this often (0: after every record); a crash keeps what was flushed")
@@ -104,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--records", action="store_true", help="list every record")
     s.add_argument("--nan", action="store_true",
                    help="where NaN/Inf are born: the first call with finite inputs and non-finite outputs, "
-                        "forward and backward")
+                        "forward and backward (and, in a trace made with --ops, the operation and its line)")
+    s.add_argument("--ops", nargs="?", const="", metavar="REGEX",
+                   help="list the operations recorded inside modules (--ops traces), of every module or of those "
+                        "whose path matches")
 
     w = sub.add_parser("weights", help="weights in a framework-neutral file (safetensors, PyTorch layout)")
     wsub = w.add_subparsers(dest="weights_command", metavar="ACTION", parser_class=_Parser, required=True)
@@ -261,7 +271,7 @@ def cmd_trace(args) -> int:
     tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
                    exclude=args.exclude, layers=layers, overwrite=args.force, compression=args.compression,
                    flush_interval=args.flush_interval, params=not args.no_params, meta=meta,
-                   write_behind=args.write_behind)
+                   write_behind=args.write_behind, ops=args.ops_in or args.ops)
     from layerdiff.report.progress import StepProgress
 
     progress = StepProgress(args.steps, enabled=None if not args.quiet else False)
@@ -343,7 +353,7 @@ def cmd_config(args) -> int:
 def cmd_show(args) -> int:
     from layerdiff.report.show_trace import show
 
-    show(args.trace, records=args.records, nan=args.nan)
+    show(args.trace, records=args.records, nan=args.nan, ops=args.ops)
     return EXIT_OK
 
 

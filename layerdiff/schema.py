@@ -99,6 +99,42 @@ class _RowKeys(TypedDict):
     tensors: List[TensorResult]
 
 
+class ProducerRef(TypedDict, total=False):
+    """Where a tensor an operation took came from, in its module call's code (``tracefile.records.Producer``)."""
+    kind: str  # op, input, call, param, buffer, outer, unknown
+    index: Int64
+    key: str
+    path: str
+    call: Int64
+    name: str
+
+
+class _OpInfoKeys(TypedDict):
+    index: Int64
+    name: str
+    kind: str
+
+
+class OpInfo(_OpInfoKeys, total=False):
+    """One run's operation of an "op" row: the ``index``-th of its module call, ``name`` as the code called it,
+    ``kind`` framework-neutral, the line of model code (``source`` "FILE:LINE", in ``function``), its non-tensor
+    ``args`` and where each tensor input came from (``producers``)."""
+    source: Optional[str]
+    function: Optional[str]
+    args: Dict[str, Any]
+    producers: Dict[str, ProducerRef]
+    in_place: bool
+
+
+class OpsSummary(TypedDict):
+    """A module call's operations, recorded by both runs: how many each ran, and those without a counterpart
+    ([index, name, source]; casts and views one side adds are usual)."""
+    a: Int64
+    b: Int64
+    only_a: List[Any]
+    only_b: List[Any]
+
+
 class Row(_RowKeys, total=False):
     """One matched record: A's call or parameter and B's counterpart (``path_b``: ``"X + Y"`` for a fused
     module); ``only_a``/``only_b`` its tensors without a partner."""
@@ -117,6 +153,9 @@ class Row(_RowKeys, total=False):
     only_b: Optional[List[str]]
     tied: Optional[List[str]]
     skipped: List[str]
+    op: OpInfo  # kind "op": A's operation (path and call are its module call's)
+    op_b: OpInfo  # ... and B's
+    ops: OpsSummary  # a module call whose operations both runs recorded
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -167,9 +206,20 @@ class _NonfiniteOriginKeys(TypedDict):
     inf: Any
 
 
+class NonfiniteOp(TypedDict, total=False):
+    """The operation, inside the call, whose inputs are finite and whose output holds NaN or Inf (``--ops``)."""
+    name: str
+    kind: str
+    index: Int64
+    source: Optional[str]
+    function: Optional[str]
+    tensor: str
+
+
 class NonfiniteOrigin(_NonfiniteOriginKeys, total=False):
     """The first call whose inputs are finite and whose outputs (or input gradients) hold NaN or Inf."""
     call: Int64
+    op: Optional[NonfiniteOp]  # with operations recorded: the one where it was born
 
 
 class FirstNonfinite(TypedDict):
@@ -204,9 +254,31 @@ class OriginTensor(TypedDict, total=False):
     metrics: Metrics
 
 
+class OriginOp(TypedDict, total=False):
+    """The operation a divergence starts at (``ops`` tracing): A's ``name``, ``kind``, ``index`` in its module
+    call, ``source`` ("FILE:LINE") and ``function``; the non-tensor arguments the runs set differently (``args_diff``: {argument: [A, B]}); the ``metrics`` of its first
+    failing tensor; B's counterpart (``name_b``, ``index_b``, ``source_b``, ``function_b``).
+    ``wrong_input``: the operation's inputs differ while what made them agrees: the code passed it another tensor."""
+    name: str
+    kind: str
+    index: Int64
+    source: Optional[str]
+    function: Optional[str]
+    args_diff: Dict[str, Any]
+    metrics: Optional[Metrics]
+    name_b: Optional[str]
+    index_b: Optional[Int64]
+    source_b: Optional[str]
+    function_b: Optional[str]
+    wrong_input: bool
+    only_a: List[Any]
+    only_b: List[Any]
+
+
 class Origin(TypedDict, total=False):
     """Where a divergence starts: a call whose inputs agree and whose outputs do not (``where``: module,
-    own_code, inputs, forward = inherited from forward, raised, param_grad)."""
+    own_code, inputs, forward = inherited from forward, raised, param_grad; with ``ops`` tracing also op, an
+    operation inside ``module``'s own code, and op_input, a tensor the code passed to an operation)."""
     module: Optional[str]
     call: Optional[Int64]
     step: Int64
@@ -226,6 +298,7 @@ class Origin(TypedDict, total=False):
     path_b: Optional[str]
     unpaired: Dict[str, List[str]]  # the origin's tensors without a partner, per run
     backward_candidate: str  # an inherited backward origin: what the backward descent alone would name
+    op: Optional[OriginOp]  # ``ops`` tracing: the operation inside ``module``'s own code where it starts
 
 
 class PhaseResult(TypedDict, total=False):

@@ -7,6 +7,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any, ContextManager
 
 from layerdiff.adapters import detect_framework, load_adapter
 from layerdiff.adapters.base import RankPlace
@@ -16,6 +17,7 @@ from layerdiff.capture.hparams import model_config
 from layerdiff.capture.options import TraceOptions
 from layerdiff.capture.session import TraceSession
 from layerdiff.errors import LayerdiffError
+from layerdiff.tracefile.layout import FORMAT_VERSION, FORMAT_VERSION_WITHOUT_OPS
 from layerdiff.tracefile.writer import TraceWriter
 from layerdiff.version import __version__
 
@@ -35,6 +37,7 @@ class Tracer:
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
         self.session: TraceSession | None = None
         self._hooks: ModuleHooks | None = None
+        self._ops: ContextManager[Any] | None = None  # the framework's interceptor of operations, while open
 
     def __enter__(self):
         adapter, options = self.adapter, self.options
@@ -57,11 +60,21 @@ class Tracer:
         meta["distributed"] = ranks
         writer = TraceWriter(self._file_path(ranks), meta, overwrite=options.overwrite,
                              compression=options.compression, flush_interval=options.flush_interval,
-                             write_behind=int(options.write_behind_mb * 2**20))
+                             write_behind=int(options.write_behind_mb * 2**20),
+                             format_version=FORMAT_VERSION if options.ops else FORMAT_VERSION_WITHOUT_OPS)
         self.session = TraceSession(writer, adapter, options.mode)
         hooks = adapter.hooks(self.model, self.session, options, path_filter, self.forcer)
         hooks.install()
         self._hooks = hooks
+        if options.ops:
+            try:
+                self._ops = hooks.capture_ops(options)
+                self._ops.__enter__()
+            except BaseException:
+                self._ops = None
+                hooks.remove()
+                self.session.close(None)
+                raise
         return self
 
     def _file_path(self, ranks: RankPlace | None) -> str:
@@ -97,6 +110,9 @@ class Tracer:
         self.writer.flush()
 
     def __exit__(self, exc_type, exc, tb):
+        if self._ops is not None:
+            ops, self._ops = self._ops, None
+            ops.__exit__(None, None, None)
         if self._hooks is not None:
             self._hooks.remove()
         if self.session is not None:
@@ -113,7 +129,10 @@ def trace(model, path, *, forcer=None, **options) -> Tracer:
     params=True (parameter values and gradients), meta={...} (your own notes, stored in the trace),
     write_behind=MB (full mode: tensor bytes are written by a thread of their own through a ring of this size,
     256 by default, so the disk works while the model computes; 0 writes every record before the step goes on,
-    for hunting a crash that kills the process outright).
+    for hunting a crash that kills the process outright), ops=True (also every operation that the modules' own
+    code runs: torch functions, tensor methods and operators, custom autograd functions, with their source line
+    and where each input came from) or ops=["REGEX", ...] (only inside the modules whose path matches: the window
+    a module-level report points at).
     """
     return Tracer(model, path, TraceOptions(**options), forcer=forcer)
 

@@ -49,6 +49,7 @@ class Trace:
     path: Path = Path("synthetic.h5")
     meta: dict = field(default_factory=lambda: {"framework": "torch", "model_class": "test.Model", "mode": "full"})
     records: list = field(default_factory=list)
+    ops: list = field(default_factory=list)
     arrays: dict = field(default_factory=dict)
     end: object = None
     crashed: bool = False

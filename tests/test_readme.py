@@ -48,7 +48,9 @@ def test_framework_extras_do_not_pull_each_other():
 # The only modules that may import a framework, each for a reason; every other module of every package is
 # framework-free (a new package is covered without being listed)
 FRAMEWORK_MODULES = {
-    *(f"adapters/{name}_adapter.py" for name in FRAMEWORKS),  # the adapters, one per registered framework
+    # the adapters: adapters/<framework>_adapter.py and its helpers (adapters/torch_ops.py), per framework
+    *(str(p.relative_to(ROOT / "layerdiff")) for name in FRAMEWORKS
+      for p in (ROOT / "layerdiff" / "adapters").glob(f"{name}_*.py")),
     "checkpoints/formats.py", "checkpoints/torch_dcp.py", "checkpoints/megatron.py",  # torch.load(weights_only)
     "demo.py",  # checks that the demo's frameworks are installed
 }

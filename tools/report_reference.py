@@ -103,7 +103,8 @@ KEYS = {
         "module_stack": "The modules active when it was raised, outermost first.",
     },
     "Row": {
-        "kind": "`call`, `param`, `param_grad` or `param_grad_use`, as in the trace.",
+        "kind": "`call`, `param`, `param_grad` or `param_grad_use`, as in the trace; `op` for an operation inside "
+                "a module call (`--ops`): its `path` and `call` are its module call's, `op`/`op_b` say which.",
         "phase": "`forward` or `backward` for a call; null for a parameter.",
         "path": "A's module path (a parameter's name for a parameter row).",
         "call": "The call index: a module called twice gives two rows.",
@@ -127,6 +128,9 @@ KEYS = {
         "only_b": "B's tensors of this record without a partner in A.",
         "tied": "The owners of a tied parameter.",
         "skipped": "Tensor pairs that were not compared, and why.",
+        "op": "An `op` row: A's operation.",
+        "op_b": "An `op` row: B's counterpart.",
+        "ops": "A module call whose operations both runs recorded: how many, and those without a counterpart.",
     },
     "TensorResult": {
         "role": "`input`, `output`, `grad_output`, `grad_input`, `param` or `param_grad`.",
@@ -213,7 +217,10 @@ KEYS = {
         "type": "A's module class.",
         "where": "`module` (the module's own computation), `own_code` (a parent's own code between two children), "
                  "`inputs` (the runs were given different inputs), `forward` (backward inherited from the forward "
-                 "divergence), `raised`, `param_grad` (parameter gradients differ though no call shows it).",
+                 "divergence), `raised`, `param_grad` (parameter gradients differ though no call shows it); with "
+                 "operations recorded (`--ops`), `op` (an operation of `module`'s own code: its inputs agree, its "
+                 "output does not) and `op_input` (the code passed an operation a tensor that differs while what "
+                 "made it agrees).",
         "between": "For `own_code`: the children before and after the divergence.",
         "description": "The origin in words, as the terminal prints it.",
         "tensor": "The first failing tensor, with its metrics.",
@@ -230,6 +237,54 @@ KEYS = {
         "unpaired": "The origin's tensors without a partner, per run (`a`, `b`).",
         "backward_candidate": "An inherited backward origin: what the backward descent alone would name, to check "
                               "after the forward fix.",
+        "op": "With operations recorded (`--ops`): the operation, inside `module`'s own code, where the divergence "
+              "starts: its name, kind, index, source line and function in each run, the non-tensor arguments "
+              "that differ and the metrics of its first failing tensor.",
+    },
+    "OriginOp": {
+        "name": "A's operation as the code called it (`torch.matmul`, `Tensor.mul`).",
+        "kind": "Its framework-neutral kind (`matmul`, `mul`).",
+        "index": "Its index among the operations of its module call.",
+        "source": "`FILE:LINE` of the model code that called it, in A.",
+        "function": "The function that line is in.",
+        "args_diff": "Its non-tensor arguments the runs set differently: name to `[A, B]`.",
+        "metrics": "The metrics of its first failing tensor.",
+        "name_b": "B's counterpart's name.",
+        "index_b": "B's counterpart's index.",
+        "source_b": "`FILE:LINE` of B's call.",
+        "function_b": "The function it is in, in B.",
+        "wrong_input": "The operation's input differs while whatever made that input agrees: the code passed it "
+                       "another tensor (the origin's `where` is `op_input`).",
+        "only_a": "`op_input`: A's operations without a counterpart in B, run before this one in the same call, "
+                  "when what made the differing input is one of them (`[index, name, source]`).",
+        "only_b": "`op_input`: B's operations without a counterpart in A that make the differing input: code "
+                  "one run has and the other does not.",
+    },
+    "OpInfo": {
+        "index": "Its index among the operations of its module call.",
+        "name": "As the code called it (`torch.matmul`, `Tensor.mul`, `torch.nn.functional.softmax`).",
+        "kind": "Framework-neutral (`matmul`, `mul`, `softmax`).",
+        "source": "`FILE:LINE` of the model code that called it.",
+        "function": "The function that line is in.",
+        "args": "Its non-tensor arguments (scalars, dtypes, dims), by position (`args.1`) or name (`kwargs.dim`).",
+        "producers": "Where each tensor input came from, by key.",
+        "in_place": "It modified its first argument in place.",
+    },
+    "OpsSummary": {
+        "a": "Operations run A recorded in this call.",
+        "b": "Operations run B recorded in the counterpart call.",
+        "only_a": "A's operations with no counterpart, `[index, name, source]`.",
+        "only_b": "B's, the same.",
+    },
+    "ProducerRef": {
+        "kind": "`op` (an earlier operation of the call), `input` (the call's own input), `call` (a child module "
+                "call's output), `param`, `buffer`, `outer` (a tensor of an enclosing call reached without being "
+                "passed in) or `unknown`.",
+        "index": "`op`: the operation's index.",
+        "key": "`op`, `call`: the output's key; `input`: the input's key.",
+        "path": "`call`, `outer`: the module path.",
+        "call": "`call`, `outer`: the call index.",
+        "name": "`param`, `buffer`: its name.",
     },
     "PhaseResult": {
         "present": "The direction was recorded.",

@@ -207,10 +207,6 @@ def distributed() -> RankPlace | None:
             "local_rank": int(os.environ.get("LOCAL_RANK", dist.get_rank()))}
 
 
-
-
-
-
 def assign(param, array: np.ndarray, dtype: str):
     """Copy stored bits into a parameter (cast to the parameter's dtype if they differ)."""
     if dtype == "bfloat16":
@@ -320,6 +316,35 @@ class Hooks(ModuleHooks):
                 self.session.param_use(name, frame, grad_inputs[index], self.tied[name])
 
         return hook
+
+    # -- operations inside modules (``ops`` tracing): adapters/torch_ops.py --------------------------------------
+    def intercept_ops(self, capture):
+        from layerdiff.adapters import torch_ops
+
+        return torch_ops.intercepted(capture, (_GradTap,))
+
+    def framework_leaf(self, module) -> bool:
+        from layerdiff.adapters.torch_ops import framework_leaf
+
+        return framework_leaf(module)
+
+    def named_buffers(self):
+        return self.model.named_buffers()
+
+    def op_gradients(self):
+        from layerdiff.adapters.torch_ops import gradients
+
+        return gradients()
+
+    def op_scalar(self, obj):
+        from layerdiff.adapters.torch_ops import scalar
+
+        return scalar(obj)
+
+    def op_framework_dirs(self) -> list[str]:
+        from layerdiff.adapters.torch_ops import framework_dirs
+
+        return framework_dirs()
 
 
 def metadata(model) -> dict:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any
+from typing import Any, ContextManager
 
 from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
+from layerdiff.capture.ops import OpCapture, OpGradients, OpWindows, Producers, SourceFinder
 from layerdiff.capture.options import TraceOptions
 from layerdiff.capture.structure import replace_tensors, walk
+from layerdiff.errors import LayerdiffError
 
 
 class ForcePlan:
@@ -69,6 +71,10 @@ class ModuleHooks:
             if name in self.tied:
                 self.tied_in_module.setdefault(name.rpartition(".")[0], {})[id(p)] = name
         self.module_types = {path: type(m).__name__ for path, m in self.named_modules()}
+        self.busy = 0  # > 0 while a hook runs: the framework calls layerdiff's own code makes are no operations
+        self.ops: OpCapture | None = None  # ``ops`` tracing: made by ``capture_ops`` (see ``capture.ops``)
+        self.op_windows: OpWindows | None = None
+        self.no_ops: set[int] = set()  # id() of the framework's own leaf modules: no operations inside them
 
     def named_modules(self):
         """(path, module) for the model and all its submodules; the model itself has path ''."""
@@ -120,6 +126,48 @@ class ModuleHooks:
 
     def sync(self):
         """Wait for asynchronously queued ops so that their errors surface now; eager frameworks have none."""
+
+    # -- operations inside modules (``ops`` tracing): frameworks that support it override these ------------------
+    def intercept_ops(self, capture: OpCapture) -> ContextManager[Any]:
+        """While open, every framework function, tensor method and operator the model calls goes to
+        ``capture.recording()`` / ``capture.run``; on exit everything is restored."""
+        raise LayerdiffError(f"recording operations inside modules (--ops) is not available for "
+                             f"{self.adapter.name} yet")
+
+    def framework_leaf(self, module) -> bool:
+        """A module of the framework itself (``nn.Linear``): its operations are the framework's, never recorded."""
+        return False
+
+    def named_buffers(self):
+        """(name, buffer) of the model's buffers: producers of the tensors model code reads from them."""
+        return ()
+
+    def op_gradients(self) -> OpGradients | None:
+        """How an operation's gradients are taken in this framework (None: forward only)."""
+        return None
+
+    def op_scalar(self, obj):
+        """A non-tensor argument of an operation as JSON (a dtype as its name), or None to leave it out."""
+        return None
+
+    def op_framework_dirs(self) -> list[str]:
+        """The framework's own source folders: a call made from there is not model code."""
+        return []
+
+    def capture_ops(self, options: TraceOptions) -> ContextManager[Any]:
+        """Start recording the operations inside module calls (``options.ops``): the windows, producers and the
+        framework's interceptor. Called by the tracer after ``install``."""
+        try:
+            self.op_windows = OpWindows(options.ops, [p for p, _ in self.named_modules()])
+        except ValueError as exc:
+            raise LayerdiffError(str(exc)) from None
+        params = {id(p): name for name, p in self.named_parameters()}
+        buffers = {id(b): name for name, b in self.named_buffers()}
+        self.ops = OpCapture(self.session, self, self.adapter.is_tensor, self.op_scalar,
+                             SourceFinder(self.op_framework_dirs()), Producers(params, buffers),
+                             self.op_gradients() if self.backward else None)
+        self.no_ops = {id(m) for _, m in self.named_modules() if self.framework_leaf(m)}
+        return self.intercept_ops(self.ops)
 
     def watch_inputs(self, frame, needs, swap):
         """Before the call runs: note what ``check_in_place`` needs to see whether it modified tapped inputs."""
@@ -174,6 +222,13 @@ class ModuleHooks:
         read: dict[str, Any] = {"step": None, "hparams": {}, "repr": None, "repr_values": {}}
 
         def hook(module, args, kwargs):
+            self.busy += 1
+            try:
+                return opened(module, args, kwargs)
+            finally:
+                self.busy -= 1
+
+        def opened(module, args, kwargs):
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             if not session.stack:
                 self.start_step()
@@ -189,6 +244,9 @@ class ModuleHooks:
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names)
             self.open_frames.setdefault(id(module), []).append(frame)
+            ops = self.ops
+            if ops is not None:
+                self._open_for_ops(ops, frame, module, path, tensors)
             forced = self._forced(frame, "input", tensors, frame.inputs)
             swap = {}
             if self._taps_enabled() and getattr(module, "inplace", False) is not True and path not in self.no_input_taps:
@@ -199,33 +257,63 @@ class ModuleHooks:
                     if not forced:
                         self.watch_inputs(frame, needs, swap)
             self._swap_untapped(tensors, forced, swap)
+            if ops is not None and frame.ops is not None:  # what the module's code receives: its inputs
+                for key, t in tensors:
+                    ops.producers.register(frame, swap.get(id(t), t), {"kind": "input", "key": key})
             if not swap:
                 return None
             return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
 
         return hook
 
+    def _open_for_ops(self, ops: OpCapture, frame, module, path: str, tensors: list) -> None:
+        """A call opened under ``ops`` tracing: where its inputs came from in the caller's code, and whether its own
+        code's operations are recorded."""
+        stack = self.session.stack
+        caller = stack[-2] if len(stack) > 1 else None
+        if caller is not None and caller.ops is not None:
+            frame.producers = {key: ops.producers.lookup(caller, t, stack[:-1]) for key, t in tensors}
+        if self.op_windows is not None and self.op_windows(path) and id(module) not in self.no_ops:
+            frame.ops = 0
+
     def _post_hook(self, path):
         session = self.session
         is_tensor = self.adapter.is_tensor
 
         def hook(module, args, kwargs, output):
+            self.busy += 1
+            try:
+                return closed(module, output)
+            finally:
+                self.busy -= 1
+
+        def closed(module, output):
             stack = self.open_frames.get(id(module))
             if not stack:
                 return None
             frame = stack.pop()
+            ops = self.ops
             error = sys.exc_info()[1]
             if output is None and error is not None:
+                if ops is not None:
+                    ops.producers.drop(frame)
                 session.fail_call(frame, error)
                 return None
             try:
                 self.sync()  # asynchronous frameworks: make this module's own errors surface in its frame
             except Exception as exc:
+                if ops is not None:
+                    ops.producers.drop(frame)
                 session.fail_call(frame, exc)
                 raise
             tensors: list = []
             scalars: dict[str, Any] = {}
             walk(output, "out", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
+            if ops is not None and frame.ops is not None:  # where what it returns was made in its own code
+                for key, t in tensors:
+                    frame.producers[key] = ops.producers.lookup(frame, t, session.stack)
+            if ops is not None:
+                ops.producers.drop(frame)
             entries = session.end_call(frame, tensors, scalars)
             if path in self.tied_in_module and self._taps_enabled() and self.record_params:
                 self.watch_param_uses(frame, module, [t for _, t in tensors])
@@ -239,6 +327,11 @@ class ModuleHooks:
                 if needs:
                     swap = self._tap(needs, session.grad_outputs, frame, outputs=True, forced=forced)
             self._swap_untapped(tensors, forced, swap)
+            caller = session.stack[-1] if ops is not None and session.stack else None
+            if ops is not None and caller is not None and caller.ops is not None:  # the caller's code receives it
+                for key, t in tensors:
+                    ops.producers.register(caller, swap.get(id(t), t),
+                                           {"kind": "call", "path": path, "call": frame.call, "key": key})
             return replace_tensors(output, is_tensor, swap) if swap else None
 
         return hook

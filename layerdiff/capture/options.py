@@ -20,7 +20,9 @@ class TraceOptions:
     ``params`` records parameter values and gradients; ``compression`` None, "gzip" or "lzf"; ``flush_interval``
     seconds (compressed traces); ``write_behind`` MB of tensor bytes a writer thread may hold (None: 256 in full
     mode, 0 in stats mode); ``overwrite`` replaces an existing file; ``meta`` the user's notes. ``strict_filters``
-    refuses filters that keep no module and ``one_process`` a run spread over ranks (bisect's own runs)."""
+    refuses filters that keep no module and ``one_process`` a run spread over ranks (bisect's own runs). ``ops``
+    records the operations inside module calls: True in every module, or patterns for the modules to record them
+    in (``include``'s matching: a module and everything inside it)."""
 
     mode: str = "full"
     backward: bool = True
@@ -35,6 +37,7 @@ class TraceOptions:
     meta: dict[str, Any] = field(default_factory=dict)
     strict_filters: bool = True
     one_process: bool = False
+    ops: Union[bool, str, Sequence[str]] = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -45,6 +48,12 @@ class TraceOptions:
                                  f"the step goes on), not {behind!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(self.layers))
+        if isinstance(self.ops, str):
+            object.__setattr__(self, "ops", (self.ops,))
+        elif not isinstance(self.ops, bool):
+            if not all(isinstance(p, str) for p in self.ops):
+                raise LayerdiffError(f"ops must be True or module-path patterns (strings), not {self.ops!r}")
+            object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "meta", dict(self.meta or {}))
 
     @property
@@ -59,7 +68,7 @@ class TraceOptions:
         return dict(mode=self.mode, backward=self.backward, include=self.include, exclude=self.exclude,
                     compression=self.compression, flush_interval=self.flush_interval, params=self.params,
                     layers=list(self.layers) if self.layers is not None else None,
-                    write_behind=self.write_behind_mb)
+                    write_behind=self.write_behind_mb, ops=self.ops if isinstance(self.ops, bool) else list(self.ops))
 
 
 def check_flush_interval(value: object) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
 from layerdiff.tracefile.writer import TraceWriter
 
@@ -44,6 +45,8 @@ class CallFrame:
     full: bool = True  # store tensor values (False: statistics only, e.g. the root outside a --layers window)
     arg_names: tuple = ()  # the forward's positional parameter names: "args.0" is "hidden_states"
     versions: list = field(default_factory=list)  # adapter's in-place detection: (tensor, version)
+    ops: int | None = None  # operations its own code ran so far (``ops`` tracing); None: not recorded here
+    producers: dict = field(default_factory=dict)  # tensor key -> where it came from (``capture.ops.Producers``)
 
 
 @dataclass
@@ -92,6 +95,7 @@ class TraceSession:
         self.call_counts: dict[str, int] = {}
         self.param_counts: dict[tuple, int] = {}
         self.pending_backward: dict[int, PendingBackward] = {}
+        self.pending_ops: dict[int, OpFrame] = {}  # operations whose input gradients are still to come
         self.seq = 0
         self.step = -1
         self.failure: dict | None = None
@@ -178,6 +182,11 @@ class TraceSession:
                "parent": list(frame.parent) if frame.parent else None, "tensors": tensors}
         if frame.arg_names and any(t["key"].startswith("args.") for t in tensors):
             rec["arg_names"] = list(frame.arg_names)
+        if phase == "forward":
+            if frame.ops is not None:
+                rec["ops"] = frame.ops
+            if frame.producers:
+                rec["producers"] = frame.producers
         rec.update(extra)
         return rec
 
@@ -228,6 +237,64 @@ class TraceSession:
         self.writer.write_record(self._call_record(pending.frame, "backward", pending.begin,
                                                    pending.grad_outputs))
 
+    # -- operations inside a call (``ops`` tracing; see ``capture.ops``) ------------------------------------
+    def begin_op(self, frame: CallFrame, name: OpName, args: dict, inputs, producers: dict, source: str | None,
+                 function: str | None) -> OpFrame:
+        """The operation's inputs are written now, before it runs (it may modify them in place)."""
+        index = frame.ops or 0
+        frame.ops = index + 1
+        return OpFrame(frame, index, name, self._next_seq(), self._entries("input", inputs, frame.full), args,
+                       producers, source, function)
+
+    def _op_record(self, op: OpFrame, phase: str, begin: int, tensors: list[dict], **extra) -> dict:
+        frame = op.frame
+        rec = {"kind": "op", "phase": phase, "path": frame.path, "call": frame.call, "index": op.index,
+               "step": frame.step, "name": op.name.name, "op": op.name.kind, "begin": begin, "end": self._next_seq(),
+               "tensors": tensors}
+        if phase == "forward":
+            if op.args:
+                rec["args"] = op.args
+            if op.producers:
+                rec["producers"] = op.producers
+            if op.name.in_place:
+                rec["in_place"] = True
+        if op.source is not None:
+            rec["source"], rec["function"] = op.source, op.function
+        rec.update(extra)
+        return rec
+
+    def end_op(self, op: OpFrame, outputs) -> list[dict]:
+        entries = self._entries("output", outputs, op.frame.full)
+        self.writer.write_record(self._op_record(op, "forward", op.begin, op.inputs + entries))
+        return entries
+
+    def fail_op(self, op: OpFrame, exc: BaseException):
+        """The operation raised: its inputs and the error are kept (the module call's record follows)."""
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+        self.writer.write_record(self._op_record(op, "forward", op.begin, op.inputs, error=message))
+
+    def op_grad_outputs(self, op: OpFrame, grads, waits: bool):
+        """Gradients w.r.t. the operation's outputs; ``waits``: those w.r.t. its inputs come next."""
+        begin = self._next_seq()
+        entries = self._entries("grad_output", grads, op.frame.full)
+        if not waits:
+            self.writer.write_record(self._op_record(op, "backward", begin, entries))
+            return
+        earlier = self.pending_ops.pop(id(op), None)
+        if earlier is not None and earlier.grad_outputs is not None:  # a second backward through it
+            self.writer.write_record(self._op_record(earlier, "backward", earlier.backward_begin,
+                                                     earlier.grad_outputs))
+        op.grad_outputs, op.backward_begin = entries, begin
+        self.pending_ops[id(op)] = op
+
+    def op_grad_inputs(self, op: OpFrame, grads):
+        entries = self._entries("grad_input", grads, op.frame.full)
+        pending = self.pending_ops.pop(id(op), None)
+        grad_outputs = pending.grad_outputs if pending is not None and pending.grad_outputs is not None else []
+        begin = pending.backward_begin if pending is not None else self._next_seq()
+        self.writer.write_record(self._op_record(op, "backward", begin, grad_outputs + entries))
+        op.grad_outputs = None
+
     # -- parameters ----------------------------------------------------------------------------------------
     def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None,
               tied: list | None = None):
@@ -261,6 +328,10 @@ class TraceSession:
         for pending in list(self.pending_backward.values()):
             self._emit_pending(pending)
         self.pending_backward.clear()
+        for op in list(self.pending_ops.values()):
+            if op.grad_outputs is not None:
+                self.writer.write_record(self._op_record(op, "backward", op.backward_begin, op.grad_outputs))
+        self.pending_ops.clear()
         if exc is not None and self.failure is None:
             message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
             self.failure = {"module": self.stack[-1].path if self.stack else None, "call": None,

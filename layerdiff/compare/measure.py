@@ -9,6 +9,7 @@ import os
 from dataclasses import replace
 from typing import Any, Optional, cast
 
+import msgspec
 import numpy as np
 
 from layerdiff import schema
@@ -25,10 +26,11 @@ from layerdiff.match import modules
 from layerdiff.match.layouts import LayoutRules, TokenOrder, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
 from layerdiff.match.operands import Operand
-from layerdiff.match.pairing import TensorPair, match_records
+from layerdiff.match.ops import OpPair, pair_ops
+from layerdiff.match.pairing import RecordPair, TensorPair, match_records
 from layerdiff.match.rules import RuleSet
 from layerdiff.match.sides import TraceSide, token_order
-from layerdiff.tracefile.records import CallRecord, EndRecord, Record, TensorEntry
+from layerdiff.tracefile.records import CallRecord, EndRecord, OpRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float
 
 
@@ -250,7 +252,38 @@ def _one_value(op: Operand) -> bool:
     return len(op.entries) == 1 and (op.entries[0].stats or {}).get("numel") == 1
 
 
-def _data_bytes(rec: Record) -> int:
+NO_LAYOUTS = LayoutRules()  # operations' tensors: the user's --layout rules name modules and parameters
+
+
+def _op_info(op: OpRecord, forward: dict[tuple[str, int, int], OpRecord]) -> schema.OpInfo:
+    """What a report says of one side's operation (arguments and producers from its forward record)."""
+    first = forward.get((op.path, op.call, op.index), op)
+    info: schema.OpInfo = {"index": op.index, "name": op.name, "kind": op.op, "source": op.source or first.source,
+                           "function": op.function or first.function, "args": first.args or {}}
+    if first.producers:
+        info["producers"] = {key: msgspec.to_builtins(p) for key, p in first.producers.items()}
+    if first.in_place:
+        info["in_place"] = True
+    return info
+
+
+def _op_row(pair: OpPair, tensors: list[schema.TensorResult], skipped: list[str], ancestors: dict, rules: RuleSet,
+            forward: list[dict[tuple[str, int, int], OpRecord]]) -> schema.Row:
+    """The row of a pair of operations: it hangs under its module call in the judged tree (``judge.tree``)."""
+    ra, rb = pair.a, pair.b[0]
+    row: schema.Row = {
+        "kind": "op", "phase": ra.phase, "path": ra.path, "path_b": rb.path, "call": ra.call, "step": ra.step,
+        "type_a": ra.name, "type_b": rb.name, "family_a": rules.op_kind(ra.op), "family_b": rules.op_kind(rb.op),
+        "begin": ra.begin, "end": ra.end, "parent": [ra.path, ra.call],
+        "ancestors": [[ra.path, ra.call], *ancestors.get((ra.path, ra.call), [])],
+        "op": _op_info(ra, forward[0]), "op_b": _op_info(rb, forward[1]), "error_a": ra.error, "error_b": rb.error,
+        "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
+    if skipped:
+        row["skipped"] = skipped
+    return row
+
+
+def _data_bytes(rec: Record | OpRecord) -> int:
     return sum(t.nbytes or 0 for t in rec.tensors)
 
 
@@ -293,21 +326,32 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     matching = match_records(side_a, side_b, mapping)
     _check_related(matching, reader_a, reader_b, rules)
     swap = token_order(side_a, side_b)
-    memo = _compare_in_workers(matching.pairs, (reader_a, reader_b), layouts, swap, workers, progress)
+    op_pairing = pair_ops(reader_a.ops, reader_b.ops, matching.pairs, mapping, rules)
+    pairs: list[RecordPair | OpPair] = [*matching.pairs, *op_pairing.pairs]
+    memo = _compare_in_workers(pairs, (reader_a, reader_b), layouts, swap, workers, progress)
     if progress is not None:
-        progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in matching.pairs))
+        progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in pairs))
     records: list[schema.Row] = []
     ancestors = _ancestors(reader_a.records)
-    for pair in matching.pairs:
+    forward_ops = [{(op.path, op.call, op.index): op for op in reader.ops if op.phase == "forward"}
+                   for reader in (reader_a, reader_b)]
+    for pair in pairs:
         ra, rb = pair.a, pair.b[0]
         tensors: list[schema.TensorResult] = []
         skipped = list(pair.skipped)
         for tp in pair.tensors:
-            metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), memo, layouts, swap)
+            metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), memo,
+                                    NO_LAYOUTS if isinstance(ra, OpRecord) else layouts, swap)
             if metrics is None:
                 skipped.append(f"{tp.role}:{tp.key} (statistics only: a part or transform needs the values)")
             else:
                 tensors.append(_tensor_row(tp, metrics))
+        if isinstance(pair, OpPair):
+            records.append(_op_row(pair, tensors, skipped, ancestors, rules, forward_ops))
+            if progress is not None:
+                progress.advance(_data_bytes(pair.a) + _data_bytes(pair.b[0]))
+            continue
+        assert not isinstance(ra, OpRecord) and not isinstance(rb, OpRecord)
         row: schema.Row = {
                "kind": ra.kind, "phase": ra.phase, "path": ra.path,
                "path_b": " + ".join(r.path for r in pair.b),
@@ -324,6 +368,9 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             row["skipped"] = skipped
         if ra.tied:
             row["tied"] = ra.tied
+        ops = op_pairing.calls.get((ra.path, ra.call)) if ra.kind == "call" and ra.phase == "forward" else None
+        if ops is not None:
+            row["ops"] = cast(schema.OpsSummary, ops)
         records.append(row)
         if progress is not None:
             progress.advance(_data_bytes(ra) + sum(_data_bytes(r) for r in pair.b))
@@ -339,7 +386,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             "mapping": [m.as_dict() for m in mapping.renamed()],
             "unmatched_modules": {"a": mapping.only_a, "b": mapping.only_b},
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
-            "first_nonfinite": {"a": first_nonfinite(reader_a.records), "b": first_nonfinite(reader_b.records)},
+            "first_nonfinite": {"a": first_nonfinite(reader_a.records, ops=reader_a.ops),
+                                "b": first_nonfinite(reader_b.records, ops=reader_b.ops)},
             "settings": settings_report(reader_a.meta, reader_b.meta),
             "config_diff": _config_diff(reader_a.meta, reader_b.meta)}
 

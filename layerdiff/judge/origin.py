@@ -102,6 +102,93 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
 
 
+def args_diff(a: dict | None, b: dict | None) -> dict:
+    """The non-tensor arguments two calls of an operation set differently ({argument: [A, B]}), the framework's
+    private ones (``_stacklevel``) left out."""
+    a, b = a or {}, b or {}
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not k.rpartition(".")[2].startswith("_")}
+
+
+def _at(info: dict) -> str:
+    """`` at modeling_llama.py:193 (eager_attention_forward)``."""
+    source = info.get("source") or ""
+    file, _, line = source.rpartition(":")
+    where = f" at {file.replace(chr(92), '/').rpartition('/')[2]}:{line}" if source else ""
+    return where + (f" ({info['function']})" if info.get("function") else "")
+
+
+def describe_op(path: str, info: dict, wrong_input: bool, info_b: dict | None = None) -> str:
+    """``model.layers.1.self_attn: Tensor.mul at modeling_llama.py:193 (eager_attention_forward)``, and B's line
+    where it is another."""
+    in_b = f"; in B{_at(info_b)}" if info_b and info_b.get("source") and info_b.get("source") != info.get("source") \
+        else ""
+    if wrong_input:
+        return (f"{path or '<root>'}: the tensor passed to {info['name']}{_at(info)} differs, though what made it "
+                f"agrees{in_b}")
+    return f"{path or '<root>'}: {info['name']}{_at(info)}{in_b}"
+
+
+def describe_inserted(path: str, info: dict, only_a: list, only_b: list) -> str:
+    """Code one run has and the other does not, making an operation's input."""
+    def names(ops: list) -> str:
+        return ", ".join(f"{name}{_at({'source': source})}" for _, name, source in ops)
+
+    runs = []
+    if only_b:
+        runs.append(f"B runs {names(only_b)}, which A does not")
+    if only_a:
+        runs.append(f"A runs {names(only_a)}, which B does not")
+    return f"{path or '<root>'}: " + "; ".join(runs) + f", making the input of {info['name']}{_at(info)}"
+
+
+def _inserted(bad: Judged | None, info: dict, info_b: dict, module_row: schema.Row | None) -> tuple[list, list]:
+    """The operations without a counterpart that make a differing input: (A's, B's), each [index, name, source]:
+    code one run has and the other does not (A's: those before this operation)."""
+    summary = module_row.get("ops") if module_row is not None else None
+    if bad is None or not summary:
+        return [], []
+    made_a = (info.get("producers") or {}).get(bad["key"]) or {}
+    made_b = (info_b.get("producers") or {}).get(bad.get("key_b", bad["key"])) or {}
+    only_a = [o for o in summary["only_a"] if o[0] < info["index"]] \
+        if made_a.get("kind") == "op" and made_a.get("index") in {o[0] for o in summary["only_a"]} else []
+    only_b = [o for o in summary["only_b"] if info_b.get("index") is None or o[0] < info_b["index"]] \
+        if made_b.get("kind") == "op" and made_b.get("index") in {o[0] for o in summary["only_b"]} else []
+    return only_a, only_b
+
+
+def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
+               module_row: schema.Row | None = None) -> schema.Origin:
+    """The origin at an operation inside a module's own code (``ops`` tracing): the first whose inputs agree and
+    whose output does not, or (``wrong_input``) whose inputs differ while whatever made them agrees (or is code
+    that only one run has: ``only_a``/``only_b``)."""
+    row = node.row
+    info, info_b = row["op"], row.get("op_b") or {"index": None, "name": None, "kind": None}
+    bad = _first_failing(node.ins) if wrong_input else (_first_failing(node.outs) or _first_failing(node.ins))
+    op: schema.OriginOp = {
+        "name": info["name"], "kind": info["kind"], "index": info["index"], "source": info.get("source"),
+        "function": info.get("function"), "args_diff": args_diff(info.get("args"), info_b.get("args")),
+        "metrics": bad["metrics"] if bad else None, "name_b": info_b.get("name"), "index_b": info_b.get("index"),
+        "source_b": info_b.get("source"), "function_b": info_b.get("function"), "wrong_input": wrong_input}
+    module = next((n for n in reversed(chain) if n.kind == "module"), None)
+    description = describe_op(row["path"], dict(info), wrong_input, dict(info_b))
+    if wrong_input:
+        only_a, only_b = _inserted(bad, dict(info), dict(info_b), module_row)
+        if only_a or only_b:
+            op["only_a"], op["only_b"] = only_a, only_b
+            description = describe_inserted(row["path"], dict(info), only_a, only_b)
+    description += " (backward)" if phase == "backward" else ""
+    return {"module": row["path"], "call": row["call"], "step": row["step"],
+            "type": module.row.get("type_a") if module is not None else None,
+            "where": "op_input" if wrong_input else "op", "between": [None, None], "description": description,
+            "tensor": {"role": bad["role"], "key": bad["key"], "reason": bad["reason"], "metrics": bad["metrics"]}
+            if bad else None, "ranks": None, "hint": None, "hparam_diff": {}, "param_diffs": [],
+            "error": row.get("error_b") or row.get("error_a"), "class_diff": None,
+            "chain": [n.row["path"] or "<root>" for n in chain if n.kind == "module"], "phase": phase,
+            "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []},
+            "op": op}
+
+
 def _first_over_tolerance(rows, phase):
     over = [r for r in rows if r["kind"] == "call" and r["phase"] == phase
             and any(not t["passed"] for t in r["tensors"])]
@@ -149,6 +236,10 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
         found = _locate(root, [])
         if found:
             node, where, after, before, chain = found
+            if node.kind == "op":  # its inputs agree with their counterparts, its output does not
+                return _op_origin(node, chain[:-1], phase, wrong_input=False)
+            if where == "own_code" and before is not None and before.kind == "op":
+                return _op_origin(before, chain, phase, wrong_input=True, module_row=node.row)
             own_params = params.get("param" if phase == "forward" else "param_grad", [])
             return _origin_dict(node, where, after, before, chain, phase, own_params)
     bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)

@@ -11,7 +11,8 @@ from layerdiff.schema import IN_ROLES, OUT_ROLES
 
 Judged = Mapping[str, Any]  # a judged tensor of a row (``schema.TensorResult``), or a parameter's (``param_rows``)
 NodeKind = Literal["module", "op"]
-CallKey = tuple[str, int]  # (path, call number): one call of a module or operation
+CallKey = tuple[str, int]  # (path, call number): one module call
+NodeKey = tuple[Any, ...]  # a module call's CallKey, or (path, call, index) of the index-th operation of that call
 NODE_KINDS = {"call": "module", "op": "op"}  # the rows a tree is made of, by the kind of their record
 
 
@@ -30,8 +31,8 @@ class Node:
         return "op" if self.row["kind"] == "op" else "module"
 
     @property
-    def key(self) -> tuple[str, int]:
-        return self.row["path"], self.row["call"]
+    def key(self) -> NodeKey:
+        return node_key(self.row)
 
     @property
     def inputs_ok(self) -> bool:
@@ -43,6 +44,12 @@ class Node:
 
     def subtree_ok(self) -> bool:
         return self.inputs_ok and self.outputs_ok and all(c.subtree_ok() for c in self.children)
+
+
+def node_key(row: schema.Row) -> NodeKey:
+    """A row's place in the tree: its module call, and for an operation its index in that call's code."""
+    op = row.get("op")
+    return (row["path"], row["call"]) if op is None or row["kind"] != "op" else (row["path"], row["call"], op["index"])
 
 
 def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[schema.Row]:
@@ -86,16 +93,17 @@ def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict[CallKey, l
     """The call tree of A's matched calls (and operations). A call whose parent has no counterpart hangs under its
     nearest ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
     root of one run only counts as a difference of the inputs."""
-    nodes: dict[CallKey, Node] = {}
+    nodes: dict[NodeKey, Node] = {}
     for row in rows:
         if row["kind"] not in NODE_KINDS or row["phase"] != phase:
             continue
         ins: list[Judged] = [t for t in row["tensors"] if t["role"] in IN_ROLES[phase]]
         outs: list[Judged] = [t for t in row["tensors"] if t["role"] in OUT_ROLES[phase]]
-        nodes[(row["path"], row["call"])] = Node(row, ins, outs)
+        nodes[node_key(row)] = Node(row, ins, outs)
     if phase == "backward":  # a module's parameter gradients belong to its first call of that step
         for (module, step), tensors in param_grads.items():
-            owner = min((n for n in nodes.values() if n.row["path"] == module and n.row["step"] == step),
+            owner = min((n for n in nodes.values()
+                         if n.kind == "module" and n.row["path"] == module and n.row["step"] == step),
                         key=lambda n: n.row["call"], default=None)
             if owner is not None:
                 owner.outs.extend(tensors)

@@ -73,6 +73,18 @@ class MaskRule:
 
 
 @dataclass(frozen=True)
+class FusedOpRule:
+    """One operation on one side that is a sequence of them on the other (``scaled_dot_product_attention`` vs
+    matmul, scale, mask, softmax, matmul): the sequence ends in an operation of a kind in ``ends`` and holds at
+    most ``longest`` operations; the fused operation's output is compared with the sequence's last."""
+
+    op: str
+    ends: tuple
+    longest: int = 16
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class RuleSet:
     names: dict = field(default_factory=dict)  # synonym (lower case) -> canonical token
     families: tuple = ()  # (compiled pattern, family)
@@ -84,6 +96,21 @@ class RuleSet:
     sources: tuple = ()
     moved_params: tuple = ()  # (compiled stored piece, home piece)
     transposed: tuple = ()  # (framework, type family, parameter leaf) stored [in, out]
+    op_kinds: dict = field(default_factory=dict)  # operation kind synonym -> canonical kind (``true_divide``: div)
+    pass_through_ops: frozenset = frozenset()  # kinds one side may add or leave out: casts, views, copies
+    fused_ops: tuple = ()  # FusedOpRule
+
+    def op_kind(self, kind: str) -> str:
+        """The canonical kind of an operation: ``true_divide`` and ``div`` are both ``div``."""
+        return self.op_kinds.get(kind, kind)
+
+    def passes_through(self, kind: str) -> bool:
+        """An operation that one side may insert or leave out without a difference in meaning (a cast, a view)."""
+        return self.op_kind(kind) in self.pass_through_ops
+
+    def fused_op(self, kind: str) -> FusedOpRule | None:
+        canonical = self.op_kind(kind)
+        return next((r for r in self.fused_ops if r.op == canonical), None)
 
     def is_transposed(self, framework: str | None, type_name: str | None, param_name: str) -> bool:
         """A parameter that ``framework`` stores transposed relative to PyTorch's layout, by the type of the module
@@ -149,7 +176,9 @@ class RuleSet:
                        other.angles + self.angles, other.masks + self.masks,
                        other.sequence_first + self.sequence_first, other.shifted_labels + self.shifted_labels,
                        self.sources + other.sources, other.moved_params + self.moved_params,
-                       other.transposed + self.transposed)
+                       other.transposed + self.transposed, op_kinds={**self.op_kinds, **other.op_kinds},
+                       pass_through_ops=self.pass_through_ops | other.pass_through_ops,
+                       fused_ops=other.fused_ops + self.fused_ops)
 
     def describe(self) -> list:
         return list(self.sources)
@@ -173,12 +202,13 @@ def _strings(value, where: str) -> tuple:
 
 
 _SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", "shifted_labels", "moved_params",
-             "transposed", "description"}
+             "transposed", "ops", "description"}
 
 
 _ENTRY_KEYS = {"fused": {"name", "module", "parts", "groups", "tp_shards"},
                "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"},
-               "transposed": {"framework", "family", "params"}}
+               "transposed": {"framework", "family", "params"}, "ops": {"same", "pass_through", "fused"},
+               "ops.fused": {"op", "ends", "longest"}}
 
 
 def _check_keys(entry, section: str, where: str):
@@ -262,8 +292,44 @@ def from_dict(data: dict, source: str, *, listed: bool = True) -> RuleSet:
             raise LayerdiffError(f"{where}: needs 'framework', 'family' (a type family such as \"linear\") and "
                                  "'params' (parameter names stored [in, out])")
         transposed += [(entry["framework"], entry["family"], leaf) for leaf in _strings(entry["params"], where)]
-    return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted, (source,) if listed else (),
-                   moved_params, tuple(transposed))
+    op_kinds, pass_through, fused_ops = _ops_section(data.get("ops"), source)
+    return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted,
+                   (source,) if listed else (), moved_params, tuple(transposed), op_kinds=op_kinds,
+                   pass_through_ops=pass_through, fused_ops=fused_ops)
+
+
+def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple]:
+    """``[ops]``: ``same`` (canonical kind = [synonyms]), ``pass_through`` (kinds one side may add or leave out)
+    and ``[[ops.fused]]`` (``op``, ``ends``, ``longest``)."""
+    if section is None:
+        return {}, frozenset(), ()
+    where = f"{source}: [ops]"
+    if not isinstance(section, dict):
+        raise LayerdiffError(f"{where}: a table with same, pass_through and fused")
+    _check_keys(section, "ops", where)
+    same = section.get("same") or {}
+    if not isinstance(same, dict):
+        raise LayerdiffError(f"{where} same: a table of canonical kind = [synonyms]")
+    kinds = {syn: canonical for canonical, synonyms in same.items()
+             for syn in _strings(synonyms, f"{where} same.{canonical}")}
+    def canonical_of(kind: str) -> str:
+        return kinds.get(kind, kind)
+
+    pass_through = frozenset(canonical_of(k) for k in _strings(section.get("pass_through") or [],
+                                                                  f"{where} pass_through"))
+    fused = []
+    for i, entry in enumerate(section.get("fused") or []):
+        at = f"{source}: [[ops.fused]] entry {i + 1}"
+        _check_keys(entry, "ops.fused", at)
+        if not isinstance(entry, dict) or not isinstance(entry.get("op"), str) or "ends" not in entry:
+            raise LayerdiffError(f"{at}: needs 'op' (the fused kind) and 'ends' (kinds its sequence ends with)")
+        longest = entry.get("longest", 16)
+        if not isinstance(longest, int) or isinstance(longest, bool) or not 1 < longest <= 64:
+            raise LayerdiffError(f"{at}: 'longest' is the longest sequence, 2 to 64")
+        fused.append(FusedOpRule(canonical_of(entry["op"]),
+                                 tuple(canonical_of(k) for k in _strings(entry["ends"], at + " ends")), longest,
+                                 source))
+    return kinds, pass_through, tuple(fused)
 
 
 def load_file(path) -> RuleSet:

@@ -1,12 +1,16 @@
 """``layerdiff show``: what a trace holds, without reading tensor data."""
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
 from layerdiff.compare.nonfinite import first_nonfinite
+from layerdiff.errors import LayerdiffError
+from layerdiff.report.ops_view import code_at, short_source
 from layerdiff.report.terminal import make_console
 from layerdiff.runs.ranks import open_run
 from layerdiff.tracefile.records import CallRecord, EndRecord
@@ -71,11 +75,32 @@ def _summary(reader) -> dict:
             "tensor_bytes": sum(t.nbytes or 0 for r in reader.records for t in r.tensors),
             "steps": end.steps, "warnings": end.warnings,
             "nonfinite_records": len(holding),
-            "nonfinite_origin": {phase: first_nonfinite(reader.records, phase) for phase in ("forward", "backward")},
+            "ops": {phase: sum(1 for op in reader.ops if op.phase == phase) for phase in ("forward", "backward")},
+            "nonfinite_origin": {phase: first_nonfinite(reader.records, phase, reader.ops)
+                                 for phase in ("forward", "backward")},
             "modules": [{"path": p, "type": types[p], "calls": calls[p]} for p in order]}
 
 
-def show(path, records: bool = False, nan: bool = False):
+def op_table(ops, pattern: str) -> Table:
+    """The forward operations of the module calls whose path matches ``pattern``, in the order they ran."""
+    try:
+        wanted = re.compile(pattern)
+    except re.error as exc:
+        raise LayerdiffError(f"bad --ops regular expression {pattern!r}: {exc}") from None
+    table = Table(title="operations (forward)", title_justify="left", box=None)
+    for col in ("module", "call", "#", "operation", "line", "function", "inputs -> outputs"):
+        table.add_column(col)
+    for op in sorted((op for op in ops if op.phase == "forward" and wanted.search(op.path)), key=lambda op: op.begin):
+        shapes = " ".join(str(t.shape) for t in op.tensors if t.role == "input") + " -> " + \
+            " ".join(str(t.shape) for t in op.tensors if t.role == "output")
+        table.add_row(escape(op.path or "<root>"), str(op.call), str(op.index), escape(op.name),
+                      escape(short_source(op.source)), escape(op.function or ""), shapes)
+    return table
+
+
+def show(path, records: bool = False, nan: bool = False, ops: str | None = None):
+    """``layerdiff show``; ``ops``: also list the operations of the module calls whose path matches this regular
+    expression ("" for every module)."""
     console = make_console()
     with open_run(path) as reader:
         info = _summary(reader)
@@ -104,6 +129,11 @@ def show(path, records: bool = False, nan: bool = False):
                 if origin:
                     console.print(f"[red]  {phase} NaN/Inf origin: {origin['module'] or '<root>'} (call {origin['call']}) "
                                   f"{origin['tensor']}: {origin['nan']} NaN, {origin['inf']} Inf; its inputs are finite[/]")
+                    op = origin.get("op")
+                    if op:
+                        code = code_at(op.get("source"))
+                        console.print(f"[red]    born in {escape(op['name'])} at {escape(short_source(op.get('source')))}"
+                                      f" ({escape(op.get('function') or '?')})[/]" + (f": {escape(code)}" if code else ""))
         for w in info["warnings"]:
             console.print(f"[yellow]warning: {w}[/]")
         console.print(module_tree(reader.records))
@@ -117,6 +147,11 @@ def show(path, records: bool = False, nan: bool = False):
             for p, n in sorted(by_module.items(), key=lambda kv: -kv[1])[:8]:
                 table.add_row(p or "<root>", _mb(n))
             console.print(table)
+        if info["ops"]["forward"] or info["ops"]["backward"]:
+            console.print(f"operations inside modules (--ops): {info['ops']['forward']} forward, "
+                          f"{info['ops']['backward']} backward")
+        if ops is not None:
+            console.print(op_table(reader.ops, ops))
         if records:
             table = Table(box=None)
             for col in ("#", "kind", "phase", "module", "call", "step", "tensors"):

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from layerdiff.match.mapping import collapse_indices
+from layerdiff.report.ops_view import code_at, module_ops, origin_code, retrace_hint, row_status, short_source
 
 # A report, or a part of one, as it reads back from JSON: rendered as far as it goes, never trusted to hold every key
 View = Mapping[str, Any]
@@ -93,10 +94,12 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
     elif where == "forward":
         lines.append("backward differs because forward already does; fix the forward origin first")
     elif tensor:
-        if origin["phase"] == "forward":
-            lead = "inputs agree; " if where == "module" else "its children agree up to here; "
+        if where == "op_input":
+            lead = "what made its input agrees; "
+        elif origin["phase"] == "forward":
+            lead = "inputs agree; " if where in ("module", "op") else "its children agree up to here; "
         else:
-            lead = "gradient w.r.t. outputs agrees; " if where == "module" else "children agree up to here; "
+            lead = "gradient w.r.t. outputs agrees; " if where in ("module", "op") else "children agree up to here; "
         lines.append(f"{lead}{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/] differs: {as_text(tensor['reason'])}")
         m = tensor.get("metrics") or {}
         if m.get("basis") == "data":
@@ -112,6 +115,13 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
                          + "[/]")
     if origin.get("error") and where != "raised":
         lines.append(f"[red]raised:[/] {as_text(origin['error'])}")
+    op = origin.get("op")
+    if op:
+        for run, source, code in origin_code(op):
+            lines.append(f"[bold]{run}[/] {as_text(source)}  " + (f"[cyan]{as_text(code)}[/]" if code else
+                                                                  "[dim](source not readable here)[/]"))
+        for key, (a, b) in (op.get("args_diff") or {}).items():
+            lines.append(f"[yellow]argument {as_text(key)}: {as_text(repr(a))} (A) vs {as_text(repr(b))} (B)[/]")
     for key, (a, b) in (origin.get("hparam_diff") or {}).items():
         lines.append(f"[yellow]{as_text(key)}: {as_text(repr(a))} (A) vs {as_text(repr(b))} (B)[/]")
     if origin.get("class_diff"):
@@ -216,6 +226,10 @@ def _render_body(report: View, console: Console):
             if first and first["module"] != origin["module"] and origin.get("where") not in ("forward",):
                 console.print(f"          [dim](first over tolerance in execution order: {as_text(first['module'] or '<root>')};"
                               " the origin is where inputs still agree)[/]")
+            if origin.get("op"):
+                _render_module_ops(report, origin, console)
+            for line in retrace_hint(report, origin):
+                console.print(f"          [dim]{as_text(line)}[/]")
         failure = res.get("failure")
         if failure and (origin or {}).get("where") != "raised":
             console.print(f"  [red]run B raised in {as_text(failure['module'] or '<root>')}: {as_text(failure['error'])}[/]")
@@ -227,10 +241,38 @@ def _render_body(report: View, console: Console):
         if nf:
             console.print(f"[red]first NaN/Inf in {side.upper()}:[/] {as_text(nf['module'] or '<root>')} ({nf['phase']}) "
                           f"{as_text(nf['tensor'])}: {nf['nan']} NaN, {nf['inf']} Inf")
+            op = nf.get("op")
+            if op:
+                code = code_at(op.get("source"))
+                console.print(f"  born in {as_text(op['name'])} at {as_text(short_source(op.get('source')))}"
+                              + (f" ({as_text(op['function'])})" if op.get("function") else "")
+                              + (f": [cyan]{as_text(code)}[/]" if code else ""))
     _render_steps(report, console)
     _render_growth(report, console)
     _render_next_pass(report, console)
     _render_footer(report, console)
+
+
+def _render_module_ops(report: View, origin: View, console: Console):
+    """The origin module's operations around the origin's, both runs side by side with their lines."""
+    rows = module_ops(report, origin)
+    if len(rows) < 2:
+        return
+    index = (origin.get("op") or {}).get("index")
+    table = Table(title=f"operations of {origin.get('module') or '<root>'} ({origin.get('phase')}), A | B",
+                  title_justify="left", box=None, pad_edge=False)
+    for col in ("#", "A", "line A", "B", "line B", "max rel", ""):
+        table.add_column(col)
+    for r in rows:
+        a, b = r.get("op") or {}, r.get("op_b") or {}
+        rel = max((t["metrics"].get("max_rel") or 0 for t in r.get("tensors", ()) if t.get("metrics")
+                   and t["role"] in ("output", "grad_input")), default=None)
+        status = row_status(r)
+        mark = "<- origin" if a.get("index") == index else ("" if status == "ok" else "x")
+        table.add_row(str(a.get("index")), as_text(a.get("name")), as_text(short_source(a.get("source"))),
+                      as_text(b.get("name")) if b.get("name") != a.get("name") else "=",
+                      as_text(short_source(b.get("source"))), fmt_number(rel), mark)
+    console.print(table)
 
 
 def _render_mapping(report: View, console: Console, shown: int = 12):

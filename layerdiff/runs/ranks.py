@@ -29,7 +29,7 @@ from msgspec.structs import replace
 from layerdiff.errors import TraceFormatError
 from layerdiff.match.operands import combine_stats
 from layerdiff.tracefile.reader import TraceReader
-from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, Record, TensorEntry
+from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
@@ -105,6 +105,7 @@ class RankedRun:
         self.end = self._end()
         self._joined = 0  # joined entries made so far (each gets its own negative offset)
         self.records = self._merge()
+        self.ops: list[OpRecord] = []  # operations are not joined across ranks: align one rank's trace for them
 
     @property
     def world_size(self) -> int:
@@ -366,6 +367,7 @@ class RankView:
                   if t.merge is not None and t.merge.how in left_out}
         self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread])
                         for rec in self.reader.records]
+        self.ops = self.reader.ops  # one rank's own operations (replicas run the same ones)
 
     def tensor(self, entry):
         return self.reader.tensor(entry)

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import numpy as np
 import orjson
 
-from layerdiff.tracefile.records import EndRecord, Record, decode_line
+from layerdiff.tracefile.records import EndRecord, Indexed, decode_line
 
 
 def encode_line(record: dict[str, Any]) -> bytes:
@@ -60,11 +60,11 @@ def _json_default(obj: object) -> int | float | str:
     return repr(obj)
 
 
-def parse_index(raw: bytes, data_size: int) -> tuple[list[Record], EndRecord | None]:
+def parse_index(raw: bytes, data_size: int) -> tuple[list[Indexed], EndRecord | None]:
     """Records up to the last complete, consistent line; a torn tail (crash mid-write) is dropped, and so is
     everything from the first line that is not a record (``records.decode_line``: not JSON, nested too deeply,
     of the wrong shape or types) or that points past the end of /data."""
-    records: list[Record] = []
+    records: list[Indexed] = []
     end = None
     for line in raw.rstrip(b"\x00").split(b"\n"):  # a killed writer's reserve ends in zeros
         if not line:

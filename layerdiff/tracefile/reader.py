@@ -12,7 +12,7 @@ from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
 from layerdiff.tracefile.chunks import DataLocation, LengthenedFile, RawChunkReader, stored_pieces
 from layerdiff.tracefile.index import parse_index
 from layerdiff.tracefile.layout import FORMAT_NAME, FORMAT_VERSION, load_h5py
-from layerdiff.tracefile.records import TensorEntry
+from layerdiff.tracefile.records import OpRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import storage_dtype
 
 
@@ -62,7 +62,10 @@ class TraceReader:
             except Exception:
                 self.close()
                 raise TraceFormatError(f"{self.path}: damaged trace ({first_line(exc)})") from None
-        self.records, self.end = parse_index(raw, self._data.shape[0])
+        indexed, self.end = parse_index(raw, self._data.shape[0])
+        # module calls and parameters (what every pass reads), and the operations inside calls (``ops`` tracing)
+        self.records: list[Record] = [r for r in indexed if not isinstance(r, OpRecord)]
+        self.ops: list[OpRecord] = [r for r in indexed if isinstance(r, OpRecord)]
         if self.end is None:
             self.crashed = True
         self._raw = RawChunkReader.open(self.path, self._data)

@@ -1,8 +1,9 @@
 """The records of a trace as typed objects: decoded once, at the reader, from the index's JSON lines.
 
-One JSON line per record (docs/trace-format.md), told apart by ``kind``: a module call (``CallRecord``), a
-parameter's value, its gradient after accumulation, or a tied weight's gradient per use (``ParamRecord`` and its
-two kinds), and the end of the trace (``EndRecord``). ``msgspec`` decodes each line straight into these structs
+One JSON line per record (docs/trace-format.md), told apart by ``kind``: a module call (``CallRecord``), an
+operation that a module's own code ran (``OpRecord``, with ``ops`` tracing), a parameter's value, its gradient
+after accumulation, or a tied weight's gradient per use (``ParamRecord`` and its two kinds), and the end of the
+trace (``EndRecord``). ``msgspec`` decodes each line straight into these structs
 and checks its types on the way (what ``tools/bench_decode.py`` measured against decoding to dicts and checking
 them after); ``check`` adds what types alone do not say. Keys a newer layerdiff adds are skipped, never an error.
 
@@ -82,6 +83,20 @@ class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
         return self.offset is not None
 
 
+class Producer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Where a tensor that model code handed on came from, found by tensor identity inside the enclosing module
+    call: ``op`` (an earlier operation of that call: ``index``, its output ``key``), ``input`` (the call's own
+    input ``key``), ``call`` (a child module call ``path``/``call``: its output ``key``), ``param`` or ``buffer``
+    (``name``), ``outer`` (a tensor of an enclosing call ``path``/``call``, reached without being passed in: an
+    attribute or a closure), or ``unknown`` (made where nothing was recorded)."""
+    kind: Literal["op", "input", "call", "param", "buffer", "outer", "unknown"]
+    index: Optional[Count] = None
+    key: Optional[str] = None
+    path: Optional[str] = None
+    call: Optional[Count] = None
+    name: Optional[str] = None
+
+
 class CallRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="kind", tag="call"):
     """One module call, forward or backward. ``begin``/``end`` order calls in time; ``parent`` is the enclosing
     call ([path, call]); ``arg_names`` name the positional arguments ("args.0" is "hidden_states")."""
@@ -104,12 +119,54 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     arg_names: Optional[list[str]] = None
     incomplete: bool = False
     error: Optional[str] = None
+    ops: Optional[Count] = None  # operations recorded inside this call (``ops`` tracing); None: not recorded
+    producers: Optional[dict[str, Producer]] = None  # inputs: in the caller's call; outputs: in this call
     absorbed: Optional[str] = None  # never in a file: a module of B read with a child it runs inside itself
     ranks_missing: Optional[list[int]] = None  # never in a file: ranks of a run that lack this record
 
     @property
     def module_path(self) -> str:
         return self.path
+
+
+class OpRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="kind", tag="op"):
+    """One operation that a module's own code ran (a framework function, tensor method or operator, or a custom
+    autograd function), forward or backward: the ``index``-th of module call ``path``/``call``. ``name`` is what
+    the code called (``torch.matmul``, ``Tensor.mul``), ``op`` a framework-neutral kind (``matmul``); ``args`` its
+    non-tensor arguments; ``producers`` where each tensor input came from; ``source`` the line of model code that
+    called it (``FILE:LINE``, in ``function``). In backward, its tensors are the gradients w.r.t. its outputs
+    (``grad_output``) and inputs (``grad_input``)."""
+    kind: ClassVar[str] = "op"
+    module: ClassVar[None] = None
+    module_type: ClassVar[None] = None
+    tied: ClassVar[None] = None
+    hparams: ClassVar[None] = None
+    arg_names: ClassVar[None] = None
+    phase: Phase
+    path: str
+    call: Count
+    index: Count
+    name: str
+    op: str
+    tensors: list[TensorEntry]
+    step: Count = 0
+    begin: Count = 0
+    end: Count = 0
+    args: Optional[dict[str, Any]] = None
+    producers: Optional[dict[str, Producer]] = None
+    source: Optional[str] = None
+    function: Optional[str] = None
+    in_place: bool = False
+    error: Optional[str] = None
+
+    @property
+    def parent(self) -> tuple[str, int]:
+        """The module call whose own code ran it."""
+        return self.path, self.call
+
+    @property
+    def type(self) -> str:
+        return self.op
 
 
 class ParamRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="kind", tag="param"):
@@ -165,7 +222,8 @@ class EndRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, t
 
 
 Record = Union[CallRecord, ParamRecord, ParamGradRecord, ParamUseRecord]
-AnyRecord = Union[CallRecord, ParamRecord, ParamGradRecord, ParamUseRecord, EndRecord]
+Indexed = Union[CallRecord, OpRecord, ParamRecord, ParamGradRecord, ParamUseRecord]  # every record but the end
+AnyRecord = Union[CallRecord, OpRecord, ParamRecord, ParamGradRecord, ParamUseRecord, EndRecord]
 _DECODER = msgspec.json.Decoder(AnyRecord)
 
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
 from layerdiff.tracefile.index import encode_line
-from layerdiff.tracefile.layout import COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION, INDEX_CHUNK, load_h5py
+from layerdiff.tracefile.layout import (COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION_WITHOUT_OPS, INDEX_CHUNK,
+                                        load_h5py)
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writebehind import BLOCK, WriteBehind
 
@@ -194,7 +195,8 @@ class TraceWriter:
     """
 
     def __init__(self, path, meta: dict, *, overwrite: bool = False, compression: str | None = None,
-                 flush_interval: float = 1.0, buffer_bytes: int = 8 << 20, write_behind: int = 0):
+                 flush_interval: float = 1.0, buffer_bytes: int = 8 << 20, write_behind: int = 0,
+                 format_version: int = FORMAT_VERSION_WITHOUT_OPS):
         if compression not in COMPRESSIONS:
             raise LayerdiffError(f"unknown compression {compression!r}; choose gzip or lzf")
         if not (isinstance(flush_interval, (int, float)) and math.isfinite(flush_interval) and flush_interval >= 0):
@@ -210,7 +212,7 @@ class TraceWriter:
             aligned = dict(alignment_threshold=DATA_CHUNK, alignment_interval=BLOCK) if behind else {}
             self._file = h5py.File(self.path, "w", libver="earliest", locking=False, **aligned)
             self._file.attrs["format"] = FORMAT_NAME
-            self._file.attrs["format_version"] = FORMAT_VERSION
+            self._file.attrs["format_version"] = format_version
             self._file.attrs["meta"] = json.dumps(meta, default=str)
             self._data: _ReservedBytes | _AppendOnlyBytes
             self._reserved: _ReservedBytes | None = None  # the data of an uncompressed trace, written in place

@@ -96,22 +96,29 @@ def test_the_same_measurements_judged_again_under_looser_tolerances():
 
 
 def test_an_operation_inside_a_module_becomes_a_node_of_the_tree():
-    """A row of kind "op" (an operation a module's own code ran) hangs under its module and can be the origin:
-    the seam that operation capture fills."""
+    """A row of kind "op" (an operation a module's own code ran) hangs under its module call, between the calls
+    it ran between, and is the origin when its inputs agree and its output does not."""
     measured = align(block_run().trace, block_run("layers.1:residual").trace)
     rows = judge_rows(measured, TolerancePolicy())
     mlp = next(r for r in rows if r["path"] == "layers.1.mlp" and r["phase"] == "forward")
     attn = next(r for r in rows if r["path"] == "layers.1.attn" and r["phase"] == "forward")
-    add = {**mlp, "kind": "op", "path": "layers.1.add", "call": 0, "parent": ["layers.1", 0],
+    add = {**mlp, "kind": "op", "path": "layers.1", "call": 0, "parent": ["layers.1", 0],
            "ancestors": [["layers.1", 0], ["", 0]], "begin": attn["end"] + 0.5, "end": attn["end"] + 0.6,
+           "op": {"index": 0, "name": "Tensor.add", "kind": "add", "source": "model.py:12", "function": "forward",
+                  "args": {"args.1": 1.0}},
+           "op_b": {"index": 0, "name": "Tensor.add", "kind": "add", "source": "port.py:40", "function": "forward",
+                    "args": {"args.1": 1.01}},
            "tensors": [{**t, "role": "input"} for t in attn["tensors"] if t["role"] == "output"]
            + [{**t, "role": "output"} for t in mlp["tensors"] if t["role"] == "input"]}
     roots = call_tree(rows + [add], "forward")
-    block = next(n for n in roots[0].children if n.row["path"] == "layers.1")
+    block = next(n for n in roots[0].children if n.row["path"] == "layers.1" and n.kind == "module")
     assert [(n.row["path"], n.kind) for n in block.children] == [
-        ("layers.1.attn", "module"), ("layers.1.add", "op"), ("layers.1.mlp", "module")]
+        ("layers.1.attn", "module"), ("layers.1", "op"), ("layers.1.mlp", "module")]
     found = phase_result(rows + [add], "forward", roots, {}, None)["first_divergence"]
-    assert found["module"] == "layers.1.add" and found["where"] == "module", found
+    assert (found["module"], found["where"]) == ("layers.1", "op"), found
+    assert found["op"]["name"] == "Tensor.add" and found["op"]["source_b"] == "port.py:40"
+    assert found["op"]["args_diff"] == {"args.1": [1.0, 1.01]}
+    assert found["description"] == "layers.1: Tensor.add at model.py:12 (forward); in B at port.py:40 (forward)"
 
 
 def test_a_gradient_defect_is_found_in_backward_where_forward_agrees():

@@ -1,0 +1,162 @@
+"""PyTorch's interceptor for operations inside modules (``ops`` tracing): public mechanisms only.
+
+A ``torch.overrides.TorchFunctionMode`` sees every torch function, ``torch.nn.functional`` function, tensor method
+and operator; while it handles one, torch disables it, so what that function calls inside is part of it (the
+outermost call is the operation). A custom ``torch.autograd.Function`` is applied through ``Function.apply``, which
+the mode does not see: that public classmethod is wrapped while the trace is open and restored on exit. What is
+recorded, and where, is ``capture.ops``'s business; this file only names torch's calls."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.overrides import TorchFunctionMode
+
+from layerdiff.capture.ops import OpCapture, OpGradients, OpName
+
+# calls that read a tensor's facts, never its values: not operations (they return no tensor)
+_FACTS = {"size", "dim", "numel", "stride", "data_ptr", "is_contiguous", "element_size", "storage_offset",
+          "is_floating_point", "is_complex", "get_device", "has_names", "nelement", "ndimension", "__len__",
+          "__bool__", "__index__", "__int__", "__float__", "__hash__", "__repr__", "__format__", "__reduce_ex__",
+          "__array__", "__dlpack__", "__dlpack_device__", "item", "tolist", "numpy", "untyped_storage",
+          "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "backward", "is_inference",
+          "is_shared", "is_pinned", "dim_order", "__contains__", "equal", "allclose", "is_nonzero", "is_same_size",
+          "is_set_to", "__iter__", "__reversed__", "__deepcopy__", "__setstate__", "__getstate__", "__dir__"}
+_FACT_ATTRIBUTES = {"shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "names", "layout",
+                    "is_cuda", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "output_nr",
+                    "_version", "_base", "itemsize", "nbytes", "is_cpu", "is_xpu", "is_mps", "_cdata", "__class__",
+                    "__dict__", "_backward_hooks", "_post_accumulate_grad_hooks"}
+_OPERATOR_KINDS = {"truediv": "div", "true_divide": "div", "floordiv": "floor_divide", "rsub": "sub",
+                   "radd": "add", "rmul": "mul", "rtruediv": "div", "rdiv": "div", "rpow": "pow", "rmatmul": "matmul",
+                   "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "idiv": "div", "ipow": "pow",
+                   "and": "logical_and", "or": "logical_or", "invert": "logical_not", "lt": "lt", "gt": "gt"}
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__", "__setitem__",
+                       "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+_NOT_AN_OP = OpName("", "")
+
+
+def op_name(func: Any) -> OpName:
+    """What model code called: ``torch.matmul``, ``Tensor.mul``, ``torch.nn.functional.softmax``, ``Tensor.T``;
+    ``_NOT_AN_OP`` for calls that read a tensor's facts (its shape, dtype) rather than compute."""
+    short = getattr(func, "__name__", None) or type(func).__name__
+    owner = getattr(func, "__self__", None)
+    if short == "__get__" and owner is not None:  # a tensor property: x.T, x.mT, x.data, x.real
+        attribute = getattr(owner, "__name__", "")
+        if attribute in _FACT_ATTRIBUTES or attribute.startswith("_"):
+            return _NOT_AN_OP
+        return OpName(f"Tensor.{attribute}", attribute.lower())
+    if short in _FACTS:
+        return _NOT_AN_OP
+    module = getattr(func, "__module__", None) or ""
+    qualname = getattr(func, "__qualname__", short)
+    if qualname.startswith("TensorBase.") or qualname.startswith("Tensor.") or module == "torch._tensor":
+        name = f"Tensor.{short}"
+    elif module in ("torch.nn.functional", "torch._C._nn") or module.startswith("torch.nn.functional"):
+        name = f"torch.nn.functional.{short}"
+    elif module in ("torch", "torch._C._VariableFunctions") or qualname.startswith("_VariableFunctionsClass."):
+        name = f"torch.{short}"
+    elif module.startswith("torch"):
+        name = f"{module.replace('._C.', '.').rstrip('.')}.{short}"
+    else:
+        name = f"{module}.{qualname}" if module else qualname
+    in_place = short in _IN_PLACE_OPERATORS or (short.endswith("_") and not short.endswith("__")
+                                                and not short.startswith("_"))
+    kind = short.strip("_")
+    if in_place and not short.startswith("__"):
+        kind = short[:-1]
+    kind = _OPERATOR_KINDS.get(kind, kind)
+    return OpName(name, kind, in_place)
+
+
+class _Names:
+    """``op_name`` per function, remembered: the same few hundred functions are called again and again."""
+
+    def __init__(self) -> None:
+        self.known: dict[Any, OpName] = {}
+
+    def __call__(self, func: Any) -> OpName:
+        try:
+            found = self.known.get(func)
+        except TypeError:  # an unhashable callable
+            return op_name(func)
+        if found is None:
+            found = self.known[func] = op_name(func)
+        return found
+
+
+class _OpMode(TorchFunctionMode):
+    """Hands every torch call made while a module's operations are recorded to ``capture.run``."""
+
+    def __init__(self, capture: OpCapture):
+        super().__init__()
+        self.capture = capture
+        self.names = _Names()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        capture = self.capture
+        if not capture.recording():
+            return func(*args, **kwargs)
+        name = self.names(func)
+        if name is _NOT_AN_OP or not name.kind:
+            return func(*args, **kwargs)
+        return capture.run(func, name, args, kwargs, sys._getframe(1))
+
+
+@contextlib.contextmanager
+def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator[None]:
+    """Operations go to ``capture`` while open: the mode is pushed, ``Function.apply`` wrapped; both undone on
+    exit. ``own_functions``: layerdiff's own autograd functions (gradient taps), never operations."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]  # a classmethod
+    apply: Callable[..., Any] = original.__func__
+
+    def wrapped(cls, *args, **kwargs):
+        if cls in own_functions or not capture.recording():
+            return apply(cls, *args, **kwargs)
+        name = OpName(f"{cls.__qualname__}.apply", cls.__name__)
+        return capture.run(lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1))
+
+    function.apply = classmethod(wrapped)  # public API, wrapped only while the trace is open
+    mode = _OpMode(capture)
+    try:
+        with mode:
+            yield
+    finally:
+        function.apply = original
+
+
+def gradients() -> OpGradients:
+    """An operation's gradients in torch: inputs through ``view_as`` (an identity node of their own, so the
+    gradient there is this operation's contribution), all of a group reported at once by
+    ``torch.autograd.graph.register_multi_grad_hook``."""
+    def differentiable(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+    def on_gradients(tensors: list, callback: Callable[[list], None]) -> None:
+        register_multi_grad_hook(tuple(tensors), lambda grads: callback(list(grads)), mode="all")
+
+    return OpGradients(differentiable, lambda t: t.view_as(t), on_gradients, torch.is_grad_enabled)
+
+
+def scalar(obj: Any) -> Any:
+    """A non-tensor argument torch names: a dtype, a device, a memory format, a size."""
+    if isinstance(obj, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(obj)
+    if isinstance(obj, torch.Size):
+        return list(obj)
+    return None
+
+
+def framework_dirs() -> list[str]:
+    return [os.path.dirname(torch.__file__)]
+
+
+def framework_leaf(module: Any) -> bool:
+    """torch's own modules (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``): their operations are torch's."""
+    return type(module).__module__.startswith("torch.")

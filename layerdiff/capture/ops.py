@@ -1,0 +1,307 @@
+"""Operations inside module calls (``ops`` tracing), the framework-neutral half: which calls record the operations
+their own code runs, where each tensor that code holds came from (producers, by tensor identity), which line of
+model code made a call, and what one operation records forward and backward.
+
+A framework's interceptor (``adapters/torch_ops.py``) sees every framework function, tensor method and operator,
+and hands each one to ``OpCapture.run``; everything else is here, so that every framework records operations the
+same way (``docs/concepts/operations.md``)."""
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+import weakref
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any, Callable, Iterable, Sequence
+
+from layerdiff.capture.structure import replace_tensors, walk
+
+# the layerdiff package; its recipes (model code shipped as examples) are not layerdiff's own code
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_RECIPES = "recipes" + os.sep
+
+
+@dataclass(frozen=True)
+class OpName:
+    """How model code called an operation: ``name`` as written (``torch.matmul``, ``Tensor.mul``), ``kind`` the
+    framework-neutral operation (``matmul``, ``mul``), ``in_place`` whether it modifies its first argument."""
+
+    name: str
+    kind: str
+    in_place: bool = False
+
+
+@dataclass
+class OpFrame:
+    """One operation in flight: its place (the ``index``-th of its module call ``frame``), what it was called
+    with, and, in backward, the gradients w.r.t. its outputs until those w.r.t. its inputs arrive."""
+
+    frame: Any  # the session's CallFrame of the module call whose own code runs the operation
+    index: int
+    name: OpName
+    begin: int
+    inputs: list[dict]
+    args: dict[str, Any]
+    producers: dict[str, dict]
+    source: str | None
+    function: str | None
+    grad_outputs: list[dict] | None = None
+    backward_begin: int = 0
+
+
+class SourceFinder:
+    """The line of model code that made a call: the first frame, walking out from the interceptor, that belongs
+    neither to the framework (``framework_dirs``), nor to Python's standard library, nor to layerdiff itself.
+    Model code is everything else: transformers, Megatron, PaddleFormers, mindformers and the user's files."""
+
+    def __init__(self, framework_dirs: Iterable[str]):
+        paths = sysconfig.get_paths()
+        self.site = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
+        self.stdlib = tuple(os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib"))
+        self.framework = tuple(os.path.abspath(d) + os.sep for d in framework_dirs)
+        self.verdicts: dict[CodeType, str] = {}  # code object -> "skip" (framework, stdlib), "own", "model"
+
+    def _verdict(self, code: CodeType) -> str:
+        verdict = self.verdicts.get(code)
+        if verdict is None:
+            path = code.co_filename
+            if path.startswith("<") and not path.startswith("<ipython"):
+                verdict = "skip"  # frozen importlib, string-compiled framework glue
+            else:
+                path = os.path.abspath(path)
+                if path.startswith(self.framework):
+                    verdict = "skip"
+                elif path.startswith(_OWN_DIR) and not path[len(_OWN_DIR):].startswith(_RECIPES):
+                    verdict = "own"
+                elif path.startswith(self.stdlib) and not path.startswith(self.site):
+                    verdict = "skip"
+                else:
+                    verdict = "model"
+            self.verdicts[code] = verdict
+        return verdict
+
+    def locate(self, frame: FrameType | None) -> tuple[str, str] | None:
+        """("FILE:LINE", function) of the first frame of model code from ``frame`` outwards; None when the call
+        came from layerdiff itself (its hooks compute statistics with framework functions too)."""
+        while frame is not None:
+            verdict = self._verdict(frame.f_code)
+            if verdict == "model":
+                code = frame.f_code
+                return f"{code.co_filename}:{frame.f_lineno}", getattr(code, "co_qualname", code.co_name)
+            if verdict == "own":
+                return None
+            frame = frame.f_back
+        return None
+
+
+class Producers:
+    """Where each tensor that a module call's own code holds came from, by identity: registered when the call
+    receives it (an input), when one of its operations makes it, or when a child call returns it; parameters and
+    buffers are known by the model. A tensor is looked up in the call that uses it, then in the calls around it
+    (``outer``: it was reached without being passed in)."""
+
+    def __init__(self, params: dict[int, str], buffers: dict[int, str]):
+        self.params = params  # id(parameter) -> name
+        self.buffers = buffers
+        self.by_frame: dict[int, dict[int, tuple[weakref.ref, dict]]] = {}
+
+    def register(self, frame: Any, tensor: Any, producer: dict) -> None:
+        try:
+            ref = weakref.ref(tensor)
+        except TypeError:  # a tensor type that takes no weak reference: its identity cannot be trusted later
+            return
+        self.by_frame.setdefault(id(frame), {})[id(tensor)] = (ref, producer)
+
+    def _in(self, frame: Any, tensor: Any) -> dict | None:
+        found = self.by_frame.get(id(frame), {}).get(id(tensor))
+        if found is not None and found[0]() is tensor:
+            return found[1]
+        return None
+
+    def lookup(self, frame: Any, tensor: Any, stack: Sequence[Any]) -> dict:
+        """The producer of ``tensor`` as call ``frame`` sees it (``stack``: the calls in progress, outermost
+        first)."""
+        found = self._in(frame, tensor)
+        if found is not None:
+            return found
+        name = self.params.get(id(tensor))
+        if name is not None:
+            return {"kind": "param", "name": name}
+        name = self.buffers.get(id(tensor))
+        if name is not None:
+            return {"kind": "buffer", "name": name}
+        for outer in reversed(stack):
+            if outer is not frame and self._in(outer, tensor) is not None:
+                return {"kind": "outer", "path": outer.path, "call": outer.call}
+        return {"kind": "unknown"}
+
+    def drop(self, frame: Any) -> None:
+        """The call ended: what its code held is gone with it."""
+        self.by_frame.pop(id(frame), None)
+
+    def clear(self) -> None:
+        self.by_frame.clear()
+
+
+@dataclass
+class OpGradients:
+    """The framework's part of an operation's backward: ``alias`` routes one input through an identity so that
+    its gradient is this operation's own contribution; ``on_gradients(tensors, callback)`` calls back once
+    with the gradients w.r.t. all of ``tensors`` (None for one that got none)."""
+
+    differentiable: Callable[[Any], bool]
+    alias: Callable[[Any], Any]
+    on_gradients: Callable[[list, Callable[[list], None]], None]
+    enabled: Callable[[], bool]
+
+
+@dataclass
+class OpCapture:
+    """Records the operations that the own code of selected module calls runs (see the module docstring).
+
+    ``windows``: which module calls record their operations (``ops=True``: every one; patterns: the calls whose
+    paths match, with ``include``'s semantics); a framework's own leaf modules (``nn.Linear``) never do. The
+    interceptor asks ``recording()`` first (cheap), then hands the call to ``run``."""
+
+    session: Any  # the TraceSession
+    hooks: Any  # the ModuleHooks: ``busy`` while layerdiff's own hooks run
+    is_tensor: Callable[[Any], bool]
+    scalar: Callable[[Any], Any]  # a non-tensor argument as JSON (a dtype as "torch.float32"); None to leave out
+    finder: SourceFinder
+    producers: Producers
+    gradients: OpGradients | None = None  # None: forward only (``backward=False``)
+    depth: int = 0  # > 0 inside an operation: what it calls is part of it
+    stats: dict[str, int] = field(default_factory=lambda: {"ops": 0})
+
+    def recording(self) -> bool:
+        """Whether an operation called now belongs to a module call that records its operations."""
+        if self.depth or self.hooks.busy:
+            return False
+        stack = self.session.stack
+        return bool(stack) and stack[-1].ops is not None
+
+    def run(self, call: Callable[..., Any], name: OpName, args: tuple, kwargs: dict, caller: FrameType | None
+            ) -> Any:
+        """Run one operation (``call(*args, **kwargs)``) and record it, if model code called it."""
+        located = self.finder.locate(caller)
+        if located is None:
+            return call(*args, **kwargs)
+        session, is_tensor = self.session, self.is_tensor
+        frame = session.stack[-1]
+        inputs: list[tuple[str, Any]] = []
+        scalars: dict[str, Any] = {}
+        walk(args, "args", is_tensor, lambda k, t: inputs.append((k, t)), None)
+        walk(kwargs, "kwargs", is_tensor, lambda k, t: inputs.append((k, t)), None)
+        _walk_scalars(args, "args", is_tensor, self.scalar, scalars)
+        _walk_scalars(kwargs, "kwargs", is_tensor, self.scalar, scalars)
+        stack = session.stack
+        producers = {key: self.producers.lookup(frame, t, stack) for key, t in inputs}
+        op = session.begin_op(frame, name, scalars, inputs, producers, *located)
+        grads = self.gradients
+        tapped: list[tuple[str, Any]] = []
+        self.depth += 1
+        try:
+            if grads is not None and not name.in_place and grads.enabled():
+                args, kwargs, tapped = self._tap_inputs(args, kwargs, inputs, grads)
+            out = call(*args, **kwargs)
+        except BaseException as exc:
+            self.depth -= 1
+            session.fail_op(op, exc)
+            raise
+        self.depth -= 1
+        outputs: list[tuple[str, Any]] = []
+        if name.in_place and inputs:
+            outputs.append(("out", inputs[0][1]))
+        else:
+            walk(out, "out", is_tensor, lambda k, t: outputs.append((k, t)), None)
+        session.end_op(op, outputs)
+        self.stats["ops"] += 1
+        for key, t in outputs:
+            self.producers.register(frame, t, {"kind": "op", "index": op.index, "key": key})
+        if grads is not None and not name.in_place:
+            self._watch_gradients(op, tapped, outputs, grads)
+        return out
+
+    def _tap_inputs(self, args: tuple, kwargs: dict, inputs: list, grads: OpGradients) -> tuple[tuple, dict, list]:
+        """Differentiable inputs swapped for identity aliases: their gradients are this operation's own."""
+        swap: dict[int, Any] = {}
+        tapped = []
+        for key, t in inputs:
+            if grads.differentiable(t):
+                alias = grads.alias(t)
+                swap.setdefault(id(t), alias)
+                tapped.append((key, swap[id(t)]))
+        if not swap:
+            return args, kwargs, []
+        return replace_tensors(args, self.is_tensor, swap), replace_tensors(kwargs, self.is_tensor, swap), tapped
+
+    def _watch_gradients(self, op: OpFrame, tapped: list, outputs: list, grads: OpGradients) -> None:
+        session = self.session
+        wanted = [(k, t) for k, t in outputs if grads.differentiable(t)]
+        if not wanted:
+            return
+        keys_out = [k for k, _ in wanted]
+        keys_in = [k for k, _ in tapped]
+
+        def on_outputs(gradients: list) -> None:
+            session.op_grad_outputs(op, [(k, g) for k, g in zip(keys_out, gradients) if g is not None],
+                                    waits=bool(keys_in))
+
+        def on_inputs(gradients: list) -> None:
+            session.op_grad_inputs(op, [(k, g) for k, g in zip(keys_in, gradients) if g is not None])
+
+        grads.on_gradients([t for _, t in wanted], on_outputs)
+        if tapped:
+            grads.on_gradients([t for _, t in tapped], on_inputs)
+
+
+def _walk_scalars(obj: Any, prefix: str, is_tensor: Callable[[Any], bool], scalar: Callable[[Any], Any],
+                  out: dict[str, Any]) -> None:
+    """The non-tensor arguments of a call, flattened to dotted keys: numbers, strings, None, and what the
+    framework names (a dtype, a device); long containers and other objects are left out."""
+    if is_tensor(obj):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk_scalars(v, f"{prefix}.{k}", is_tensor, scalar, out)
+    elif isinstance(obj, (tuple, list)):
+        if len(obj) <= 16:
+            for i, v in enumerate(obj):
+                _walk_scalars(v, f"{prefix}.{i}", is_tensor, scalar, out)
+    elif obj is None or isinstance(obj, (bool, int, float)):
+        out[prefix] = obj
+    elif isinstance(obj, str):
+        if len(obj) <= 200:
+            out[prefix] = obj
+    else:
+        value = scalar(obj)
+        if value is not None:
+            out[prefix] = value
+
+
+class OpWindows:
+    """Which module calls record their operations: every one (``ops=True``), or those whose path matches one of
+    the patterns (``re.search``, as ``include`` matches: a module and everything inside it)."""
+
+    def __init__(self, ops: bool | str | Sequence[str], paths: Sequence[str]):
+        self.patterns: list[re.Pattern] = []
+        if isinstance(ops, bool):
+            if not ops:
+                raise ValueError("ops=False records no operations: make no OpWindows")
+            return
+        for pattern in [ops] if isinstance(ops, str) else list(ops):
+            try:
+                self.patterns.append(re.compile(pattern))
+            except (re.error, TypeError) as exc:
+                raise ValueError(f"bad --ops-in regular expression {pattern!r}: {exc}") from None
+        if not self.patterns:
+            raise ValueError("ops: give True or at least one module-path pattern")
+        named = [p for p in paths if p]
+        if not any(self(p) for p in named):
+            shown = " ".join(f"--ops-in {p.pattern!r}" for p in self.patterns)
+            raise ValueError(f"{shown} matches none of the model's {len(named)} modules (e.g. "
+                             f"{', '.join(named[:3])})")
+
+    def __call__(self, path: str) -> bool:
+        return not self.patterns or any(p.search(path) for p in self.patterns)

@@ -1,0 +1,389 @@
+"""Operations inside a pair of matched module calls, aligned (``ops`` tracing), and the tensors of each pair.
+
+Two runs of "the same" code run nearly the same operations, but not exactly: a port inserts a cast or a
+``contiguous``, calls one fused kernel where the other spells it out (``scaled_dot_product_attention`` against
+matmul, scale, mask, softmax, matmul), or computes two independent things in the other order. The two sequences are
+aligned by dynamic programming (Needleman-Wunsch) on three kinds of evidence, all read from the records without
+touching tensor data:
+
+- the operation's kind, canonical under the rule set (``true_divide`` is ``div``; ``[ops] same``);
+- its output's shape;
+- its output's values, through their summary statistics (agreeing values make a pair almost certain, and let a
+  fused operation stand for a sequence on the other side, ``[[ops.fused]]``).
+
+A kind that the rule set says may pass through (casts, views, copies) costs little to leave unpaired; any other
+costs a full gap. Operations left over on both sides whose outputs agree are paired afterwards: independent work
+done in another order. Inside a pair, inputs pair by where they came from (their producers, translated through
+the pairs already made), then by position, then by shape."""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from layerdiff.match.mapping import ModuleMapping
+from layerdiff.match.operands import Operand, dtype_kind
+from layerdiff.match.pairing import TensorPair
+from layerdiff.match.rules import FusedOpRule, RuleSet
+from layerdiff.tracefile.records import OpRecord, Producer, TensorEntry
+
+_PASS_THROUGH_GAP = -0.1  # leaving a cast or a view unpaired
+_GAP = -1.0
+_LARGEST_GRID = 250_000  # cells of the alignment table; beyond it, a matching of kinds (difflib) aligns
+_AGREE_REL = 1e-3  # summary statistics this close: the same values, as evidence for pairing (not for judging)
+
+
+@dataclass(frozen=True)
+class OpMatch:
+    """A's operation ``a`` and B's ``b``: the same operation (``how`` "same"), the same found out of order
+    ("reordered"), or one side's fused operation against the other's sequence ending in its counterpart ("fused_a":
+    A's ``a`` is fused, B's ``inside`` indices run inside it; "fused_b" the other way round)."""
+
+    a: OpRecord
+    b: OpRecord
+    how: str = "same"
+    inside: tuple[int, ...] = ()
+
+
+@dataclass
+class OpAlignment:
+    matches: list[OpMatch] = field(default_factory=list)
+    only_a: list[OpRecord] = field(default_factory=list)
+    only_b: list[OpRecord] = field(default_factory=list)
+
+    def b_of(self) -> dict[int, int]:
+        """A's operation index -> B's."""
+        return {m.a.index: m.b.index for m in self.matches}
+
+
+def first_output(op: OpRecord) -> TensorEntry | None:
+    return next((t for t in op.tensors if t.role == "output"), None)
+
+
+def values_agree(a: TensorEntry, b: TensorEntry) -> bool:
+    """Two tensors hold (nearly) the same values, by their statistics: the same element count, and mean, L2 norm,
+    minimum and maximum equal to within a thousandth of the values' scale."""
+    sa, sb = a.stats, b.stats
+    n = sa.get("numel")
+    if n is None or n != sb.get("numel") or dtype_kind(a.dtype) != dtype_kind(b.dtype):
+        return False
+    if sa.get("nan", 0) != sb.get("nan", 0) or sa.get("inf", 0) != sb.get("inf", 0):
+        return False
+    l2a, l2b = sa.get("l2"), sb.get("l2")
+    if l2a is None or l2b is None:
+        return l2a is None and l2b is None
+    scale = max(abs(l2a), abs(l2b)) / math.sqrt(max(n, 1)) + 1e-30
+    for va, vb in ((sa.get("mean"), sb.get("mean")), (sa.get("min"), sb.get("min")), (sa.get("max"), sb.get("max"))):
+        if (va is None) != (vb is None) or (va is not None and vb is not None and abs(va - vb) > _AGREE_REL * scale):
+            return False
+    return abs(l2a - l2b) <= _AGREE_REL * max(abs(l2a), abs(l2b)) + 1e-30
+
+
+class _Evidence:
+    """What the alignment knows of two operations: their canonical kinds and outputs."""
+
+    def __init__(self, ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], rules: RuleSet):
+        self.rules = rules
+        self.kinds_a = [rules.op_kind(op.op) for op in ops_a]
+        self.kinds_b = [rules.op_kind(op.op) for op in ops_b]
+        self.out_a = [first_output(op) for op in ops_a]
+        self.out_b = [first_output(op) for op in ops_b]
+
+    def agree(self, i: int, j: int) -> bool:
+        oa, ob = self.out_a[i], self.out_b[j]
+        return oa is not None and ob is not None and values_agree(oa, ob)
+
+    def pair(self, i: int, j: int) -> float | None:
+        """The score of pairing A's i-th with B's j-th; None where nothing says they are one operation."""
+        same_kind = self.kinds_a[i] == self.kinds_b[j]
+        agree = self.agree(i, j)
+        if agree:
+            return 6.0 if same_kind else 4.0
+        if not same_kind:
+            return None
+        oa, ob = self.out_a[i], self.out_b[j]
+        return 1.0 if oa is not None and ob is not None and list(oa.shape) == list(ob.shape) else 0.5
+
+    def gap_a(self, i: int) -> float:
+        return _PASS_THROUGH_GAP if self.kinds_a[i] in self.rules.pass_through_ops else _GAP
+
+    def gap_b(self, j: int) -> float:
+        return _PASS_THROUGH_GAP if self.kinds_b[j] in self.rules.pass_through_ops else _GAP
+
+    def fused(self, rule: FusedOpRule, out: TensorEntry | None, last: TensorEntry | None) -> float:
+        if out is None or last is None or list(out.shape) != list(last.shape):
+            return -math.inf
+        return 6.0 if values_agree(out, last) else 3.0
+
+
+def align_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], rules: RuleSet) -> OpAlignment:
+    """The two operation sequences of one pair of module calls, aligned (see the module docstring)."""
+    n, m = len(ops_a), len(ops_b)
+    ev = _Evidence(ops_a, ops_b, rules)
+    if n * m > _LARGEST_GRID:
+        pairs = _by_kinds(ev)
+        result = OpAlignment([OpMatch(ops_a[i], ops_b[j]) for i, j in pairs])
+    else:
+        result = _dynamic(ops_a, ops_b, ev)
+    _reordered(result, ops_a, ops_b, ev)
+    result.matches.sort(key=lambda mt: mt.a.index)
+    return result
+
+
+def _dynamic(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], ev: _Evidence) -> OpAlignment:
+    n, m = len(ops_a), len(ops_b)
+    neg = -math.inf
+    best = [[neg] * (m + 1) for _ in range(n + 1)]
+    move: list[list[tuple]] = [[()] * (m + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    fused_a = [ev.rules.fused_op(op.op) for op in ops_a]
+    fused_b = [ev.rules.fused_op(op.op) for op in ops_b]
+    for i in range(n + 1):
+        for j in range(m + 1):
+            here = best[i][j]
+            if i == 0 and j == 0:
+                continue
+            choice: tuple = ()
+            if i and j:
+                s = ev.pair(i - 1, j - 1)
+                if s is not None and best[i - 1][j - 1] + s > here:
+                    here, choice = best[i - 1][j - 1] + s, ("pair",)
+            if i and best[i - 1][j] + ev.gap_a(i - 1) > here:
+                here, choice = best[i - 1][j] + ev.gap_a(i - 1), ("gap_a",)
+            if j and best[i][j - 1] + ev.gap_b(j - 1) > here:
+                here, choice = best[i][j - 1] + ev.gap_b(j - 1), ("gap_b",)
+            rule = fused_a[i - 1] if i else None
+            if rule is not None and j and ev.kinds_b[j - 1] in rule.ends:  # A's fused op = B's ops j-span .. j-1
+                s = ev.fused(rule, ev.out_a[i - 1], ev.out_b[j - 1])
+                for span in range(2, min(rule.longest, j) + 1):
+                    if best[i - 1][j - span] + s > here:
+                        here, choice = best[i - 1][j - span] + s, ("fused_a", span)
+            rule = fused_b[j - 1] if j else None
+            if rule is not None and i and ev.kinds_a[i - 1] in rule.ends:
+                s = ev.fused(rule, ev.out_b[j - 1], ev.out_a[i - 1])
+                for span in range(2, min(rule.longest, i) + 1):
+                    if best[i - span][j - 1] + s > here:
+                        here, choice = best[i - span][j - 1] + s, ("fused_b", span)
+            best[i][j], move[i][j] = here, choice
+    result = OpAlignment()
+    i, j = n, m
+    while i or j:
+        choice = move[i][j]
+        if choice[0] == "pair":
+            result.matches.append(OpMatch(ops_a[i - 1], ops_b[j - 1]))
+            i, j = i - 1, j - 1
+        elif choice[0] == "gap_a":
+            result.only_a.append(ops_a[i - 1])
+            i -= 1
+        elif choice[0] == "gap_b":
+            result.only_b.append(ops_b[j - 1])
+            j -= 1
+        elif choice[0] == "fused_a":
+            span = choice[1]
+            inside = tuple(op.index for op in ops_b[j - span:j - 1])
+            result.matches.append(OpMatch(ops_a[i - 1], ops_b[j - 1], "fused_a", inside))
+            i, j = i - 1, j - span
+        else:
+            span = choice[1]
+            inside = tuple(op.index for op in ops_a[i - span:i - 1])
+            result.matches.append(OpMatch(ops_a[i - 1], ops_b[j - 1], "fused_b", inside))
+            i, j = i - span, j - 1
+    result.only_a.reverse()
+    result.only_b.reverse()
+    return result
+
+
+def _by_kinds(ev: _Evidence) -> list[tuple[int, int]]:
+    """Very long sequences: the longest matching runs of kinds (difflib), in order."""
+    matcher = difflib.SequenceMatcher(None, ev.kinds_a, ev.kinds_b, autojunk=False)
+    return [(block.a + k, block.b + k) for block in matcher.get_matching_blocks() for k in range(block.size)]
+
+
+def _reordered(result: OpAlignment, ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], ev: _Evidence) -> None:
+    """Operations left over on both sides whose kinds and values agree: the same work in another order."""
+    paired_a = {mt.a.index for mt in result.matches}
+    paired_b = {mt.b.index for mt in result.matches} | {k for mt in result.matches for k in mt.inside
+                                                         if mt.how == "fused_a"}
+    inside_a = {k for mt in result.matches for k in mt.inside if mt.how == "fused_b"}
+    position_a = {op.index: i for i, op in enumerate(ops_a)}
+    position_b = {op.index: j for j, op in enumerate(ops_b)}
+    left_b = [op for op in ops_b if op.index not in paired_b]
+    for op in ops_a:
+        if op.index in paired_a or op.index in inside_a:
+            continue
+        i = position_a[op.index]
+        found = next((other for other in left_b if ev.kinds_a[i] == ev.kinds_b[position_b[other.index]]
+                      and ev.agree(i, position_b[other.index])), None)
+        if found is not None:
+            left_b.remove(found)
+            result.matches.append(OpMatch(op, found, "reordered"))
+    result.only_a = [op for op in ops_a if op.index not in {mt.a.index for mt in result.matches}
+                     and op.index not in inside_a]
+    result.only_b = left_b
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tensors of a pair of operations
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProducerMap:
+    """Translates where a tensor came from in A's call into B's terms: ``ops`` A's operation index -> B's,
+    ``inputs`` the module call's input keys (A's -> B's), ``module`` a module path of A -> B's."""
+
+    ops: dict[int, int]
+    inputs: dict[str, str]
+    module: Callable[[str], str | None]
+
+    def same(self, pa: Producer | None, pb: Producer | None) -> bool:
+        if pa is None or pb is None or pa.kind != pb.kind or pa.kind in ("unknown", "outer"):
+            return False
+        if pa.kind == "op":
+            return pa.index is not None and self.ops.get(pa.index) == pb.index and pa.key == pb.key
+        if pa.kind == "input":
+            return pa.key is not None and self.inputs.get(pa.key) == pb.key
+        if pa.kind == "call":
+            return pa.path is not None and self.module(pa.path) == pb.path and pa.call == pb.call and \
+                pa.key == pb.key
+        if pa.kind in ("param", "buffer") and pa.name and pb.name:
+            module_a, _, leaf_a = pa.name.rpartition(".")
+            module_b, _, leaf_b = pb.name.rpartition(".")
+            return leaf_a == leaf_b and self.module(module_a) == module_b
+        return False
+
+
+def pair_inputs(a: OpRecord, b: OpRecord, producers: ProducerMap) -> list[tuple[TensorEntry, TensorEntry]]:
+    """A's inputs with B's: the same producer first (``x * y`` against ``y * x``), then the same position, then the
+    one input of the same kind and shape."""
+    left_a = [t for t in a.tensors if t.role == "input"]
+    left_b = [t for t in b.tensors if t.role == "input"]
+    found: list[tuple[TensorEntry, TensorEntry]] = []
+    pa_of, pb_of = a.producers or {}, b.producers or {}
+
+    def take(test: Callable[[TensorEntry, TensorEntry], bool]) -> None:
+        for ea in list(left_a):
+            fits = [eb for eb in left_b if dtype_kind(ea.dtype) == dtype_kind(eb.dtype) and test(ea, eb)]
+            if len(fits) == 1 or (fits and test is _same_key):
+                left_a.remove(ea)
+                left_b.remove(fits[0])
+                found.append((ea, fits[0]))
+
+    take(lambda ea, eb: producers.same(pa_of.get(ea.key), pb_of.get(eb.key)))
+    take(_same_key)
+    take(lambda ea, eb: list(ea.shape) == list(eb.shape))
+    return found
+
+
+def _same_key(ea: TensorEntry, eb: TensorEntry) -> bool:
+    return ea.key == eb.key and math.prod(ea.shape) == math.prod(eb.shape)
+
+
+def pair_outputs(a: OpRecord, b: OpRecord, role: str = "output") -> list[tuple[TensorEntry, TensorEntry]]:
+    """Outputs (or gradients w.r.t. them) in order: ``out`` with ``out``, ``out.1`` with ``out.1``."""
+    ta = [t for t in a.tensors if t.role == role]
+    tb = [t for t in b.tensors if t.role == role]
+    if len(ta) == len(tb):
+        return [(ea, eb) for ea, eb in zip(ta, tb) if dtype_kind(ea.dtype) == dtype_kind(eb.dtype)]
+    by_key = {t.key: t for t in tb}
+    return [(ea, by_key[ea.key]) for ea in ta if ea.key in by_key]
+
+
+def operand(entry: TensorEntry) -> Operand:
+    return Operand.stored(entry)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every pair of module calls that recorded its operations on both sides
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class OpPair:
+    """A's operation record and B's (forward, or their backward records), with their tensors paired."""
+
+    a: OpRecord
+    b: tuple[OpRecord]
+    tensors: list[TensorPair]
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OpPairing:
+    """The operation pairs of two traces (``OpPair``, forward and backward), and per pair of
+    module calls what was left unpaired: (A's path, call) -> {"a": count, "b": count, "only_a": [[index, name,
+    source]], "only_b": [...]}."""
+
+    pairs: list[OpPair] = field(default_factory=list)
+    calls: dict[tuple[str, int], dict] = field(default_factory=dict)
+
+
+def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: Sequence, mapping: ModuleMapping,
+             rules: RuleSet) -> OpPairing:
+    """Align the operations of every pair of module calls that recorded them on both sides (``call_pairs``: the
+    records' pairs, ``pairing.RecordPair``) and pair their tensors, forward and backward."""
+    forward_a, backward_a = _by_call(ops_a)
+    forward_b, backward_b = _by_call(ops_b)
+    result = OpPairing()
+
+    def module(path: str) -> str | None:
+        match = mapping.for_a(path)
+        return match.b[0] if match is not None and len(match.b) == 1 else None
+
+    for pair in call_pairs:
+        ra, rb = pair.a, pair.b[0]
+        if ra.kind != "call" or ra.phase != "forward" or ra.ops is None or len(pair.b) != 1 or rb.ops is None:
+            continue
+        seq_a = forward_a.get((ra.path, ra.call), [])
+        seq_b = forward_b.get((rb.path, rb.call), [])
+        aligned = align_ops(seq_a, seq_b, rules)
+        result.calls[(ra.path, ra.call)] = {
+            "a": len(seq_a), "b": len(seq_b), "only_a": [[op.index, op.name, op.source] for op in aligned.only_a],
+            "only_b": [[op.index, op.name, op.source] for op in aligned.only_b]}
+        inputs = {tp.key: tp.key_b for tp in pair.tensors if tp.role == "input"}
+        producers = ProducerMap(aligned.b_of(), inputs, module)
+        for mt in aligned.matches:
+            note = {"same": (), "reordered": ("found out of order",),
+                    "fused_a": (f"A's {mt.a.name} against B's {len(mt.inside) + 1} operations ending in {mt.b.name}",),
+                    "fused_b": (f"A's {len(mt.inside) + 1} operations ending in {mt.a.name} against B's "
+                                f"{mt.b.name}",)}[mt.how]
+            fused = mt.how.startswith("fused")
+            in_pairs = [] if fused else pair_inputs(mt.a, mt.b, producers)
+            tensors = [TensorPair("input", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in in_pairs]
+            tensors += [TensorPair("output", ea.key, eb.key, operand(ea), operand(eb), note)
+                        for ea, eb in pair_outputs(mt.a, mt.b)]
+            result.pairs.append(OpPair(mt.a, (mt.b,), tensors, *_unpaired(mt.a, mt.b, tensors, ("input", "output"))))
+            back_a = backward_a.get((ra.path, ra.call, mt.a.index))
+            back_b = backward_b.get((rb.path, rb.call, mt.b.index))
+            if back_a is None or back_b is None:
+                continue
+            keys = {ea.key: eb.key for ea, eb in in_pairs}
+            grads_b = {t.key: t for t in back_b.tensors if t.role == "grad_input"}
+            tensors = [TensorPair("grad_output", ea.key, eb.key, operand(ea), operand(eb), note)
+                       for ea, eb in pair_outputs(back_a, back_b, "grad_output")]
+            tensors += [TensorPair("grad_input", ea.key, keys[ea.key], operand(ea), operand(grads_b[keys[ea.key]]),
+                                   note)
+                        for ea in back_a.tensors if ea.role == "grad_input" and keys.get(ea.key) in grads_b]
+            result.pairs.append(OpPair(back_a, (back_b,), tensors,
+                                           *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input"))))
+    return result
+
+
+def _by_call(ops: Sequence[OpRecord]) -> tuple[dict, dict]:
+    """Forward operations by (path, call), in order; backward ones by (path, call, index) (the first backward)."""
+    forward: dict[tuple[str, int], list[OpRecord]] = {}
+    backward: dict[tuple[str, int, int], OpRecord] = {}
+    for op in ops:
+        if op.phase == "forward":
+            forward.setdefault((op.path, op.call), []).append(op)
+        else:
+            backward.setdefault((op.path, op.call, op.index), op)
+    for seq in forward.values():
+        seq.sort(key=lambda op: op.index)
+    return forward, backward
+
+
+def _unpaired(a: OpRecord, b: OpRecord, tensors: list, roles: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    keys_a = {(tp.role, tp.key) for tp in tensors}
+    keys_b = {(tp.role, tp.key_b) for tp in tensors}
+    return ([f"{t.role}:{t.key}" for t in a.tensors if t.role in roles and (t.role, t.key) not in keys_a],
+            [f"{t.role}:{t.key}" for t in b.tensors if t.role in roles and (t.role, t.key) not in keys_b])

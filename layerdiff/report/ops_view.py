@@ -1,0 +1,88 @@
+"""What the terminal and the HTML report show of operations (``ops`` tracing): the line of code each run ran at the
+origin, the origin module's operations side by side, and, where a report names a module's own code without them,
+the command that traces both runs again with operations recorded in that module."""
+from __future__ import annotations
+
+import linecache
+import re
+import shlex
+from typing import Any, Mapping
+
+View = Mapping[str, Any]
+_SHOWN_AROUND = 6  # operations shown before and after the origin's
+_FRAMEWORK_LEAVES = {"linear", "embedding"}
+
+
+def code_at(source: str | None) -> str | None:
+    """The text of the line ``FILE:LINE`` names, read from the file where it still exists (None elsewhere)."""
+    if not source:
+        return None
+    file, _, line = source.rpartition(":")
+    if not line.isdigit():
+        return None
+    text = linecache.getline(file, int(line)).strip()
+    return text or None
+
+
+def short_source(source: str | None) -> str:
+    """``modeling_llama.py:193`` of a full ``FILE:LINE``."""
+    if not source:
+        return "-"
+    file, _, line = source.rpartition(":")
+    return f"{file.replace(chr(92), '/').rpartition('/')[2]}:{line}"
+
+
+def origin_code(op: View) -> list[tuple[str, str, str | None]]:
+    """(run, short source, code) of the origin's operation in A and, where its line differs, in B."""
+    rows = [("A", short_source(op.get("source")), code_at(op.get("source")))]
+    if op.get("source_b") and op.get("source_b") != op.get("source"):
+        rows.append(("B", short_source(op.get("source_b")), code_at(op.get("source_b"))))
+    return rows
+
+
+def module_ops(report: View, origin: View) -> list[View]:
+    """The op rows of the origin's module call (its phase), in A's order, around the origin's operation."""
+    op = origin.get("op") or {}
+    rows = [r for r in report.get("records", ()) if r.get("kind") == "op" and r.get("path") == origin.get("module")
+            and r.get("call") == origin.get("call") and r.get("phase") == origin.get("phase")]
+    rows.sort(key=lambda r: (r.get("op") or {}).get("index", 0))
+    index = next((i for i, r in enumerate(rows) if (r.get("op") or {}).get("index") == op.get("index")), None)
+    if index is None:
+        return rows[:2 * _SHOWN_AROUND + 1]
+    return rows[max(0, index - _SHOWN_AROUND):index + _SHOWN_AROUND + 1]
+
+
+def row_status(row: View) -> str:
+    tensors = row.get("tensors") or []
+    if any(not t.get("passed", True) for t in tensors if t.get("role") in ("input", "grad_output")):
+        return "inputs differ"
+    if any(not t.get("passed", True) for t in tensors):
+        return "differs"
+    return "ok"
+
+
+def retrace_hint(report: View, origin: View) -> list[str]:
+    """Where the origin is a module's own code and no operations were recorded there: the commands that trace both
+    runs again with ``--ops-in`` on that module (or the Python form, for runs traced from Python)."""
+    if origin.get("op") or origin.get("where") not in ("own_code", "module") or not origin.get("module"):
+        return []
+    path = origin["module"]
+    calls = [r for r in report.get("records", ()) if r.get("kind") == "call" and r.get("path") == path]
+    if any(r.get("ops") is not None for r in calls) or \
+            any(r.get("family_a") in _FRAMEWORK_LEAVES for r in calls):  # nn.Linear: its operations are torch's
+        return []
+    pattern = "^" + re.escape(path) + "$"
+    lines = []
+    for side in ("a", "b"):
+        run = report.get(side) or {}
+        target = run.get("target")
+        if not target:
+            return [f"to see the operation and line: trace both runs again with "
+                    f"layerdiff.trace(model, path, ops=[{pattern!r}]) (or --ops-in {shlex.quote(pattern)})"]
+        out = str(run.get("path") or f"{side}.h5")
+        out = re.sub(r"(\.h5)?$", "_ops.h5", out, count=1)
+        args = " ".join(f"--arg {shlex.quote(f'{k}={v}')}" for k, v in (run.get("target_args") or {}).items())
+        lines.append(f"layerdiff trace {shlex.quote(target)} {args + ' ' if args else ''}--ops-in "
+                     f"{shlex.quote(pattern)} -o {shlex.quote(out)}")
+    return ["to see the operation and line, trace both runs again with operations recorded in that module:",
+            *lines]
