@@ -271,6 +271,7 @@ class OriginOp(TypedDict, total=False):
     source_b: Optional[str]
     function_b: Optional[str]
     wrong_input: bool
+    dtype_diff: List[Optional[str]]
     only_a: List[Any]
     only_b: List[Any]
 

@@ -14,6 +14,7 @@ from layerdiff.adapters.base import RankPlace
 from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.hparams import model_config
+from layerdiff.capture.ops import OpWindows
 from layerdiff.capture.options import TraceOptions
 from layerdiff.capture.session import TraceSession
 from layerdiff.errors import LayerdiffError
@@ -47,10 +48,15 @@ class Tracer:
         if config is not None:
             meta["model_config"] = config
         meta.update(mode=options.mode, options=options.recorded(), user=options.meta)
-        try:  # resolves filters and a --layers window against the model's modules, before any file is created
-            path_filter = PathFilter.of(options, adapter.module_paths(self.model))
+        paths = adapter.module_paths(self.model)
+        try:  # resolves filters, a --layers window and --ops-in against the model's modules, before any file exists
+            path_filter = PathFilter.of(options, paths)
+            windows = OpWindows(options.ops, paths) if options.ops else None
         except ValueError as exc:
             raise LayerdiffError(str(exc)) from None
+        if windows is not None and not adapter.records_ops:
+            raise LayerdiffError(f"recording operations inside modules (--ops) is not available for {adapter.name} "
+                                 "yet")
         meta["window"] = path_filter.window_paths
         ranks = adapter.distributed()
         if ranks is not None and options.one_process:
@@ -66,9 +72,9 @@ class Tracer:
         hooks = adapter.hooks(self.model, self.session, options, path_filter, self.forcer)
         hooks.install()
         self._hooks = hooks
-        if options.ops:
+        if windows is not None:
             try:
-                self._ops = hooks.capture_ops(options)
+                self._ops = hooks.capture_ops(windows)
                 self._ops.__enter__()
             except BaseException:
                 self._ops = None

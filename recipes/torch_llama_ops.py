@@ -94,9 +94,8 @@ class OpsAttention(LlamaAttention):
         scaling = self.scaling
         if self.attn == "sdpa":
             mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
-            output = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, is_causal=mask is None and query.shape[2] > 1,
-                scale=scaling * 1.01 if self.defect == "constant" else scaling)  # defect: constant (sdpa)
+            causal = mask is None and query.shape[2] > 1
+            output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling * 1.01 if self.defect == "constant" else scaling)  # defect: constant (sdpa)
             output = output.transpose(1, 2)
         else:
             weights = torch.matmul(query, key.transpose(2, 3)) * (scaling * 1.01 if self.defect == "constant" else scaling)  # defect: constant (eager)

@@ -255,6 +255,8 @@ KEYS = {
         "function_b": "The function it is in, in B.",
         "wrong_input": "The operation's input differs while whatever made that input agrees: the code passed it "
                        "another tensor (the origin's `where` is `op_input`).",
+        "dtype_diff": "`[A's dtype, B's dtype]` of its output, when the operation changed the precision (the "
+                      "operations after it agree only under the lower precision's tolerance).",
         "only_a": "`op_input`: A's operations without a counterpart in B, run before this one in the same call, "
                   "when what made the differing input is one of them (`[index, name, source]`).",
         "only_b": "`op_input`: B's operations without a counterpart in A that make the differing input: code "

@@ -91,6 +91,8 @@ class FrameworkAdapter(ABC):
     # -- tracing ---------------------------------------------------------------------------------------------
     #: the framework's half of the hooks (a ``ModuleHooks`` subclass: how it registers hooks and taps gradients)
     hooks_class: ClassVar[type[ModuleHooks]]
+    #: whether its hooks record the operations inside modules (``ops`` tracing: ``ModuleHooks.intercept_ops``)
+    records_ops: ClassVar[bool] = False
 
     def hooks(self, model: Any, session: TraceSession, options: TraceOptions, path_filter: PathFilter,
               forcer: Any = None) -> ModuleHooks:

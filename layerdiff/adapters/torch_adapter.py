@@ -391,6 +391,7 @@ class TorchAdapter(FrameworkAdapter):
     assign = staticmethod(assign)
     to_framework = staticmethod(to_framework)
     hooks_class = Hooks
+    records_ops = True
 
     def named_modules(self, model):
         return model.named_modules()

@@ -154,13 +154,11 @@ class ModuleHooks:
         """The framework's own source folders: a call made from there is not model code."""
         return []
 
-    def capture_ops(self, options: TraceOptions) -> ContextManager[Any]:
-        """Start recording the operations inside module calls (``options.ops``): the windows, producers and the
-        framework's interceptor. Called by the tracer after ``install``."""
-        try:
-            self.op_windows = OpWindows(options.ops, [p for p, _ in self.named_modules()])
-        except ValueError as exc:
-            raise LayerdiffError(str(exc)) from None
+    def capture_ops(self, windows: OpWindows) -> ContextManager[Any]:
+        """Start recording the operations inside the module calls ``windows`` selects: producers and the
+        framework's interceptor. Called by the tracer after ``install``; the context it returns is open while
+        the trace is."""
+        self.op_windows = windows
         params = {id(p): name for name, p in self.named_parameters()}
         buffers = {id(b): name for name, b in self.named_buffers()}
         self.ops = OpCapture(self.session, self, self.adapter.is_tensor, self.op_scalar,

@@ -142,6 +142,23 @@ def describe_inserted(path: str, info: dict, only_a: list, only_b: list) -> str:
     return f"{path or '<root>'}: " + "; ".join(runs) + f", making the input of {info['name']}{_at(info)}"
 
 
+def _dtype_change(node: Node, module: Node | None) -> Node:
+    """An operation whose inputs agree only in a lower precision (their dtypes differ, so a looser tolerance judged
+    them): the origin is the earlier operation of the same call that changed the dtype, found along the
+    producers (``.to(torch.bfloat16)`` where the other run keeps float32)."""
+    siblings = {c.row["op"]["index"]: c for c in (module.children if module is not None else ()) if c.kind == "op"}
+    current, seen = node, {id(node)}
+    while True:
+        changed = [t for t in current.ins if t.get("dtype_a") and t.get("dtype_b") and t["dtype_a"] != t["dtype_b"]]
+        producer = (current.row["op"].get("producers") or {}).get(changed[0]["key"]) if changed else None
+        index = producer.get("index") if producer and producer.get("kind") == "op" else None
+        earlier = siblings.get(index) if index is not None else None
+        if earlier is None or id(earlier) in seen:
+            return current
+        seen.add(id(earlier))
+        current = earlier
+
+
 def _inserted(bad: Judged | None, info: dict, info_b: dict, module_row: schema.Row | None) -> tuple[list, list]:
     """The operations without a counterpart that make a differing input: (A's, B's), each [index, name, source]:
     code one run has and the other does not (A's: those before this operation)."""
@@ -165,6 +182,9 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
     row = node.row
     info, info_b = row["op"], row.get("op_b") or {"index": None, "name": None, "kind": None}
     bad = _first_failing(node.ins) if wrong_input else (_first_failing(node.outs) or _first_failing(node.ins))
+    out = next((t for t in node.outs if t.get("dtype_a") != t.get("dtype_b")), None)
+    if bad is None and out is not None:  # the operation that changed the dtype (``_dtype_change``)
+        bad = out
     op: schema.OriginOp = {
         "name": info["name"], "kind": info["kind"], "index": info["index"], "source": info.get("source"),
         "function": info.get("function"), "args_diff": args_diff(info.get("args"), info_b.get("args")),
@@ -172,6 +192,9 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
         "source_b": info_b.get("source"), "function_b": info_b.get("function"), "wrong_input": wrong_input}
     module = next((n for n in reversed(chain) if n.kind == "module"), None)
     description = describe_op(row["path"], dict(info), wrong_input, dict(info_b))
+    if out is not None and not wrong_input:
+        op["dtype_diff"] = [out.get("dtype_a"), out.get("dtype_b")]
+        description += f": its output is {out.get('dtype_a')} in A, {out.get('dtype_b')} in B"
     if wrong_input:
         only_a, only_b = _inserted(bad, dict(info), dict(info_b), module_row)
         if only_a or only_b:
@@ -237,6 +260,7 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
         if found:
             node, where, after, before, chain = found
             if node.kind == "op":  # its inputs agree with their counterparts, its output does not
+                node = _dtype_change(node, chain[-2] if len(chain) > 1 else None)
                 return _op_origin(node, chain[:-1], phase, wrong_input=False)
             if where == "own_code" and before is not None and before.kind == "op":
                 return _op_origin(before, chain, phase, wrong_input=True, module_row=node.row)
