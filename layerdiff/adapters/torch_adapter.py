@@ -323,6 +323,9 @@ class Hooks(ModuleHooks):
 
         return torch_ops.intercepted(capture, (_GradTap,))
 
+    def unseen(self):
+        return torch._C.DisableTorchFunction()  # what torch's own Tensor.__torch_function__ runs its work under
+
     def framework_leaf(self, module) -> bool:
         from layerdiff.adapters.torch_ops import framework_leaf
 

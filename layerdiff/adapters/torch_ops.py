@@ -120,7 +120,8 @@ def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator
         if cls in own_functions or not capture.recording():
             return apply(cls, *args, **kwargs)
         name = OpName(f"{cls.__qualname__}.apply", cls.__name__)
-        return capture.run(lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1))
+        return capture.run(lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1),
+                           several_steps=True)
 
     function.apply = classmethod(wrapped)  # public API, wrapped only while the trace is open
     mode = _OpMode(capture)
@@ -131,17 +132,54 @@ def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator
         function.apply = original
 
 
-def gradients() -> OpGradients:
-    """An operation's gradients in torch: inputs through ``view_as`` (an identity node of their own, so the
-    gradient there is this operation's contribution), all of a group reported at once by
-    ``torch.autograd.graph.register_multi_grad_hook``."""
-    def differentiable(t) -> bool:
-        return isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
 
+
+def _one_step(inputs: list, outputs: list, callback: Callable[[list, list], None]) -> bool:
+    """An operation that is one node of the autograd graph (most are): that node's hook
+    (``torch.autograd.graph.Node.register_hook``) reports the gradients w.r.t. its inputs and its outputs at
+    once. Its edges are matched to the operation's inputs by identity (a leaf through its ``AccumulateGrad``);
+    an edge to anything else means several nodes (a composite operation): False, nothing registered."""
+    made = [(key, t) for key, t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if not made:
+        return True  # nothing to differentiate
+    node = made[0][1].grad_fn
+    if any(t.grad_fn is not node for _, t in made):
+        return False
+    by_edge: dict[tuple, list[str]] = {}
+    for key, t in inputs:
+        if _differentiable(t):
+            edge = ("leaf", id(t)) if t.grad_fn is None else (id(t.grad_fn), t.output_nr)
+            by_edge.setdefault(edge, []).append(key)
+    slots: list[str | None] = []
+    for child, nr in node.next_functions:
+        if child is None:
+            slots.append(None)
+            continue
+        variable = getattr(child, "variable", None)
+        keys = by_edge.get(("leaf", id(variable)) if variable is not None else (id(child), nr))
+        if not keys:
+            return False
+        slots.append(keys.pop(0) if len(keys) > 1 else keys[0])
+    out_keys = {t.output_nr: key for key, t in made}
+
+    def hook(grad_inputs, grad_outputs):
+        callback([(k, g) for k, g in zip(slots, grad_inputs) if k is not None and g is not None],
+                 [(out_keys[i], g) for i, g in enumerate(grad_outputs) if i in out_keys and g is not None])
+
+    node.register_hook(hook)
+    return True
+
+
+def gradients() -> OpGradients:
+    """An operation's gradients in torch: one autograd node's hook where the operation is one node
+    (``_one_step``); otherwise inputs through ``view_as`` (an identity node of their own, so the gradient there
+    is this operation's contribution) and ``torch.autograd.graph.register_multi_grad_hook``."""
     def on_gradients(tensors: list, callback: Callable[[list], None]) -> None:
         register_multi_grad_hook(tuple(tensors), lambda grads: callback(list(grads)), mode="all")
 
-    return OpGradients(differentiable, lambda t: t.view_as(t), on_gradients, torch.is_grad_enabled)
+    return OpGradients(_differentiable, lambda t: t.view_as(t), on_gradients, torch.is_grad_enabled, _one_step)
 
 
 def scalar(obj: Any) -> Any:

@@ -1,6 +1,7 @@
 """The framework-independent half of an adapter's hooks: what a traced module call records, and when."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from typing import Any, ContextManager
@@ -134,6 +135,11 @@ class ModuleHooks:
         raise LayerdiffError(f"recording operations inside modules (--ops) is not available for "
                              f"{self.adapter.name} yet")
 
+    def unseen(self) -> ContextManager[Any]:
+        """While layerdiff's own hooks run under ``ops`` tracing: the framework calls they make skip the
+        interceptor altogether (they are never operations; ``busy`` says so too, at a cost per call)."""
+        return contextlib.nullcontext()
+
     def framework_leaf(self, module) -> bool:
         """A module of the framework itself (``nn.Linear``): its operations are the framework's, never recorded."""
         return False
@@ -222,7 +228,10 @@ class ModuleHooks:
         def hook(module, args, kwargs):
             self.busy += 1
             try:
-                return opened(module, args, kwargs)
+                if self.ops is None:
+                    return opened(module, args, kwargs)
+                with self.unseen():
+                    return opened(module, args, kwargs)
             finally:
                 self.busy -= 1
 
@@ -281,7 +290,10 @@ class ModuleHooks:
         def hook(module, args, kwargs, output):
             self.busy += 1
             try:
-                return closed(module, output)
+                if self.ops is None:
+                    return closed(module, output)
+                with self.unseen():
+                    return closed(module, output)
             finally:
                 self.busy -= 1
 

@@ -13,6 +13,7 @@ import sysconfig
 import weakref
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Sequence
 
 from layerdiff.capture.structure import replace_tensors, walk
@@ -146,14 +147,23 @@ class Producers:
 
 @dataclass
 class OpGradients:
-    """The framework's part of an operation's backward: ``alias`` routes one input through an identity so that
-    its gradient is this operation's own contribution; ``on_gradients(tensors, callback)`` calls back once
-    with the gradients w.r.t. all of ``tensors`` (None for one that got none)."""
+    """The framework's part of an operation's backward. ``one_step(inputs, outputs, callback)``: where the
+    operation is one step of the framework's autograd graph, hook that step and return True; it calls back
+    ``callback(grad_inputs, grad_outputs)`` ([(key, gradient)] each) once, when the step has run. Otherwise
+    ``alias`` routes each input through an identity (its gradient there is this operation's own contribution)
+    and ``on_gradients(tensors, callback)`` calls back once with the gradients w.r.t. all of ``tensors``."""
 
     differentiable: Callable[[Any], bool]
     alias: Callable[[Any], Any]
     on_gradients: Callable[[list, Callable[[list], None]], None]
     enabled: Callable[[], bool]
+    one_step: Callable[[list, list, Callable[[list, list], None]], bool]
+
+
+# operations that only lay their one input out anew: their output holds the same values (statistics taken over)
+SAME_VALUES = frozenset({"view", "reshape", "view_as", "reshape_as", "transpose", "permute", "t", "T", "mT",
+                         "contiguous", "clone", "detach", "flatten", "unflatten", "squeeze", "unsqueeze", "data",
+                         "alias", "to", "movedim", "swapaxes", "swapdims"})
 
 
 @dataclass
@@ -173,6 +183,7 @@ class OpCapture:
     gradients: OpGradients | None = None  # None: forward only (``backward=False``)
     depth: int = 0  # > 0 inside an operation: what it calls is part of it
     stats: dict[str, int] = field(default_factory=lambda: {"ops": 0})
+    composite: set[OpName] = field(default_factory=set)  # found to be several autograd steps: tapped from then on
 
     def recording(self) -> bool:
         """Whether an operation called now belongs to a module call that records its operations."""
@@ -181,9 +192,11 @@ class OpCapture:
         stack = self.session.stack
         return bool(stack) and stack[-1].ops is not None
 
-    def run(self, call: Callable[..., Any], name: OpName, args: tuple, kwargs: dict, caller: FrameType | None
-            ) -> Any:
-        """Run one operation (``call(*args, **kwargs)``) and record it, if model code called it."""
+    def run(self, call: Callable[..., Any], name: OpName, args: tuple, kwargs: dict, caller: FrameType | None,
+            *, several_steps: bool = False) -> Any:
+        """Run one operation (``call(*args, **kwargs)``) and record it, if model code called it.
+        ``several_steps``: it is more than one step of the autograd graph (a custom autograd function), so its
+        inputs go through identity aliases for their gradients to be its own."""
         located = self.finder.locate(caller)
         if located is None:
             return call(*args, **kwargs)
@@ -191,19 +204,18 @@ class OpCapture:
         frame = session.stack[-1]
         inputs: list[tuple[str, Any]] = []
         scalars: dict[str, Any] = {}
-        walk(args, "args", is_tensor, lambda k, t: inputs.append((k, t)), None)
-        walk(kwargs, "kwargs", is_tensor, lambda k, t: inputs.append((k, t)), None)
-        _walk_scalars(args, "args", is_tensor, self.scalar, scalars)
-        _walk_scalars(kwargs, "kwargs", is_tensor, self.scalar, scalars)
+        _arguments(args, "args", is_tensor, self.scalar, inputs, scalars)
+        _arguments(kwargs, "kwargs", is_tensor, self.scalar, inputs, scalars)
         stack = session.stack
         producers = {key: self.producers.lookup(frame, t, stack) for key, t in inputs}
         op = session.begin_op(frame, name, scalars, inputs, producers, *located)
-        grads = self.gradients
+        grads = self.gradients if self.gradients is not None and not name.in_place and \
+            self.gradients.enabled() else None
         tapped: list[tuple[str, Any]] = []
+        if grads is not None and (several_steps or name in self.composite):
+            args, kwargs, tapped = self._tap_inputs(args, kwargs, inputs, grads)
         self.depth += 1
         try:
-            if grads is not None and not name.in_place and grads.enabled():
-                args, kwargs, tapped = self._tap_inputs(args, kwargs, inputs, grads)
             out = call(*args, **kwargs)
         except BaseException as exc:
             self.depth -= 1
@@ -215,12 +227,19 @@ class OpCapture:
             outputs.append(("out", inputs[0][1]))
         else:
             walk(out, "out", is_tensor, lambda k, t: outputs.append((k, t)), None)
-        session.end_op(op, outputs)
+        same = name.kind in SAME_VALUES
+        session.end_op(op, outputs, same_values=same)
         self.stats["ops"] += 1
         for key, t in outputs:
             self.producers.register(frame, t, {"kind": "op", "index": op.index, "key": key})
-        if grads is not None and not name.in_place:
+        if grads is None or same or any(t is i for _, t in outputs for _, i in inputs):
+            return out  # no gradients; a view or a copy (its gradient is its output's); an input handed back
+        if tapped:
             self._watch_gradients(op, tapped, outputs, grads)
+        elif not grads.one_step(inputs, outputs, lambda grad_in, grad_out: session.op_grads(
+                op, grad_out, grad_in, same_values=same)):
+            self.composite.add(name)  # its next calls are tapped; this one reports its output gradients only
+            self._watch_gradients(op, [], outputs, grads)
         return out
 
     def _tap_inputs(self, args: tuple, kwargs: dict, inputs: list, grads: OpGradients) -> tuple[tuple, dict, list]:
@@ -229,9 +248,7 @@ class OpCapture:
         tapped = []
         for key, t in inputs:
             if grads.differentiable(t):
-                alias = grads.alias(t)
-                swap.setdefault(id(t), alias)
-                tapped.append((key, swap[id(t)]))
+                tapped.append((key, swap.setdefault(id(t), grads.alias(t))))
         if not swap:
             return args, kwargs, []
         return replace_tensors(args, self.is_tensor, swap), replace_tensors(kwargs, self.is_tensor, swap), tapped
@@ -256,19 +273,19 @@ class OpCapture:
             grads.on_gradients([t for _, t in tapped], on_inputs)
 
 
-def _walk_scalars(obj: Any, prefix: str, is_tensor: Callable[[Any], bool], scalar: Callable[[Any], Any],
-                  out: dict[str, Any]) -> None:
-    """The non-tensor arguments of a call, flattened to dotted keys: numbers, strings, None, and what the
-    framework names (a dtype, a device); long containers and other objects are left out."""
+def _arguments(obj: Any, prefix: str, is_tensor: Callable[[Any], bool], scalar: Callable[[Any], Any],
+               tensors: list[tuple[str, Any]], out: dict[str, Any]) -> None:
+    """The arguments of a call, flattened to dotted keys (as ``structure.walk`` names them): its tensors, and
+    its non-tensor arguments: numbers, strings, None, and what the framework names (a dtype, a device); the
+    elements of long containers and other objects are left out of the latter."""
     if is_tensor(obj):
-        return
-    if isinstance(obj, dict):
+        tensors.append((prefix, obj))
+    elif isinstance(obj, Mapping):
         for k, v in obj.items():
-            _walk_scalars(v, f"{prefix}.{k}", is_tensor, scalar, out)
+            _arguments(v, f"{prefix}.{k}", is_tensor, scalar, tensors, out)
     elif isinstance(obj, (tuple, list)):
-        if len(obj) <= 16:
-            for i, v in enumerate(obj):
-                _walk_scalars(v, f"{prefix}.{i}", is_tensor, scalar, out)
+        for i, v in enumerate(obj):
+            _arguments(v, f"{prefix}.{i}", is_tensor, scalar, tensors, out if len(obj) <= 16 else {})
     elif obj is None or isinstance(obj, (bool, int, float)):
         out[prefix] = obj
     elif isinstance(obj, str):

@@ -21,6 +21,13 @@ from layerdiff.tracefile.writer import TraceWriter
 USE_DATA_LIMIT = 1 << 22  # elements: a tied weight's per-use gradient is stored whole up to this size
 
 
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _numel(t) -> int:
     n = 1
     for d in getattr(t, "shape", ()):
@@ -116,7 +123,9 @@ class TraceSession:
                 out.append({**entry, "role": role, "key": key})
         return out
 
-    def _tensor_entry(self, t, store: bool) -> dict | None:
+    def _tensor_entry(self, t, store: bool, same_values: dict | None = None) -> dict | None:
+        """``same_values``: the entry of a tensor with the same values in another layout (a view, a transpose):
+        without stored data, its statistics are taken over, not computed again."""
         identity = self.tensors.identify(t)
         if identity is not None:
             hit = self.seen.get(identity)
@@ -124,6 +133,13 @@ class TraceSession:
                     any(self._same(ref(), identity) for ref in hit[0]):
                 hit[0].append(weakref.ref(t))
                 return hit[1]
+        if same_values is not None and not store:
+            dtype, shape = self.tensors.describe(t)
+            if dtype == same_values["dtype"] and _count(shape) == _count(same_values["shape"]):
+                entry = self.writer.summary_entry(dtype, shape, same_values["stats"])
+                if identity is not None:
+                    self.seen[identity] = ([weakref.ref(t)], entry)
+                return entry
         stats = self.tensors.fast_stats(t)
         if stats is not None and not store:
             entry = self.writer.summary_entry(*self.tensors.describe(t), stats)  # no copy to the host
@@ -263,10 +279,28 @@ class TraceSession:
         rec.update(extra)
         return rec
 
-    def end_op(self, op: OpFrame, outputs) -> list[dict]:
-        entries = self._entries("output", outputs, op.frame.full)
+    def end_op(self, op: OpFrame, outputs, same_values: bool = False) -> list[dict]:
+        """``same_values``: the operation only lays out its one input anew (a view, a transpose, a copy)."""
+        like = op.inputs[0] if same_values and len(op.inputs) == 1 and len(outputs) == 1 else None
+        entries = []
+        for key, t in outputs:
+            entry = self._tensor_entry(t, self.store_data and op.frame.full, like)
+            if entry is not None:
+                entries.append({**entry, "role": "output", "key": key})
         self.writer.write_record(self._op_record(op, "forward", op.begin, op.inputs + entries))
         return entries
+
+    def op_grads(self, op: OpFrame, grad_outputs, grad_inputs, same_values: bool = False):
+        """An operation's backward, both sides at once (the framework reported them together)."""
+        begin = self._next_seq()
+        store = self.store_data and op.frame.full
+        entries = self._entries("grad_output", grad_outputs, op.frame.full)
+        like = entries[0] if same_values and len(entries) == 1 and len(grad_inputs) == 1 else None
+        for key, g in grad_inputs:
+            entry = self._tensor_entry(g, store, like)
+            if entry is not None:
+                entries.append({**entry, "role": "grad_input", "key": key})
+        self.writer.write_record(self._op_record(op, "backward", begin, entries))
 
     def fail_op(self, op: OpFrame, exc: BaseException):
         """The operation raised: its inputs and the error are kept (the module call's record follows)."""

@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""What recording the operations inside modules costs (``--ops``), side by side with msprobe's statistics dumps, in
+one run. Prints numbers; asserts nothing.
+
+    python tools/bench_ops.py                # every mode, 3 rounds of 10 timed steps each (a few minutes)
+    python tools/bench_ops.py --quick        # 1 round of 3 steps (checks the tool)
+    python tools/bench_ops.py --json out.json   # also save the figures (read by tools/bench_pages.py)
+
+The model is the benchmark toy of issue 28: transformers' LlamaForCausalLM from a config (4 layers, hidden 256,
+8 heads, vocab 1000, SDPA attention, fp32, CPU), one step = zero_grad + forward with labels + backward on a batch
+of 2 x 128 tokens. Each mode runs in a fresh interpreter of its own (msprobe's debugger is one per process): the
+untraced step is timed first in that process, then the traced one, alternating blocks; the ratio is the traced
+median over the untraced median of the same process. Modes: layerdiff's module-level `stats` trace, the same with
+every operation recorded (``ops=True``), with the operations of one decoder block recorded (``ops=[block]``), and
+msprobe (mindstudio-probe) `statistics` dumps at level L0 (modules) and L1 (APIs). Per-operation cost = (operations
+trace - module trace) / operation records per step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+TITLE = "Operations inside modules: cost, with msprobe side by side"
+METHOD = ("transformers LlamaForCausalLM from a config (4 layers, hidden 256, 8 heads, vocab 1000, SDPA, fp32, CPU), "
+          "one step = zero_grad + forward with labels + backward on 2 x 128 tokens. Each mode runs in a fresh "
+          "interpreter: untraced and traced blocks of timed steps alternate, after warm-up steps; the ratio is the "
+          "traced median over the untraced median of the same process. layerdiff modes trace in `stats` mode; "
+          "msprobe (mindstudio-probe) dumps `statistics` at level L0 (modules) or L1 (APIs), started and stopped "
+          "around each step as its documentation shows. Per-operation cost = (step with operations - step with "
+          "modules only) / operation records per step.")
+MODES = ("layerdiff modules", "layerdiff ops (whole model)", "layerdiff ops (one block)", "msprobe L0", "msprobe L1")
+STEPS, ROUNDS, WARMUP = 10, 3, 3
+BLOCK = r"^model\.layers\.1(\.|$)"
+
+
+def toy():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    return model, step
+
+
+def _timed(step, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(mode: str, steps: int, rounds: int, out: Path) -> None:
+    """One mode in this interpreter: untraced and traced blocks alternate; the figures go to ``out`` as JSON."""
+    model, step = toy()
+    work = Path(tempfile.mkdtemp(prefix="layerdiff-bench-ops-"))
+    for _ in range(WARMUP):
+        step()
+    untraced, traced = [], []
+    facts: dict = {}
+    if mode.startswith("layerdiff"):
+        import layerdiff
+        from layerdiff.tracefile.reader import open_trace
+
+        ops = {"layerdiff modules": False, "layerdiff ops (whole model)": True,
+               "layerdiff ops (one block)": [BLOCK]}[mode]
+        for r in range(rounds):
+            untraced += _timed(step, steps)
+            path = work / f"t{r}.h5"
+            with layerdiff.trace(model, path, mode="stats", ops=ops):
+                step()  # the first traced step also records the parameters
+                traced += _timed(step, steps)
+        with open_trace(path) as trace:
+            timed = steps + 1
+            facts = {"op_records_per_step": len(trace.ops) / timed,
+                     "forward_ops_per_step": sum(op.phase == "forward" for op in trace.ops) / timed,
+                     "module_records_per_step": len(trace.records) / timed, "trace_mb": path.stat().st_size / 1e6}
+    else:
+        from msprobe.pytorch import PrecisionDebugger
+
+        config = work / "config.json"
+        config.write_text(json.dumps({
+            "task": "statistics", "dump_path": str(work / "dump"), "rank": [], "step": [],
+            "level": mode.split()[-1], "statistics": {"scope": [], "list": [], "data_mode": ["all"],
+                                                     "summary_mode": "statistics"}}))
+        debugger = PrecisionDebugger(config_path=str(config))
+
+        def dumped():
+            debugger.start(model)
+            step()
+            debugger.stop()
+            debugger.step()
+
+        for _ in range(rounds):
+            untraced += _timed(step, steps)
+            dumped()
+            traced += _timed(dumped, steps)
+        facts = {"dump_mb": sum(p.stat().st_size for p in (work / "dump").rglob("*") if p.is_file()) / 1e6}
+    out.write_text(json.dumps({"mode": mode, "untraced": untraced, "traced": traced, **facts}))
+
+
+def run_mode(mode: str, steps: int, rounds: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "r.json"
+        proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--rounds",
+                               str(rounds), "--out", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
+            return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}"}
+        return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, help=f"timed steps per block (default {STEPS}; --quick 3)")
+    p.add_argument("--rounds", type=int, help=f"untraced/traced block pairs (default {ROUNDS}; --quick 1)")
+    p.add_argument("--quick", action="store_true", help="1 round of 3 steps: checks the tool")
+    p.add_argument("--json", metavar="PATH", help="also save the figures as JSON (read by tools/bench_pages.py)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    steps = args.steps or (3 if args.quick else STEPS)
+    rounds = args.rounds or (1 if args.quick else ROUNDS)
+    if args.worker:
+        worker(args.worker, steps, rounds, Path(args.out))
+        return 0
+    run = benchlib.BenchRun("bench_ops", TITLE, METHOD, packages=("numpy", "torch", "transformers",
+                                                                   "mindstudio-probe"))
+    results = {}
+    print(f"{'mode':30} {'untraced':>10} {'traced':>10} {'ratio':>7}  notes")
+    for mode in MODES:
+        r = run_mode(mode, steps, rounds)
+        results[mode] = r
+        if "error" in r:
+            print(f"{mode:30} could not run: {r['error']}")
+            continue
+        r["untraced_median"], r["traced_median"] = benchlib.med(r["untraced"]), benchlib.med(r["traced"])
+        r["ratio"] = r["traced_median"] / r["untraced_median"]
+        notes = (f"{r['op_records_per_step']:.0f} operation records per step" if r.get("op_records_per_step")
+                 else f"dump {r['dump_mb']:.1f} MB" if "dump_mb" in r else "")
+        print(f"{mode:30} {r['untraced_median'] * 1e3:8.1f}ms {r['traced_median'] * 1e3:8.1f}ms "
+              f"{r['ratio']:6.2f}x  {notes}")
+    derived = _derived(results)
+    for line in derived["lines"]:
+        print(line)
+    if args.json:
+        rows = [[mode, f"{r['untraced_median'] * 1e3:.1f} ms", f"{r['traced_median'] * 1e3:.1f} ms",
+                 f"{r['ratio']:.2f}x", f"{r['op_records_per_step']:.0f}" if r.get("op_records_per_step") else "-"]
+                if "error" not in r else [mode, "-", "-", "-", f"could not run: {r['error']}"]
+                for mode, r in results.items()]
+        targets = [[name, value, target, verdict] for name, value, target, verdict in derived["targets"]]
+        run.write(args.json, quick=args.quick or steps < STEPS or rounds < ROUNDS, headline=derived["headline"],
+                  tables=[benchlib.table("Step time per mode", ["mode", "untraced step", "traced step", "ratio",
+                                                                "operation records per step"], rows,
+                                         f"Medians of {rounds} round(s) x {steps} timed steps, each mode in its "
+                                         "own interpreter."),
+                          benchlib.table("Targets (issue 28)", ["measure", "value", "target", "met"], targets)],
+                  results={"steps": steps, "rounds": rounds, "modes": results,
+                           "per_op_us": derived.get("per_op_us")})
+    return 0
+
+
+def _derived(results: dict) -> dict:
+    """The targets: ops over the untraced step against half msprobe L1's ratio; the one-block window against
+    1.3x the module trace; and the cost per operation."""
+    ok = {m: r for m, r in results.items() if "error" not in r}
+    lines, targets, out = [], [], {}
+    whole, block, modules = (ok.get(m) for m in MODES[1:2] + MODES[2:3] + MODES[0:1])
+    l1 = ok.get("msprobe L1")
+    headline = []
+    if whole and modules:
+        per_op = (whole["traced_median"] - modules["traced_median"]) / max(whole["op_records_per_step"], 1)
+        out["per_op_us"] = per_op * 1e6
+        lines.append(f"per operation record: {per_op * 1e6:.0f} us "
+                     f"({whole['op_records_per_step']:.0f} records per step, forward and backward)")
+        targets.append(["per operation record", f"{per_op * 1e6:.0f} us", "stated", "-"])
+    if whole and l1:
+        limit = l1["ratio"] / 2
+        met = whole["ratio"] <= limit
+        lines.append(f"whole-model ops/untraced {whole['ratio']:.2f}x vs half of msprobe L1's {l1['ratio']:.2f}x "
+                     f"= {limit:.2f}x: {'met' if met else 'NOT met'}")
+        targets.append(["whole-model `ops=True` stats trace / untraced step", f"{whole['ratio']:.2f}x",
+                        f"<= half msprobe L1's ratio ({limit:.2f}x)", "yes" if met else "no"])
+        headline.append(f"ops=True {whole['ratio']:.2f}x the untraced step, msprobe L1 {l1['ratio']:.2f}x")
+    elif whole:
+        headline.append(f"ops=True {whole['ratio']:.2f}x the untraced step (msprobe did not run)")
+    if block and modules:
+        ratio = block["traced_median"] / modules["traced_median"]
+        met = ratio <= 1.3
+        lines.append(f"one-block window / module trace: {ratio:.2f}x (target 1.3x): {'met' if met else 'NOT met'}")
+        targets.append(["one-block window / module-level stats trace", f"{ratio:.2f}x", "<= 1.3x",
+                        "yes" if met else "no"])
+        headline.append(f"one-block window {ratio:.2f}x the module trace")
+    out.update(lines=lines, targets=targets, headline="; ".join(headline) or "no figures")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
