@@ -110,12 +110,12 @@ def reference_identity(path) -> dict:
 
 
 def run_candidate(target: str, kwargs: dict, path: Path, *, forcer=None, backward=True, include=None,
-                  exclude=None, params=True, layers=None, mode="full", strict_filters=True) -> dict:
+                  exclude=None, params=True, layers=None, mode="full", strict_filters=True, ops=False) -> dict:
     """Build the candidate, run one step under the tracer, close the trace. A step that raises is a result
     (the trace records where), not an error of bisect."""
     model, step, meta = runner.build(target, kwargs)
     options = TraceOptions(mode=mode, backward=backward, include=include, exclude=exclude, params=params,
-                           layers=layers, one_process=True, strict_filters=strict_filters, overwrite=True,
+                           layers=layers, one_process=True, strict_filters=strict_filters, overwrite=True, ops=ops,
                            meta={"target": target, "bisect": True, **(meta or {})})
     tracer = Tracer(model, path, options, forcer=forcer)
     with _Guard(tracer) as guard:
@@ -175,9 +175,10 @@ def _reference(path):
 
 def _reference_options(reader) -> dict:
     options = reader.meta.get("options") or {}
+    ops = options.get("ops") or False  # the candidate records operations where the reference did
     return {"backward": bool(options.get("backward", True)), "include": options.get("include"),
             "exclude": options.get("exclude"), "params": bool(options.get("params", True)),
-            "layers": options.get("layers")}
+            "layers": options.get("layers"), "ops": ops if isinstance(ops, bool) else list(ops)}
 
 
 def replay(reference, target: str, kwargs: dict, workdir: Workdir, how: Comparison, *, include=None, exclude=None,
@@ -187,7 +188,7 @@ def replay(reference, target: str, kwargs: dict, workdir: Workdir, how: Comparis
         _expect(progress, 2)
         options = _reference_options(ref)
         traced = dict(backward=options["backward"], params=options["params"], layers=options["layers"],
-                      include=options["include"] if include is None else include,
+                      ops=options["ops"], include=options["include"] if include is None else include,
                       exclude=options["exclude"] if exclude is None else exclude)
         free = _run_once(workdir, "free", f"free run of {target}", progress,
                          lambda: run_candidate(target, kwargs, workdir.trace_path("free"), **traced))

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from layerdiff import schema
 from layerdiff.compare.metrics import relative_error
 from layerdiff.compare.tolerance import TolerancePolicy
-from layerdiff.judge.origin import describe_origin
+from layerdiff.judge.origin import describe_op, describe_origin
 from layerdiff.judge.tree import call_tree, judge_rows
 
 
@@ -26,28 +26,57 @@ def _worst(tensors: list[schema.TensorResult]) -> schema.TensorResult | None:
 
 def _segment(node, where: str, description: str, tensor: Mapping[str, Any] | None, order: int, phase: str) -> dict:
     row = node.row
-    return {"phase": phase, "module": row["path"], "call": row["call"], "where": where,
-            "description": description, "order": order,
-            "tensor": tensor and {"role": tensor["role"], "key": tensor["key"], "reason": tensor["reason"],
-                                  "metrics": tensor["metrics"]},
-            "rel_error": relative_error(tensor["metrics"]) if tensor else math.inf}
+    segment = {"phase": phase, "module": row["path"], "call": row["call"], "where": where,
+               "description": description, "order": order,
+               "tensor": tensor and {"role": tensor["role"], "key": tensor["key"], "reason": tensor["reason"],
+                                     "metrics": tensor["metrics"]},
+               "rel_error": relative_error(tensor["metrics"]) if tensor else math.inf}
+    if node.kind == "op":  # an operation of the module's own code (traces with ``--ops``)
+        info, info_b = row["op"], row.get("op_b") or {}
+        segment["op"] = {"name": info["name"], "kind": info["kind"], "index": info["index"],
+                         "source": info.get("source"), "function": info.get("function"),
+                         "source_b": info_b.get("source"), "function_b": info_b.get("function")}
+    return segment
+
+
+def _op_segment(node, wrong_input: bool, tensor, order: int, phase: str) -> dict:
+    """An operation with an own error (its inputs are the reference's, its output is not), or, with
+    ``wrong_input``, one that the code handed another tensor."""
+    row = node.row
+    text = describe_op(row["path"], dict(row["op"]), wrong_input, dict(row.get("op_b") or {}))
+    return _segment(node, "op_input" if wrong_input else "op", text + (" (backward)" if phase == "backward" else ""),
+                    tensor, order, phase)
 
 
 def _forward_segments(roots) -> list:
+    """Module boundaries carry the reference's values, the operations inside one module's code do not: the
+    first operation with an own error in a call explains what its code computes after it (not counted again)."""
     out = []
 
-    def visit(node, parent, previous):
+    def visit(node, parent, previous, inherited=False):
+        if inherited and node.kind == "op":  # its inputs come from an operation that already went wrong
+            return
         bad_in = _worst(node.ins)
-        if bad_in is not None:
+        if bad_in is not None and not inherited:
             if parent is None:
                 out.append(_segment(node, "inputs", f"{node.row['path'] or '<root>'}: the runs were given "
                                     "different inputs", bad_in, node.row["begin"], "forward"))
+            elif node.kind == "op":
+                out.append(_op_segment(node, True, bad_in, node.row["begin"], "forward"))
             else:
                 out.append(_segment(parent, "own_code", describe_origin(parent, "own_code", previous, node), bad_in,
                                     node.row["begin"], "forward"))
+        if node.kind == "op":
+            bad_out = _worst(node.outs)
+            if bad_out is not None and bad_in is None:
+                out.append(_op_segment(node, False, bad_out, node.row["end"], "forward"))
+            return
         before = None
+        op_error = False  # an operation of this call's code went wrong: what follows in it inherits
         for child in node.children:
-            visit(child, node, before)
+            visit(child, node, before, op_error)
+            if child.kind == "op" and (_worst(child.outs) is not None or _worst(child.ins) is not None):
+                op_error = True
             before = child
         if node.row.get("error_b"):  # the innermost call that raised; its callers only passed the error on
             if any(child.row.get("error_b") for child in node.children):
@@ -57,7 +86,7 @@ def _forward_segments(roots) -> list:
                         "error": node.row["error_b"]})
             return
         bad_out = _worst(node.outs)
-        if bad_out is not None:
+        if bad_out is not None and not op_error:
             where = "own_code" if node.children else "module"
             text = describe_origin(node, where, before, None) if node.children else (node.row["path"] or "<root>")
             out.append(_segment(node, where, text, bad_out, node.row["end"], "forward"))
@@ -71,9 +100,18 @@ def _backward_segments(roots) -> list:
     """Backward visits children in backward order; descriptions speak of forward positions (the same code)."""
     out = []
 
-    def visit(node, parent):
+    def visit(node, parent, inherited=False):
         bad_in = _worst(node.ins)  # grad_output as it arrived: made by the parent's code after this child
-        if bad_in is not None:
+        if node.kind == "op":  # in backward order: its output gradients arrive, its input gradients leave
+            if inherited:
+                return
+            bad_grad = _worst(node.outs)
+            if bad_in is not None:
+                out.append(_op_segment(node, True, bad_in, node.row["begin"], "backward"))
+            elif bad_grad is not None:
+                out.append(_op_segment(node, False, bad_grad, node.row["end"], "backward"))
+            return
+        if bad_in is not None and not inherited:
             if parent is None:
                 out.append(_segment(node, "inputs", f"{node.row['path'] or '<root>'}: the runs were given a "
                                     "different gradient of the loss", bad_in, node.row["begin"], "backward"))
@@ -82,13 +120,16 @@ def _backward_segments(roots) -> list:
                 out.append(_segment(parent, "own_code", f"{parent.row['path'] or '<root>'}, own code using "
                                     f"{short}'s output (backward)", bad_in, node.row["begin"], "backward"))
         later = None  # after the loop: the child that ran first in forward
+        op_error = False
         for child in node.children:
-            visit(child, node)
+            visit(child, node, op_error)
+            if child.kind == "op" and (_worst(child.outs) is not None or _worst(child.ins) is not None):
+                op_error = True
             later = child
         grads_in = [t for t in node.outs if t["role"] == "grad_input"]
         weights = [t for t in node.outs if t["role"] != "grad_input"]
         bad_grad = _worst(grads_in)
-        if bad_grad is not None:
+        if bad_grad is not None and not op_error:
             text = (describe_origin(node, "own_code", None, later) + " (backward)") if node.children \
                 else f"{node.row['path'] or '<root>'} (backward)"
             out.append(_segment(node, "own_code" if node.children else "module", text, bad_grad,
@@ -170,4 +211,6 @@ def _confirms(culprit: dict | None, origin: dict | None) -> bool | None:
         return False
     if origin.get("where") == "forward":  # a backward divergence align attributed to the forward origin
         return None
+    if origin.get("op") and culprit.get("op"):  # both at an operation: the same one
+        return culprit["module"] == origin["module"] and culprit["op"]["index"] == origin["op"]["index"]
     return culprit["module"] == origin["module"]

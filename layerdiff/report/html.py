@@ -12,6 +12,7 @@ from html import escape
 
 from rich.text import Text
 
+from layerdiff.report.ops_view import code_at, module_ops, retrace_hint, row_status, short_source
 from layerdiff.report.terminal import View, fmt_number, origin_lines, row_passed, step_count
 
 _STYLE = """
@@ -25,6 +26,7 @@ th{border-bottom:1px solid #ccc} td.num{text-align:right;font-variant-numeric:ta
 details{margin-left:18px} summary{cursor:pointer} .tree>details{margin-left:0}
 .is-origin>summary{font-weight:bold;background:#ffe3e3}
 code{background:#f4f4f4;padding:0 3px}
+tr.is-origin-op{background:#ffe3e3;font-weight:bold} h3{font-size:15px}
 """
 
 
@@ -110,9 +112,41 @@ def _origin_block(report: View, phase: str, steps: int) -> str:
         return f"<div class='origin clean'><b>{phase.upper()}</b> <span class='ok'>{escape(res.get('status', ''))}</span></div>"
     lines = [_plain(line) for line in origin_lines(origin, steps)]
     body = "<br>".join(escape(line) for line in lines[1:])
+    ops = _ops_block(report, origin) if origin.get("op") and origin.get("where") != "forward" else ""
+    hint = "".join(f"<br><span class='dim'>{escape(line)}</span>" for line in retrace_hint(report, origin))
     return (f"<div class='origin' id='{phase}-origin'><b>{phase.upper()}</b> "
             f"<span class='bad'>divergent ({res.get('failing_tensors', '?')} tensors over tolerance)</span><br>"
-            f"origin: <b class='bad'>{escape(lines[0])}</b><br>{body}</div>")
+            f"origin: <b class='bad'>{escape(lines[0])}</b><br>{body}{hint}</div>{ops}")
+
+
+def _ops_block(report: View, origin: View) -> str:
+    """The origin module's operations around the origin's: both runs side by side, each with its line of code."""
+    rows = module_ops(report, origin)
+    if not rows:
+        return ""
+    index = (origin.get("op") or {}).get("index")
+
+    def where(info: View) -> str:
+        code = code_at(info.get("source"))
+        return (f"<code>{escape(short_source(info.get('source')))}</code>"
+                + (f"<br><code class='dim'>{escape(code)}</code>" if code else ""))
+
+    cells = ["<table class='ops'><tr><th>#</th><th>A</th><th>line A</th><th>B</th><th>line B</th><th>max rel</th>"
+             "<th></th></tr>"]
+    for r in rows:
+        a, b = r.get("op") or {}, r.get("op_b") or {}
+        rel = max((t["metrics"].get("max_rel") or 0 for t in r.get("tensors", ()) if t.get("metrics")
+                   and t["role"] in ("output", "grad_input")), default=None)
+        status = row_status(r)
+        here = a.get("index") == index
+        mark = "&larr; origin" if here else ("" if status == "ok" else escape(status))
+        cells.append(f"<tr{' class=is-origin-op' if here else ''}><td class='num'>{a.get('index')}</td>"
+                     f"<td>{escape(str(a.get('name')))}</td><td>{where(a)}</td><td>{escape(str(b.get('name')))}</td>"
+                     f"<td>{where(b)}</td><td class='num'>{_number(rel) if rel is not None else '-'}</td>"
+                     f"<td class='{'bad' if status != 'ok' else 'ok'}'>{mark}</td></tr>")
+    cells.append("</table>")
+    return (f"<h3>Operations of <code>{escape(origin.get('module') or '<root>')}</code> "
+            f"({escape(str(origin.get('phase')))}), A | B</h3>" + "".join(cells))
 
 
 def _tensor_table(row: View) -> str:

@@ -70,3 +70,31 @@ def test_a_real_browser_renders_the_origin_and_the_plot(page, tmp_path):
     subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()], capture_output=True,
                    timeout=120)
     assert shot.exists() and shot.stat().st_size > 20_000  # a page with content, not a blank image
+
+
+def test_an_operation_origin_shows_both_runs_lines_of_code(tmp_path):
+    """With operations recorded: the origin's line in each run, its code, and the module's operations side by
+    side; also as a real browser renders it."""
+    import layerdiff
+    from layerdiff.recipes import torch_llama_ops as recipe
+
+    for name, defect in (("ref", None), ("bad", "helper")):
+        built = recipe.build(defect)
+        with layerdiff.trace(built["model"], tmp_path / f"{name}.h5", ops=True):
+            built["step"]()
+    out = tmp_path / "ops.html"
+    layerdiff.align(tmp_path / "ref.h5", tmp_path / "bad.h5").to_html(out)
+    parsed = _Page()
+    parsed.feed(out.read_text())
+    text = " ".join("".join(parsed.text).split())
+    assert "return torch.cat((x2, -x1), dim=-1) # defect: helper" in text  # B's line of code, read from the file
+    assert "return torch.cat((-x2, x1), dim=-1)" in text  # A's
+    assert "Operations of model.layers.1.self_attn (forward), A | B" in text and "← origin" in text
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("Chromium is not installed (apt-get install -y chromium): the page was not rendered")
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", out.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    rendered = _Page()
+    rendered.feed(dom)
+    assert "Operations of model.layers.1.self_attn" in " ".join("".join(rendered.text).split())
