@@ -113,7 +113,9 @@ def worker(mode: str, steps: int, rounds: int, out: Path) -> None:
             untraced += _timed(step, steps)
             dumped()
             traced += _timed(dumped, steps)
-        facts = {"dump_mb": sum(p.stat().st_size for p in (work / "dump").rglob("*") if p.is_file()) / 1e6}
+        dumps = sorted((work / "dump").rglob("dump.json"), key=lambda p: p.stat().st_mtime)
+        facts = {"dump_mb": sum(p.stat().st_size for p in (work / "dump").rglob("*") if p.is_file()) / 1e6,
+                 "records_per_step": len(json.loads(dumps[-1].read_text()).get("data", {})) if dumps else None}
     out.write_text(json.dumps({"mode": mode, "untraced": untraced, "traced": traced, **facts}))
 
 
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
         r["untraced_median"], r["traced_median"] = benchlib.med(r["untraced"]), benchlib.med(r["traced"])
         r["ratio"] = r["traced_median"] / r["untraced_median"]
         notes = (f"{r['op_records_per_step']:.0f} operation records per step" if r.get("op_records_per_step")
-                 else f"dump {r['dump_mb']:.1f} MB" if "dump_mb" in r else "")
+                 else f"{r.get('records_per_step')} records per step, dump {r['dump_mb']:.1f} MB"
+                 if "dump_mb" in r else "")
         print(f"{mode:30} {r['untraced_median'] * 1e3:8.1f}ms {r['traced_median'] * 1e3:8.1f}ms "
               f"{r['ratio']:6.2f}x  {notes}")
     derived = _derived(results)
@@ -163,7 +166,8 @@ def main(argv=None) -> int:
         print(line)
     if args.json:
         rows = [[mode, f"{r['untraced_median'] * 1e3:.1f} ms", f"{r['traced_median'] * 1e3:.1f} ms",
-                 f"{r['ratio']:.2f}x", f"{r['op_records_per_step']:.0f}" if r.get("op_records_per_step") else "-"]
+                 f"{r['ratio']:.2f}x", f"{r['op_records_per_step']:.0f}" if r.get("op_records_per_step")
+                 else f"{r['records_per_step']} (API records)" if r.get("records_per_step") else "-"]
                 if "error" not in r else [mode, "-", "-", "-", f"could not run: {r['error']}"]
                 for mode, r in results.items()]
         targets = [[name, value, target, verdict] for name, value, target, verdict in derived["targets"]]
@@ -174,7 +178,8 @@ def main(argv=None) -> int:
                                          "own interpreter."),
                           benchlib.table("Targets (issue 28)", ["measure", "value", "target", "met"], targets)],
                   results={"steps": steps, "rounds": rounds, "modes": results,
-                           "per_op_us": derived.get("per_op_us")})
+                           "per_op_us": derived.get("per_op_us"),
+                           "msprobe_l1_per_record_us": derived.get("msprobe_l1_per_record_us")})
     return 0
 
 
@@ -192,6 +197,11 @@ def _derived(results: dict) -> dict:
         lines.append(f"per operation record: {per_op * 1e6:.0f} us "
                      f"({whole['op_records_per_step']:.0f} records per step, forward and backward)")
         targets.append(["per operation record", f"{per_op * 1e6:.0f} us", "stated", "-"])
+    if l1 and l1.get("records_per_step"):
+        cost = (l1["traced_median"] - l1["untraced_median"]) / l1["records_per_step"]
+        out["msprobe_l1_per_record_us"] = cost * 1e6
+        lines.append(f"msprobe L1 per API record: {cost * 1e6:.0f} us ({l1['records_per_step']} records per step)")
+        targets.append(["msprobe L1 per API record (its dump.json entries)", f"{cost * 1e6:.0f} us", "-", "-"])
     if whole and l1:
         limit = l1["ratio"] / 2
         met = whole["ratio"] <= limit
