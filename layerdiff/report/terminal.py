@@ -254,24 +254,35 @@ def _render_body(report: View, console: Console):
 
 
 def _render_module_ops(report: View, origin: View, console: Console):
-    """The origin module's operations around the origin's, both runs side by side with their lines."""
+    """The origin module's operations around the origin's, both runs side by side with their lines (a line in the
+    origin's own file shown by its number) and B's code."""
     rows = module_ops(report, origin)
     if len(rows) < 2:
         return
-    index = (origin.get("op") or {}).get("index")
-    table = Table(title=f"operations of {origin.get('module') or '<root>'} ({origin.get('phase')}), A | B",
-                  title_justify="left", box=None, pad_edge=False)
-    for col in ("#", "A", "line A", "B", "line B", "max rel", ""):
-        table.add_column(col)
+    op = origin.get("op") or {}
+    index = op.get("index")
+    files = {"a": short_source(op.get("source")).rpartition(":")[0],
+             "b": short_source(op.get("source_b") or op.get("source")).rpartition(":")[0]}
+
+    def line(info: View, side: str) -> str:
+        file, _, number = short_source(info.get("source")).rpartition(":")
+        return f"{number}" if file == files[side] else f"{file}:{number}"
+
+    table = Table(title=f"operations of {origin.get('module') or '<root>'} ({origin.get('phase')}), A | B "
+                        f"(lines of {files['a']} | {files['b']})", title_justify="left", box=None, pad_edge=False)
+    for col in ("#", "operation (A)", "line A", "B", "line B", "max rel", ""):
+        table.add_column(col, no_wrap=True)
+    table.add_column("code (B)", no_wrap=True, overflow="ellipsis", max_width=60)
     for r in rows:
         a, b = r.get("op") or {}, r.get("op_b") or {}
         rel = max((t["metrics"].get("max_rel") or 0 for t in r.get("tensors", ()) if t.get("metrics")
                    and t["role"] in ("output", "grad_input")), default=None)
         status = row_status(r)
         mark = "<- origin" if a.get("index") == index else ("" if status == "ok" else "x")
-        table.add_row(str(a.get("index")), as_text(a.get("name")), as_text(short_source(a.get("source"))),
-                      as_text(b.get("name")) if b.get("name") != a.get("name") else "=",
-                      as_text(short_source(b.get("source"))), fmt_number(rel), mark)
+        code = code_at(b.get("source")) or code_at(a.get("source")) or ""
+        table.add_row(str(a.get("index")), as_text(a.get("name")), as_text(line(a, "a")),
+                      "=" if b.get("name") == a.get("name") else as_text(b.get("name")), as_text(line(b, "b")),
+                      fmt_number(rel), mark, as_text(code))
     console.print(table)
 
 
