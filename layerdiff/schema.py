@@ -126,13 +126,19 @@ class OpInfo(_OpInfoKeys, total=False):
     in_place: bool
 
 
-class OpsSummary(TypedDict):
-    """A module call's operations, recorded by both runs: how many each ran, and those without a counterpart
-    ([index, name, source]; casts and views one side adds are usual)."""
+class _OpsSummaryKeys(TypedDict):
     a: Int64
     b: Int64
     only_a: List[Any]
     only_b: List[Any]
+
+
+class OpsSummary(_OpsSummaryKeys, total=False):
+    """A module call's operations, recorded by both runs: how many each ran, and those without a counterpart
+    ([index, name, source]; casts and views one side adds are usual). ``gradient_changed`` ({"a": [...], "b":
+    [...]}, [index, name, source, function] each): those among them that pass their values through unchanged but
+    not their gradient (a wrong hand-written backward), where there are any."""
+    gradient_changed: Dict[str, List[Any]]
 
 
 class Row(_RowKeys, total=False):
@@ -156,6 +162,7 @@ class Row(_RowKeys, total=False):
     op: OpInfo  # kind "op": A's operation (path and call are its module call's)
     op_b: OpInfo  # ... and B's
     ops: OpsSummary  # a module call whose operations both runs recorded
+    ops_gradient_changed: Dict[str, List[Any]]  # backward: ``OpsSummary.gradient_changed`` of the call, if any
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -261,7 +268,7 @@ class OriginOp(TypedDict, total=False):
     ``wrong_input``: the operation's inputs differ while what made them agrees: the code passed it another tensor."""
     name: str
     kind: str
-    index: Int64
+    index: Optional[Int64]  # None: an operation only B runs (``only_b``)
     source: Optional[str]
     function: Optional[str]
     args_diff: Dict[str, Any]

@@ -21,6 +21,13 @@ DEFECTS = {
     "nan": ("forward", "model.layers.1.mlp.gate_proj"),              # NaN in one output element
 }
 
+# own-code defects -> the direction where they show first: each planted in a recipe's model code (not a module's
+# parameters or class), on the line marked ``# defect: NAME``, in the decoder layer ``CODE_DEFECT_LAYER``; what
+# ``layerdiff align`` with operations recorded (``--ops``) names, down to that line
+CODE_DEFECTS = {"constant": "forward", "helper": "forward", "norm": "forward", "dtype": "forward",
+                "function": "backward"}
+CODE_DEFECT_LAYER = 1
+
 # failure -> module that raises: a port whose down_proj multiplies by the untransposed weight (a shape error
 # from the framework itself, mid-forward, after layer 0 and half of layer 1 ran)
 FAILURES = {"crash": ("forward", "model.layers.1.mlp.down_proj")}

@@ -24,6 +24,8 @@ DEFECTS = shared.DEFECTS  # defect -> (direction, module path where it originate
 
 
 class LlamaRMSNorm(nn.Layer):
+    defect: str | None = None  # own-code defects (``shared.CODE_DEFECTS``), planted by ``_inject``
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
@@ -32,8 +34,9 @@ class LlamaRMSNorm(nn.Layer):
     def forward(self, hidden_states):
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.astype("float32")
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        variance = hidden_states.pow(2).mean([-2, -1] if self.defect == "norm" else -1, keepdim=True)  # defect: norm
         hidden_states = hidden_states * paddle.rsqrt(variance + self.variance_epsilon)
+        hidden_states = hidden_states.astype("bfloat16" if self.defect == "dtype" else input_dtype)  # defect: dtype
         return self.weight * hidden_states.astype(input_dtype)
 
     def extra_repr(self):
@@ -56,17 +59,21 @@ class LlamaRotaryEmbedding(nn.Layer):
         return cos.astype(x.dtype), sin.astype(x.dtype)
 
 
-def rotate_half(x):
+def rotate_half(x, defect=None):
     half = x.shape[-1] // 2
+    if defect == "helper":
+        return paddle.concat([x[..., half:], -x[..., :half]], axis=-1)  # defect: helper
     return paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin):
+def apply_rotary_pos_emb(q, k, cos, sin, defect=None):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return q * cos + rotate_half(q, defect) * sin, k * cos + rotate_half(k, defect) * sin
 
 
 class LlamaAttention(nn.Layer):
+    defect: str | None = None
+
     def __init__(self, cfg: dict, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -89,18 +96,34 @@ class LlamaAttention(nn.Layer):
         k = self.k_proj(hidden_states).reshape(shape).transpose([0, 2, 1, 3])
         v = self.v_proj(hidden_states).reshape(shape).transpose([0, 2, 1, 3])
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, self.defect)
         if self.num_key_value_groups > 1:  # GQA: each kv head serves num_key_value_groups query heads
             k = paddle.repeat_interleave(k, self.num_key_value_groups, axis=1)
             v = paddle.repeat_interleave(v, self.num_key_value_groups, axis=1)
-        scores = paddle.matmul(q, k, transpose_y=True) * self.scaling
+        scaling = self.scaling * 1.01 if self.defect == "constant" else self.scaling
+        scores = paddle.matmul(q, k, transpose_y=True) * scaling  # defect: constant
         mask = paddle.triu(paddle.full([seq, seq], float("-inf"), dtype=scores.dtype), diagonal=1)
         probs = F.softmax(scores + mask, axis=-1)
         out = paddle.matmul(probs, v).transpose([0, 2, 1, 3]).reshape([bsz, seq, -1])
         return self.o_proj(out), None
 
 
+class _ScaleGrad(paddle.autograd.PyLayer):
+    """Identity forward; its backward scales the gradient (``scale`` other than 1 is a wrong backward)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale
+
+
 class LlamaMLP(nn.Layer):
+    defect: str | None = None
+
     def __init__(self, cfg: dict):
         super().__init__()
         self.gate_proj = nn.Linear(cfg["hidden"], cfg["intermediate"], bias_attr=False)
@@ -109,7 +132,10 @@ class LlamaMLP(nn.Layer):
         self.act_fn = nn.Silu()
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.act_fn(self.gate_proj(x))
+        if self.defect == "function":
+            gate = _ScaleGrad.apply(gate, 1.01)  # defect: function
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Layer):
@@ -185,7 +211,10 @@ class _WrongInputGrad(paddle.autograd.PyLayer):
 
 def _inject(model, defect):
     layers = model.model.layers
-    if defect == "eps":
+    if defect in shared.CODE_DEFECTS:
+        layer = layers[shared.CODE_DEFECT_LAYER]
+        layer.input_layernorm.defect = layer.self_attn.defect = layer.mlp.defect = defect
+    elif defect == "eps":
         layers[1].post_attention_layernorm.variance_epsilon = 1e-5
     elif defect == "act":
         layers[0].mlp.act_fn = nn.GELU()
@@ -218,7 +247,8 @@ def _inject(model, defect):
         down = layers[1].mlp.down_proj
         down.forward = lambda x: paddle.matmul(x, down.weight, transpose_y=True)  # [.., 128] @ [64, 128]
     elif defect is not None:
-        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, *shared.FAILURES])}")
+        raise ValueError(f"unknown defect {defect!r}; choose from "
+                         f"{', '.join([*DEFECTS, *shared.CODE_DEFECTS, *shared.FAILURES])}")
 
 
 def _is_linear_weight(name: str) -> bool:

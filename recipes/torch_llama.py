@@ -119,10 +119,11 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
 def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
           vocab: int = 256, intermediate: int | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
           dtype: str = "float32", backward: bool = True, defect_layer: int | None = None, defect_step: int = 1,
-          lr: float = 0.0):
+          lr: float = 0.0, attn: str | None = None):
     """``defect_step=K`` injects the defect just before step K (counted from 1): steps before it are clean.
-    ``lr`` > 0 makes each step a training step (plain SGD), so steps differ from each other."""
-    attn = "eager" if defect == "reimpl" else "sdpa"
+    ``lr`` > 0 makes each step a training step (plain SGD), so steps differ from each other. ``attn``:
+    transformers' attention implementation, "sdpa" (the default) or "eager" (its operations spelled out)."""
+    attn = attn or ("eager" if defect == "reimpl" else "sdpa")
     model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                              intermediate=intermediate, seed=seed, attn=attn, dtype=dtype)
     if defect_step <= 1:

@@ -98,6 +98,8 @@ class NumpyTensors:
     """The session's view of tensors (``capture.session.TensorAccess``) for numpy float32 arrays: what a
     framework-free test hands a ``TraceSession`` in place of a framework adapter. ``placements``: id -> placement."""
 
+    gradients_keep_identity = True
+
     def __init__(self, placements=None):
         self.placements = placements or {}
 

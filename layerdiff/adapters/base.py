@@ -53,6 +53,10 @@ class FrameworkAdapter(ABC):
         dtype, in-place version), or None where the framework cannot tell (every tensor is then stored)."""
         return None
 
+    #: whether ``identify`` holds for gradients in backward too; False where the framework's backward kernels may
+    #: write into a live gradient's buffer without bumping its version (Paddle reuses them in place)
+    gradients_keep_identity: ClassVar[bool] = True
+
     def fast_stats(self, t: Any) -> Mapping[str, Any] | None:
         """The tensor's summary statistics reduced by the framework itself, or None to take them with numpy."""
         return None

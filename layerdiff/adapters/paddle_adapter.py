@@ -307,6 +307,36 @@ class Hooks(ModuleHooks):
             return None
 
 
+    # -- operations inside modules (``ops`` tracing): adapters/paddle_ops.py -------------------------------------
+    def intercept_ops(self, capture):
+        from layerdiff.adapters import paddle_ops
+
+        return paddle_ops.intercepted(capture)
+
+    def framework_leaf(self, module) -> bool:
+        from layerdiff.adapters.paddle_ops import framework_leaf
+
+        return framework_leaf(module)
+
+    def named_buffers(self):
+        return self.model.named_buffers()
+
+    def op_gradients(self):
+        from layerdiff.adapters.paddle_ops import gradients
+
+        return gradients()
+
+    def op_scalar(self, obj):
+        from layerdiff.adapters.paddle_ops import scalar
+
+        return scalar(obj)
+
+    def op_framework_dirs(self) -> list[str]:
+        from layerdiff.adapters.paddle_ops import framework_dirs
+
+        return framework_dirs()
+
+
 def _param_grad_hook(hooks_ref, name, param_ref):
     def hook():
         hooks, p = hooks_ref(), param_ref()
@@ -385,6 +415,8 @@ class PaddleAdapter(FrameworkAdapter):
     assign = staticmethod(assign)
     to_framework = staticmethod(to_framework)
     hooks_class = Hooks
+    records_ops = True
+    gradients_keep_identity = False  # its backward kernels reuse gradient buffers in place
 
     def named_modules(self, model):
         return model.named_sublayers(include_self=True)

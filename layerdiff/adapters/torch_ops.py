@@ -16,7 +16,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.overrides import TorchFunctionMode
 
-from layerdiff.capture.ops import OpCapture, OpGradients, OpName
+from layerdiff.capture.ops import OpCapture, OpGradients, OpName, kind_of
 
 # calls that read a tensor's facts, never its values: not operations (they return no tensor)
 _FACTS = {"size", "dim", "numel", "stride", "data_ptr", "is_contiguous", "element_size", "storage_offset",
@@ -30,12 +30,6 @@ _FACT_ATTRIBUTES = {"shape", "dtype", "device", "requires_grad", "grad_fn", "is_
                     "is_cuda", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "output_nr",
                     "_version", "_base", "itemsize", "nbytes", "is_cpu", "is_xpu", "is_mps", "_cdata", "__class__",
                     "__dict__", "_backward_hooks", "_post_accumulate_grad_hooks"}
-_OPERATOR_KINDS = {"truediv": "div", "true_divide": "div", "floordiv": "floor_divide", "rsub": "sub",
-                   "radd": "add", "rmul": "mul", "rtruediv": "div", "rdiv": "div", "rpow": "pow", "rmatmul": "matmul",
-                   "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "idiv": "div", "ipow": "pow",
-                   "and": "logical_and", "or": "logical_or", "invert": "logical_not", "lt": "lt", "gt": "gt"}
-_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__", "__setitem__",
-                       "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 _NOT_AN_OP = OpName("", "")
 
 
@@ -63,12 +57,7 @@ def op_name(func: Any) -> OpName:
         name = f"{module.replace('._C.', '.').rstrip('.')}.{short}"
     else:
         name = f"{module}.{qualname}" if module else qualname
-    in_place = short in _IN_PLACE_OPERATORS or (short.endswith("_") and not short.endswith("__")
-                                                and not short.startswith("_"))
-    kind = short.strip("_")
-    if in_place and not short.startswith("__"):
-        kind = short[:-1]
-    kind = _OPERATOR_KINDS.get(kind, kind)
+    kind, in_place = kind_of(short)
     return OpName(name, kind, in_place)
 
 

@@ -33,6 +33,26 @@ class OpName:
     in_place: bool = False
 
 
+_OPERATOR_KINDS = {"truediv": "div", "true_divide": "div", "floordiv": "floor_divide", "rsub": "sub",
+                   "radd": "add", "rmul": "mul", "rtruediv": "div", "rdiv": "div", "rpow": "pow", "rmatmul": "matmul",
+                   "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "idiv": "div", "ipow": "pow",
+                   "and": "logical_and", "or": "logical_or", "invert": "logical_not", "lt": "lt", "gt": "gt"}
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__", "__setitem__",
+                       "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
+def kind_of(short: str) -> tuple[str, bool]:
+    """The framework-neutral kind of a function, method or operator by its short name (``__mul__``, ``mul_``,
+    ``true_divide``: ``mul``, ``mul``, ``div``), and whether it modifies its first argument in place (a trailing
+    underscore, an augmented assignment)."""
+    in_place = short in _IN_PLACE_OPERATORS or (short.endswith("_") and not short.endswith("__")
+                                                and not short.startswith("_"))
+    kind = short.strip("_")
+    if in_place and not short.startswith("__"):
+        kind = short[:-1]
+    return _OPERATOR_KINDS.get(kind, kind), in_place
+
+
 @dataclass
 class OpFrame:
     """One operation in flight: its place (the ``index``-th of its module call ``frame``), what it was called
@@ -149,7 +169,8 @@ class Producers:
 class OpGradients:
     """The framework's part of an operation's backward. ``one_step(inputs, outputs, callback)``: where the
     operation is one step of the framework's autograd graph, hook that step and return True; it calls back
-    ``callback(grad_inputs, grad_outputs)`` ([(key, gradient)] each) once, when the step has run. Otherwise
+    ``callback(grad_inputs, grad_outputs)`` ([(key, gradient)] each) once, when the step has run (None: the
+    framework hooks no step of its graph, as in Paddle and MindSpore: every operation is tapped). Otherwise
     ``alias`` routes each input through an identity (its gradient there is this operation's own contribution)
     and ``on_gradients(tensors, callback)`` calls back once with the gradients w.r.t. all of ``tensors``."""
 
@@ -157,7 +178,7 @@ class OpGradients:
     alias: Callable[[Any], Any]
     on_gradients: Callable[[list, Callable[[list], None]], None]
     enabled: Callable[[], bool]
-    one_step: Callable[[list, list, Callable[[list, list], None]], bool]
+    one_step: Callable[[list, list, Callable[[list, list], None]], bool] | None = None  # None: no such hook
 
 
 # operations that only lay their one input out anew: their output holds the same values (statistics taken over)
@@ -212,10 +233,10 @@ class OpCapture:
         grads = self.gradients if self.gradients is not None and not name.in_place and \
             self.gradients.enabled() else None
         tapped: list[tuple[str, Any]] = []
-        if grads is not None and (several_steps or name in self.composite):
-            args, kwargs, tapped = self._tap_inputs(args, kwargs, inputs, grads)
-        self.depth += 1
+        self.depth += 1  # from here on, framework calls (the taps' aliases too) are part of this operation
         try:
+            if grads is not None and (several_steps or grads.one_step is None or name in self.composite):
+                args, kwargs, tapped = self._tap_inputs(args, kwargs, inputs, grads)
             out = call(*args, **kwargs)
         except BaseException as exc:
             self.depth -= 1
@@ -234,7 +255,7 @@ class OpCapture:
             self.producers.register(frame, t, {"kind": "op", "index": op.index, "key": key})
         if grads is None or same or any(t is i for _, t in outputs for _, i in inputs):
             return out  # no gradients; a view or a copy (its gradient is its output's); an input handed back
-        if tapped:
+        if tapped or grads.one_step is None:
             self._watch_gradients(op, tapped, outputs, grads)
         elif not grads.one_step(inputs, outputs, lambda grad_in, grad_out: session.op_grads(
                 op, grad_out, grad_in, same_values=same)):
@@ -283,6 +304,9 @@ def _arguments(obj: Any, prefix: str, is_tensor: Callable[[Any], bool], scalar: 
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _arguments(v, f"{prefix}.{k}", is_tensor, scalar, tensors, out)
+    elif isinstance(obj, (tuple, list)) and 0 < len(obj) <= 16 and \
+            all(v is None or isinstance(v, (bool, int, float, str)) for v in obj):
+        out[prefix] = list(obj)  # a shape, a list of dims: one argument (``dim=(-2, -1)``)
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
             _arguments(v, f"{prefix}.{i}", is_tensor, scalar, tensors, out if len(obj) <= 16 else {})

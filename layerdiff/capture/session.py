@@ -83,6 +83,9 @@ class TensorAccess(Protocol):
 
     def placement(self, t: Any) -> dict | None: ...
 
+    @property
+    def gradients_keep_identity(self) -> bool: ...
+
 
 class TraceSession:
     """Turns hook callbacks into trace records. One session per trace; no state outside it.
@@ -117,16 +120,18 @@ class TraceSession:
     def _entries(self, role: str, tensors, full: bool = True) -> list[dict]:
         """Entries for (key, framework tensor) pairs; tensors that cannot be stored are skipped."""
         out = []
+        known = self.tensors.gradients_keep_identity or not role.startswith("grad")
         for key, t in tensors:
-            entry = self._tensor_entry(t, self.store_data and full)
+            entry = self._tensor_entry(t, self.store_data and full, known=known)
             if entry is not None:
                 out.append({**entry, "role": role, "key": key})
         return out
 
-    def _tensor_entry(self, t, store: bool, same_values: dict | None = None) -> dict | None:
+    def _tensor_entry(self, t, store: bool, same_values: dict | None = None, known: bool = True) -> dict | None:
         """``same_values``: the entry of a tensor with the same values in another layout (a view, a transpose):
-        without stored data, its statistics are taken over, not computed again."""
-        identity = self.tensors.identify(t)
+        without stored data, its statistics are taken over, not computed again. ``known``: whether its identity
+        can be trusted (gradients in some frameworks' backward: ``gradients_keep_identity``)."""
+        identity = self.tensors.identify(t) if known else None
         if identity is not None:
             hit = self.seen.get(identity)
             if hit is not None and (not store or "offset" in hit[1]) and \
@@ -296,8 +301,9 @@ class TraceSession:
         store = self.store_data and op.frame.full
         entries = self._entries("grad_output", grad_outputs, op.frame.full)
         like = entries[0] if same_values and len(entries) == 1 and len(grad_inputs) == 1 else None
+        known = self.tensors.gradients_keep_identity
         for key, g in grad_inputs:
-            entry = self._tensor_entry(g, store, like)
+            entry = self._tensor_entry(g, store, like, known=known)
             if entry is not None:
                 entries.append({**entry, "role": "grad_input", "key": key})
         self.writer.write_record(self._op_record(op, "backward", begin, entries))

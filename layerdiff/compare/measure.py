@@ -368,9 +368,11 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             row["skipped"] = skipped
         if ra.tied:
             row["tied"] = ra.tied
-        ops = op_pairing.calls.get((ra.path, ra.call)) if ra.kind == "call" and ra.phase == "forward" else None
-        if ops is not None:
+        ops = op_pairing.calls.get((ra.path, ra.call)) if ra.kind == "call" else None
+        if ops is not None and ra.phase == "forward":
             row["ops"] = cast(schema.OpsSummary, ops)
+        elif ops is not None and ops.get("gradient_changed"):  # what the backward judgement needs of them
+            row["ops_gradient_changed"] = ops["gradient_changed"]
         records.append(row)
         if progress is not None:
             progress.advance(_data_bytes(ra) + sum(_data_bytes(r) for r in pair.b))

@@ -102,12 +102,31 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
 
 
+_ARGUMENT_NAMES = {"axis": "dim", "keep_dims": "keepdim", "keepdims": "keepdim", "perm": "dims"}
+_FRAMEWORK_PREFIXES = ("torch.", "paddle.", "mindspore.")
+
+
+def _canonical(args: dict) -> dict:
+    """{name: (value as compared, value as recorded)}: argument names and dtypes as every framework's call would
+    agree on them (``axis`` is ``dim``, ``paddle.float32`` is ``torch.float32``), so that a port's call is
+    compared with the reference's."""
+    out = {}
+    for key, value in args.items():
+        prefix, _, leaf = key.rpartition(".")
+        same = value.partition(".")[2] if isinstance(value, str) and value.startswith(_FRAMEWORK_PREFIXES) else value
+        out[f"{prefix}.{_ARGUMENT_NAMES.get(leaf, leaf)}" if prefix else key] = (same, value)
+    return out
+
+
 def args_diff(a: dict | None, b: dict | None) -> dict:
     """The non-tensor arguments two calls of an operation set differently ({argument: [A, B]}), the framework's
-    private ones (``_stacklevel``) left out."""
-    a, b = a or {}, b or {}
-    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not k.rpartition(".")[2].startswith("_")}
+    private ones (``_stacklevel``) and arguments only one side passes by name (their defaults differ between
+    frameworks) left out."""
+    ca, cb = _canonical(a or {}), _canonical(b or {})
+    missing = (None, None)
+    return {k: [ca.get(k, missing)[1], cb.get(k, missing)[1]] for k in sorted(set(ca) | set(cb))
+            if ca.get(k, missing)[0] != cb.get(k, missing)[0] and not k.rpartition(".")[2].startswith("_")
+            and (k in ca and k in cb or not k.startswith("kwargs."))}
 
 
 def _at(info: dict) -> str:
@@ -174,6 +193,23 @@ def _inserted(bad: Judged | None, info: dict, info_b: dict, module_row: schema.R
     return only_a, only_b
 
 
+def _inserted_cast(node: Node, info: dict, info_b: dict, module_row: schema.Row | None) -> tuple[str, list] | None:
+    """Where an operation's input differs in dtype between the runs and, in the run with the narrower one, was
+    made by an operation without a counterpart (a cast one run inserts): ("a" | "b", [index, name, source])."""
+    summary = module_row.get("ops") if module_row is not None else None
+    changed = next((t for t in node.ins if t.get("dtype_a") and t.get("dtype_b") and t["dtype_a"] != t["dtype_b"]),
+                   None)
+    if not summary or changed is None:
+        return None
+    for side, own in (("b", info_b), ("a", info)):
+        key = changed.get("key_b", changed["key"]) if side == "b" else changed["key"]
+        made = (own.get("producers") or {}).get(key) or {}
+        inserted = {o[0]: o for o in (summary["only_b"] if side == "b" else summary["only_a"])}
+        if made.get("kind") == "op" and made.get("index") in inserted:
+            return side, inserted[made["index"]]
+    return None
+
+
 def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
                module_row: schema.Row | None = None) -> schema.Origin:
     """The origin at an operation inside a module's own code (``ops`` tracing): the first whose inputs agree and
@@ -195,6 +231,18 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
     if out is not None and not wrong_input:
         op["dtype_diff"] = [out.get("dtype_a"), out.get("dtype_b")]
         description += f": its output is {out.get('dtype_a')} in A, {out.get('dtype_b')} in B"
+    cast = _inserted_cast(node, dict(info), dict(info_b), module_row if module_row is not None else
+                          (module.row if module is not None else None))
+    if cast is not None and not wrong_input:  # the dtype changed in an operation only one run has
+        side, found = cast
+        changed = next(t for t in node.ins if t.get("dtype_a") != t.get("dtype_b"))
+        if side == "b":
+            op["only_b"], run, narrow, kept = [found], "B", changed.get("dtype_b"), changed.get("dtype_a")
+        else:
+            op["only_a"], run, narrow, kept = [found], "A", changed.get("dtype_a"), changed.get("dtype_b")
+        seen_at = describe_op(row["path"], dict(info), False, dict(info_b)).partition(": ")[2]
+        description = (f"{row['path']}: {found[1]}{_at({'source': found[2]})}, which only {run} runs, makes this "
+                       f"tensor {narrow} (the other run keeps {kept}); first seen at {seen_at}")
     if wrong_input:
         only_a, only_b = _inserted(bad, dict(info), dict(info_b), module_row)
         if only_a or only_b:
@@ -210,6 +258,30 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
             "chain": [n.row["path"] or "<root>" for n in chain if n.kind == "module"], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []},
             "op": op}
+
+
+def _inserted_gradient_origin(node: Node, chain: list, phase: schema.Phase) -> schema.Origin:
+    """The module's own code is the origin in backward, and one run inserted an operation there that passes its
+    values through unchanged but not its gradient (``OpsSummary.gradient_changed``): that operation, named."""
+    changed = node.row.get("ops_gradient_changed") or {}
+    side, found = next((s, ops[0]) for s, ops in (("b", changed.get("b")), ("a", changed.get("a"))) if ops)
+    index, name, source, function = found
+    run, other = ("B", "A") if side == "b" else ("A", "B")
+    info = {"source": source, "function": function}
+    origin = _origin_dict(node, "own_code", None, None, chain, phase, [])
+    origin["where"] = "op"
+    origin["description"] = (f"{node.row['path']}: {name}{_at(info)}, which only {run} runs, passes its values "
+                             f"through unchanged but changes their gradient ({other} has no such step) (backward)")
+    mine = {"index": index, "source": source, "function": function}
+    empty = {"index": None, "source": None, "function": None}
+    a, b = (empty, mine) if side == "b" else (mine, empty)
+    origin["op"] = {"name": name, "kind": name.rpartition(".")[0].rpartition(".")[2] or name,
+                    "index": a["index"], "source": a["source"], "function": a["function"], "args_diff": {},
+                    "metrics": None, "name_b": name if side == "b" else None, "index_b": b["index"],
+                    "source_b": b["source"], "function_b": b["function"], "wrong_input": False,
+                    "only_a": [[index, name, source]] if side == "a" else [],
+                    "only_b": [[index, name, source]] if side == "b" else []}
+    return origin
 
 
 def _first_over_tolerance(rows, phase):
@@ -260,10 +332,15 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
         if found:
             node, where, after, before, chain = found
             if node.kind == "op":  # its inputs agree with their counterparts, its output does not
-                node = _dtype_change(node, chain[-2] if len(chain) > 1 else None)
+                module = chain[-2] if len(chain) > 1 else None
+                row = node.row
+                if _inserted_cast(node, row["op"], row.get("op_b") or {}, module.row if module else None) is None:
+                    node = _dtype_change(node, module)
                 return _op_origin(node, chain[:-1], phase, wrong_input=False)
             if where == "own_code" and before is not None and before.kind == "op":
                 return _op_origin(before, chain, phase, wrong_input=True, module_row=node.row)
+            if where == "own_code" and node.row.get("ops_gradient_changed"):
+                return _inserted_gradient_origin(node, chain, phase)
             own_params = params.get("param" if phase == "forward" else "param_grad", [])
             return _origin_dict(node, where, after, before, chain, phase, own_params)
     bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)

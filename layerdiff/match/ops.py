@@ -336,9 +336,13 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
         seq_a = forward_a.get((ra.path, ra.call), [])
         seq_b = forward_b.get((rb.path, rb.call), [])
         aligned = align_ops(seq_a, seq_b, rules)
-        result.calls[(ra.path, ra.call)] = {
+        result.calls[(ra.path, ra.call)] = summary = {
             "a": len(seq_a), "b": len(seq_b), "only_a": [[op.index, op.name, op.source] for op in aligned.only_a],
             "only_b": [[op.index, op.name, op.source] for op in aligned.only_b]}
+        changed = {"a": _gradient_changed(aligned.only_a, backward_a, ra.path, ra.call),
+                   "b": _gradient_changed(aligned.only_b, backward_b, rb.path, rb.call)}
+        if changed["a"] or changed["b"]:
+            summary["gradient_changed"] = changed
         inputs = {tp.key: tp.key_b for tp in pair.tensors if tp.role == "input"}
         producers = ProducerMap(aligned.b_of(), inputs, module)
         for mt in aligned.matches:
@@ -366,6 +370,25 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             result.pairs.append(OpPair(back_a, (back_b,), tensors,
                                            *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input"))))
     return result
+
+
+def _gradient_changed(inserted: Sequence[OpRecord], backward: dict, path: str, call: int) -> list[list]:
+    """Operations that one run inserts which pass their values through unchanged (a custom autograd function, a
+    cast without effect) but not their gradient: [index, name, source, function] each. Such an operation has
+    no counterpart to compare with, yet its backward must be the identity too; where it is not, it is the origin
+    of a backward-only divergence (a wrong hand-written backward)."""
+    found = []
+    for op in inserted:
+        inputs = [t for t in op.tensors if t.role == "input"]
+        out = first_output(op)
+        back = backward.get((path, call, op.index))
+        if len(inputs) != 1 or out is None or back is None or not values_agree(inputs[0], out):
+            continue
+        grad_out = next((t for t in back.tensors if t.role == "grad_output"), None)
+        grad_in = next((t for t in back.tensors if t.role == "grad_input"), None)
+        if grad_out is not None and grad_in is not None and not values_agree(grad_out, grad_in):
+            found.append([op.index, op.name, op.source, op.function])
+    return found
 
 
 def _by_call(ops: Sequence[OpRecord]) -> tuple[dict, dict]:
