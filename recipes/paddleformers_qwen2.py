@@ -11,8 +11,8 @@ names are HF's. Weights are ``qwen2_shared.weights`` with Linear weights transpo
 does not shift labels (its data pipeline does) while HF's does, so both recipes' ``step`` compute the loss from the
 logits the same way: HF's causal-LM loss, fp32 cross entropy of position t against token t+1, mean over B*(S-1).
 
-paddleformers 1.1+ builds Qwen2ForCausalLM on ``paddlefleet``, which PyPI does not serve: install
-``pip install --no-deps paddleformers==1.0.0`` plus colorlog, omegaconf and aistudio-sdk.
+paddleformers 1.1+ builds Qwen2ForCausalLM on ``paddlefleet``, which PyPI does not serve: the test extra installs
+``paddleformers>=1.0,<1.1``.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ if not hasattr(huggingface_hub, "repo_type_and_id_from_hf_id"):
 
 import paddleformers
 from paddleformers.transformers import Qwen2Config, Qwen2ForCausalLM
+from paddleformers.transformers.qwen2 import modeling as qwen2_modeling
 
 try:
     from layerdiff.recipes import llama_shared
@@ -37,11 +38,22 @@ except ImportError:  # loaded as a file: layerdiff trace recipes/paddleformers_q
     import qwen2_shared as shared
 
 DEFECTS = {name: llama_shared.DEFECTS[name] for name in ("eps", "act", "weight")}  # same origins as torch_qwen2
+# own-code defects: a port that replaces one of PaddleFormers' helpers with its own (this file's line is named)
+CODE_DEFECTS = {"helper": "forward"}
+
+
+def rotate_half_swapped(x):
+    """A port's own ``rotate_half`` (PaddleFormers' ``qwen2.modeling.rotate_half``) with the halves' signs
+    swapped: the ``helper`` defect."""
+    half = x.shape[-1] // 2
+    return paddle.cat([x[..., half:], -x[..., :half]], axis=-1)  # defect: helper
 
 
 def _inject(model, defect):
     layers = model.model.layers
-    if defect == "eps":
+    if defect == "helper":  # for this process: PaddleFormers' attention calls the module's rotate_half
+        qwen2_modeling.rotate_half = rotate_half_swapped
+    elif defect == "eps":
         layers[1].post_attention_layernorm.variance_epsilon = 1e-5
     elif defect == "act":
         layers[0].mlp.act_fn = nn.GELU()
@@ -50,7 +62,7 @@ def _inject(model, defect):
         with paddle.no_grad():
             k.weight.set_value(k.weight * (1 + 1e-4))
     elif defect is not None:
-        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)}")
+        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, *CODE_DEFECTS])}")
 
 
 def build_model(*, layers: int = 2, seed: int = 0):

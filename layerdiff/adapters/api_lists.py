@@ -8,7 +8,7 @@ permutation: it is torch's ``permute``)."""
 from __future__ import annotations
 
 _MATH = """abs acos add add_n addmm amax amin any arange argmax argmin argsort asin atan atan2 baddbmm bmm
-broadcast_to cast ceil chunk clip clamp clone concat cos cosh cross cumprod cumsum diag diagonal diff div divide
+broadcast_to cast cat ceil chunk clip clamp clone concat cos cosh cross cumprod cumsum diag diagonal diff div divide
 dot einsum erf exp expand expand_as flatten flip floor floor_divide fmax fmin full full_like gather gather_nd
 greater_equal greater_than index_select isfinite isinf isnan kron lerp less_equal less_than linspace log log10
 log1p log2 logical_and logical_not logical_or logsumexp masked_fill masked_select matmul max maximum mean median
