@@ -365,7 +365,7 @@ def cmd_recipes(args) -> int:  # noqa: ARG001
     from layerdiff import recipes
 
     for path in sorted(Path(recipes.__path__[0]).glob("*.py")):
-        if path.stem.startswith("_") or path.stem == "llama_shared":
+        if path.stem.startswith("_") or path.stem.endswith("_shared"):  # helpers the recipes share
             continue
         summary, defects = _recipe_summary(path)
         print(f"{path.stem:22} {summary}" + (f"\n{'':22} --arg defect= {', '.join(defects)}" if defects else ""))
@@ -396,6 +396,11 @@ def _recipe_summary(path) -> tuple[str, list]:
                 defects = list(llama_shared.DEFECTS)
             elif isinstance(value, ast.DictComp) and isinstance(value.generators[0].iter, ast.Tuple):
                 defects = [e.value for e in value.generators[0].iter.elts if isinstance(e, ast.Constant)]
+        elif isinstance(target, ast.Name) and target.id == "CODE_DEFECTS":  # planted in the recipe's own code
+            if isinstance(value, ast.Dict):
+                defects += [k.value for k in value.keys if isinstance(k, ast.Constant)]
+            elif isinstance(value, ast.Attribute) and value.attr == "CODE_DEFECTS":
+                defects += list(llama_shared.CODE_DEFECTS)
         elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) \
                 and target.value.id == "DEFECTS" and isinstance(target.slice, ast.Constant):
             defects.append(target.slice.value)

@@ -21,6 +21,7 @@ except ImportError:  # loaded as a file: layerdiff trace recipes/paddle_llama.py
     import llama_shared as shared
 
 DEFECTS = shared.DEFECTS  # defect -> (direction, module path where it originates)
+CODE_DEFECTS = shared.CODE_DEFECTS  # defects in this file's code, each on the line marked ``# defect: NAME``
 
 
 class LlamaRMSNorm(nn.Layer):
