@@ -25,11 +25,14 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 
 # defect -> (direction, module path where it originates); same names and paths as torch_llama.DEFECTS
 DEFECTS = shared.DEFECTS  # defect -> (direction, module path where it originates)
+CODE_DEFECTS = shared.CODE_DEFECTS  # defects in this file's code, each on the line marked ``# defect: NAME``
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
 class LlamaRMSNorm(nn.Cell):
+    defect = None  # own-code defects (``shared.CODE_DEFECTS``), planted by ``_inject``
+
     def __init__(self, hidden, eps=1e-6):
         super().__init__()
         self.weight = ms.Parameter(ms.Tensor(np.ones(hidden, np.float32)), name="weight")
@@ -38,8 +41,10 @@ class LlamaRMSNorm(nn.Cell):
     def construct(self, hidden_states):
         dtype = hidden_states.dtype
         hidden_states = hidden_states.astype(ms.float32)
-        variance = ops.mean(ops.pow(hidden_states, 2), -1, keep_dims=True)
+        dims = (-2, -1) if self.defect == "norm" else -1
+        variance = ops.mean(ops.pow(hidden_states, 2), dims, keep_dims=True)  # defect: norm
         hidden_states = hidden_states * ops.rsqrt(variance + self.variance_epsilon)
+        hidden_states = hidden_states.astype(ms.float16 if self.defect == "dtype" else dtype)  # defect: dtype
         return self.weight * hidden_states.astype(dtype)
 
     def extra_repr(self):
@@ -63,8 +68,10 @@ class LlamaRotaryEmbedding(nn.Cell):
         return cos, sin
 
 
-def _rotate_half(x):
+def _rotate_half(x, defect=None):
     half = x.shape[-1] // 2
+    if defect == "helper":
+        return ops.cat((x[..., half:], -x[..., :half]), -1)  # defect: helper
     return ops.cat((-x[..., half:], x[..., :half]), -1)
 
 
@@ -76,6 +83,8 @@ def _repeat_kv(x, n_rep):
 
 
 class LlamaAttention(nn.Cell):
+    defect = None
+
     def __init__(self, cfg, layer_idx):
         super().__init__()
         hidden = cfg["hidden"]
@@ -99,11 +108,12 @@ class LlamaAttention(nn.Cell):
         v = self.v_proj(hidden_states).reshape(b, s, -1, self.head_dim).swapaxes(1, 2)
         cos, sin = position_embeddings
         cos, sin = cos.expand_dims(1), sin.expand_dims(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + _rotate_half(q, self.defect) * sin
+        k = k * cos + _rotate_half(k, self.defect) * sin
         k = _repeat_kv(k, self.num_key_value_groups)
         v = _repeat_kv(v, self.num_key_value_groups)
-        scores = ops.matmul(q, k.swapaxes(2, 3)) * self.scaling
+        scaling = self.scaling * 1.01 if self.defect == "constant" else self.scaling
+        scores = ops.matmul(q, k.swapaxes(2, 3)) * scaling  # defect: constant
         mask = ms.Tensor(np.triu(np.ones((s, s), dtype=np.bool_), 1))
         scores = ops.masked_fill(scores, mask, float("-inf"))
         probs = ops.softmax(scores.astype(ms.float32), -1).astype(q.dtype)
@@ -112,6 +122,8 @@ class LlamaAttention(nn.Cell):
 
 
 class LlamaMLP(nn.Cell):
+    defect = None
+
     def __init__(self, cfg):
         super().__init__()
         self.hidden_size = cfg["hidden"]
@@ -122,7 +134,10 @@ class LlamaMLP(nn.Cell):
         self.act_fn = nn.SiLU()
 
     def construct(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.act_fn(self.gate_proj(x))
+        if self.defect == "function":
+            gate = SCALE_INPUT_GRAD(gate)  # defect: function
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Cell):
@@ -204,7 +219,10 @@ class _WrongInputGradDense(nn.Dense):
 
 def _inject(model, defect):
     layers = model.model.layers
-    if defect == "eps":
+    if defect in shared.CODE_DEFECTS:
+        layer = layers[shared.CODE_DEFECT_LAYER]
+        layer.input_layernorm.defect = layer.self_attn.defect = layer.mlp.defect = defect
+    elif defect == "eps":
         layers[1].post_attention_layernorm.variance_epsilon = 1e-5
     elif defect == "act":
         layers[0].mlp.act_fn = nn.GELU(approximate=False)
@@ -240,7 +258,8 @@ def _inject(model, defect):
         down = layers[1].mlp.down_proj
         object.__setattr__(down, "construct", lambda x: ops.matmul(x, down.weight))  # [.., 128] @ [64, 128]
     elif defect is not None:
-        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, *shared.FAILURES])}")
+        raise ValueError(f"unknown defect {defect!r}; choose from "
+                         f"{', '.join([*DEFECTS, *shared.CODE_DEFECTS, *shared.FAILURES])}")
 
 
 def build_model(*, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, intermediate=None, seed=0,

@@ -35,7 +35,8 @@ class LlamaRMSNorm(nn.Layer):
     def forward(self, hidden_states):
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.astype("float32")
-        variance = hidden_states.pow(2).mean([-2, -1] if self.defect == "norm" else -1, keepdim=True)  # defect: norm
+        dims = [-2, -1] if self.defect == "norm" else -1
+        variance = hidden_states.pow(2).mean(dims, keepdim=True)  # defect: norm
         hidden_states = hidden_states * paddle.rsqrt(variance + self.variance_epsilon)
         hidden_states = hidden_states.astype("bfloat16" if self.defect == "dtype" else input_dtype)  # defect: dtype
         return self.weight * hidden_states.astype(input_dtype)

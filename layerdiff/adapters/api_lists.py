@@ -47,3 +47,12 @@ MINDSPORE = {
 }
 MINDSPORE_KINDS = {"mindspore.ops.transpose": "permute",
                    "mindspore.ops.expand_dims": "unsqueeze", "mindspore.ops.cast": "to", "mindspore.Tensor.astype": "to"}
+
+# MindSpore Primitives called directly (``P.BatchMatMul()(x, y)``): the kind by the Primitive's class; others are
+# the class name in lower case
+PRIMITIVE_KINDS = {"BatchMatMul": "matmul", "MatMul": "matmul", "ReduceMean": "mean", "ReduceSum": "sum",
+                   "ReduceMax": "amax", "ReduceMin": "amin", "Transpose": "permute", "Cast": "to",
+                   "ExpandDims": "unsqueeze", "RealDiv": "div", "Div": "div", "Concat": "cat", "StridedSlice": "getitem",
+                   "Sub": "sub", "Add": "add", "Mul": "mul", "Pow": "pow", "Rsqrt": "rsqrt", "Softmax": "softmax",
+                   "Reshape": "reshape", "Neg": "neg", "Square": "square", "Sqrt": "sqrt", "Exp": "exp",
+                   "SiLU": "silu", "Tile": "tile", "Gather": "gather", "Sigmoid": "sigmoid"}

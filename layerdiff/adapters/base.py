@@ -62,7 +62,8 @@ class FrameworkAdapter(ABC):
         return None
 
     def describe(self, t: Any) -> tuple[str, list[int]]:
-        """(dtype name, shape) of what ``fast_stats`` summarized: lets "stats" mode skip the host copy."""
+        """(dtype name, shape) of the tensor as ``to_stored`` keeps it (of what ``fast_stats`` summarized): lets
+        "stats" mode skip the host copy."""
         raise NotImplementedError(f"{self.name}: fast_stats without describe")
 
     def placement(self, t: Any) -> dict[str, Any] | None:

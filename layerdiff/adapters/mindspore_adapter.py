@@ -52,6 +52,10 @@ def to_stored(t):
         return None
 
 
+def describe(t):
+    return _dtype_name(t), list(t.shape)
+
+
 def identify(t):
     """None: MindSpore 2.10's in-place ops (``Tensor.add_``, optimizer updates) do not bump ``Tensor._version``,
     so no key is reliably 'same bytes'. The session then stores every tensor it is handed (no dedup)."""
@@ -106,6 +110,12 @@ class _GradTap(nn.Cell):
 
 
 _TAP = _GradTap()
+
+
+def tap(t):
+    """An identity alias of ``t`` that is a node of the graph of its own (a hook on it sees only the gradient that
+    flows into it)."""
+    return _TAP(t)[0]
 
 
 class _ValueTap(nn.Cell):
@@ -173,7 +183,7 @@ class Hooks(ModuleHooks):
 
     @staticmethod
     def differentiable(t) -> bool:
-        return _differentiable(t)
+        return differentiable(t)
 
     def forward_function(self, module):
         return getattr(module, "construct", None)
@@ -210,11 +220,37 @@ class Hooks(ModuleHooks):
             collector.flush()
         self.out_collectors.clear()
 
+    # -- operations inside modules (``ops`` tracing): adapters/mindspore_ops.py ----------------------------------
+    def intercept_ops(self, capture):
+        from layerdiff.adapters import mindspore_ops
+
+        return mindspore_ops.intercepted(capture, {id(cell) for _, cell in self.named_modules()})
+
+    def framework_leaf(self, module) -> bool:
+        from layerdiff.adapters.mindspore_ops import framework_leaf
+
+        return framework_leaf(module)
+
+    def op_gradients(self):
+        from layerdiff.adapters.mindspore_ops import gradients
+
+        return gradients()
+
+    def op_scalar(self, obj):
+        from layerdiff.adapters.mindspore_ops import scalar
+
+        return scalar(obj)
+
+    def op_framework_dirs(self) -> list[str]:
+        from layerdiff.adapters.mindspore_ops import framework_dirs
+
+        return framework_dirs()
+
     def sync(self):
         _sync()
 
     def grad_enabled(self) -> bool:
-        return _recording_grad()
+        return recording_grad()
 
     def apply_tap(self, tensors, report, frame, outputs, plan=None):
         """One ``_TAP`` call; ``Tensor.register_hook`` on each alias, gathered by a ``_Collector``."""
@@ -244,7 +280,7 @@ class Hooks(ModuleHooks):
         return run
 
 
-def _differentiable(t) -> bool:
+def differentiable(t) -> bool:
     """A float tensor in the recorded graph (not made under ``_no_grad`` / ``stop_gradient``, not frozen)."""
     if t.dtype not in _FLOATS or (isinstance(t, ms.Parameter) and not t.requires_grad):
         return False
@@ -263,7 +299,7 @@ except ImportError:  # pragma: no cover - private API moved; errors then surface
     _executor = None
 
 
-def _recording_grad() -> bool:
+def recording_grad() -> bool:
     """True while PyNative records the forward for ``ms.grad`` / ``ms.value_and_grad``."""
     try:
         return bool(_executor.requires_grad())
@@ -305,11 +341,13 @@ class MindSporeAdapter(FrameworkAdapter):
     dtype_name = staticmethod(_dtype_name)
     to_stored = staticmethod(to_stored)
     identify = staticmethod(identify)
+    describe = staticmethod(describe)
     metadata = staticmethod(metadata)
     distributed = staticmethod(distributed)
     assign = staticmethod(assign)
     to_framework = staticmethod(to_framework)
     hooks_class = Hooks
+    records_ops = True
 
     def named_modules(self, model):
         return model.cells_and_names()

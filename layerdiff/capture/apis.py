@@ -23,7 +23,8 @@ class Api:
     ``name`` or, where the operation depends on the instance or class (a MindSpore Primitive's ``__call__``, a
     custom autograd layer's ``apply``), as ``named(args)``. ``per_class``: a class method that subclasses inherit
     (``PyLayer.apply``): the wrapper receives the class first. ``several_steps``: one call is several steps of
-    the autograd graph (a custom autograd layer), so its inputs are tapped for their gradients."""
+    the autograd graph (a custom autograd layer), so its inputs are tapped for their gradients. ``applies``: which
+    calls are operations at all (a MindSpore ``Cell.__call__`` only for cells with a hand-written ``bprop``)."""
 
     owner: Any
     attribute: str
@@ -31,6 +32,7 @@ class Api:
     named: Callable[[tuple], OpName] | None = None
     per_class: bool = False
     several_steps: bool = False
+    applies: Callable[[tuple], bool] | None = None  # None: every call; else the calls it says are operations
 
 
 def op_from(prefix: str, attribute: str, kind: str | None = None) -> OpName:
@@ -61,7 +63,7 @@ def resolve(lists: Mapping[str, Sequence[str]], kinds: Mapping[str, str],
 
 
 def _wrapper(original: Any, api: Api, capture: OpCapture) -> Callable[..., Any]:
-    several = api.several_steps
+    several, applies = api.several_steps, api.applies
     fixed = api.name
     if api.named is not None:
         name_of: Callable[[tuple], OpName] = api.named
@@ -80,7 +82,7 @@ def _wrapper(original: Any, api: Api, capture: OpCapture) -> Callable[..., Any]:
         return method
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not capture.recording():
+        if not capture.recording() or (applies is not None and not applies(args)):
             return original(*args, **kwargs)
         return capture.run(original, name_of(args), args, kwargs, sys._getframe(1), several_steps=several)
 

@@ -104,6 +104,8 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
 
 _ARGUMENT_NAMES = {"axis": "dim", "keep_dims": "keepdim", "keepdims": "keepdim", "perm": "dims"}
 _FRAMEWORK_PREFIXES = ("torch.", "paddle.", "mindspore.")
+_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                     "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})
 
 
 def _canonical(args: dict) -> dict:
@@ -113,7 +115,11 @@ def _canonical(args: dict) -> dict:
     out = {}
     for key, value in args.items():
         prefix, _, leaf = key.rpartition(".")
-        same = value.partition(".")[2] if isinstance(value, str) and value.startswith(_FRAMEWORK_PREFIXES) else value
+        same = value
+        if isinstance(value, str):  # torch.float32, paddle.float32, Float32 (MindSpore), float32: one dtype
+            bare = value.partition(".")[2] if value.startswith(_FRAMEWORK_PREFIXES) else value
+            same = bare.lower() if bare.lower() in _DTYPES else value
+
         out[f"{prefix}.{_ARGUMENT_NAMES.get(leaf, leaf)}" if prefix else key] = (same, value)
     return out
 

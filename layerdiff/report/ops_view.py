@@ -33,10 +33,15 @@ def short_source(source: str | None) -> str:
 
 
 def origin_code(op: View) -> list[tuple[str, str, str | None]]:
-    """(run, short source, code) of the origin's operation in A and, where its line differs, in B."""
-    rows = [("A", short_source(op.get("source")), code_at(op.get("source")))]
-    if op.get("source_b") and op.get("source_b") != op.get("source"):
-        rows.append(("B", short_source(op.get("source_b")), code_at(op.get("source_b"))))
+    """(run, short source, code) of the origin's operation in A and, where its line differs, in B; and the lines of
+    the operations only one run has that the origin names (an inserted cast, a step with its own backward)."""
+    rows: list[tuple[str, str, str | None]] = []
+    for run, source, inserted in (("A", op.get("source"), op.get("only_a")), ("B", op.get("source_b"), op.get("only_b"))):
+        shown = {rows[0][1]} if rows and run == "B" and source == op.get("source") else set()
+        for line in ([source] if source else []) + [entry[2] for entry in inserted or [] if entry[2]]:
+            if short_source(line) not in shown:
+                shown.add(short_source(line))
+                rows.append((run, short_source(line), code_at(line)))
     return rows
 
 

@@ -1,18 +1,20 @@
-"""The first diverging operation across frameworks: transformers (PyTorch) against a Paddle port, with the
-operations of one decoder block recorded on both sides (``--ops-in``).
+"""The first diverging operation across frameworks: transformers (PyTorch) against Paddle and MindSpore ports,
+with the operations of one decoder block recorded on both sides (``--ops-in``).
 
-- against the Paddle recipe (``recipes/paddle_llama.py``): the clean pair aligns, and each own-code defect
+- against the Paddle and MindSpore recipes (``recipes/paddle_llama.py``, ``recipes/mindspore_llama.py``): the
+  clean pairs align operation by operation, and each own-code defect
   (a wrong constant, a helper-function mistake, a hand-written norm, an operation in the wrong dtype, a
   backward-only defect) is named at the line that carries its ``# defect: NAME`` marker, computed from the
   source here, never written as a literal;
 - against PaddleFormers' own Qwen2 (``recipes/paddleformers_qwen2.py``, the real library): the clean pair aligns
   with PaddleFormers' own lines, and a port's replacement of one of its helpers is named at the port's line;
-- Paddle's functions are what they were after a trace that raised.
+- Paddle's and MindSpore's functions are what they were after a trace that raised.
 
 The runs are traced by the CLI in processes of their own (one framework per process); ``align`` runs here.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -21,11 +23,17 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("paddle")
+def installed(*modules: str) -> bool:
+    """Checked without importing: this process imports no framework (MindSpore must come before Paddle)."""
+    return all(importlib.util.find_spec(m) is not None for m in modules)
 
-pytestmark = [pytest.mark.torch, pytest.mark.paddle, pytest.mark.slow]
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow,
+              pytest.mark.skipif(not installed("torch", "transformers"), reason="needs torch and transformers")]
+PORTS = [pytest.param("paddle_llama", marks=[pytest.mark.paddle, pytest.mark.skipif(
+              not installed("paddle"), reason="needs PaddlePaddle")]),
+          pytest.param("mindspore_llama", marks=[pytest.mark.mindspore, pytest.mark.skipif(
+              not installed("mindspore"), reason="needs MindSpore")])]
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 BLOCK = r"model\.layers\.1(\.|$)"
@@ -74,46 +82,53 @@ def hf_llama(tmp_path_factory) -> tuple[Path, Path]:
     return root, trace(root, "hf", "torch_llama", "--arg", "attn=eager")
 
 
-def test_the_paddle_port_aligns_operation_by_operation(hf_llama):
+@pytest.mark.parametrize("port", PORTS)
+def test_a_port_aligns_with_transformers_operation_by_operation(hf_llama, port):
     root, reference = hf_llama
-    report = align(root, reference, trace(root, "paddle", "paddle_llama"))
+    report = align(root, reference, trace(root, port, port))
     assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
     rows = op_rows(report)
     pairs = {(r["op"]["kind"], r["op_b"]["kind"]) for r in rows}
     # names differ, the operations are the same: Tensor.__mul__ is Tensor.mul, paddle.concat is torch.cat
-    assert {("mul", "mul"), ("cat", "concat"), ("softmax", "softmax"), ("rsqrt", "rsqrt")} <= pairs
-    assert any(r["op_b"]["source"].endswith("paddle_llama.py:" + marked("paddle_llama", "defect: constant")
-                                            .partition(":")[2]) for r in rows if r["op_b"].get("source"))
+    assert {("mul", "mul"), ("softmax", "softmax"), ("rsqrt", "rsqrt"), ("matmul", "matmul")} <= pairs
+    assert ("cat", "concat") in pairs or ("cat", "cat") in pairs
+    line = marked(port, "defect: constant")  # the clean run's line, where the defect would be
+    assert any(Path(r["op_b"]["source"]).name == line for r in rows if r["op_b"].get("source"))
     backward = [r for r in rows if r["phase"] == "backward"]
     assert len(backward) >= 20 and all(t["passed"] for r in backward for t in r["tensors"])
 
 
 @pytest.mark.parametrize("defect", ["constant", "helper", "norm", "dtype", "function"])
-def test_an_own_code_defect_in_the_paddle_port_is_named_at_its_line(hf_llama, defect):
+@pytest.mark.parametrize("port", PORTS)
+def test_an_own_code_defect_in_a_port_is_named_at_its_line(hf_llama, port, defect):
     from layerdiff.recipes import llama_shared
 
     root, reference = hf_llama
-    report = align(root, reference, trace(root, f"paddle-{defect}", "paddle_llama", "--arg", f"defect={defect}"))
+    report = align(root, reference, trace(root, f"{port}-{defect}", port, "--arg", f"defect={defect}"))
     phase = llama_shared.CODE_DEFECTS[defect]
     origin = report[phase]["first_divergence"]
-    assert origin is not None and origin["where"] == "op" or origin["where"] == "op_input", origin
+    assert origin is not None and origin["where"] in ("op", "op_input"), origin
     assert origin["phase"] == phase
-    assert marked("paddle_llama", f"defect: {defect}") in named_lines(origin), origin["description"]
+    assert marked(port, f"defect: {defect}") in named_lines(origin), origin["description"]
     if defect == "constant":  # the argument that differs, A's against B's
         assert origin["op"]["args_diff"] == {"args.1": [0.25, pytest.approx(0.25 * 1.01)]}
+    if defect == "norm":
+        assert list(origin["op"]["args_diff"].values()) == [[-1, [-2, -1]]]
     if defect == "dtype":
-        assert "bfloat16" in origin["description"]
+        assert "float16" in origin["description"]  # bfloat16 in Paddle, float16 in MindSpore
     if defect == "function":  # forward agrees; the step only the port has changes the gradient
         assert report["forward"]["status"] == "aligned"
 
 
 @pytest.fixture(scope="module")
 def hf_qwen2(tmp_path_factory) -> tuple[Path, Path]:
-    pytest.importorskip("paddleformers", exc_type=ImportError)
+    if not installed("paddle", "paddleformers"):
+        pytest.skip("needs PaddlePaddle and PaddleFormers")
     root = tmp_path_factory.mktemp("cross_ops_qwen2")
     return root, trace(root, "hf-qwen2", "torch_qwen2", window=FIRST_BLOCK)
 
 
+@pytest.mark.paddle
 def test_paddleformers_qwen2_aligns_with_transformers_operation_by_operation(hf_qwen2):
     root, reference = hf_qwen2
     report = align(root, reference, trace(root, "pf", "paddleformers_qwen2", window=FIRST_BLOCK))
@@ -124,6 +139,7 @@ def test_paddleformers_qwen2_aligns_with_transformers_operation_by_operation(hf_
     assert any(r["op"]["kind"] == "softmax" and r["op_b"]["kind"] == "softmax" for r in rows)
 
 
+@pytest.mark.paddle
 def test_a_port_of_a_paddleformers_helper_is_named_at_the_ports_line(hf_qwen2):
     root, reference = hf_qwen2
     report = align(root, reference, trace(root, "pf-helper", "paddleformers_qwen2", "--arg", "defect=helper",
@@ -133,35 +149,57 @@ def test_a_port_of_a_paddleformers_helper_is_named_at_the_ports_line(hf_qwen2):
     assert marked("paddleformers_qwen2", "defect: helper") in named_lines(origin), origin["description"]
 
 
-RESTORED = r"""
+RESTORED = {
+    "paddle_llama": r"""
 import paddle, paddle.nn.functional as F
-import layerdiff
-from layerdiff.recipes import paddle_llama
+from layerdiff.recipes import paddle_llama as recipe
 
-before = [paddle.matmul, F.softmax, vars(paddle.Tensor)["__mul__"], vars(paddle.Tensor)["reshape"],
-          "apply" in vars(paddle.autograd.PyLayer)]
-built = paddle_llama.build()
-mlp = built["model"].model.layers[1].mlp
+def functions():
+    return [paddle.matmul, F.softmax, vars(paddle.Tensor)["__mul__"], vars(paddle.Tensor)["reshape"],
+            vars(paddle.autograd.PyLayer).get("apply")]
+
+def break_down_proj(model):
+    model.model.layers[1].mlp.down_proj.forward = broken
+""",
+    "mindspore_llama": r"""
+import mindspore as ms
+from mindspore import mint, nn, ops
+from mindspore.ops import Primitive
+from layerdiff.recipes import mindspore_llama as recipe
+
+def functions():
+    return [ops.matmul, mint.matmul, vars(ms.Tensor).get("__mul__"), vars(ms.Tensor).get("reshape"),
+            vars(Primitive)["__call__"], vars(nn.Cell)["__call__"]]
+
+def break_down_proj(model):
+    down = model.model.layers[1].mlp.down_proj
+    object.__setattr__(down, "construct", broken)
+""",
+}
+RAISE = r"""
+import layerdiff
 
 def broken(x):
     raise RuntimeError("a failing port")
 
-mlp.down_proj.forward = broken
+before = functions()
+built = recipe.build()
+break_down_proj(built["model"])
 try:
     with layerdiff.trace(built["model"], "{path}", ops=True):
         built["step"]()
 except RuntimeError as exc:
-    assert "a failing port" in str(exc)
+    assert "a failing port" in str(exc), exc
 else:
     raise SystemExit("the step did not raise")
-after = [paddle.matmul, F.softmax, vars(paddle.Tensor)["__mul__"], vars(paddle.Tensor)["reshape"],
-         "apply" in vars(paddle.autograd.PyLayer)]
-assert all(x is y for x, y in zip(before[:4], after[:4])) and before[4] == after[4], (before, after)
+after = functions()
+assert all(x is y for x, y in zip(before, after)), (before, after)
 print("restored")
 """
 
 
-def test_paddles_functions_are_restored_after_a_trace_that_raised(tmp_path):
-    done = subprocess.run([sys.executable, "-c", RESTORED.replace("{path}", str(tmp_path / "t.h5"))],
-                          capture_output=True, text=True)
+@pytest.mark.parametrize("port", PORTS)
+def test_the_frameworks_functions_are_restored_after_a_trace_that_raised(tmp_path, port):
+    script = RESTORED[port] + RAISE.replace("{path}", str(tmp_path / "t.h5"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0 and "restored" in done.stdout, done.stderr[-2000:]
