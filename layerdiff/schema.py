@@ -163,6 +163,7 @@ class Row(_RowKeys, total=False):
     op_b: OpInfo  # ... and B's
     ops: OpsSummary  # a module call whose operations both runs recorded
     ops_gradient_changed: Dict[str, List[Any]]  # backward: ``OpsSummary.gradient_changed`` of the call, if any
+    args_diff: Dict[str, Any]  # an operation's row: the non-tensor arguments the runs set differently
 
 
 # -- the report --------------------------------------------------------------------------------------------

@@ -38,8 +38,10 @@ except ImportError:  # loaded as a file: layerdiff trace recipes/paddleformers_q
     import qwen2_shared as shared
 
 DEFECTS = {name: llama_shared.DEFECTS[name] for name in ("eps", "act", "weight")}  # same origins as torch_qwen2
-# own-code defects: a port that replaces one of PaddleFormers' helpers with its own (this file's line is named)
-CODE_DEFECTS = {"helper": "forward"}
+# own-code defects: a port that replaces one of PaddleFormers' helpers with its own (``helper``: this file's line is
+# named), and a wrong constant that PaddleFormers' own attention code applies (``constant``: the attention's scaling
+# set by the port; PaddleFormers' line is named)
+CODE_DEFECTS = {"helper": "forward", "constant": "forward"}
 
 
 def rotate_half_swapped(x):
@@ -53,6 +55,8 @@ def _inject(model, defect):
     layers = model.model.layers
     if defect == "helper":  # for this process: PaddleFormers' attention calls the module's rotate_half
         qwen2_modeling.rotate_half = rotate_half_swapped
+    elif defect == "constant":
+        layers[1].self_attn.scaling *= 1.01
     elif defect == "eps":
         layers[1].post_attention_layernorm.variance_epsilon = 1e-5
     elif defect == "act":

@@ -34,11 +34,14 @@ METHOD = ("transformers LlamaForCausalLM from a config (4 layers, hidden 256, 8 
           "interpreter: untraced and traced blocks of timed steps alternate, after warm-up steps; the ratio is the "
           "traced median over the untraced median of the same process. layerdiff modes trace in `stats` mode; "
           "msprobe (mindstudio-probe) dumps `statistics` at level L0 (modules) or L1 (APIs), started and stopped "
-          "around each step as its documentation shows. The paddle modes run the same toy written in Paddle "
-          "(recipes/paddle_llama.py: same sizes, weights and inputs). Per-operation cost = (step with operations - step with "
+          "around each step as its documentation shows. The paddle and mindspore modes run the same toy "
+          "written in that framework (recipes/paddle_llama.py, recipes/mindspore_llama.py: same sizes, weights and "
+          "inputs; MindSpore in PyNative mode). Per-operation cost = (step with operations - step with "
           "modules only) / operation records per step.")
 MODES = ("layerdiff modules", "layerdiff ops (whole model)", "layerdiff ops (one block)", "msprobe L0", "msprobe L1",
-         "paddle modules", "paddle ops (whole model)", "paddle ops (one block)")
+         "paddle modules", "paddle ops (whole model)", "paddle ops (one block)",
+         "mindspore modules", "mindspore ops (whole model)", "mindspore ops (one block)")
+PORTS = {"paddle": "paddle_llama", "mindspore": "mindspore_llama"}  # the same toy, written in that framework
 STEPS, ROUNDS, WARMUP = 10, 3, 3
 BLOCK = r"^model\.layers\.1(\.|$)"
 
@@ -61,12 +64,13 @@ def toy():
     return model, step
 
 
-def paddle_toy():
-    """The same toy written in Paddle (``recipes/paddle_llama.py``: the same sizes, weights and inputs)."""
-    from layerdiff.recipes import paddle_llama
+def port_toy(framework: str):
+    """The same toy written in Paddle or MindSpore (``recipes/paddle_llama.py``, ``recipes/mindspore_llama.py``:
+    the same sizes, weights and inputs)."""
+    import importlib
 
-    built = paddle_llama.build(layers=4, hidden=256, heads=8, kv_heads=8, vocab=1000, intermediate=688, batch=2,
-                               seq=128)
+    recipe = importlib.import_module(f"layerdiff.recipes.{PORTS[framework]}")
+    built = recipe.build(layers=4, hidden=256, heads=8, kv_heads=8, vocab=1000, intermediate=688, batch=2, seq=128)
     return built["model"], built["step"]
 
 
@@ -81,13 +85,14 @@ def _timed(step, n: int) -> list[float]:
 
 def worker(mode: str, steps: int, rounds: int, out: Path) -> None:
     """One mode in this interpreter: untraced and traced blocks alternate; the figures go to ``out`` as JSON."""
-    model, step = paddle_toy() if mode.startswith("paddle") else toy()
+    framework = mode.partition(" ")[0]
+    model, step = port_toy(framework) if framework in PORTS else toy()
     work = Path(tempfile.mkdtemp(prefix="layerdiff-bench-ops-"))
     for _ in range(WARMUP):
         step()
     untraced, traced = [], []
     facts: dict = {}
-    if mode.startswith(("layerdiff", "paddle")):
+    if mode.startswith(("layerdiff", *PORTS)):
         import layerdiff
         from layerdiff.tracefile.reader import open_trace
 
@@ -155,7 +160,7 @@ def main(argv=None) -> int:
         worker(args.worker, steps, rounds, Path(args.out))
         return 0
     run = benchlib.BenchRun("bench_ops", TITLE, METHOD, packages=("numpy", "torch", "transformers",
-                                                                   "mindstudio-probe", "paddlepaddle"))
+                                                                   "mindstudio-probe", "paddlepaddle", "mindspore"))
     results = {}
     print(f"{'mode':30} {'untraced':>10} {'traced':>10} {'ratio':>7}  notes")
     for mode in MODES:
@@ -229,16 +234,18 @@ def _derived(results: dict) -> dict:
         targets.append(["one-block window / module-level stats trace", f"{ratio:.2f}x", "<= 1.3x",
                         "yes" if met else "no"])
         headline.append(f"one-block window {ratio:.2f}x the module trace")
-    paddle = [ok.get(m) for m in MODES[5:8]]
-    if all(paddle):
-        p_modules, p_whole, p_block = paddle
+    for framework, label in (("paddle", "Paddle"), ("mindspore", "MindSpore")):
+        p_modules, p_whole, p_block = (ok.get(f"{framework} {m}") for m in
+                                       ("modules", "ops (whole model)", "ops (one block)"))
+        if not (p_modules and p_whole and p_block):
+            continue
         window = p_block["traced_median"] / p_modules["traced_median"]
-        lines.append(f"Paddle: ops=True {p_whole['ratio']:.2f}x the untraced step, modules {p_modules['ratio']:.2f}x, "
+        lines.append(f"{label}: ops=True {p_whole['ratio']:.2f}x the untraced step, modules {p_modules['ratio']:.2f}x, "
                      f"one-block window {window:.2f}x the module trace")
-        targets.append(["Paddle: whole-model `ops=True` stats trace / untraced step", f"{p_whole['ratio']:.2f}x",
+        targets.append([f"{label}: whole-model `ops=True` stats trace / untraced step", f"{p_whole['ratio']:.2f}x",
                         "stated (issue 29)", "-"])
-        targets.append(["Paddle: one-block window / module-level stats trace", f"{window:.2f}x", "stated (issue 29)",
-                        "-"])
+        targets.append([f"{label}: one-block window / module-level stats trace", f"{window:.2f}x",
+                        "stated (issue 29)", "-"])
     out.update(lines=lines, targets=targets, headline="; ".join(headline) or "no figures")
     return out
 

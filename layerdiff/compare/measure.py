@@ -26,7 +26,7 @@ from layerdiff.match import modules
 from layerdiff.match.layouts import LayoutRules, TokenOrder, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
 from layerdiff.match.operands import Operand
-from layerdiff.match.ops import OpPair, pair_ops
+from layerdiff.match.ops import OpPair, arguments_diff, pair_ops
 from layerdiff.match.pairing import RecordPair, TensorPair, match_records
 from layerdiff.match.rules import RuleSet
 from layerdiff.match.sides import TraceSide, token_order
@@ -280,6 +280,8 @@ def _op_row(pair: OpPair, tensors: list[schema.TensorResult], skipped: list[str]
         "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
     if skipped:
         row["skipped"] = skipped
+    row["args_diff"] = {} if pair.how.startswith("fused") else \
+        arguments_diff(row["op"].get("args"), row["op_b"].get("args"), rules.op_arguments)
     return row
 
 

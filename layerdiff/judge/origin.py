@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from layerdiff import schema
 from layerdiff.judge.tree import Judged, Node
+from layerdiff.match.ops import arguments_diff
 from layerdiff.match.rules import builtin
 
 HPARAM_ALIASES = {"epsilon": "eps", "variance_epsilon": "eps", "layer_norm_eps": "eps", "rms_norm_eps": "eps",
@@ -102,37 +103,10 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
 
 
-_ARGUMENT_NAMES = {"axis": "dim", "keep_dims": "keepdim", "keepdims": "keepdim", "perm": "dims"}
-_FRAMEWORK_PREFIXES = ("torch.", "paddle.", "mindspore.")
-_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-                     "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})
-
-
-def _canonical(args: dict) -> dict:
-    """{name: (value as compared, value as recorded)}: argument names and dtypes as every framework's call would
-    agree on them (``axis`` is ``dim``, ``paddle.float32`` is ``torch.float32``), so that a port's call is
-    compared with the reference's."""
-    out = {}
-    for key, value in args.items():
-        prefix, _, leaf = key.rpartition(".")
-        same = value
-        if isinstance(value, str):  # torch.float32, paddle.float32, Float32 (MindSpore), float32: one dtype
-            bare = value.partition(".")[2] if value.startswith(_FRAMEWORK_PREFIXES) else value
-            same = bare.lower() if bare.lower() in _DTYPES else value
-
-        out[f"{prefix}.{_ARGUMENT_NAMES.get(leaf, leaf)}" if prefix else key] = (same, value)
-    return out
-
-
 def args_diff(a: dict | None, b: dict | None) -> dict:
-    """The non-tensor arguments two calls of an operation set differently ({argument: [A, B]}), the framework's
-    private ones (``_stacklevel``) and arguments only one side passes by name (their defaults differ between
-    frameworks) left out."""
-    ca, cb = _canonical(a or {}), _canonical(b or {})
-    missing = (None, None)
-    return {k: [ca.get(k, missing)[1], cb.get(k, missing)[1]] for k in sorted(set(ca) | set(cb))
-            if ca.get(k, missing)[0] != cb.get(k, missing)[0] and not k.rpartition(".")[2].startswith("_")
-            and (k in ca and k in cb or not k.startswith("kwargs."))}
+    """The non-tensor arguments two calls of an operation set differently, under the built-in rule set (a report
+    made before ``args_diff`` was kept in its op rows)."""
+    return arguments_diff(a, b, builtin().op_arguments)
 
 
 def _at(info: dict) -> str:
@@ -229,7 +203,8 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
         bad = out
     op: schema.OriginOp = {
         "name": info["name"], "kind": info["kind"], "index": info["index"], "source": info.get("source"),
-        "function": info.get("function"), "args_diff": args_diff(info.get("args"), info_b.get("args")),
+        "function": info.get("function"),
+        "args_diff": row["args_diff"] if "args_diff" in row else args_diff(info.get("args"), info_b.get("args")),
         "metrics": bad["metrics"] if bad else None, "name_b": info_b.get("name"), "index_b": info_b.get("index"),
         "source_b": info_b.get("source"), "function_b": info_b.get("function"), "wrong_input": wrong_input}
     module = next((n for n in reversed(chain) if n.kind == "module"), None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from layerdiff.match.mapping import ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
@@ -55,6 +55,37 @@ class OpAlignment:
     def b_of(self) -> dict[int, int]:
         """A's operation index -> B's."""
         return {m.a.index: m.b.index for m in self.matches}
+
+
+_FRAMEWORK_PREFIXES = ("torch.", "paddle.", "mindspore.")
+_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                     "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})
+
+
+def _canonical(args: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, tuple[Any, Any]]:
+    """{name: (value as compared, value as recorded)}: argument names as the rule set's ``[ops] arguments`` spell
+    them (``axis`` is ``dim``) and dtypes as every framework agrees on them (``paddle.float32``, ``Float32``)."""
+    out = {}
+    for key, value in args.items():
+        prefix, _, leaf = key.rpartition(".")
+        same = value
+        if isinstance(value, str):
+            bare = value.partition(".")[2] if value.startswith(_FRAMEWORK_PREFIXES) else value
+            same = bare.lower() if bare.lower() in _DTYPES else value
+        out[f"{prefix}.{names.get(leaf, leaf)}" if prefix else key] = (same, value)
+    return out
+
+
+def arguments_diff(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None,
+                   names: Mapping[str, str]) -> dict[str, list[Any]]:
+    """The non-tensor arguments two calls of an operation set differently ({argument: [A, B]}, as recorded), the
+    framework's private ones (``_stacklevel``) and those only one side passes by name (frameworks' defaults
+    differ) left out."""
+    ca, cb = _canonical(a or {}, names), _canonical(b or {}, names)
+    missing = (None, None)
+    return {k: [ca.get(k, missing)[1], cb.get(k, missing)[1]] for k in sorted(set(ca) | set(cb))
+            if ca.get(k, missing)[0] != cb.get(k, missing)[0] and not k.rpartition(".")[2].startswith("_")
+            and (k in ca and k in cb or not k.startswith("kwargs."))}
 
 
 def first_output(op: OpRecord) -> TensorEntry | None:
@@ -305,6 +336,7 @@ class OpPair:
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    how: str = "same"  # ``OpMatch.how``: "fused_a" / "fused_b" pairs are different calls (no argument compared)
 
 
 @dataclass
@@ -355,7 +387,8 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             tensors = [TensorPair("input", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in in_pairs]
             tensors += [TensorPair("output", ea.key, eb.key, operand(ea), operand(eb), note)
                         for ea, eb in pair_outputs(mt.a, mt.b)]
-            result.pairs.append(OpPair(mt.a, (mt.b,), tensors, *_unpaired(mt.a, mt.b, tensors, ("input", "output"))))
+            result.pairs.append(OpPair(mt.a, (mt.b,), tensors, *_unpaired(mt.a, mt.b, tensors, ("input", "output")),
+                                       how=mt.how))
             back_a = backward_a.get((ra.path, ra.call, mt.a.index))
             back_b = backward_b.get((rb.path, rb.call, mt.b.index))
             if back_a is None or back_b is None:
@@ -368,7 +401,7 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
                                    note)
                         for ea in back_a.tensors if ea.role == "grad_input" and keys.get(ea.key) in grads_b]
             result.pairs.append(OpPair(back_a, (back_b,), tensors,
-                                           *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input"))))
+                                       *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input")), how=mt.how))
     return result
 
 

@@ -99,6 +99,7 @@ class RuleSet:
     op_kinds: dict = field(default_factory=dict)  # operation kind synonym -> canonical kind (``true_divide``: div)
     pass_through_ops: frozenset = frozenset()  # kinds one side may add or leave out: casts, views, copies
     fused_ops: tuple = ()  # FusedOpRule
+    op_arguments: dict = field(default_factory=dict)  # argument name synonym -> canonical name (``axis``: dim)
 
     def op_kind(self, kind: str) -> str:
         """The canonical kind of an operation: ``true_divide`` and ``div`` are both ``div``."""
@@ -178,7 +179,8 @@ class RuleSet:
                        self.sources + other.sources, other.moved_params + self.moved_params,
                        other.transposed + self.transposed, op_kinds={**self.op_kinds, **other.op_kinds},
                        pass_through_ops=self.pass_through_ops | other.pass_through_ops,
-                       fused_ops=other.fused_ops + self.fused_ops)
+                       fused_ops=other.fused_ops + self.fused_ops,
+                       op_arguments={**self.op_arguments, **other.op_arguments})
 
     def describe(self) -> list:
         return list(self.sources)
@@ -207,7 +209,7 @@ _SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", 
 
 _ENTRY_KEYS = {"fused": {"name", "module", "parts", "groups", "tp_shards"},
                "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"},
-               "transposed": {"framework", "family", "params"}, "ops": {"same", "pass_through", "fused"},
+               "transposed": {"framework", "family", "params"}, "ops": {"same", "pass_through", "fused", "arguments"},
                "ops.fused": {"op", "ends", "longest"}}
 
 
@@ -292,17 +294,18 @@ def from_dict(data: dict, source: str, *, listed: bool = True) -> RuleSet:
             raise LayerdiffError(f"{where}: needs 'framework', 'family' (a type family such as \"linear\") and "
                                  "'params' (parameter names stored [in, out])")
         transposed += [(entry["framework"], entry["family"], leaf) for leaf in _strings(entry["params"], where)]
-    op_kinds, pass_through, fused_ops = _ops_section(data.get("ops"), source)
+    op_kinds, pass_through, fused_ops, op_arguments = _ops_section(data.get("ops"), source)
     return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted,
                    (source,) if listed else (), moved_params, tuple(transposed), op_kinds=op_kinds,
-                   pass_through_ops=pass_through, fused_ops=fused_ops)
+                   pass_through_ops=pass_through, fused_ops=fused_ops, op_arguments=op_arguments)
 
 
-def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple]:
-    """``[ops]``: ``same`` (canonical kind = [synonyms]), ``pass_through`` (kinds one side may add or leave out)
-    and ``[[ops.fused]]`` (``op``, ``ends``, ``longest``)."""
+def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple, dict]:
+    """``[ops]``: ``same`` (canonical kind = [synonyms]), ``pass_through`` (kinds one side may add or leave out),
+    ``[[ops.fused]]`` (``op``, ``ends``, ``longest``) and ``arguments`` (argument name = the name every framework's
+    call is compared under: ``axis = "dim"``)."""
     if section is None:
-        return {}, frozenset(), ()
+        return {}, frozenset(), (), {}
     where = f"{source}: [ops]"
     if not isinstance(section, dict):
         raise LayerdiffError(f"{where}: a table with same, pass_through and fused")
@@ -329,7 +332,11 @@ def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple]:
         fused.append(FusedOpRule(canonical_of(entry["op"]),
                                  tuple(canonical_of(k) for k in _strings(entry["ends"], at + " ends")), longest,
                                  source))
-    return kinds, pass_through, tuple(fused)
+    arguments = section.get("arguments") or {}
+    if not isinstance(arguments, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in arguments.items()):
+        raise LayerdiffError(f"{where} arguments: a table of argument name = canonical name (axis = \"dim\")")
+    return kinds, pass_through, tuple(fused), dict(arguments)
 
 
 def load_file(path) -> RuleSet:

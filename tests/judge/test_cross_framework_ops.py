@@ -37,7 +37,7 @@ PORTS = [pytest.param("paddle_llama", marks=[pytest.mark.paddle, pytest.mark.ski
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 BLOCK = r"model\.layers\.1(\.|$)"
-FIRST_BLOCK = r"model\.layers\.0(\.|$)"
+BOTH_BLOCKS = r"model\.layers\.[01](\.|$)"
 
 
 def marked(recipe: str, marker: str) -> str:
@@ -125,13 +125,13 @@ def hf_qwen2(tmp_path_factory) -> tuple[Path, Path]:
     if not installed("paddle", "paddleformers"):
         pytest.skip("needs PaddlePaddle and PaddleFormers")
     root = tmp_path_factory.mktemp("cross_ops_qwen2")
-    return root, trace(root, "hf-qwen2", "torch_qwen2", window=FIRST_BLOCK)
+    return root, trace(root, "hf-qwen2", "torch_qwen2", window=BOTH_BLOCKS)
 
 
 @pytest.mark.paddle
 def test_paddleformers_qwen2_aligns_with_transformers_operation_by_operation(hf_qwen2):
     root, reference = hf_qwen2
-    report = align(root, reference, trace(root, "pf", "paddleformers_qwen2", window=FIRST_BLOCK))
+    report = align(root, reference, trace(root, "pf", "paddleformers_qwen2", window=BOTH_BLOCKS))
     assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
     rows = op_rows(report)
     files = {Path(r["op_b"]["source"].rpartition(":")[0]).name for r in rows if r["op_b"].get("source")}
@@ -140,10 +140,26 @@ def test_paddleformers_qwen2_aligns_with_transformers_operation_by_operation(hf_
 
 
 @pytest.mark.paddle
+def test_a_wrong_constant_is_named_at_paddleformers_own_line(hf_qwen2):
+    """The port sets the attention's scaling wrong; PaddleFormers' own code applies it: its line is named."""
+    root, reference = hf_qwen2
+    report = align(root, reference, trace(root, "pf-constant", "paddleformers_qwen2", "--arg", "defect=constant",
+                                          window=BOTH_BLOCKS))
+    origin = report["forward"]["first_divergence"]
+    spec = importlib.util.find_spec("paddleformers")  # found, not imported: this process imports no framework
+    source = Path(spec.origin).parent / "nn" / "attention" / "eager_attention.py"
+    line = next(i + 1 for i, text in enumerate(source.read_text().splitlines())
+                if "attn_weights = paddle.matmul(query, key.transpose" in text and text.rstrip().endswith("* scaling"))
+    assert f"eager_attention.py:{line}" in named_lines(origin), origin["description"]
+    assert origin["module"] == "model.layers.1.self_attn" and origin["where"] == "op"
+    assert [a for a, b in origin["op"]["args_diff"].values()] == [pytest.approx(0.25)]
+
+
+@pytest.mark.paddle
 def test_a_port_of_a_paddleformers_helper_is_named_at_the_ports_line(hf_qwen2):
     root, reference = hf_qwen2
     report = align(root, reference, trace(root, "pf-helper", "paddleformers_qwen2", "--arg", "defect=helper",
-                                          window=FIRST_BLOCK))
+                                          window=BOTH_BLOCKS))
     origin = report["forward"]["first_divergence"]  # the helper serves every layer: the first one shows it
     assert origin["module"] == "model.layers.0.self_attn", origin["description"]
     assert marked("paddleformers_qwen2", "defect: helper") in named_lines(origin), origin["description"]
