@@ -115,9 +115,14 @@ class Report:
         """One line per phase: what ``layerdiff align -q`` prints, without the exit code."""
         if self.multi_rank:
             first = self.data["first_divergence"]
-            return f"{self.verdict}: " + (
-                f"{first['phase']} {first['description']} on rank(s) {', '.join(map(str, first['ranks']))}"
-                if first else f"all {self.data['world_size']} ranks agree with rank 0")
+            if first:
+                return f"{self.verdict}: {first['phase']} {first['description']} on rank(s) " \
+                    f"{', '.join(map(str, first['ranks']))}"
+            params = [r for r in self.data["ranks"] if r["params_differ"]]
+            if params:  # the replicas' weights differ, nothing they computed yet
+                return f"{self.verdict}: parameters differ on rank(s) {', '.join(str(r['rank']) for r in params)}: " \
+                    f"{', '.join(params[0]['params_differ'][:3])}"
+            return f"{self.verdict}: all {self.data['world_size']} ranks agree with rank 0"
         lines = [f"{self.verdict}"]
         for phase in ("forward", "backward"):
             first = self.origin(phase)

@@ -54,6 +54,7 @@ class Metrics(TypedDict, total=False):
     note: str  # how the pair was compared: transposed, a part of a fused tensor, ...
     matched_by: str
     ranks: Dict[str, Any]  # per-rank metrics ("0", "1", ...) and "sum" of a run spread over ranks
+    microbatches: Dict[str, Any]  # per-microbatch metrics ("0", "1", ...) of a step whose microbatches were joined
 
 
 class Tolerance(TypedDict, total=False):
@@ -82,7 +83,7 @@ class TensorResult(_TensorResultKeys, total=False):
     passed: bool
     reason: str
     tolerance: Tolerance
-    ranks: Optional[List[Int64]]  # the ranks whose shard or copy is off
+    ranks: Optional[List[Int64]]  # the ranks whose shard or copy is off, or the only ranks that ran the module
     hint: str
     one_sided: bool
 
@@ -164,6 +165,8 @@ class Row(_RowKeys, total=False):
     ops: OpsSummary  # a module call whose operations both runs recorded
     ops_gradient_changed: Dict[str, List[Any]]  # backward: ``OpsSummary.gradient_changed`` of the call, if any
     args_diff: Dict[str, Any]  # an operation's row: the non-tensor arguments the runs set differently
+    held_a: List[Int64]  # the only ranks of run A that ran this module (a pipeline stage, an expert's rank)
+    held_b: List[Int64]  # ... of run B
 
 
 # -- the report --------------------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class Tracer:
                                  f"of {ranks['world_size']}: replay a single-process build of it against the "
                                  "reference, or align the multi-rank run (layerdiff align REF RUN)")
         meta["distributed"] = ranks
+        layout = adapter.parallel_layout(self.model)
+        if layout is not None:
+            meta["parallel"] = layout
         writer = TraceWriter(self._file_path(ranks), meta, overwrite=options.overwrite,
                              compression=options.compression, flush_interval=options.flush_interval,
                              write_behind=int(options.write_behind_mb * 2**20),

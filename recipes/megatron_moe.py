@@ -24,7 +24,9 @@ import torch.nn.functional as F
 DEFECTS = {
     "router": ("forward", "model.layers.0.mlp.gate"),  # layer 0's router weight x(1 + 1e-3)
     "expert": ("forward", "model.layers.1.mlp"),       # up rows of layer 1's expert 2 x(1 + 1e-3): inside the
-}                                                      # experts, which HF runs in one call
+                                                       # experts, which HF runs in one call
+    "expert_rank": ("forward", "model.layers.1.mlp"),  # the same on expert 3: with ep=2, on rank 1 only
+}
 
 CONFIG = {"vocab": 64, "hidden": 32, "ffn": 64, "heads": 4, "kv_heads": 2, "layers": 2, "experts": 4, "top_k": 2,
           "eps": 1e-5, "rope_theta": 10000.0}
@@ -64,7 +66,19 @@ def hf_to_megatron(state: dict) -> dict:
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-def megatron_model(state: dict):
+def expert_shard(state: dict, model) -> dict:
+    """The experts this expert-parallel rank holds, under their local names: ``local_experts.i`` of layer L is
+    global expert ``local_expert_indices[i]`` (every other tensor is whole on every rank)."""
+    out = {k: v for k, v in state.items() if ".local_experts." not in k}
+    for i, layer in enumerate(model.decoder.layers):
+        for local, index in enumerate(layer.mlp.local_expert_indices):
+            prefix = f"decoder.layers.{i}.mlp.experts.local_experts."
+            out.update({f"{prefix}{local}.{k[len(prefix) + len(str(index)) + 1:]}": v for k, v in state.items()
+                        if k.startswith(f"{prefix}{index}.")})
+    return out
+
+
+def megatron_model(state: dict, ep: int = 1, dp: int = 1):
     import warnings
 
     with warnings.catch_warnings():
@@ -83,12 +97,18 @@ def megatron_model(state: dict):
             dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
             return F.linear(input.to(dtype), self.weight.to(dtype))
 
-    megatron_llama.init_cpu_megatron(1)
+    if ep * dp == 1:
+        megatron_llama.init_cpu_megatron(1)
+    else:  # data parallel ranks, of which ``ep`` share the experts (each holds experts / ep of them)
+        from layerdiff.recipes import megatron_parallel
+
+        megatron_parallel.init_parallel(1, 1, ep=ep, dp=dp)
     c = CONFIG
     config = TransformerConfig(
         num_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
         num_query_groups=c["kv_heads"], ffn_hidden_size=c["ffn"], moe_ffn_hidden_size=c["ffn"],
         num_moe_experts=c["experts"], moe_router_topk=c["top_k"], moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=ep,
         normalization="RMSNorm",
         layernorm_epsilon=c["eps"], add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
@@ -100,14 +120,20 @@ def megatron_model(state: dict):
     model.rotary_pos_emb.__class__ = megatron_llama.CPURotaryEmbedding
     for layer in model.decoder.layers:
         layer.mlp.router.__class__ = CPUTopKRouter
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(expert_shard(state, model), strict=False)
     assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
     return model
 
 
-def build(defect: str | None = None, *, impl: str = "megatron", batch: int = 2, seq: int = 8, seed: int = 0):
+def build(defect: str | None = None, *, impl: str = "megatron", batch: int = 2, seq: int = 8, seed: int = 0,
+          ep: int = 1, dp: int = 1):
+    """``dp`` > 1 (under ``torchrun --nproc-per-node DP``): Megatron data parallel, each rank running its share
+    of the batch, ``ep`` of them sharing the experts (expert parallelism), trained as Megatron trains
+    (``megatron_parallel.trainer``: its schedule, DistributedDataParallel and ``finalize_model_grads``)."""
     if defect is not None and (defect not in DEFECTS or impl != "megatron"):
         raise ValueError(f"defect {defect!r}: choose from {', '.join(DEFECTS)} (injected into impl=megatron)")
+    if dp > 1 and (impl != "megatron" or batch % dp):
+        raise ValueError(f"dp={dp}: Megatron's data parallel ranks split the batch ({batch}) evenly")
     hf = hf_model(seed)
     generator = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, CONFIG["vocab"], (batch, seq), generator=generator)
@@ -119,13 +145,10 @@ def build(defect: str | None = None, *, impl: str = "megatron", batch: int = 2, 
     elif impl == "megatron":
         from layerdiff.recipes import megatron_llama
 
-        model = megatron_model(hf_to_megatron(hf.state_dict()))
-        layers = model.decoder.layers
-        with torch.no_grad():
-            if defect == "router":
-                layers[0].mlp.router.weight.mul_(1 + 1e-3)
-            elif defect == "expert":
-                layers[1].mlp.experts.local_experts[2].linear_fc1.weight[CONFIG["ffn"]:].mul_(1 + 1e-3)
+        model = megatron_model(hf_to_megatron(hf.state_dict()), ep=ep, dp=dp)
+        _inject(model, defect)
+        if dp > 1:
+            return _data_parallel(model, ids, seq, dp, defect)
         megatron_llama.reserve_attention_buffer(batch * CONFIG["heads"] * seq * seq)
         positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
         mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
@@ -143,3 +166,38 @@ def build(defect: str | None = None, *, impl: str = "megatron", batch: int = 2, 
 
     return {"model": model, "step": step, "meta": {"recipe": "megatron_moe", "impl": impl, "defect": defect},
             "logits": logits}
+
+
+def _inject(model, defect: str | None):
+    """Each defect on the global expert or layer it names, on the rank that holds it."""
+    layers = model.decoder.layers
+    with torch.no_grad():
+        if defect == "router":
+            layers[0].mlp.router.weight.mul_(1 + 1e-3)
+        elif defect in ("expert", "expert_rank"):  # global expert 2 (expert_rank: 3) of layer 1
+            index = 2 if defect == "expert" else 3
+            held = layers[1].mlp.local_expert_indices
+            if index in held:
+                layers[1].mlp.experts.local_experts[held.index(index)].linear_fc1.weight[CONFIG["ffn"]:].mul_(1 + 1e-3)
+
+
+def _data_parallel(model, ids: torch.Tensor, seq: int, dp: int, defect: str | None) -> dict:
+    """This data-parallel rank's share of the batch through Megatron's schedule and DDP."""
+    from megatron.core import parallel_state
+
+    from layerdiff.recipes import megatron_llama, megatron_parallel
+
+    rank = parallel_state.get_data_parallel_rank()
+    mine = ids.split(ids.shape[0] // dp)[rank]
+    megatron_llama.reserve_attention_buffer(mine.shape[0] * CONFIG["heads"] * seq * seq)
+    positions = torch.arange(seq).unsqueeze(0).expand(mine.shape[0], -1)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+    def forward_step(data, model):
+        batch = next(data)
+        return model(batch, positions, mask), lambda logits: megatron_parallel.causal_lm_loss(logits, batch)
+
+    step = megatron_parallel.trainer(model, forward_step, lambda: iter([mine]), microbatches=1, seq=seq,
+                                     micro=mine.shape[0], lr=0.0)
+    return {"model": model, "step": step, "meta": {"recipe": "megatron_moe", "impl": "megatron", "defect": defect,
+                                                   "dp": dp, "ep": parallel_state.get_expert_model_parallel_world_size()}}

@@ -9,9 +9,11 @@ sets (``match/rulesets``), so a trace is read without its framework installed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, TypedDict
 
 from layerdiff.capture import hparams
+from layerdiff.runs.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     import numpy as np
@@ -111,6 +113,27 @@ class FrameworkAdapter(ABC):
     @abstractmethod
     def distributed(self) -> RankPlace | None:
         """This process's place in a job of several ranks (None when it runs alone)."""
+
+    def parallel_layout(self, model: Any) -> ParallelLayout | None:
+        """The model's place in a model-parallel layout (Megatron's tensor, pipeline, expert, data parallel groups,
+        and the global names of its locally named modules), from the framework's own facts; None without one."""
+        return None
+
+    def step_scope(self, frame: FrameType | None) -> Any:
+        """What makes the root calls made from ``frame`` one step (the running call of a pipeline schedule, whose
+        microbatches each call the model), or None: each root call is a step of its own."""
+        return None
+
+    def grad_placement(self, model: Any, param: Any) -> dict[str, Any] | None:
+        """How ``param``'s gradient, as its hook sees it, is spread over ranks when the gradient's own tensor
+        cannot say: a partial sum each rank holds until the framework adds them up (``{"placements": ["P(sum)"],
+        ..., "scale": 0.5}``); None: as the parameter is."""
+        return None
+
+    def grad_increments(self, param: Any) -> bool:
+        """Whether ``param``'s gradient, as its hook sees it, is one backward's contribution that the training code
+        adds up elsewhere (not the running total of the step's backward passes)."""
+        return False
 
     # -- weights ---------------------------------------------------------------------------------------------
     @abstractmethod

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import torch
 
+from layerdiff.adapters import megatron_facts
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
 
@@ -271,7 +272,7 @@ class Hooks(ModuleHooks):
                 self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(name)))
 
     def _param_grad_hook(self, name):
-        return lambda p: self.record_param_grad(name, p.grad)
+        return lambda p: self.record_param_grad(name, p.grad, p)
 
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
@@ -401,6 +402,19 @@ class TorchAdapter(FrameworkAdapter):
 
     def named_parameters(self, model):
         return model.named_parameters()
+
+    # a Megatron-core model's facts (``megatron_facts``: read from what Megatron has loaded, never imported)
+    def parallel_layout(self, model):
+        return megatron_facts.parallel_layout(model)
+
+    def step_scope(self, frame):
+        return megatron_facts.schedule_frame(frame)
+
+    def grad_placement(self, model, param):
+        return megatron_facts.grad_placement(getattr(model, "config", None), param)
+
+    def grad_increments(self, param):
+        return megatron_facts.grad_increments(param)
 
 
 ADAPTER = TorchAdapter()

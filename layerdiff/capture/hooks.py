@@ -237,9 +237,12 @@ class ModuleHooks:
 
         def opened(module, args, kwargs):
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
+            scope = None
             if not session.stack:
-                self.start_step()
-            step = session.step + (0 if session.stack else 1)
+                scope = self.adapter.step_scope(sys._getframe())
+                if session.starts_step(scope):
+                    self.start_step()
+            step = session.step + (0 if session.stack or not session.starts_step(scope) else 1)
             if read["step"] != step:
                 text = safe_extra_repr(module)
                 if text != read["repr"]:
@@ -249,7 +252,7 @@ class ModuleHooks:
             scalars: dict[str, Any] = {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names)
+            frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names, scope)
             self.open_frames.setdefault(id(module), []).append(frame)
             ops = self.ops
             if ops is not None:
@@ -393,11 +396,16 @@ class ModuleHooks:
             if key in forced and id(t) not in swap:
                 swap[id(t)] = forced[key]
 
-    def record_param_grad(self, name, grad):
+    def record_param_grad(self, name, grad, param=None):
+        """``param``: the parameter itself, where the framework's hook hands it (what its gradient is: a partial
+        sum over ranks, one backward's contribution)."""
         if grad is not None:
             self.grads_since_recorded.add(name)
             module = name.rpartition(".")[0]
-            self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name))
+            placement = self.adapter.grad_placement(self.model, param) if param is not None else None
+            increment = param is not None and self.adapter.grad_increments(param)
+            self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name),
+                               placement, increment)
 
     def _record_changed_params(self):
         """Parameter values at the start of each step, when they (may have) changed since last recorded."""

@@ -54,6 +54,7 @@ class CallFrame:
     versions: list = field(default_factory=list)  # adapter's in-place detection: (tensor, version)
     ops: int | None = None  # operations its own code ran so far (``ops`` tracing); None: not recorded here
     producers: dict = field(default_factory=dict)  # tensor key -> where it came from (``capture.ops.Producers``)
+    micro: int | None = None  # its step's microbatch (a step of a pipeline schedule); None: a step of one root call
 
 
 @dataclass
@@ -108,6 +109,8 @@ class TraceSession:
         self.pending_ops: dict[int, OpFrame] = {}  # operations whose input gradients are still to come
         self.seq = 0
         self.step = -1
+        self.scope: Any = None  # what makes one step of several root calls (a pipeline schedule's call), while it lasts
+        self.micro: int | None = None  # the microbatch of the step in progress (None: not a scheduled step)
         self.failure: dict | None = None
         self.warnings: list[str] = []
         self.started = time.time()
@@ -175,17 +178,37 @@ class TraceSession:
             self.warnings.append(message)
 
     # -- forward -------------------------------------------------------------------------------------------
+    def starts_step(self, scope: Any = None) -> bool:
+        """Whether a root call made now within ``scope`` opens a new step: every root call does, but those made
+        inside one call of a pipeline schedule (``scope``, its frame: ``FrameworkAdapter.step_scope``), which are
+        that step's microbatches."""
+        return scope is None or scope is not self.scope
+
+    def _open_step(self, scope: Any) -> None:
+        if not self.starts_step(scope):
+            self.micro = (self.micro or 0) + 1
+            return
+        previous, self.scope = self.scope, scope  # held, so that no later call can reuse its identity
+        if previous is not None:
+            try:
+                previous.clear()  # a finished schedule's locals (its microbatches' tensors) are let go
+            except RuntimeError:  # still running: it lets them go itself
+                pass
+        self.micro = 0 if scope is not None else None
+        self.step += 1
+        self.seen.clear()
+
     def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict,
-                   full: bool = True, arg_names: tuple = ()) -> CallFrame:
-        """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them."""
+                   full: bool = True, arg_names: tuple = (), scope: Any = None) -> CallFrame:
+        """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them.
+        ``scope``: for a root call, what says which step it belongs to (``starts_step``)."""
         if not self.stack:
-            self.step += 1
-            self.seen.clear()
+            self._open_step(scope)
         call = self.call_counts.get(path, 0)
         self.call_counts[path] = call + 1
         parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
         frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
-                          scalars=scalars, full=full, arg_names=tuple(arg_names))
+                          scalars=scalars, full=full, arg_names=tuple(arg_names), micro=self.micro)
         frame.inputs = self._entries("input", inputs, full)
         self.stack.append(frame)
         return frame
@@ -203,6 +226,8 @@ class TraceSession:
                "parent": list(frame.parent) if frame.parent else None, "tensors": tensors}
         if frame.arg_names and any(t["key"].startswith("args.") for t in tensors):
             rec["arg_names"] = list(frame.arg_names)
+        if frame.micro is not None:
+            rec["micro"] = frame.micro
         if phase == "forward":
             if frame.ops is not None:
                 rec["ops"] = frame.ops
@@ -272,6 +297,8 @@ class TraceSession:
         rec = {"kind": "op", "phase": phase, "path": frame.path, "call": frame.call, "index": op.index,
                "step": frame.step, "name": op.name.name, "op": op.name.kind, "begin": begin, "end": self._next_seq(),
                "tensors": tensors}
+        if frame.micro is not None:
+            rec["micro"] = frame.micro
         if phase == "forward":
             if op.args:
                 rec["args"] = op.args
@@ -337,12 +364,16 @@ class TraceSession:
 
     # -- parameters ----------------------------------------------------------------------------------------
     def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None,
-              tied: list | None = None):
+              tied: list | None = None, placement: dict | None = None, increment: bool = False):
         """kind is "param" (value) or "param_grad" (gradient after accumulation). ``tied``: every name of a
-        parameter that several modules own (an embedding tied to the LM head); it is recorded under each."""
+        parameter that several modules own (an embedding tied to the LM head); it is recorded under each.
+        ``placement``: how the gradient is spread over ranks when its tensor cannot say (a partial sum);
+        ``increment``: the gradient is this backward's contribution alone (added up elsewhere), not the total."""
         entries = self._entries(kind, [("value", tensor)])
         if not entries:
             return
+        if placement is not None:
+            entries = [{**entry, "placement": placement} for entry in entries]
         count = self.param_counts.get((kind, name), 0)
         self.param_counts[(kind, name)] = count + 1
         # values are taken just before the root call opens a step: they belong to that step
@@ -351,6 +382,8 @@ class TraceSession:
                   "step": step, "seq": self._next_seq(), "tensors": entries}
         if tied:
             record["tied"] = list(tied)
+        if increment:
+            record["increment"] = True
         self.writer.write_record(record)
 
     def param_use(self, name: str, frame: CallFrame, grad, tied: list):

@@ -23,14 +23,16 @@ from layerdiff.compare.spec import Comparison
 from layerdiff.compare.workers import aligned_pairs, compare_pairs, worker_count
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules
+from layerdiff.match.joins import best_way, resolved_as, unresolved, ways
 from layerdiff.match.layouts import LayoutRules, TokenOrder, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
+from layerdiff.match.microbatches import joined_pair
 from layerdiff.match.operands import Operand
 from layerdiff.match.ops import OpPair, arguments_diff, pair_ops
 from layerdiff.match.pairing import RecordPair, TensorPair, match_records
 from layerdiff.match.rules import RuleSet
 from layerdiff.match.sides import TraceSide, token_order
-from layerdiff.tracefile.records import CallRecord, EndRecord, OpRecord, Record, TensorEntry
+from layerdiff.tracefile.records import MICROBATCHES, CallRecord, EndRecord, OpRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float
 
 
@@ -88,7 +90,21 @@ def _compare_values(a: np.ndarray, b: np.ndarray) -> schema.Metrics:
 def _prepared(tp: TensorPair, path_a: str, layouts: LayoutRules, swap: TokenOrder | bool):
     """(A's operand, B's operand, a declared layout rule or None, how their shapes relate)."""
     a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
-    return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, swap if tp.activation else False)
+    return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, _grouped(swap, a, b) if tp.activation
+                                                     else False)
+
+
+def _grouped(swap: TokenOrder | bool, a: Operand, b: Operand) -> TokenOrder | bool:
+    """The token order of a pair whose sequence-first side joined its ranks' flattened tokens one after the other
+    (an MoE router's input over data-parallel ranks): each rank's block is sequence-first on its own."""
+    if not isinstance(swap, TokenOrder):
+        return swap
+    operand = a if swap.sequence_first == "a" else b
+    merge = operand.entry.merge
+    if merge is not None and merge.over == "ranks" and merge.how == "concat" and merge.dim == 0 and \
+            len(operand.entry.parts) > 1 and operand.shape and operand.shape[0] == swap.batch * swap.seq:
+        return replace(swap, groups=len(operand.entry.parts))
+    return swap
 
 
 def _stored_key(a: Operand, b: Operand, rule, relation):
@@ -159,7 +175,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
             metrics = _compare_values(va, vb)
         per_rank = _per_rank_metrics(a, b, relation, reader_a, reader_b)
         if per_rank:
-            metrics["ranks"] = per_rank
+            metrics[per_rank.pop("over", "ranks")] = per_rank  # type: ignore[literal-required]
     else:
         sa, sb = a.stats(), b.stats()
         if sa is None or sb is None:
@@ -169,11 +185,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
     for side, operand in (("A", a), ("B", b)):
         merge = operand.entry.merge if operand.op == "value" else None
         if merge and len(operand.entry.parts) > 1:
-            notes.append(f"{side}: {len(operand.entry.parts)} ranks' " + {
-                "concat": f"shards joined on axis {merge.dim}",
-                "concat_parts": f"shards joined part by part on axis {merge.dim}",
-                "replicate": "copies (rank 0's compared; each "
-                "rank's checked)", "sum": "partial sums added", "ranks": "tensors, unresolved"}[merge.how])
+            notes.append(f"{side}: {_joined(merge, len(operand.entry.parts))}")
     if a.transposed != b.transposed:
         notes.append(f"compared transposed ({'B' if b.transposed else 'A'} stores this weight as [in, out])")
     for side, operand in (("A", a), ("B", b)):
@@ -187,11 +199,36 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
     return metrics
 
 
+def _joined(merge, n: int) -> str:
+    """How a tensor of several ranks or microbatches was joined, in words."""
+    if merge.over == MICROBATCHES:
+        return f"{n} microbatches " + {"concat": f"joined on axis {merge.dim}", "sum": "added up",
+                                       "replicate": "alike (the first compared)",
+                                       "batches": "unresolved"}.get(merge.how, merge.how)
+    return f"{n} ranks' " + {
+        "concat": f"shards joined on axis {merge.dim}", "concat_parts": f"shards joined part by part on axis {merge.dim}",
+        "replicate": "copies (rank 0's compared; each rank's checked)", "sum": "partial sums added",
+        "ranks": "tensors, unresolved"}.get(merge.how, merge.how)
+
+
 def _resolved(operand: Operand, other_shape) -> Operand:
-    """A multi-rank tensor left per rank, read against the other run's shape (``ranks.resolve``)."""
-    if operand.op != "value" or operand.entry.merge is None or operand.entry.merge.how != "ranks":
+    """A tensor left per rank, or a step's microbatches, read against the other run's shape
+    (``per_rank.resolve``); a value derived from such tensors (a part of a fused output) is joined the one way
+    that makes the derived value line up with the other run's."""
+    if not any(unresolved(e) for e in operand.entries):
         return operand
-    return replace(operand, entries=(per_rank.resolve(operand.entry, other_shape),))
+    if operand.op == "value":
+        return replace(operand, entries=(per_rank.resolve(operand.entry, other_shape),))
+    fits = []
+    for way in ways(operand.entry):
+        entries = tuple(resolved_as(e, way) if unresolved(e) else e for e in operand.entries)
+        if relate_shapes(tuple(other_shape), tuple(replace(operand, entries=entries).shape)).kind \
+                in ("same", "permute"):
+            fits.append(way)
+    best = best_way(operand.entry, fits)
+    if best is None:
+        return operand
+    return replace(operand, entries=tuple(resolved_as(e, best) if unresolved(e) else e for e in operand.entries))
 
 
 def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> dict[str, Any] | None:
@@ -211,15 +248,23 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
             return None
         out: dict[str, Any] = {}
         copies = []
-        for rank, (mine, theirs) in enumerate(zip(reader.part_values(operand.entry), pieces)):
+        merge = operand.entry.merge
+        for part, (mine, theirs) in enumerate(zip(reader.part_values(operand.entry), pieces)):
             mine = as_float(mine, operand.entry.dtype).reshape(-1)
+            if merge is not None and merge.scale is not None:  # each part is the rank's own loss's gradient
+                mine = mine * merge.scale
             theirs = np.ascontiguousarray(theirs).reshape(-1)
             if mine.size != theirs.size:
                 return None
             copies.append(mine)
+            rank = merge.rank_of(part) if merge is not None else part
             out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
         sharded = operand.entry.merge is not None and operand.entry.merge.how in ("concat", "concat_parts")
         out["how"] = "shards" if sharded else "copies"
+        out["run"] = side  # whose ranks these are
+        if merge is not None and merge.over == MICROBATCHES:
+            out["over"] = MICROBATCHES  # each microbatch's slice: reported apart from ranks
+            return out
         if not sharded and any(not np.array_equal(copies[0], c) for c in copies[1:]):
             # copies that should be equal are not: do they add up to the other run's (a missing all-reduce)?
             total = np.sum(np.stack([c.astype(np.float64) for c in copies]), axis=0)
@@ -317,6 +362,7 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     every tensor pair (``workers`` processes compare large stored tensors: None, one per core; 1, none)."""
     how = how or Comparison()
     rename, layouts, rules = how.rename, how.layouts, how.rules
+    reader_a, reader_b = joined_pair(reader_a, reader_b)  # a step run as microbatches against one that was not
     for reader in (reader_a, reader_b):
         if not any(r.kind == "call" for r in reader.records):
             raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
@@ -370,6 +416,9 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             row["skipped"] = skipped
         if ra.tied:
             row["tied"] = ra.tied
+        for side, rec in (("held_a", ra), ("held_b", rb)):
+            if rec.ranks_held:  # run by some ranks only: a pipeline stage, an expert-parallel rank
+                row[side] = list(rec.ranks_held)  # type: ignore[literal-required]
         ops = op_pairing.calls.get((ra.path, ra.call)) if ra.kind == "call" else None
         if ops is not None and ra.phase == "forward":
             row["ops"] = cast(schema.OpsSummary, ops)

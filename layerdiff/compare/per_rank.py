@@ -9,32 +9,22 @@ import itertools
 from typing import Any, Sequence
 
 import numpy as np
-from msgspec.structs import replace
 
+from layerdiff.match.joins import best_way, resolved_as, unresolved, ways
 from layerdiff.match.layouts import relate_shapes
-from layerdiff.match.operands import combine_stats
-from layerdiff.tracefile.records import Merge, TensorEntry
+from layerdiff.tracefile.records import TensorEntry
 
 
 def resolve(entry: TensorEntry, other_shape: Sequence[int]) -> TensorEntry:
-    """A per-rank ("ranks") entry read against another run's tensor of ``other_shape``: replicated when the
-    shapes line up (up to layout), shards along the one axis that, N times longer, lines them up; else as is."""
-    if entry.merge is None or entry.merge.how != "ranks" or len(entry.parts) < 2:
+    """A per-rank ("ranks") entry, or a step's microbatches ("batches"), read against another run's tensor of
+    ``other_shape``: replicated when the shapes line up (up to layout; a mask every microbatch had alike),
+    shards along the one axis that, N times longer, lines them up; else as is."""
+    if not unresolved(entry):
         return entry
-    local, n = list(entry.shape), len(entry.parts)
-    if relate_shapes(tuple(other_shape), tuple(local)).kind in ("same", "permute"):
-        return replace(entry, merge=Merge("replicate"))
-    fits = []
-    for dim in range(len(local)):
-        shape = list(local)
-        shape[dim] *= n
-        if relate_shapes(tuple(other_shape), tuple(shape)).kind in ("same", "permute"):
-            fits.append((dim, shape))
-    if len(fits) != 1:
-        return entry
-    dim, shape = fits[0]
-    return replace(entry, shape=shape, merge=Merge("concat", dim),
-                   stats=combine_stats([p.stats for p in entry.parts]) or entry.stats)
+    way = best_way(entry, [way for way in ways(entry)
+                           if relate_shapes(tuple(other_shape), tuple(resolved_as(entry, way).shape)).kind
+                           in ("same", "permute")])
+    return entry if way is None else resolved_as(entry, way)
 
 
 def rank_slices(entry: TensorEntry, values_in_b_layout: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]] | None:

@@ -60,6 +60,16 @@ def describe_origin(node: Node, where: str, after, before, ranks: tuple | None =
     return f"{path}, own code"
 
 
+def _origin_ranks(row: schema.Row, bad: Judged | None) -> list[int] | None:
+    """The ranks of the origin: the candidate's ranks whose shard or copy is off, or else the only ranks of the
+    candidate that ran the module (a pipeline stage, an expert's rank), or else the reference's."""
+    ranks = bad.get("ranks") if bad else None
+    run = (((bad or {}).get("metrics") or {}).get("ranks") or {}).get("run")
+    if ranks and run != "a":
+        return ranks
+    return row.get("held_b") or ranks or row.get("held_a")
+
+
 def _partial_ranks(tensor: Judged | None) -> tuple | None:
     """(ranks, "shards" or "copies") whose part is off, when only some are (all of them: none is singled out)."""
     ranks = (tensor or {}).get("ranks")
@@ -96,7 +106,7 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "description": describe_origin(node, where, after, before, _partial_ranks(bad)),
             "tensor": {"role": bad["role"], "key": bad["key"], "reason": bad["reason"], "metrics": bad["metrics"]}
             if bad else None,
-            "ranks": bad.get("ranks") if bad else None, "hint": bad.get("hint") if bad else None,
+            "ranks": _origin_ranks(row, bad), "hint": bad.get("hint") if bad else None,
             "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
             "class_diff": same_family_types,
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
@@ -288,10 +298,12 @@ def phase_result(rows: list[schema.Row], phase: schema.Phase, roots: list[Node],
         "first_over_tolerance": _first_over_tolerance(rows, phase)}
     if failing:
         origin = _origin(roots, phase, params)
-        if phase == "backward" and forward_origin is not None:
+        if phase == "backward" and forward_origin is not None and \
+                (origin is None or origin.get("step", 0) >= forward_origin.get("step", 0)):
             # Once forward differs, every gradient is computed from differing activations, and small
             # differences grow through sums (weight gradients): backward is attributed to the forward origin;
-            # what the backward descent alone would name is kept to look at after the forward fix.
+            # what the backward descent alone would name is kept to look at after the forward fix. Not a
+            # backward that went wrong in an earlier step (a gradient that the update then carried forward).
             inherited: schema.Origin = {
                 **forward_origin, "where": "forward", "phase": "backward",
                 "description": f"{forward_origin['description']} (inherited from the forward divergence)"}

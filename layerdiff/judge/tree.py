@@ -151,7 +151,10 @@ def param_rows(rows: list[schema.Row], kind: str) -> list[dict[str, Any]]:
     for r in rows:
         if r["kind"] == kind and r["tensors"]:
             t = r["tensors"][0]
-            out.append({"name": r["path"], "module": r["module"], "step": r["step"], "call": r["call"],
-                        "tied": r.get("tied"), "passed": t["passed"],
-                        "reason": t["reason"], "metrics": t["metrics"], "role": t["role"], "key": r["path"].rsplit(".", 1)[-1]})
+            row: dict[str, Any] = {
+                "name": r["path"], "module": r["module"], "step": r["step"], "call": r["call"], "tied": r.get("tied"),
+                "passed": t["passed"], "reason": t["reason"], "metrics": t["metrics"], "role": t["role"],
+                "key": r["path"].rsplit(".", 1)[-1]}
+            row.update({k: t.get(k) for k in ("ranks", "hint") if t.get(k)})  # a parameter spread over ranks
+            out.append(row)
     return out

@@ -209,11 +209,14 @@ class ShapeRelation:
 @dataclass(frozen=True)
 class TokenOrder:
     """Exactly one side (``sequence_first``: "a" or "b") orders its tokens sequence-first ([s, b, h], and
-    [s * b, h] when flattened, as inside Megatron); ``batch`` x ``seq`` tokens per step."""
+    [s * b, h] when flattened, as inside Megatron); ``batch`` x ``seq`` tokens per step. ``groups``: that side's
+    flattened tokens are the blocks of ``groups`` ranks that each ran batch / groups sequences (data or expert
+    parallel ranks joined), each block sequence-first."""
 
     sequence_first: str
     batch: int
     seq: int
+    groups: int = 1
 
 
 def relate_shapes(shape_a, shape_b, swap_leading: "bool | TokenOrder" = False) -> ShapeRelation:
@@ -254,9 +257,15 @@ def _tokens_reordered(a: tuple, b: tuple, order: TokenOrder) -> ShapeRelation | 
     """A and B both lead with the step's tokens ([b, s], [s, b] or flattened), in opposite orders: B's tokens
     viewed as B orders them and swapped into A's order."""
     tokens = order.batch * order.seq
-    if order.batch < 2 or order.seq < 2:
+    batch_first: tuple[int, ...]
+    seq_first: tuple[int, ...]
+    if order.groups > 1 and order.batch % order.groups == 0:  # blocks of ranks: within each, [s, b / groups]
+        local = order.batch // order.groups
+        batch_first, seq_first = (order.groups, local, order.seq), (order.groups, order.seq, local)
+    elif order.batch < 2 or order.seq < 2:
         return None
-    batch_first, seq_first = (order.batch, order.seq), (order.seq, order.batch)
+    else:
+        batch_first, seq_first = (order.batch, order.seq), (order.seq, order.batch)
     lead_a, lead_b = (seq_first, batch_first) if order.sequence_first == "a" else (batch_first, seq_first)
 
     def rest(shape, lead):
@@ -266,4 +275,5 @@ def _tokens_reordered(a: tuple, b: tuple, order: TokenOrder) -> ShapeRelation | 
     if rest_a is None or rest_b is None or _squeezed(rest_a) != _squeezed(rest_b):
         return None
     view = lead_b + _squeezed(rest_b)
-    return ShapeRelation("permute", a, b, (1, 0) + tuple(range(2, len(view))), b_view=view)
+    swapped = (0, 2, 1) if len(lead_b) == 3 else (1, 0)
+    return ShapeRelation("permute", a, b, swapped + tuple(range(len(lead_b), len(view))), b_view=view)

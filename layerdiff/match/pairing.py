@@ -8,6 +8,7 @@ angles vs cos/sin, boolean vs additive masks). A tensor present on one side only
 Paths are reported in trace A's names."""
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from msgspec.structs import replace
 
 from layerdiff.match.fused import FusedLink, FusedLinks, merged_parts, other_roles, split_pairs, sum_over_parts
+from layerdiff.match.joins import candidate_shapes, unresolved
 from layerdiff.match.layouts import relate_shapes
 from layerdiff.match.mapping import Match, ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
@@ -264,16 +266,17 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
     swap = token_order(side_a, side_b)
     for same_size in (True, False):  # equal sizes first; broadcasting ([1, S, D] vs [B, S, D]) only after
         for ea in list(still):
-            shape_a = torch_shape(ra, ea, side_a)
             fits = []
             for eb in left_b:
                 if dtype_kind(eb.dtype) != dtype_kind(ea.dtype):
                     continue
-                shape_b = torch_shape(rb, eb, side_b)
-                relation = relate_shapes(shape_a, shape_b, swap)
-                if relation.ok and (relation.kind != "broadcast") == same_size and \
-                        (same_size or min(math.prod(shape_a), math.prod(shape_b)) > 1):
-                    fits.append((relation.kind != "same", eb))
+                # a tensor of several ranks or microbatches fits in any of the shapes its join may take
+                for shape_a, shape_b in itertools.product(_shapes(ra, ea, side_a), _shapes(rb, eb, side_b)):
+                    relation = relate_shapes(shape_a, shape_b, swap)
+                    if relation.ok and (relation.kind != "broadcast") == same_size and \
+                            (same_size or min(math.prod(shape_a), math.prod(shape_b)) > 1):
+                        fits.append((relation.kind != "same", eb))
+                        break
             if not fits:
                 continue
             choice = min(fits, key=lambda f: f[0])[1]
@@ -285,6 +288,13 @@ def pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=None):
             left_b.remove(choice)
             found.append((ea, choice, f"matched by position and shape (B's key: {choice.key})"))
     return found, still, left_b
+
+
+def _shapes(rec: Record, entry: TensorEntry, side: TraceSide) -> list[tuple]:
+    """An entry's shape as PyTorch lays it out, or the shapes it may take once its ranks' parts are joined."""
+    if not unresolved(entry):
+        return [torch_shape(rec, entry, side)]
+    return candidate_shapes(entry)
 
 
 def _key_matches(patterns, key: str, family: str) -> bool:

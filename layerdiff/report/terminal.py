@@ -374,12 +374,14 @@ def _render_footer(report: View, console: Console):
 
 
 def render_ranks(result: View, console: Console):
-    """``layerdiff align RUN``: one line per rank against rank 0, then the first desync."""
-    console.print(f"[bold]{as_text(result['path'])}[/]: {result['world_size']} ranks, each compared with rank 0 on what "
-                  "replicas must agree on (shards and partial sums left out)")
+    """``layerdiff align RUN``: one line per rank against the first of its replicas, then the first desync."""
+    firsts = {r.get("against", 0) for r in result["ranks"]}
+    with_whom = "rank 0" if firsts <= {0} else "the first rank of its replicas"
+    console.print(f"[bold]{as_text(result['path'])}[/]: {result['world_size']} ranks, each compared with {with_whom} on "
+                  "what replicas must agree on (shards and partial sums left out)")
     for r in result["ranks"]:
         if r["verdict"] == "aligned":
-            console.print(f"  rank {r['rank']}: [green]agrees with rank 0[/]")
+            console.print(f"  rank {r['rank']}: [green]agrees with rank {r.get('against', 0)}[/]")
             continue
         parts = [f"{phase} {r[phase]['description']}" for phase in ("forward", "backward") if r[phase]]
         differ = f"; parameters differ: {', '.join(r['params_differ'][:3])}" if r["params_differ"] else ""

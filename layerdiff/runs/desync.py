@@ -1,7 +1,9 @@
 """Ranks of one run against each other: where a data-parallel replica stops agreeing with rank 0.
 
-``layerdiff align RUN`` (one run directory) compares every rank with rank 0 on what replicas must agree on
-(``ranks.RankView``: shards and partial sums left out), with the usual origin rule, so it names the first module
+``layerdiff align RUN`` (one run directory) compares every rank with the first of its replicas (rank 0 where the
+whole run replicates; the first rank of its pipeline stage in a Megatron layout) on what
+replicas must agree on (``ranks.RankView``: shards and partial sums left out; the weights alone where each
+data-parallel rank ran its own share of the batch), with the usual origin rule, so it names the first module
 whose inputs still agree across ranks and whose outputs do not, and the rank. Ranks are compared in parallel, one
 process per rank pair, each holding only its two traces' indexes (flat memory per worker).
 """
@@ -29,7 +31,12 @@ def check_run(path, how: Comparison | None = None, workers: int | None = None, p
             raise LayerdiffError(f"{path}: a single trace; align it with another one (layerdiff align A B), or "
                                  "give a run directory of several ranks to compare its ranks")
         world, order = run.world_size, _execution_order(run)
-    jobs = [(str(path), rank, policy.describe(), list(how.rule_files)) for rank in range(1, world)]
+        groups = run.replica_groups()
+    jobs = [(str(path), group[0], rank, policy.describe(), list(how.rule_files))
+            for group in groups for rank in group[1:]]
+    if not jobs:
+        raise LayerdiffError(f"{path}: each of its {world} ranks is a pipeline stage of its own: no two hold the "
+                             "same layers to compare; align the run with a reference (layerdiff align REF RUN)")
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     if workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -59,12 +66,14 @@ def _execution_order(run: RankedRun) -> dict:
     return order
 
 
-def _rank_against_rank0(path: str, rank: int, policy: dict, rule_files: list) -> dict:
+def _rank_against_rank0(path: str, first: int, rank: int, policy: dict, rule_files: list) -> dict:
+    """``rank`` against ``first``, the first rank of its replicas (rank 0 where the whole run replicates)."""
     how = Comparison(policy=TolerancePolicy.from_description(policy), rules=ruleset(rule_files),
                      rule_files=tuple(rule_files))
     with open_run(path, how.rules) as run:
-        report = align(RankView(run, 0), RankView(run, rank), how)
-    return {"rank": rank, "verdict": report["verdict"], "forward": report["forward"]["first_divergence"],
+        report = align(RankView(run, first), RankView(run, rank), how)
+    return {"rank": rank, "against": first, "verdict": report["verdict"],
+            "forward": report["forward"]["first_divergence"],
             "backward": report["backward"]["first_divergence"],
             "failing_tensors": report["forward"]["failing_tensors"] + report["backward"]["failing_tensors"],
             "params_differ": report["params"]["differ"]}

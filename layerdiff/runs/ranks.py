@@ -28,8 +28,9 @@ from msgspec.structs import replace
 
 from layerdiff.errors import TraceFormatError
 from layerdiff.match.operands import combine_stats
+from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
-from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, Record, TensorEntry
+from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
@@ -77,7 +78,7 @@ def _placement_kind(entry: TensorEntry):
     if text == "R":
         return "replicate", None
     if text.startswith("P("):
-        return "sum", None
+        return "sum", None, place.get("scale")
     return None
 
 
@@ -104,6 +105,9 @@ class RankedRun:
         self.crashed = any(r.crashed for r in self.readers)
         self.end = self._end()
         self._joined = 0  # joined entries made so far (each gets its own negative offset)
+        self.layouts = [reader.meta.get("parallel") or {} for reader in self.readers]
+        self.stages = [int(layout.get("pp_rank") or 0) for layout in self.layouts]
+        self._local_tokens = {rank: _token_shape(reader.records) for rank, reader in enumerate(self.readers)}
         self.records = self._merge()
         self.ops: list[OpRecord] = []  # operations are not joined across ranks: align one rank's trace for them
 
@@ -129,54 +133,138 @@ class RankedRun:
 
     # -- merging ------------------------------------------------------------------------------------------
     def _merge(self) -> list:
-        per_rank = []
-        for reader in self.readers:
-            per_rank.append({_key(r): r for r in reader.records})
-        sharded_weights = self._sharded_weights()
-        shards_by_region: dict = {}
-        forward_how: dict = {}  # (path, call, role, key) -> how: a gradient is spread as its tensor is
-        param_how: dict = {}  # parameter name -> how: its gradient is spread as it is
+        """Each rank's records under their global names, joined: the ranks of one pipeline stage by placement
+        (``_merge_group``), then the stages into one model (``_join_stages``), in the order of one run."""
+        ranks = range(len(self.readers))
+        renamed = self._global_records()
+        index = [{_key(r): r for r in records} for records in renamed]
+        order: list[tuple] = []
+        seen: set[tuple] = set()
+        for rank in sorted(ranks, key=lambda r: (self.stages[r], r)):
+            for rec in renamed[rank]:
+                key = _key(rec)
+                if key not in seen:
+                    seen.add(key)
+                    order.append(key)
+        sharded_weights = self._sharded_weights(renamed)
+        state = _MergeState()
         out = []
-        for rec in self.readers[0].records:
-            found = [index.get(_key(rec)) for index in per_rank]
-            twins = [t for t in found if t is not None]
-            if len(twins) < len(found):
-                out.append(replace(rec, ranks_missing=[i for i, t in enumerate(found) if t is None],
-                                   tensors=[self._per_rank_entry([t]) for t in rec.tensors]))
+        for key in order:
+            holders = [r for r in ranks if key in index[r]]
+            expected = self._expected_holders(key[2], holders)
+            if len(holders) < len(expected):
+                rec = index[holders[0]][key]
+                out.append(replace(rec, ranks_missing=[r for r in expected if r not in holders],
+                                   tensors=[self._per_rank_entry([t], [holders[0]]) for t in rec.tensors]))
                 continue
-            tensors: list[TensorEntry] = []
-            known: dict[tuple, tuple] = {}
-            for i, entry in enumerate(rec.tensors):
-                located = [t.tensors[i] if i < len(t.tensors) and t.tensors[i].key == entry.key
-                           else _find(t, entry) for t in twins]
-                parts = [p for p in located if p is not None]
-                if len(parts) < len(located):
-                    tensors.append(self._per_rank_entry([entry]))
-                    continue
-                how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, shards_by_region) \
-                    or forward_how.get(_forward_key(rec, entry)) or param_how.get(_param_of(rec)) \
-                    or (None if rec.path in sharded_weights else _like_input(entry, known))
-                how = self._every_part(rec, how)
-                merged_entry = self._merged_entry(parts, how)
-                if rec.kind == "param" and how:
-                    param_how[rec.path] = how
-                if how and how[0] == "concat":
-                    known[tuple(entry.shape)] = how
-                    if entry.offset is not None:
-                        shards_by_region[_region(entry)] = how
-                if how and isinstance(rec, CallRecord) and rec.phase == "forward":
-                    forward_how[(rec.path, rec.call, entry.role, entry.key)] = how
-                tensors.append(merged_entry)
-            out.append(replace(rec, tensors=tensors))
+            by_stage: dict[int, list[int]] = {}
+            for rank in holders:
+                by_stage.setdefault(self.stages[rank], []).append(rank)
+            merged = [self._merge_group([index[r][key] for r in group], group, sharded_weights, state)
+                      for _, group in sorted(by_stage.items())]
+            rec = merged[0] if len(merged) == 1 else _join_stages(merged)
+            out.append(rec if len(holders) == len(self.readers) else replace(rec, ranks_held=holders))
+        return sorted(out, key=_position) if len(set(self.stages)) > 1 else out
+
+    def global_records(self, rank: int) -> list[Record]:
+        """One rank's records under the whole model's names (``_global_records``)."""
+        return self._global_records()[rank]
+
+    def replica_groups(self) -> list[list[int]]:
+        """Ranks that hold the same layers (one pipeline stage): only they can agree on anything (tensor-parallel
+        ranks on what they replicate, data-parallel ranks on their weights). Every rank of a run with no
+        pipeline."""
+        groups: dict[int, list[int]] = {}
+        for rank, stage in enumerate(self.stages):
+            groups.setdefault(stage, []).append(rank)
+        return list(groups.values())
+
+    def _global_records(self) -> list[list[Record]]:
+        """Each rank's records under the whole model's names (``ParallelLayout.global_paths``: a later pipeline
+        stage's layers, an expert-parallel rank's experts), their positions in time made comparable across the
+        stages of a pipeline: forward runs stage by stage, backward the other way."""
+        last = max((s for s in self.stages), default=0)
+        span = 1 + max((_last_position(rec) for reader in self.readers for rec in reader.records), default=0)
+        out = []
+        for rank, reader in enumerate(self.readers):
+            renames = self.layouts[rank].get("global_paths") or {}
+            split = set(self.layouts[rank].get("split_modules") or ())
+            stage = self.stages[rank]
+            out.append([_placed(_renamed(rec, renames) if renames else rec, stage, last, span)
+                        for rec in reader.records if not (isinstance(rec, CallRecord) and rec.path in split)])
         return out
 
-    def _sharded_weights(self) -> dict:
-        """module path -> (placement dim of its weight, the weight's local shape) for sharded weights; modules
-        whose shards hold a slice of every part of a fused weight (Megatron's gated linear_fc1: [gate_r; up_r])
-        go to ``self.every_part`` with the number of parts."""
+    def _expected_holders(self, path: str, holders: list[int]) -> list[int]:
+        """The ranks that should hold a record of ``path`` found on ``holders``: every rank of the pipeline stages
+        it is on, or, for a module that ranks of one stage hold apart (an expert of one expert-parallel rank:
+        ``ParallelLayout.own_modules``), the ranks that own it."""
+        stages = {self.stages[r] for r in holders}
+        owned = [_owns(self.layouts[r], path) for r in range(len(self.readers))]
+        apart = any(owned[r] for r in holders)
+        return [r for r in range(len(self.readers)) if self.stages[r] in stages and (owned[r] or not apart)]
+
+    def _merge_group(self, twins: list[Record], ranks: list[int], sharded_weights: dict,
+                     state: "_MergeState") -> Record:
+        """One record that the ranks of one pipeline stage each hold: its tensors joined by placement."""
+        rec = twins[0]
+        tensors: list[TensorEntry] = []
+        known: dict[tuple, tuple] = {}
+        for i, entry in enumerate(rec.tensors):
+            located = [t.tensors[i] if i < len(t.tensors) and t.tensors[i].key == entry.key
+                       else _find(t, entry) for t in twins]
+            parts = [p for p in located if p is not None]
+            if len(parts) < len(located):
+                tensors.append(self._per_rank_entry([entry], ranks[:1]))
+                continue
+            region = (ranks[0], *_region(entry))
+            how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, state.shards_by_region,
+                                                           region) \
+                or state.forward_how.get(_forward_key(rec, entry)) or state.param_how.get(_param_of(rec)) \
+                or (None if rec.path in sharded_weights else _like_input(entry, known))
+            how = self._every_part(rec, how) or self._data_parallel(rec, parts, ranks)
+            if how and how[0] == "concat" and entry.role.startswith("grad") and self._grad_mean(ranks):
+                how = ("concat", how[1], 1.0 / len(ranks))  # each rank's own loss's gradient: the step's is their mean
+            merged_entry = self._merged_entry(parts, how, ranks)
+            if rec.kind == "param" and how:
+                state.param_how[rec.path] = how
+            if how and how[0] == "concat":
+                known[tuple(entry.shape)] = how
+                if entry.offset is not None:
+                    state.shards_by_region[region] = how
+            if how and isinstance(rec, CallRecord) and rec.phase == "forward":
+                state.forward_how[(rec.path, rec.call, entry.role, entry.key)] = how
+            tensors.append(merged_entry)
+        return replace(rec, tensors=tensors)
+
+    def _data_parallel(self, rec: Record, parts: list[TensorEntry], ranks: list[int]) -> tuple | None:
+        """A tensor of data-parallel ranks that each ran their own share of the batch (Megatron's data parallel,
+        tensor parallel size 1): one copy when every rank's is alike (a weight, a mask), else joined along the
+        batch axis: the first axis of the rank's batch size (its token ids [b, s]; the layouts models use put it
+        before heads and groups), or the first when it holds the rank's tokens flattened."""
+        if len(parts) < 2 or not all((self.layouts[r].get("dp") or 1) > 1 and (self.layouts[r].get("tp") or 1) == 1
+                                     for r in ranks):
+            return None
+        first = parts[0]
+        if all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:]):
+            return "replicate", None
+        batch, seq = self._local_tokens.get(ranks[0]) or (None, None)
+        axis = next((d for d, n in enumerate(first.shape) if n == batch), None)
+        if axis is None and batch is not None and seq is not None and first.shape and first.shape[0] == batch * seq:
+            axis = 0  # the rank's tokens flattened ([b * s, ...], an MoE router's): the ranks' blocks in turn
+        return ("concat", axis) if axis is not None and not isinstance(rec, ParamRecord) else None
+
+    def _grad_mean(self, ranks: list[int]) -> bool:
+        """Data-parallel ranks whose gradients the step averages (``ParallelLayout.grad_mean``)."""
+        return len(ranks) > 1 and all(self.layouts[r].get("grad_mean") for r in ranks)
+
+    def _sharded_weights(self, records: list[list[Record]]) -> dict:
+        """module path -> (placement dim of its weight, the weight's local shape) for sharded weights, over every
+        pipeline stage's parameters; modules whose shards hold a slice of every part of a fused weight
+        (Megatron's gated linear_fc1: [gate_r; up_r]) go to ``self.every_part`` with the number of parts."""
         out = {}
-        for rec in self.readers[0].records:
-            if rec.kind == "param" and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.tensors:
+        for rec in (rec for rank in records for rec in rank):
+            if rec.kind == "param" and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.tensors \
+                    and rec.module_path not in out:
                 entry = rec.tensors[0]
                 how = _placement_kind(entry)
                 if how and how[0] == "concat":
@@ -197,11 +285,12 @@ class RankedRun:
             return "concat_parts", how[1], self.every_part[module]
         return how
 
-    def _inferred(self, rec: Record, entry: TensorEntry, weights: dict, regions: dict):
-        """The placement of a plain tensor: that of the same stored bytes elsewhere, or the layer's by its weight
-        (column-parallel: the output's last axis; row-parallel: the input's)."""
-        if entry.offset is not None and _region(entry) in regions:
-            return regions[_region(entry)]
+    def _inferred(self, rec: Record, entry: TensorEntry, weights: dict, regions: dict, region: tuple):
+        """The placement of a plain tensor: that of the same stored bytes elsewhere (``region``: the first
+        holder's rank and the bytes' place in its file), or the layer's by its weight (column-parallel: the
+        output's last axis; row-parallel: the input's)."""
+        if entry.offset is not None and region in regions:
+            return regions[region]
         if not isinstance(rec, CallRecord) or rec.path not in weights or not entry.shape:
             return None
         dim, local = weights[rec.path]
@@ -212,7 +301,7 @@ class RankedRun:
             return "concat", len(entry.shape) - 1
         return None
 
-    def _merged_entry(self, parts: list[TensorEntry], how: tuple | None) -> TensorEntry:
+    def _merged_entry(self, parts: list[TensorEntry], how: tuple | None, ranks: list[int]) -> TensorEntry:
         kind = how[0] if how else "ranks"
         dim = None
         shape = list(parts[0].shape)
@@ -220,18 +309,21 @@ class RankedRun:
         if how and kind in ("concat", "concat_parts"):
             dim = how[1] % max(len(shape), 1)
             shape[dim] = sum(p.shape[dim] for p in parts)
-            stats = combine_stats([p.stats for p in parts])
+            stats = _scaled(combine_stats([p.stats for p in parts]), how[2] if kind == "concat" and len(how) > 2
+                            else None)
         elif kind == "sum":
             stats = {"numel": math.prod(shape), "min": None, "max": None, "mean": None, "l2": None,
                      "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
         else:
             stats = parts[0].stats
-        merge = Merge(kind, dim, how[2] if how and kind == "concat_parts" else None)
+        scale = how[2] if how and kind in ("sum", "concat") and len(how) > 2 else None
+        merge = Merge(kind, dim, how[2] if how and kind == "concat_parts" else None, _ranks(ranks), scale=scale)
         return self._register(replace(parts[0], shape=shape, stats=stats or parts[0].stats, merge=merge,
                                       parts=tuple(parts), placement=None), parts)
 
-    def _per_rank_entry(self, parts: list[TensorEntry]) -> TensorEntry:
-        return self._register(replace(parts[0], merge=Merge("ranks"), parts=tuple(parts)), parts)
+    def _per_rank_entry(self, parts: list[TensorEntry], ranks: list[int]) -> TensorEntry:
+        return self._register(replace(parts[0], merge=Merge("ranks", ranks=_ranks(ranks)), parts=tuple(parts)),
+                              parts)
 
     def _register(self, entry: TensorEntry, parts: list[TensorEntry]) -> TensorEntry:
         """A joined entry's bytes are its parts': it gets a region of its own (a negative offset, unique in this
@@ -242,26 +334,36 @@ class RankedRun:
         return replace(entry, offset=None, nbytes=None)
 
     # -- reading ------------------------------------------------------------------------------------------
+    def _part_readers(self, entry: TensorEntry) -> list[TraceReader]:
+        """The reader of each part of a merged entry (the rank that holds it)."""
+        merge = entry.merge
+        if merge is None:
+            return [self.readers[0]]
+        return [self.readers[merge.rank_of(i)] for i in range(len(entry.parts))]
+
     def part_values(self, entry: TensorEntry) -> list:
-        """Each rank's stored bits of a merged entry, in rank order."""
-        return [reader.tensor(part) for reader, part in zip(self.readers, entry.parts)]
+        """Each rank's stored bits of a merged entry, in the order of its parts."""
+        return [reader.tensor(part) for reader, part in zip(self._part_readers(entry), entry.parts)]
 
     def tensor(self, entry: TensorEntry) -> np.ndarray:
         merge = entry.merge
         if merge is None:
             return self.readers[0].tensor(entry)
         if merge.how in _ONE_COPY:
-            return self.readers[0].tensor(entry.parts[0])
+            return self._part_readers(entry)[0].tensor(entry.parts[0])
         values = self.part_values(entry)
         if merge.how == "concat":
-            return np.concatenate(values, axis=merge.axis)
+            joined = np.concatenate(values, axis=merge.axis)
+            if merge.scale is None:
+                return joined
+            return encode_float(as_float(joined, entry.dtype).astype(np.float64) * merge.scale, entry.dtype)
         if merge.how == "concat_parts":  # [g0; u0], [g1; u1] -> [g0; g1; u0; u1]
             pieces = [np.split(v, merge.part_count, axis=merge.axis) for v in values]
             return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge.axis)
                                    for i in range(merge.part_count)], axis=merge.axis)
         if merge.how == "sum":  # added as values (bfloat16's stored bits are integers), kept as stored bits
             total = np.sum([as_float(v, entry.dtype).astype(np.float64) for v in values], axis=0)
-            return encode_float(total, entry.dtype)
+            return encode_float(total * merge.scale if merge.scale is not None else total, entry.dtype)
         return values[0]
 
     def tensor_chunks(self, entry: TensorEntry, chunk_elems: int):
@@ -272,11 +374,12 @@ class RankedRun:
         merge, parts = entry.merge, entry.parts
         if merge is None or not parts:
             return self.readers[0].tensor_chunks(entry, chunk_elems)
+        readers = self._part_readers(entry)
         if merge.how in _ONE_COPY:
-            return self.readers[0].tensor_chunks(parts[0], chunk_elems)
-        if merge.how == "concat" and merge.dim == 0:
+            return readers[0].tensor_chunks(parts[0], chunk_elems)
+        if merge.how == "concat" and merge.dim == 0 and merge.scale is None:
             return itertools.chain.from_iterable(reader.tensor_chunks(part, chunk_elems)
-                                                 for reader, part in zip(self.readers, parts))
+                                                 for reader, part in zip(readers, parts))
         flat = self.tensor(entry).reshape(-1)
         return (flat[start:start + chunk_elems] for start in range(0, flat.size, chunk_elems))
 
@@ -286,11 +389,12 @@ class RankedRun:
         merge, parts = entry.merge, entry.parts
         if merge is None or not parts:
             return self.readers[0].data_segments(entry)
+        readers = self._part_readers(entry)
         if merge.how in _ONE_COPY:
-            return self.readers[0].data_segments(parts[0])
-        if merge.how != "concat" or merge.dim != 0:
+            return readers[0].data_segments(parts[0])
+        if merge.how != "concat" or merge.dim != 0 or merge.scale is not None:
             return None
-        segments = [reader.data_segments(part) for reader, part in zip(self.readers, parts)]
+        segments = [reader.data_segments(part) for reader, part in zip(readers, parts)]
         joined: list = []
         for found in segments:
             if found is None:
@@ -310,6 +414,96 @@ class RankedRun:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _scaled(stats: dict[str, Any] | None, scale: float | None) -> dict[str, Any] | None:
+    """Statistics of a tensor multiplied by a positive ``scale``."""
+    if stats is None or scale is None:
+        return stats
+    return {**stats, **{k: stats[k] * scale for k in ("min", "max", "mean", "l2") if stats.get(k) is not None}}
+
+
+def _token_shape(records: list[Record]) -> tuple[int, int] | None:
+    """(batch, sequence) of a rank's first step: its first root call's token ids ([b, s], 2-D integers)."""
+    root = next((r for r in records if isinstance(r, CallRecord) and r.phase == "forward" and not r.parent), None)
+    ids = next((t for t in root.tensors if t.role == "input" and len(t.shape) == 2
+                and t.dtype.startswith(("int", "uint"))), None) if root is not None else None
+    return (ids.shape[0], ids.shape[1]) if ids is not None else None
+
+
+class _MergeState:
+    """What the merge of earlier records tells about later ones: shards by their stored bytes, a gradient spread
+    as its forward tensor is, a parameter's gradient as the parameter."""
+
+    def __init__(self) -> None:
+        self.shards_by_region: dict[tuple, tuple] = {}
+        self.forward_how: dict[tuple, tuple] = {}  # (path, call, role, key) -> how
+        self.param_how: dict[str, tuple] = {}  # parameter name -> how
+
+
+def _ranks(ranks: list[int]) -> tuple[int, ...] | None:
+    """A part list's ranks as ``Merge.ranks`` keeps them (None for every rank in order from 0)."""
+    return None if ranks == list(range(len(ranks))) else tuple(ranks)
+
+
+def _owns(layout: Mapping[str, Any], path: str) -> bool:
+    """Whether ``path`` is, or lies in, a module this rank holds apart from the other ranks of its stage."""
+    return any(path == own or path.startswith(own + ".") for own in layout.get("own_modules") or ())
+
+
+def _renamed(rec: Record, renames: dict[str, str]) -> Record:
+    """A rank's record under the whole model's names."""
+    if isinstance(rec, CallRecord):
+        parent = rec.parent and (global_path(renames, rec.parent[0]), rec.parent[1])
+        return replace(rec, path=global_path(renames, rec.path), parent=parent)
+    if isinstance(rec, ParamRecord):
+        return replace(rec, path=global_path(renames, rec.path),
+                       module=None if rec.module is None else global_path(renames, rec.module),
+                       tied=None if rec.tied is None else [global_path(renames, t) for t in rec.tied])
+    return rec
+
+
+def _last_position(rec: Record) -> int:
+    return rec.end if isinstance(rec, CallRecord) else getattr(rec, "seq", 0)
+
+
+def _backward(rec: Record) -> bool:
+    return rec.phase == "backward" if isinstance(rec, CallRecord) else rec.kind in ("param_grad", "param_grad_use")
+
+
+def _placed(rec: Record, stage: int, last: int, span: int) -> Record:
+    """A record's place in time among every stage's: a pipeline runs forward from stage 0 to the last and
+    backward the other way, so each stage's positions are shifted by ``span`` times its place in that order."""
+    shift = span * ((last - stage) if _backward(rec) else stage)
+    if not shift:
+        return rec
+    if isinstance(rec, CallRecord):
+        return replace(rec, begin=rec.begin + shift, end=rec.end + shift)
+    if isinstance(rec, ParamRecord):
+        return replace(rec, seq=rec.seq + shift)
+    return rec
+
+
+def _position(rec: Record) -> tuple:
+    """Records in the order one process writes them: by step, then as they were completed."""
+    return rec.step, _last_position(rec)
+
+
+def _join_stages(merged: list[Record]) -> Record:
+    """A module that several pipeline stages each run part of (the model, the decoder that holds the layers):
+    its inputs are the first stage's and its outputs the last stage's; backward, the gradients w.r.t. its
+    outputs arrive at the last stage and those w.r.t. its inputs leave the first."""
+    first, last = merged[0], merged[-1]
+    if not isinstance(first, CallRecord) or not isinstance(last, CallRecord):
+        return first
+    incomplete = any(isinstance(r, CallRecord) and r.incomplete for r in merged)
+    error = next((r.error for r in merged if r.error), None)
+    if first.phase == "forward":
+        tensors = [t for t in first.tensors if t.role == "input"] + [t for t in last.tensors if t.role != "input"]
+        return replace(first, tensors=tensors, end=last.end, incomplete=incomplete, error=error)
+    tensors = [t for t in last.tensors if t.role == "grad_output"] + \
+        [t for t in first.tensors if t.role == "grad_input"]
+    return replace(first, tensors=tensors, begin=last.begin, incomplete=incomplete, error=error)
 
 
 _GRAD_OF = {"grad_output": "output", "grad_input": "input"}
@@ -363,11 +557,18 @@ class RankView:
         left_out = {"concat", "concat_parts", "sum"}
         if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
             left_out.add("ranks")
+        layout = run.layouts[rank]
+        # Megatron marks its tensor-parallel shards: every other weight is a copy on each rank of its stage
+        copies = {"ranks"} if layout else set()
         spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors
-                  if t.merge is not None and t.merge.how in left_out}
-        self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread])
-                        for rec in self.reader.records]
-        self.ops = self.reader.ops  # one rank's own operations (replicas run the same ones)
+                  if t.merge is not None and t.merge.how in left_out
+                  and not (rec.kind == "param" and t.merge.how in copies)}
+        own_data = (layout.get("dp") or 1) > 1  # Megatron's data-parallel ranks: each its own share of the batch
+        records = run.global_records(rank)  # under the whole model's names, as every rank's compare
+        self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread
+                                              and (not own_data or rec.kind == "param")])
+                        for rec in records if not _owns(layout, rec.path) and (not own_data or rec.kind != "param_grad")]
+        self.ops = self.reader.ops if not own_data else []  # one rank's own operations (replicas run the same)
 
     def tensor(self, entry):
         return self.reader.tensor(entry)

@@ -24,6 +24,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 Number = Union[Int64, float]  # what arithmetic and "{:.3g}" accept
 Phase = Literal["forward", "backward"]
 PARAM_KINDS = ("param", "param_grad", "param_grad_use")
+MICROBATCHES = "microbatches"  # ``Merge.over``: the parts are one step's microbatches, not ranks
 
 
 class Stats(TypedDict, total=False):
@@ -41,10 +42,19 @@ class Stats(TypedDict, total=False):
 class Merge(msgspec.Struct, frozen=True, omit_defaults=True):
     """How a tensor of a run of ranks was joined from each rank's part: concatenated on ``dim`` ("concat"; part
     by part, ``parts`` of them, "concat_parts"), one rank's copy ("replicate"), partial sums added ("sum"), or
-    left per rank until compared with another run ("ranks")."""
+    left per rank until compared with another run ("ranks"). ``ranks``: the rank each part comes from, in order
+    (None: every rank of the run, 0 first). ``over``: what the parts are, ranks or the microbatches of one step
+    (then "batches": joined along the batch axis, which the other run's shape decides)."""
     how: str
     dim: Optional[int] = None
     parts: Optional[int] = None
+    ranks: Optional[tuple[int, ...]] = None
+    over: str = "ranks"
+    scale: Optional[float] = None  # "sum": the sum is scaled by this (a data-parallel mean: 1 / ranks)
+
+    def rank_of(self, part: int) -> int:
+        """The rank that holds the ``part``-th part."""
+        return part if self.ranks is None else self.ranks[part]
 
     @property
     def axis(self) -> int:
@@ -121,8 +131,10 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     error: Optional[str] = None
     ops: Optional[Count] = None  # operations recorded inside this call (``ops`` tracing); None: not recorded
     producers: Optional[dict[str, Producer]] = None  # inputs: in the caller's call; outputs: in this call
+    micro: Optional[Count] = None  # the microbatch of a step run by a pipeline schedule (None: a step of one call)
     absorbed: Optional[str] = None  # never in a file: a module of B read with a child it runs inside itself
     ranks_missing: Optional[list[int]] = None  # never in a file: ranks of a run that lack this record
+    ranks_held: Optional[list[int]] = None  # never in a file: the only ranks of a run that ran it (a pipeline stage)
 
     @property
     def module_path(self) -> str:
@@ -158,6 +170,7 @@ class OpRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ta
     function: Optional[str] = None
     in_place: bool = False
     error: Optional[str] = None
+    micro: Optional[Count] = None  # as its module call's
 
     @property
     def parent(self) -> tuple[str, int]:
@@ -189,7 +202,9 @@ class ParamRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     module: Optional[str] = None
     module_type: Optional[str] = None
     tied: Optional[list[str]] = None
+    increment: bool = False  # a gradient that is one backward's contribution (a step's microbatches add up)
     ranks_missing: Optional[list[int]] = None
+    ranks_held: Optional[list[int]] = None
 
     @property
     def module_path(self) -> str:

@@ -1,0 +1,90 @@
+"""A tensor of several ranks, or of a step's microbatches, whose join waits for the other run's shape: the ways it
+may be joined (one copy, or its parts along one axis; the parts may be such tensors themselves: a step's
+microbatches of a tensor-parallel run's logits). Pairing tries them to find a tensor's counterpart;
+``compare.per_rank.resolve`` picks the one that lines up with the counterpart."""
+from __future__ import annotations
+
+from typing import Optional
+
+from msgspec.structs import replace
+
+from layerdiff.match.operands import combine_stats
+from layerdiff.tracefile.records import Merge, TensorEntry
+
+# one way to join a tensor: its own join (("keep",): decided already; ("replicate",); ("concat", axis)) and the
+# way its parts are joined, when they wait too
+Way = tuple[tuple, Optional["Way"]]
+_KEEP = ("keep",)
+
+
+def _waits(entry: TensorEntry) -> bool:
+    return entry.merge is not None and entry.merge.how in ("ranks", "batches") and len(entry.parts) > 1
+
+
+def _nested(entry: TensorEntry) -> bool:
+    return bool(entry.parts) and unresolved(entry.parts[0])
+
+
+def unresolved(entry: TensorEntry) -> bool:
+    """A tensor of several ranks or microbatches whose join (or whose parts' join) waits for the other run."""
+    return _waits(entry) or _nested(entry)
+
+
+def ways(entry: TensorEntry) -> list[Way]:
+    """Every way an unresolved entry may be joined: one copy, or its parts along one of its axes, for each way
+    its parts may be joined."""
+    inner: list = ways(entry.parts[0]) if _nested(entry) else [None]
+    own: list[tuple] = [_KEEP]
+    if _waits(entry):
+        same = len({tuple(p.shape) for p in entry.parts}) == 1
+        own = ([("replicate",)] if same else []) + [("concat", dim) for dim in range(len(entry.shape))
+                                                    if _joinable(entry.parts, dim)]
+    return [(o, i) for i in inner for o in own]
+
+
+def _joinable(parts: tuple[TensorEntry, ...], dim: int) -> bool:
+    """Parts that agree on every axis but ``dim`` (an expert's tokens from each rank: as many as were routed)."""
+    rest = {tuple(p.shape[:dim] + p.shape[dim + 1:]) for p in parts}
+    return len(rest) == 1 and all(len(p.shape) > dim for p in parts)
+
+
+def resolved_as(entry: TensorEntry, way: Way) -> TensorEntry:
+    """An unresolved entry joined one way (``ways``)."""
+    own, inner = way
+    merge = entry.merge
+    assert merge is not None
+    if inner is not None:
+        parts = tuple(resolved_as(part, inner) for part in entry.parts)
+        shape = list(parts[0].shape)
+        if own == _KEEP and merge.how == "concat":
+            shape[merge.axis] = sum(p.shape[merge.axis] for p in parts)
+        entry = replace(entry, parts=parts, shape=shape)
+    if own == _KEEP:
+        return entry
+    if own[0] == "replicate":
+        return replace(entry, merge=Merge("replicate", ranks=merge.ranks, over=merge.over))
+    dim = own[1]
+    shape = list(entry.shape)
+    shape[dim] = sum(p.shape[dim] for p in entry.parts)
+    return replace(entry, shape=shape, merge=Merge("concat", dim, ranks=merge.ranks, over=merge.over),
+                   stats=combine_stats([p.stats for p in entry.parts]) or entry.stats)
+
+
+def candidate_shapes(entry: TensorEntry) -> list[tuple[int, ...]]:
+    """The shapes an entry may have once joined (its own, when it is no join waiting for the other run)."""
+    if not unresolved(entry):
+        return [tuple(entry.shape)]
+    return [tuple(resolved_as(entry, way).shape) for way in ways(entry)]
+
+
+def best_way(entry: TensorEntry, fits: list[Way]) -> Way | None:
+    """Of the ways that line an entry up with its counterpart, the one to take: the one with the fewest joins
+    along an axis (a copy before shards); None when two such remain (the join cannot be told)."""
+    def concats(way: Way | None) -> int:
+        return 0 if way is None else (way[0][0] == "concat") + concats(way[1])
+
+    if not fits:
+        return None
+    least = min(concats(w) for w in fits)
+    best = [w for w in fits if concats(w) == least]
+    return best[0] if len(best) == 1 else None

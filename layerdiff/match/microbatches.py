@@ -1,0 +1,218 @@
+"""Steps run as microbatches, read as one call per module per step.
+
+Under a pipeline schedule (Megatron's ``get_forward_backward_func()``) one step runs the model once per
+microbatch: every module is called M times in the step, on M slices of the batch, and each parameter's gradient
+arrives once per microbatch. The tracer marks those calls with their microbatch (``CallRecord.micro``). Compared
+with a run that took the whole batch in one call, the M calls of a module are one call whose tensors are joined
+along the batch axis (which axis, the other run's shape decides, as for a run of ranks:
+``compare.per_rank.resolve``), and a parameter's gradients are the step's: the last running total, or the sum of
+the increments (``ParamRecord.increment``: Megatron's DistributedDataParallel adds each microbatch's gradient
+into its own buffer). Two runs with the same microbatches are compared call by call, unjoined.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+from msgspec.structs import replace
+
+from layerdiff.match.operands import combine_stats
+from layerdiff.tracefile.records import MICROBATCHES, CallRecord, Merge, ParamRecord, Record, TensorEntry
+from layerdiff.tracefile.tensors import as_float, encode_float
+
+
+def microbatch_counts(records: list[Record]) -> dict[int, int]:
+    """{step: number of microbatches} of the steps run as microbatches."""
+    counts: dict[int, int] = {}
+    for rec in records:
+        if isinstance(rec, CallRecord) and rec.micro is not None:
+            counts[rec.step] = max(counts.get(rec.step, 0), rec.micro + 1)
+    return counts
+
+
+def joined_pair(reader_a: Any, reader_b: Any) -> tuple[Any, Any]:
+    """The two readers as they compare: a run whose steps ran as microbatches and the other run did not (or in
+    other microbatches) is read with its microbatches joined; two runs alike are left as they are."""
+    counts = [microbatch_counts(r.records) for r in (reader_a, reader_b)]
+    if counts[0] == counts[1]:
+        return reader_a, reader_b
+    return tuple(Joined(r) if any(m > 1 for m in c.values()) else r  # type: ignore[return-value]
+                 for r, c in zip((reader_a, reader_b), counts))
+
+
+class Joined:
+    """A reader (a trace, or a run of ranks) whose microbatched steps read as one call per module per step (see
+    the module docstring); the joined tensors are read from the wrapped reader, part by part."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.path: Path = inner.path
+        self.meta = {**inner.meta, "microbatches_joined": True}
+        self.crashed, self.end = inner.crashed, inner.end
+        self.ops: list = []  # operations are not joined over microbatches: compare them between alike runs
+        self._next_offset = min([0, *(t.offset for rec in inner.records for t in _entries(rec)
+                                      if t.offset is not None)]) - 1
+        self.records = self._join(inner.records)
+
+    # -- joining ------------------------------------------------------------------------------------------
+    def _join(self, records: list[Record]) -> list[Record]:
+        counts = microbatch_counts(records)
+        groups: dict[tuple, list[Record]] = {}
+        order: list[tuple] = []
+        seen_in_micro: dict[tuple, int] = {}
+        for rec in records:
+            key = self._group_key(rec, counts, seen_in_micro)
+            if key not in groups:
+                groups[key] = []
+                order.append(key)
+            groups[key].append(rec)
+        self._tokens = _token_shapes(records)
+        calls: dict[tuple, int] = {}  # (kind, phase, path) -> joined calls so far
+        renumbered: dict[tuple, int] = {}  # (phase, path, original call) -> joined call
+        joined: list[Record] = []
+        for key in order:
+            parts = groups[key]
+            first = parts[0]
+            count_key = (first.kind, first.phase, first.path)
+            call = calls.get(count_key, 0)
+            calls[count_key] = call + 1
+            for part in parts:
+                if isinstance(part, CallRecord):
+                    renumbered[(part.phase, part.path, part.call)] = call
+            joined.append(self._joined_record(parts, call))
+        return [self._reparented(rec, renumbered) for rec in joined]
+
+    @staticmethod
+    def _group_key(rec: Record, counts: dict[int, int], seen: dict[tuple, int]) -> tuple:
+        """Records of one step that join: a module's k-th call in each microbatch; a parameter's gradients."""
+        if counts.get(rec.step, 1) < 2:
+            return ("own", id(rec))
+        if isinstance(rec, CallRecord) and rec.micro is not None:
+            k = seen.get((rec.step, rec.micro, rec.phase, rec.path), 0)
+            seen[(rec.step, rec.micro, rec.phase, rec.path)] = k + 1
+            return ("call", rec.step, rec.phase, rec.path, k)
+        if isinstance(rec, ParamRecord) and rec.kind == "param_grad":
+            return ("grad", rec.step, rec.path)
+        return ("own", id(rec))
+
+    def _joined_record(self, parts: list[Record], call: int) -> Record:
+        first = parts[0]
+        if len(parts) == 1:
+            return replace(first, call=call)
+        if isinstance(first, ParamRecord):
+            if not first.increment:  # each record is the running total: the last is the step's gradient
+                return replace(parts[-1], call=call)
+            tensors = [self._joined_entry([p.tensors[0] for p in parts], "sum")] if first.tensors else []
+            return replace(first, call=call, tensors=tensors, increment=False)
+        tensors = []
+        for entry in first.tensors:
+            found = [next((t for t in p.tensors if t.role == entry.role and t.key == entry.key), None)
+                     for p in parts]
+            if any(t is None for t in found):
+                continue  # a tensor not every microbatch had: left out, as a record only one rank holds
+            tensors.append(self._joined_entry([t for t in found if t is not None], self._batch_join(first, found)))
+        return replace(first, call=call, tensors=tensors)
+
+    def _batch_join(self, rec: Record, parts: list) -> str | int:
+        """How a tensor's microbatches join: "replicate" when each had it alike (a mask, rotary angles), else
+        along the batch axis: the first axis of the microbatch's batch size (token ids [b, s]); the layouts models
+        use put it before heads and groups ([b, s, h], Megatron's [s, b, h], [b, heads, s, d], [s, b, groups, d]).
+        A tensor with no such axis is left for the other run's shape to decide ("batches")."""
+        first = parts[0]
+        if all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:]):
+            return "replicate"
+        batch = (self._tokens.get(rec.step) or (None,))[0]
+        return next((d for d, n in enumerate(first.shape) if n == batch), "batches")
+
+    def _joined_entry(self, parts: list[TensorEntry], how: str | int) -> TensorEntry:
+        """``how``: "sum" (gradients), "replicate", "batches" (undecided), or the axis to join on."""
+        stats: Mapping[str, Any]
+        shape = list(parts[0].shape)
+        if how == "sum":
+            stats = {"numel": parts[0].stats.get("numel", 0), "min": None, "max": None, "mean": None, "l2": None,
+                     "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
+        elif how == "replicate":
+            stats = parts[0].stats
+        else:
+            stats = combine_stats([p.stats for p in parts]) or parts[0].stats
+        if isinstance(how, int):
+            shape[how] = sum(p.shape[how] for p in parts)
+            merge = Merge("concat", how, over=MICROBATCHES)
+        else:
+            merge = Merge(how, over=MICROBATCHES)
+        offset = nbytes = None
+        if all(p.offset is not None for p in parts):
+            offset, self._next_offset = self._next_offset, self._next_offset - 1
+            nbytes = sum(p.nbytes or 0 for p in parts)
+        return replace(parts[0], shape=shape, stats=stats, merge=merge, parts=tuple(parts), offset=offset,
+                       nbytes=nbytes, placement=None)
+
+    @staticmethod
+    def _reparented(rec: Record, renumbered: dict[tuple, int]) -> Record:
+        if isinstance(rec, CallRecord) and rec.parent is not None:
+            parent = (rec.parent[0], renumbered.get((rec.phase, rec.parent[0], rec.parent[1]), rec.parent[1]))
+            return replace(rec, parent=parent, micro=None)
+        return replace(rec, micro=None) if isinstance(rec, CallRecord) else rec
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def part_values(self, entry: TensorEntry) -> list:
+        if _joined_here(entry):
+            return [self.inner.tensor(part) for part in entry.parts]
+        return self.inner.part_values(entry)
+
+    def tensor(self, entry: TensorEntry) -> np.ndarray:
+        if not _joined_here(entry):
+            return self.inner.tensor(entry)
+        merge = entry.merge
+        assert merge is not None
+        values = self.part_values(entry)
+        if merge.how == "sum":
+            total = np.sum([as_float(v, entry.dtype).astype(np.float64) for v in values], axis=0)
+            return encode_float(total, entry.dtype)
+        if merge.how == "concat":
+            return np.concatenate(values, axis=merge.axis)
+        return values[0]  # a copy each microbatch had alike (a mask), or not resolved yet
+
+    def tensor_chunks(self, entry: TensorEntry, chunk_elems: int) -> Iterator[np.ndarray]:
+        if not _joined_here(entry):
+            return self.inner.tensor_chunks(entry, chunk_elems)
+        flat = self.tensor(entry).reshape(-1)
+        return (flat[start:start + chunk_elems] for start in range(0, flat.size, chunk_elems))
+
+    def data_segments(self, entry: TensorEntry) -> list | None:
+        return None if _joined_here(entry) else self.inner.data_segments(entry)
+
+    def size_bytes(self) -> int:
+        return self.inner.size_bytes()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> "Joined":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _token_shapes(records: list[Record]) -> dict[int, tuple]:
+    """{step: (batch, sequence)} of a microbatch, from the token ids (the first 2-D integer input) of the step's
+    first root call."""
+    out: dict[int, tuple] = {}
+    for rec in records:
+        if isinstance(rec, CallRecord) and rec.phase == "forward" and not rec.parent and rec.step not in out:
+            ids = next((t for t in rec.tensors if t.role == "input" and len(t.shape) == 2
+                        and t.dtype.startswith(("int", "uint"))), None)
+            if ids is not None:
+                out[rec.step] = tuple(ids.shape)
+    return out
+
+
+def _joined_here(entry: TensorEntry) -> bool:
+    return entry.merge is not None and entry.merge.over == MICROBATCHES
+
+
+def _entries(rec: Record) -> list[TensorEntry]:
+    return list(rec.tensors)
+

@@ -1,0 +1,200 @@
+"""Megatron-core runs as people launch them, on real CPU ranks (torchrun, gloo): tensor parallel with sequence
+parallelism, pipeline parallel (one microbatch, and several through the 1F1B schedule with an uneven split), and
+TP=2 x PP=2 on 4 ranks, each traced with the unchanged ``layerdiff.trace(model, PATH)`` in every rank and aligned,
+with no flags, against transformers in one process and against Megatron at TP=1/PP=1; planted defects named at
+their module, rank and direction (``recipes/megatron_parallel.py``)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from layerdiff.runs.ranks import open_run  # noqa: E402
+
+from conftest import align_files  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.megatron, pytest.mark.slow]
+
+REFERENCES = """
+import sys
+import layerdiff
+from layerdiff.recipes import megatron_moe, megatron_parallel, torch_llama
+
+out = sys.argv[1]
+for name, recipe, kwargs, steps in (("hf", torch_llama, {"layers": 4}, 1),
+                                    ("hf_train", torch_llama, {"layers": 4, "lr": 0.5}, 2),
+                                    ("mg1", megatron_parallel, {}, 1), ("mg1_train", megatron_parallel, {"lr": 0.5}, 2),
+                                    ("mixtral", megatron_moe, {"impl": "hf"}, 1)):
+    built = recipe.build(**kwargs)
+    with layerdiff.trace(built["model"], f"{out}/{name}.h5"):
+        for _ in range(steps):
+            built["step"]()
+"""
+
+RUNS = """
+import sys
+import layerdiff
+from layerdiff.recipes import megatron_parallel
+
+out = sys.argv[1]
+for name, kwargs, steps in RUNS:
+    built = megatron_parallel.build(**kwargs)
+    with layerdiff.trace(built["model"], f"{out}/{name}"):
+        for _ in range(steps):
+            built["step"]()
+"""
+TWO_RANKS = [
+    ("sp", {"tp": 2, "sp": True}, 1),
+    ("sp_train", {"tp": 2, "sp": True, "lr": 0.5}, 2),
+    ("sp_norm", {"tp": 2, "sp": True, "lr": 0.5, "defect": "sp_norm"}, 2),
+    ("sp_reduce_scatter", {"tp": 2, "sp": True, "defect": "reduce_scatter"}, 1),
+    ("pp", {"pp": 2}, 1),
+    ("pp_micro", {"pp": 2, "microbatches": 2, "first_stage_layers": 3}, 1),
+    ("pp_offset", {"pp": 2, "microbatches": 2, "first_stage_layers": 3, "defect": "offset"}, 1),
+    ("pp_backward", {"pp": 2, "microbatches": 2, "defect": "stage_backward"}, 1),
+]
+EXPERTS = """
+import sys
+import layerdiff
+from layerdiff.recipes import megatron_moe
+
+for name, kwargs in (("moe_dp", {"dp": 2}), ("moe_ep", {"dp": 2, "ep": 2}),
+                     ("moe_ep_expert", {"dp": 2, "ep": 2, "defect": "expert_rank"})):
+    built = megatron_moe.build(**kwargs)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/{name}"):
+        built["step"]()
+"""
+FOUR_RANKS = [
+    ("tp_pp", {"tp": 2, "pp": 2, "microbatches": 2}, 1),
+    ("tp_pp_backward", {"tp": 2, "pp": 2, "microbatches": 2, "defect": "stage_backward"}, 1),
+]
+
+
+def _run(root, name: str, code: str, launcher: list[str]):
+    script = root / f"{name}.py"
+    script.write_text(textwrap.dedent(code))
+    proc = subprocess.run([sys.executable, *launcher, str(script), str(root)], capture_output=True, text=True,
+                          timeout=900, cwd=root)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _torchrun(ranks: int) -> list[str]:
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_parallel")
+    _run(root, "references", REFERENCES, [])
+    _run(root, "two_ranks", f"RUNS = {TWO_RANKS!r}\n" + RUNS, _torchrun(2))
+    _run(root, "four_ranks", f"RUNS = {FOUR_RANKS!r}\n" + RUNS, _torchrun(4))
+    _run(root, "experts", EXPERTS, _torchrun(2))
+    return root
+
+
+@pytest.mark.parametrize("run,reference", [("sp", "hf"), ("pp", "hf"), ("pp_micro", "hf"), ("tp_pp", "hf"),
+                                           ("sp_train", "hf_train"), ("sp", "mg1"), ("pp_micro", "mg1"),
+                                           ("tp_pp", "mg1"), ("sp_train", "mg1_train")])
+def test_each_layout_aligns_with_one_process_without_flags(runs, run, reference):
+    report = align_files(runs / f"{reference}.h5", runs / run)
+    assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
+                                            report["backward"]["first_divergence"])
+    compared = [t for r in report["records"] for t in r["tensors"]]
+    assert len(compared) > 250 and all(t["passed"] for t in compared)
+    grads = [r for r in report["records"] if r["kind"] == "param_grad"]
+    params = 39 if reference.startswith("hf") else 27  # Megatron fuses q, k, v and gate, up
+    assert len(grads) == params * (2 if run == "sp_train" else 1)  # every parameter's gradient, every stage's
+
+
+def test_pipeline_stages_join_into_one_model_under_global_layer_numbers(runs):
+    with open_run(runs / "pp_micro") as run:
+        assert [reader.meta["parallel"]["pp_rank"] for reader in run.readers] == [0, 1]
+        assert run.readers[1].meta["parallel"]["global_paths"] == {"decoder.layers.0": "decoder.layers.3"}
+        forward = [r for r in run.records if r.kind == "call" and r.phase == "forward"]
+        layers = {r.path for r in forward if r.path.count(".") == 2 and r.path.startswith("decoder.layers.")}
+        assert layers == {f"decoder.layers.{i}" for i in range(4)}
+        assert {r.ranks_held[0] for r in forward if r.path == "decoder.layers.3"} == {1}
+        root = next(r for r in forward if r.path == "")
+        assert [t.role for t in root.tensors].count("input") == 3  # stage 0's inputs ...
+        assert [t.shape for t in root.tensors if t.role == "output"] == [[1, 16, 256]]  # ... the last stage's logits
+        assert {r.step for r in forward} == {0} and {r.micro for r in forward} == {0, 1}  # one step, 2 microbatches
+
+
+@pytest.mark.parametrize("run,reference,direction,module,ranks", [
+    ("sp_norm", "hf_train", "backward", "model.norm", [0, 1]),
+    ("sp_reduce_scatter", "hf", "forward", "model.layers.1.self_attn.o_proj", [0, 1]),
+    ("pp_offset", "hf", "forward", "model.layers.3.input_layernorm", [1]),
+    ("pp_backward", "hf", "backward", "model.layers.3.mlp.down_proj", [1]),
+    ("tp_pp_backward", "hf", "backward", "model.layers.3.mlp.down_proj", [2, 3]),
+])
+def test_a_planted_defect_is_named_at_its_module_rank_and_direction(runs, run, reference, direction, module, ranks):
+    from layerdiff.recipes.megatron_parallel import DEFECTS
+
+    report = align_files(runs / f"{reference}.h5", runs / run)
+    origin = report[direction]["first_divergence"]
+    assert origin["module"] == module == DEFECTS[_defect(run)][1]
+    assert origin["phase"] == direction and origin["ranks"] == ranks, origin
+    if direction == "backward":
+        assert "inherited" not in origin["description"], origin["description"]
+
+
+def _defect(run: str) -> str:
+    return {"sp_norm": "sp_norm", "sp_reduce_scatter": "reduce_scatter", "pp_offset": "offset",
+            "pp_backward": "stage_backward", "tp_pp_backward": "stage_backward"}[run]
+
+
+def test_a_norm_gradient_never_all_reduced_under_sequence_parallelism(runs):
+    """Megatron-LM #1446: each TP rank keeps its partial sum of the final norm's weight gradient; the report says
+    the copies add up to the reference's (an all-reduce is missing), and that the replicas differ after the
+    update."""
+    report = align_files(runs / "hf_train.h5", runs / "sp_norm")
+    backward, forward = report["backward"]["first_divergence"], report["forward"]["first_divergence"]
+    assert backward["step"] == 0 and "all-reduce" in backward["hint"]
+    assert forward["module"] == "model.norm" and forward["step"] == 1 and forward["ranks"] == [0, 1]
+    assert "model.norm.weight" in report["params"]["differ"]
+    step2 = next(r for r in report["records"] if r["kind"] == "param" and r["path"] == "model.norm.weight"
+                 and r["step"] == 1)
+    copies = step2["tensors"][0]["metrics"]["ranks"]
+    assert copies["how"] == "copies" and copies["0"]["max_abs"] != copies["1"]["max_abs"]  # the replicas differ
+
+
+@pytest.mark.parametrize("run,reference", [("moe_ep", "mixtral.h5"), ("moe_dp", "mixtral.h5"), ("moe_ep", "moe_dp")])
+def test_expert_parallel_ranks_align_with_mixtral_and_with_data_parallel(runs, run, reference):
+    """EP=2 over 2 data-parallel ranks: each rank holds 2 of the 4 experts (global indices from Megatron's
+    ``local_expert_indices``) and runs them on both ranks' tokens; every rank runs its own sequence."""
+    report = align_files(runs / reference, runs / run)
+    assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
+                                            report["backward"]["first_divergence"])
+    assert report["params"]["grads_compared"] == report["params"]["compared"] > 0
+    if reference == "moe_dp":  # expert by expert: global expert 3 is rank 1's second
+        experts = {r["path"] for r in report["records"] if ".local_experts." in r["path"]}
+        assert {f"decoder.layers.1.mlp.experts.local_experts.{e}" for e in range(4)} <= experts
+
+
+def test_an_expert_perturbed_on_one_expert_parallel_rank(runs):
+    with open_run(runs / "moe_ep") as run:
+        assert run.readers[1].meta["parallel"]["global_paths"]["decoder.layers.1.mlp.experts.local_experts.1"] == \
+            "decoder.layers.1.mlp.experts.local_experts.3"
+    origin = align_files(runs / "moe_dp", runs / "moe_ep_expert")["forward"]["first_divergence"]
+    assert origin["module"] == "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1" and origin["ranks"] == [1]
+    origin = align_files(runs / "mixtral.h5", runs / "moe_ep_expert")["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.1.mlp"  # HF runs every expert in one call: its MoE block
+
+
+def test_ranks_against_their_replicas(runs):
+    """``layerdiff align RUN``: each rank against the first of its pipeline stage; the replicas of the norm whose
+    gradient was never all-reduced differ after the update; a run of stages alone has no replica to compare."""
+    from conftest import run_cli
+
+    code, out, err = run_cli("align", runs / "sp_train", "-q")
+    assert code == 0 and "all 2 ranks agree" in out, out + err
+    code, out, err = run_cli("align", runs / "sp_norm")
+    assert code == 1 and "parameters differ: decoder.final_layernorm.weight" in out, out + err
+    code, out, err = run_cli("align", runs / "tp_pp")
+    assert code == 0 and "rank 3: agrees with rank 2" in out, out + err
+    code, out, err = run_cli("align", runs / "pp")
+    assert code == 2 and "no two hold the same layers" in err and "Traceback" not in err, err
