@@ -128,6 +128,8 @@ class Tracer:
         return self.session.failure if self.session is not None else None
 
     def flush(self):
+        if self.session is not None:
+            self.session.flush_deferred()  # statistics still on the device, and the records that wait for them
         self.writer.flush()
 
     def __exit__(self, exc_type, exc, tb):

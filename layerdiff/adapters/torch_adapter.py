@@ -5,6 +5,7 @@ import math
 import os
 import platform
 import sys
+import weakref
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ import torch
 from layerdiff.adapters import megatron_facts
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.capture.session import DeferredStats
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -135,9 +137,52 @@ def fast_stats(t: torch.Tensor):
     if not _on_accelerator(shard):
         return framework_stats(shard) if shard.numel() >= threshold else None
     try:
-        return framework_stats(shard)
+        return DeviceStats(shard)
     except (RuntimeError, TypeError, NotImplementedError):  # a backend without a kernel or dtype used here (MPS
         return None  # has no float64): the tensor is summarized on the host; its own error, if any, surfaces there
+
+
+_DEFERRED_CHUNK = 1 << 24  # accelerators: bounds the float64 temporary of the sum of squares
+
+
+class DeviceStats(DeferredStats):
+    """A tensor's statistics queued on its accelerator now and read back later with a batch of others
+    (``read_stats``): [min, max, sum, sum of squares, NaN count, Inf count] in float64, the sums accumulated in
+    float64. A tensor with NaN or Inf is summarized again over its finite values when read back, if it is still
+    as it was (its version counter); else its counts stand, with no min, max, mean or norm."""
+
+    __slots__ = ("source", "version", "numel")
+
+    def __init__(self, t: torch.Tensor):
+        flat = t.detach().reshape(-1)
+        rows = []
+        for part in flat.split(_DEFERRED_CHUNK):
+            part = part if part.dtype in _FLOAT_BASES else part.float()
+            counts = torch.stack([torch.isnan(part).sum(), torch.isinf(part).sum()])
+            rows.append(torch.cat([torch.stack(torch.aminmax(part)).double(), part.sum(dtype=torch.float64)[None],
+                                   torch.linalg.vector_norm(part, dtype=torch.float64).square()[None],
+                                   counts.double()]))
+        values = rows[0] if len(rows) == 1 else torch.cat([torch.stack(rows)[:, :1].amin(0),
+                                                           torch.stack(rows)[:, 1:2].amax(0),
+                                                           torch.stack(rows)[:, 2:].sum(0)])
+        super().__init__(values)
+        self.source, self.version, self.numel = weakref.ref(t), t._version, flat.numel()
+
+
+def read_stats(pending: list) -> None:
+    """The statistics of ``DeviceStats`` read back at once: one synchronization for the whole batch."""
+    values = torch.stack([p.values.to(pending[0].values.device) for p in pending]).cpu().tolist()
+    for p, (lo, hi, total, square, nan, inf) in zip(pending, values):
+        source, numel = p.source(), p.numel
+        if all(math.isfinite(v) for v in (lo, hi, total, square)):
+            p.result = {"numel": numel, "min": lo, "max": hi, "mean": total / numel, "l2": math.sqrt(square),
+                        "nan": 0, "inf": 0}
+        elif source is not None and source._version == p.version:  # still as it was: its finite values
+            p.result = _stats_skipping_nonfinite(local(source).detach().reshape(-1), _DEVICE_CHUNK)
+        else:  # changed or gone since: the counts are known, the rest is not
+            p.result = {"numel": numel, "min": None, "max": None, "mean": None, "l2": None, "nan": int(nan),
+                        "inf": int(inf)}
+        p.values = None
 
 
 def framework_stats(t: torch.Tensor) -> dict:
@@ -388,6 +433,7 @@ class TorchAdapter(FrameworkAdapter):
     to_stored = staticmethod(to_stored)
     identify = staticmethod(identify)
     fast_stats = staticmethod(fast_stats)
+    read_stats = staticmethod(read_stats)
     describe = staticmethod(describe)
     placement = staticmethod(placement)
     metadata = staticmethod(metadata)

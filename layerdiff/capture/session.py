@@ -6,6 +6,7 @@ cheap, and the reader checks every line against the declaration). Keeping this h
 identical in shape."""
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 import weakref
@@ -71,7 +72,8 @@ class TensorAccess(Protocol):
     ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes, or None;
     ``fast_stats(t)`` -> the statistics computed by the framework itself, or None to use numpy;
     ``describe(t)`` -> (dtype name, shape) of what ``fast_stats`` summarized: "stats" mode skips the host copy;
-    ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part).
+    ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part);
+    ``read_stats(pending)`` -> fills the ``result`` of statistics ``fast_stats`` left on the device, at once.
     """
 
     def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None: ...
@@ -84,8 +86,35 @@ class TensorAccess(Protocol):
 
     def placement(self, t: Any) -> dict | None: ...
 
+    def read_stats(self, pending: list[DeferredStats]) -> None: ...
+
     @property
     def gradients_keep_identity(self) -> bool: ...
+
+
+class DeferredStats:
+    """Statistics a framework has started to reduce on its device (an accelerator), read back later together with
+    the others of a batch: one synchronization per batch instead of one per tensor. The reductions are queued on
+    the device at once, so they see the tensor's values as they are now, whatever runs after."""
+
+    __slots__ = ("values", "result")
+
+    def __init__(self, values: Any):
+        self.values = values  # the framework's device tensor of the statistics, still on the device
+        self.result: dict | None = None  # the statistics, once read back (``TensorAccess.read_stats``)
+
+
+DEFERRED_RECORDS = 4096  # records held while their statistics are still on the device, at most
+
+
+def _settled(record: dict) -> dict:
+    """The record with the statistics read back from the device in place (entries made earlier in the step,
+    held by calls still open or seen again, may still point at them)."""
+    for entry in record.get("tensors", ()):
+        stats = entry.get("stats")
+        if isinstance(stats, DeferredStats) and stats.result is not None:
+            entry["stats"] = stats.result
+    return record
 
 
 class TraceSession:
@@ -114,8 +143,31 @@ class TraceSession:
         self.failure: dict | None = None
         self.warnings: list[str] = []
         self.started = time.time()
+        self.deferred: list[DeferredStats] = []  # statistics still on the device ...
+        self.queued: list[dict] = []  # ... and the records that wait for them, in order
+        self._deferring = threading.RLock()  # autograd may call back from a thread of its own
 
     # -- helpers -------------------------------------------------------------------------------------------
+    def _write(self, record: dict) -> None:
+        """A record to the writer, in order: after the records that wait for statistics still on the device."""
+        with self._deferring:
+            if not self.deferred:
+                self.writer.write_record(_settled(record))
+                return
+            self.queued.append(record)
+            if len(self.queued) >= DEFERRED_RECORDS:
+                self.flush_deferred()
+
+    def flush_deferred(self) -> None:
+        """Reads back every statistic left on the device (one synchronization) and writes the records waiting."""
+        with self._deferring:
+            if not self.deferred:
+                return
+            self.tensors.read_stats(self.deferred)
+            queued, self.queued, self.deferred = self.queued, [], []
+            for record in queued:
+                self.writer.write_record(_settled(record))
+
     def _next_seq(self) -> int:
         self.seq += 1
         return self.seq
@@ -149,6 +201,8 @@ class TraceSession:
                     self.seen[identity] = ([weakref.ref(t)], entry)
                 return entry
         stats = self.tensors.fast_stats(t)
+        if isinstance(stats, DeferredStats):
+            self.deferred.append(stats)
         if stats is not None and not store:
             entry = self.writer.summary_entry(*self.tensors.describe(t), stats)  # no copy to the host
         else:
@@ -188,6 +242,7 @@ class TraceSession:
         if not self.starts_step(scope):
             self.micro = (self.micro or 0) + 1
             return
+        self.flush_deferred()  # a step's records are in the file before the next step begins
         previous, self.scope = self.scope, scope  # held, so that no later call can reuse its identity
         if previous is not None:
             try:
@@ -240,7 +295,7 @@ class TraceSession:
         """Writes the call's record; returns its output entries."""
         self._pop(frame)
         entries = self._entries("output", outputs, frame.full)
-        self.writer.write_record(self._call_record(
+        self._write(self._call_record(
             frame, "forward", frame.begin, frame.inputs + entries, hparams=frame.hparams,
             scalars={**frame.scalars, **scalars}))
         return entries
@@ -253,7 +308,7 @@ class TraceSession:
                             "module_stack": [f.path for f in self.stack],
                             "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:]}
         self._pop(frame)
-        self.writer.write_record(self._call_record(
+        self._write(self._call_record(
             frame, "forward", frame.begin, frame.inputs, hparams=frame.hparams, scalars=frame.scalars,
             incomplete=True, error=message))
 
@@ -263,7 +318,7 @@ class TraceSession:
         begin = self._next_seq()
         entries = self._entries("grad_output", grads, frame.full)
         if not frame.tapped_inputs:
-            self.writer.write_record(self._call_record(frame, "backward", begin, entries))
+            self._write(self._call_record(frame, "backward", begin, entries))
             return
         earlier = self.pending_backward.pop(id(frame), None)
         if earlier is not None:  # a second backward through the same call before the first finished
@@ -274,13 +329,13 @@ class TraceSession:
         pending = self.pending_backward.pop(id(frame), None)
         entries = self._entries("grad_input", grads, frame.full)
         if pending is None:  # outputs carried no gradient (unused); inputs still did
-            self.writer.write_record(self._call_record(frame, "backward", self._next_seq(), entries))
+            self._write(self._call_record(frame, "backward", self._next_seq(), entries))
             return
-        self.writer.write_record(self._call_record(frame, "backward", pending.begin,
+        self._write(self._call_record(frame, "backward", pending.begin,
                                                    pending.grad_outputs + entries))
 
     def _emit_pending(self, pending: PendingBackward):
-        self.writer.write_record(self._call_record(pending.frame, "backward", pending.begin,
+        self._write(self._call_record(pending.frame, "backward", pending.begin,
                                                    pending.grad_outputs))
 
     # -- operations inside a call (``ops`` tracing; see ``capture.ops``) ------------------------------------
@@ -319,7 +374,7 @@ class TraceSession:
             entry = self._tensor_entry(t, self.store_data and op.frame.full, like)
             if entry is not None:
                 entries.append({**entry, "role": "output", "key": key})
-        self.writer.write_record(self._op_record(op, "forward", op.begin, op.inputs + entries))
+        self._write(self._op_record(op, "forward", op.begin, op.inputs + entries))
         return entries
 
     def op_grads(self, op: OpFrame, grad_outputs, grad_inputs, same_values: bool = False):
@@ -333,23 +388,23 @@ class TraceSession:
             entry = self._tensor_entry(g, store, like, known=known)
             if entry is not None:
                 entries.append({**entry, "role": "grad_input", "key": key})
-        self.writer.write_record(self._op_record(op, "backward", begin, entries))
+        self._write(self._op_record(op, "backward", begin, entries))
 
     def fail_op(self, op: OpFrame, exc: BaseException):
         """The operation raised: its inputs and the error are kept (the module call's record follows)."""
         message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
-        self.writer.write_record(self._op_record(op, "forward", op.begin, op.inputs, error=message))
+        self._write(self._op_record(op, "forward", op.begin, op.inputs, error=message))
 
     def op_grad_outputs(self, op: OpFrame, grads, waits: bool):
         """Gradients w.r.t. the operation's outputs; ``waits``: those w.r.t. its inputs come next."""
         begin = self._next_seq()
         entries = self._entries("grad_output", grads, op.frame.full)
         if not waits:
-            self.writer.write_record(self._op_record(op, "backward", begin, entries))
+            self._write(self._op_record(op, "backward", begin, entries))
             return
         earlier = self.pending_ops.pop(id(op), None)
         if earlier is not None and earlier.grad_outputs is not None:  # a second backward through it
-            self.writer.write_record(self._op_record(earlier, "backward", earlier.backward_begin,
+            self._write(self._op_record(earlier, "backward", earlier.backward_begin,
                                                      earlier.grad_outputs))
         op.grad_outputs, op.backward_begin = entries, begin
         self.pending_ops[id(op)] = op
@@ -359,7 +414,7 @@ class TraceSession:
         pending = self.pending_ops.pop(id(op), None)
         grad_outputs = pending.grad_outputs if pending is not None and pending.grad_outputs is not None else []
         begin = pending.backward_begin if pending is not None else self._next_seq()
-        self.writer.write_record(self._op_record(op, "backward", begin, grad_outputs + entries))
+        self._write(self._op_record(op, "backward", begin, grad_outputs + entries))
         op.grad_outputs = None
 
     # -- parameters ----------------------------------------------------------------------------------------
@@ -384,7 +439,7 @@ class TraceSession:
             record["tied"] = list(tied)
         if increment:
             record["increment"] = True
-        self.writer.write_record(record)
+        self._write(record)
 
     def param_use(self, name: str, frame: CallFrame, grad, tied: list):
         """One call's own contribution to a tied parameter's gradient (before it is summed with the other
@@ -392,7 +447,7 @@ class TraceSession:
         small = _numel(grad) <= USE_DATA_LIMIT  # a vocabulary-sized tied embedding: its statistics suffice
         entries = self._entries("param_grad", [("value", grad)], frame.full and small)
         if entries:
-            self.writer.write_record({"kind": "param_grad_use", "path": name, "module": frame.path,
+            self._write({"kind": "param_grad_use", "path": name, "module": frame.path,
                                       "module_type": frame.type, "call": frame.call, "step": frame.step,
                                       "seq": self._next_seq(), "tensors": entries, "tied": list(tied)})
 
@@ -403,12 +458,13 @@ class TraceSession:
         self.pending_backward.clear()
         for op in list(self.pending_ops.values()):
             if op.grad_outputs is not None:
-                self.writer.write_record(self._op_record(op, "backward", op.backward_begin, op.grad_outputs))
+                self._write(self._op_record(op, "backward", op.backward_begin, op.grad_outputs))
         self.pending_ops.clear()
         if exc is not None and self.failure is None:
             message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
             self.failure = {"module": self.stack[-1].path if self.stack else None, "call": None,
                             "error": message, "module_stack": [f.path for f in self.stack]}
+        self.flush_deferred()
         end = {"kind": "end", "status": "error" if exc is not None else "complete",
                "failure": self.failure if exc is not None else None,
                "records": self.writer.records_written, "tensor_bytes": self.writer.tensor_bytes,
