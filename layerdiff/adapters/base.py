@@ -63,10 +63,10 @@ class FrameworkAdapter(ABC):
         """The tensor's summary statistics reduced by the framework itself, or None to take them with numpy."""
         return None
 
-    def read_stats(self, pending: list[Any]) -> None:
-        """Read back, at once, the statistics ``fast_stats`` left on a device (``capture.session.DeferredStats``):
-        fills each one's ``result``. Only adapters whose ``fast_stats`` defers need it."""
-        raise NotImplementedError(f"{self.name}: fast_stats deferred statistics without read_stats")
+    def deferral(self) -> Any:
+        """A trace's own ``capture.session.StatsDeferral``: statistics of tensors on an accelerator left there until
+        read back in batches; None where the framework summarizes every tensor at once."""
+        return None
 
     def describe(self, t: Any) -> tuple[str, list[int]]:
         """(dtype name, shape) of the tensor as ``to_stored`` keeps it (of what ``fast_stats`` summarized): lets

@@ -73,7 +73,7 @@ class TensorAccess(Protocol):
     ``fast_stats(t)`` -> the statistics computed by the framework itself, or None to use numpy;
     ``describe(t)`` -> (dtype name, shape) of what ``fast_stats`` summarized: "stats" mode skips the host copy;
     ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part);
-    ``read_stats(pending)`` -> fills the ``result`` of statistics ``fast_stats`` left on the device, at once.
+    ``deferral()`` -> what leaves statistics on a device until read back in batches (``StatsDeferral``), or None.
     """
 
     def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None: ...
@@ -86,7 +86,7 @@ class TensorAccess(Protocol):
 
     def placement(self, t: Any) -> dict | None: ...
 
-    def read_stats(self, pending: list[DeferredStats]) -> None: ...
+    def deferral(self) -> StatsDeferral | None: ...
 
     @property
     def gradients_keep_identity(self) -> bool: ...
@@ -101,7 +101,16 @@ class DeferredStats:
 
     def __init__(self, values: Any):
         self.values = values  # the framework's device tensor of the statistics, still on the device
-        self.result: dict | None = None  # the statistics, once read back (``TensorAccess.read_stats``)
+        self.result: dict | None = None  # the statistics, once read back (``StatsDeferral.read``)
+
+
+class StatsDeferral(Protocol):
+    """A framework's statistics left on its device: ``add(t)`` queues a tensor's (None: the tensor is summarized
+    otherwise), ``read(pending)`` reads a batch back at once, filling each one's ``result``."""
+
+    def add(self, t: Any) -> DeferredStats | None: ...
+
+    def read(self, pending: list[DeferredStats]) -> None: ...
 
 
 DEFERRED_RECORDS = 4096  # records held while their statistics are still on the device, at most
@@ -146,6 +155,7 @@ class TraceSession:
         self.deferred: list[DeferredStats] = []  # statistics still on the device ...
         self.queued: list[dict] = []  # ... and the records that wait for them, in order
         self._deferring = threading.RLock()  # autograd may call back from a thread of its own
+        self.deferral = tensors.deferral()
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _write(self, record: dict) -> None:
@@ -163,7 +173,8 @@ class TraceSession:
         with self._deferring:
             if not self.deferred:
                 return
-            self.tensors.read_stats(self.deferred)
+            if self.deferral is not None:
+                self.deferral.read(self.deferred)
             queued, self.queued, self.deferred = self.queued, [], []
             for record in queued:
                 self.writer.write_record(_settled(record))
@@ -200,9 +211,11 @@ class TraceSession:
                 if identity is not None:
                     self.seen[identity] = ([weakref.ref(t)], entry)
                 return entry
-        stats = self.tensors.fast_stats(t)
-        if isinstance(stats, DeferredStats):
+        stats: Any = self.deferral.add(t) if self.deferral is not None and not store else None
+        if stats is not None:
             self.deferred.append(stats)
+        else:
+            stats = self.tensors.fast_stats(t)
         if stats is not None and not store:
             entry = self.writer.summary_entry(*self.tensors.describe(t), stats)  # no copy to the host
         else:

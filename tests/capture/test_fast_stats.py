@@ -149,22 +149,27 @@ def test_recorded_statistics_equal_the_stored_bytes_over_a_whole_model(tmp_path,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_statistics_queued_on_a_device_and_read_back_together_equal_numpys(dtype):
-    """``DeviceStats`` (what an accelerator's tensors get: reductions queued now, read back in one batch) computed
-    here on CPU tensors, which run the same torch code."""
-    from layerdiff.adapters.torch_adapter import DeviceStats, read_stats
+def test_statistics_left_on_a_device_and_read_back_together_equal_numpys(dtype):
+    """What an accelerator's tensors get (``DeviceDeferral``: small ones copied into a staging buffer, large ones
+    reduced on their own, all read back in one batch), run here on CPU tensors: the same torch code."""
+    from layerdiff.adapters.torch_adapter import DeviceDeferral, DeviceStats
 
-    tensors = [(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 2).to(dtype) for n in (7, 1000, 70_000)]
-    pending = [DeviceStats(t) for t in tensors]
+    tensors = [(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 2).to(dtype)
+               for n in (1, 7, 1000, 70_000, 300_000)]
+    tensors[2][17] = float("nan")  # counted, and left out of the rest
+    tensors[3][5] = -float("inf")
+    deferral = DeviceDeferral()
+    pending = [deferral.staged(t) for t in tensors[:-1]] + [DeviceStats(tensors[-1])]
+    expected = [_reference(t) for t in tensors]
     for t in tensors:
         t.mul_(3)  # after the statistics were queued: they are of the values as they were
-    read_stats(pending)
-    for p, t in zip(pending, tensors):
-        _close(p.result, _reference(t / 3), rel=1e-5 if dtype == torch.float32 else 1e-2)
+    deferral.read(pending)
+    for p, want in zip(pending, expected):
+        _close(p.result, want, rel=1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_statistics_of_a_tensor_with_nan_read_back_later():
-    from layerdiff.adapters.torch_adapter import DeviceStats, read_stats
+def test_a_large_tensor_with_nan_read_back_later():
+    from layerdiff.adapters.torch_adapter import DeviceDeferral, DeviceStats
 
     kept, changed, gone = (torch.arange(10.0) for _ in range(3))
     for t in (kept, changed, gone):
@@ -172,7 +177,7 @@ def test_statistics_of_a_tensor_with_nan_read_back_later():
     pending = [DeviceStats(t) for t in (kept, changed, gone)]
     changed.add_(1)
     del gone, t
-    read_stats(pending)
+    DeviceDeferral().read(pending)
     _close(pending[0].result, _reference(kept))  # still as it was: summarized over its finite values
     for p in pending[1:]:  # changed or gone: its counts, nothing else
         assert p.result == {"numel": 10, "min": None, "max": None, "mean": None, "l2": None, "nan": 1, "inf": 1}
@@ -182,20 +187,18 @@ def test_records_wait_in_order_for_statistics_left_on_the_device(tmp_path):
     """The session holds records while statistics are on the device, then writes them in their order with the
     statistics read back (one batch), before the next step and at the end."""
     from conftest import NumpyTensors
-    from layerdiff.adapters import torch_adapter
+    from layerdiff.adapters.torch_adapter import DeviceDeferral
     from layerdiff.capture.session import TraceSession
     from layerdiff.tracefile.reader import open_trace
     from layerdiff.tracefile.writer import TraceWriter
 
+    class Staging(DeviceDeferral):
+        def add(self, a):
+            return self.staged(torch.from_numpy(a))
+
     class OnDevice(NumpyTensors):
-        def fast_stats(self, a):
-            return torch_adapter.DeviceStats(torch.from_numpy(a))
-
-        def describe(self, a):
-            return "float32", list(a.shape)
-
-        def read_stats(self, pending):
-            torch_adapter.read_stats(pending)
+        def deferral(self):
+            return Staging()
 
     writer = TraceWriter(tmp_path / "t.h5", {"framework": "torch", "model_class": "toy", "mode": "stats"})
     session = TraceSession(writer, OnDevice(), "stats")
