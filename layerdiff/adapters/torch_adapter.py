@@ -142,60 +142,36 @@ def fast_stats(t: torch.Tensor):
         return None  # has no float64): the tensor is summarized on the host; its own error, if any, surfaces there
 
 
-_DEFERRED_CHUNK = 1 << 24  # accelerators: bounds the float64 temporary of the sum of squares
-_STAGED_LARGEST = 1 << 20  # elements: smaller tensors are staged (one copy each), larger ones reduced on their own
-_STAGING = 1 << 24  # float32 elements per staging buffer (64 MB)
-_STAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float32 holds their values exactly
+_DEFERRED_CHUNK = 1 << 26  # accelerators: bounds the float32 temporary of a narrower tensor's reductions
 
 
 class DeviceStats(DeferredStats):
-    """A large tensor's statistics queued on its accelerator now and read back later with a batch of others:
-    [min, max, sum, sum of squares, NaN count, Inf count] in float64, the sums accumulated in float64. A tensor with
-    NaN or Inf is summarized again over its finite values when read back if it is still as it was (its version
-    counter); else its counts stand, with no min, max, mean or norm."""
+    """A tensor's statistics queued on its accelerator now and read back later, in a batch with others: its
+    minimum and maximum, its sum (accumulated in float64) and its L2 norm, as 0-dimensional device tensors: three
+    kernels (four for a narrower float). NaN or Inf show in them; such a tensor is counted and summarized over its
+    finite values when read back if it is still as it was (its version counter), else it keeps a count of one NaN
+    or Inf (a lower bound) and no min, max, mean or norm."""
 
-    __slots__ = ("source", "version", "numel")
+    __slots__ = ("source", "version", "numel", "parts")
 
     def __init__(self, t: torch.Tensor):
+        super().__init__(None)
         flat = t.detach().reshape(-1)
-        rows = []
+        self.parts = []
         for part in flat.split(_DEFERRED_CHUNK):
             part = part if part.dtype in _FLOAT_BASES else part.float()
-            counts = torch.stack([torch.isnan(part).sum(), torch.isinf(part).sum()])
-            rows.append(torch.cat([torch.stack(torch.aminmax(part)).double(), part.sum(dtype=torch.float64)[None],
-                                   torch.linalg.vector_norm(part, dtype=torch.float64).square()[None],
-                                   counts.double()]))
-        stacked = torch.stack(rows)
-        values = rows[0] if len(rows) == 1 else torch.cat([stacked[:, :1].amin(0), stacked[:, 1:2].amax(0),
-                                                           stacked[:, 2:].sum(0)])
-        super().__init__(values)
+            lo, hi = torch.aminmax(part)
+            self.parts.append((lo, hi, part.sum(dtype=torch.float64), torch.linalg.vector_norm(part)))
         self.source, self.version, self.numel = weakref.ref(t), t._version, flat.numel()
-
-
-class StagedStats(DeferredStats):
-    """A small tensor's values as they were when recorded: ``numel`` of them at ``offset`` of staging buffer
-    ``buffer`` (``DeviceDeferral``), summarized with the buffer's other tensors when read back."""
-
-    __slots__ = ("buffer", "offset", "numel")
-
-    def __init__(self, buffer: int, offset: int, numel: int):
-        super().__init__(None)
-        self.buffer, self.offset, self.numel = buffer, offset, numel
 
 
 class DeviceDeferral:
     """The statistics of a trace's tensors on accelerators, left on the device until read back in batches.
 
-    Why: on a GPU, each statistic reduced where the tensor lives is a dozen small kernels launched from Python
-    (~10 us each) and a synchronization to read four numbers back: several times the model's own step on a small
-    model (measured on an H200, tools/bench_gpu.py). Here a small tensor costs one copy into a staging buffer on its
-    device, queued at once (so it holds the values as they are now, whatever runs after), and a batch is reduced
-    segment by segment in a few kernels over the whole buffer, read back with one synchronization. A large tensor
-    is reduced on its own (``DeviceStats``): its kernels are few for its size."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-        self.used: list[int] = []
+    Why: on a GPU, each statistic reduced where the tensor lives and read back at once costs a dozen small kernels
+    launched from Python (~10 us each) and a synchronization: several times the model's own step on a small model
+    (measured on an H200, tools/bench_gpu.py). Here a tensor costs three or four kernels, queued at once (so they
+    see its values as they are now, whatever runs after), and a batch's results cross to the host together."""
 
     def add(self, t: torch.Tensor) -> DeferredStats | None:
         """The tensor's statistics, deferred; None for what is summarized otherwise (the host's tensors)."""
@@ -205,75 +181,34 @@ class DeviceDeferral:
         if shard is None or shard.numel() == 0:
             return None
         try:
-            if shard.numel() > _STAGED_LARGEST or shard.dtype not in _STAGED_DTYPES:
-                return DeviceStats(shard)
-            return self.staged(shard)
+            return DeviceStats(shard)
         except (RuntimeError, TypeError, NotImplementedError):  # no kernel or dtype used here (MPS: no float64)
             return None
 
-    def staged(self, t: torch.Tensor) -> StagedStats:
-        """A copy of the tensor's values into a staging buffer on its device (any device: tests use the CPU's)."""
-        n = t.numel()
-        index = next((i for i, b in enumerate(self.buffers)
-                      if b.device == t.device and self.used[i] + n <= b.numel()), None)
-        if index is None:
-            self.buffers.append(torch.empty(max(_STAGING, n), dtype=torch.float32, device=t.device))
-            self.used.append(0)
-            index = len(self.buffers) - 1
-        offset = self.used[index]
-        self.buffers[index][offset:offset + n].copy_(t.detach().reshape(-1))
-        self.used[index] = offset + n
-        return StagedStats(index, offset, n)
-
     def read(self, pending: list) -> None:
-        """Every pending statistic read back: the staged ones reduced buffer by buffer, then one transfer each."""
-        staged = [s for s in pending if isinstance(s, StagedStats)]
-        own = [d for d in pending if isinstance(d, DeviceStats)]
-        for index, buffer in enumerate(self.buffers):
-            mine = [s for s in staged if s.buffer == index]
-            if mine:
-                for s, row in zip(mine, _segment_stats(buffer, mine).cpu().tolist()):
-                    s.result = _summary(s.numel, row)
-        if own:
-            for d, row in zip(own, torch.stack([d.values.to(own[0].values.device) for d in own]).cpu().tolist()):
-                source = d.source()
-                if all(math.isfinite(v) for v in row[:4]) or source is None or source._version != d.version:
-                    d.result = _summary(d.numel, row)
-                else:  # NaN or Inf and still as it was: summarized over its finite values
-                    d.result = _stats_skipping_nonfinite(local(source).detach().reshape(-1), _DEVICE_CHUNK)
-                d.values = None
-        self.used = [0] * len(self.buffers)
-        del self.buffers[1:], self.used[1:]  # one buffer is kept for the next batch
-
-
-def _segment_stats(buffer: torch.Tensor, segments: list[StagedStats]) -> torch.Tensor:
-    """[min, max, sum, sum of squares, NaN count, Inf count] (float64) of each segment of a staging buffer, over
-    its finite values: a handful of kernels for the whole batch."""
-    end = segments[-1].offset + segments[-1].numel
-    x = buffer[:end].double()
-    lengths = torch.tensor([s.numel for s in segments], device=buffer.device)
-    ids = torch.repeat_interleave(torch.arange(len(segments), device=buffer.device), lengths)
-    finite = torch.isfinite(x)
-    kept = torch.where(finite, x, 0.0)
-    columns = [torch.full((len(segments),), math.inf, dtype=torch.float64, device=buffer.device)
-               .scatter_reduce_(0, ids, torch.where(finite, x, math.inf), "amin"),
-               torch.full((len(segments),), -math.inf, dtype=torch.float64, device=buffer.device)
-               .scatter_reduce_(0, ids, torch.where(finite, x, -math.inf), "amax")]
-    for values in (kept, kept * kept, torch.isnan(x).double(), torch.isinf(x).double()):
-        columns.append(torch.zeros(len(segments), dtype=torch.float64, device=buffer.device).index_add_(0, ids, values))
-    return torch.stack(columns, dim=1)
-
-
-def _summary(numel: int, row: list) -> dict:
-    """Statistics from [min, max, sum, sum of squares, NaN count, Inf count] over the finite values (a large
-    tensor's are over all its values: non-finite ones leave only their counts)."""
-    lo, hi, total, square, nan, inf = row
-    nan, inf = int(nan), int(inf)
-    kept = numel - nan - inf
-    if kept == 0 or not all(math.isfinite(v) for v in (lo, hi, total, square)):
-        return {"numel": numel, "min": None, "max": None, "mean": None, "l2": None, "nan": nan, "inf": inf}
-    return {"numel": numel, "min": lo, "max": hi, "mean": total / kept, "l2": math.sqrt(square), "nan": nan,
-            "inf": inf}
+        """Every pending statistic read back: one transfer for the whole batch."""
+        stats = [p for p in pending if isinstance(p, DeviceStats)]
+        if not stats:
+            return
+        device = stats[0].parts[0][0].device
+        columns = [torch.stack([part[i].to(device=device, dtype=torch.float64) for p in stats for part in p.parts])
+                   for i in range(4)]
+        rows = iter(torch.stack(columns, dim=1).cpu().tolist())
+        for p in stats:
+            parts = [next(rows) for _ in p.parts]
+            lo, hi = min(r[0] for r in parts), max(r[1] for r in parts)
+            total, square = sum(r[2] for r in parts), sum(r[3] ** 2 for r in parts)
+            source = p.source()
+            if all(math.isfinite(v) for v in (lo, hi, total, square)):
+                p.result = {"numel": p.numel, "min": lo, "max": hi, "mean": total / p.numel, "l2": math.sqrt(square),
+                            "nan": 0, "inf": 0}
+            elif source is not None and source._version == p.version:  # still as it was: its finite values
+                p.result = _stats_skipping_nonfinite(local(source).detach().reshape(-1), _DEVICE_CHUNK)
+            else:  # changed or gone since: at least one NaN (or Inf), nothing more is known
+                nan = any(math.isnan(v) for v in (lo, hi, total, square))
+                p.result = {"numel": p.numel, "min": None, "max": None, "mean": None, "l2": None,
+                            "nan": int(nan), "inf": int(not nan)}
+            p.parts = []
 
 
 def framework_stats(t: torch.Tensor) -> dict:
