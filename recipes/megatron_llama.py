@@ -212,6 +212,19 @@ def _inject(model, defect, cfg):
         raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)}")
 
 
+def transformer_config(cfg: dict, **layout) -> TransformerConfig:
+    """The shared Llama (``cfg``) as Megatron's TransformerConfig: RMSNorm, gated SiLU MLP, no biases, dropout 0,
+    every fusion off (no Transformer Engine, no CUDA); ``layout``: its parallel sizes and options."""
+    return TransformerConfig(
+        num_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
+        num_query_groups=cfg["kv_heads"], ffn_hidden_size=cfg["intermediate"], normalization="RMSNorm",
+        layernorm_epsilon=cfg["eps"], add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        cuda_graph_scope=[], **layout)  # [] = the default "full" without its deprecation warning (no CUDA graphs)
+
+
 def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
                 intermediate: int | None = None, seed: int = 0, rotary_base: float | None = None, tp: int = 1):
     """GPTModel equal to torch_llama's LlamaForCausalLM, with the shared weights converted (this rank's shard of
@@ -220,14 +233,7 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
     torch.manual_seed(seed)
     cfg = shared.config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                         intermediate=intermediate)
-    config = TransformerConfig(
-        num_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
-        num_query_groups=cfg["kv_heads"], ffn_hidden_size=cfg["intermediate"], normalization="RMSNorm",
-        layernorm_epsilon=cfg["eps"], add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        cuda_graph_scope=[])  # [] = the default "full" without its deprecation warning (no CUDA graphs anyway)
+    config = transformer_config(cfg)
     base = cfg["rope_theta"] if rotary_base is None else rotary_base
     model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=cfg["vocab"],
                      max_sequence_length=4096, position_embedding_type="rope", rotary_base=base,

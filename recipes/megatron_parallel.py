@@ -52,7 +52,6 @@ with warnings.catch_warnings():
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
 # defect -> (direction, module path in the HF reference (torch_llama --arg layers=4) where it originates)
 DEFECTS = {
@@ -139,14 +138,8 @@ def build_model(*, layers: int, tp: int, pp: int, sp: bool, first_stage_layers: 
     torch.manual_seed(seed)
     cfg = shared.config(layers=layers)
     uneven = first_stage_layers is not None and pp == 2
-    config = TransformerConfig(
-        num_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
-        num_query_groups=cfg["kv_heads"], ffn_hidden_size=cfg["intermediate"], normalization="RMSNorm",
-        layernorm_epsilon=cfg["eps"], add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, cuda_graph_scope=[],
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
+    config = base.transformer_config(
+        cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
         pipeline_dtype=torch.float32, batch_p2p_sync=False,
         num_layers_in_first_pipeline_stage=first_stage_layers if uneven else None,
         num_layers_in_last_pipeline_stage=layers - first_stage_layers if uneven else None)

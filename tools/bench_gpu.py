@@ -17,7 +17,6 @@ import inspect
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,15 +54,6 @@ def build(device: str, dtype: str = "float32", size: str = "toy", attn: str = "s
     return model, step
 
 
-def _timed(step, n):
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def cost(size: str, work: Path, steps: int, rounds: int, device: str) -> list[dict]:
     import layerdiff
 
@@ -76,10 +66,10 @@ def cost(size: str, work: Path, steps: int, rounds: int, device: str) -> list[di
             continue  # gigabytes a step: a full trace of the suspect window is the way there
         untraced, traced = [], []
         for r in range(rounds):
-            untraced += _timed(step, steps)
+            untraced += benchlib.timed_steps(step, steps)[0]
             with layerdiff.trace(model, work / f"{size}_{r}.h5", overwrite=True, **options) as tracer:
                 step()
-                traced += _timed(step, steps)
+                traced += benchlib.timed_steps(step, steps)[0]
                 records = tracer.writer.records_written
             (work / f"{size}_{r}.h5").unlink()
         u, t = benchlib.med(untraced), benchlib.med(traced)
