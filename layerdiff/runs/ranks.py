@@ -351,20 +351,29 @@ def _find(rec: Record, entry: TensorEntry) -> TensorEntry | None:
 # ---------------------------------------------------------------------------------------------------------
 # Ranks against each other: what data-parallel replicas must agree on
 # ---------------------------------------------------------------------------------------------------------
-class RankView:
-    """One rank of a run as a trace of its own, without the tensors that ranks hold differently by design
-    (shards, partial sums): comparing two views finds where replicas that should agree stop agreeing."""
+def replica_exempt(run: RankedRun) -> list[list]:
+    """The tensors that ranks hold differently by design (shards, partial sums; in a tensor-parallel run also the
+    plain tensors of unknown placement, which may be shards): left out when ranks are compared with each other.
+    Plain data (``[record key, role, tensor key]`` each), so a worker comparing two ranks gets it with its task
+    and opens those two ranks' traces only."""
+    kinds = {t.merge.how for rec in run.records for t in rec.tensors if t.merge is not None}
+    left_out = {"concat", "concat_parts", "sum"}
+    if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
+        left_out.add("ranks")
+    spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors
+              if t.merge is not None and t.merge.how in left_out}
+    return [[list(key), role, name] for key, role, name in sorted(spread, key=repr)]
 
-    def __init__(self, run: RankedRun, rank: int):
-        self.reader = run.readers[rank]
-        self.path = Path(f"{run.path}/rank{rank}.h5")
+
+class RankView:
+    """One rank's trace as a trace of its own, without the tensors that ranks hold differently by design
+    (``replica_exempt``): comparing two views finds where replicas that should agree stop agreeing."""
+
+    def __init__(self, reader: TraceReader, exempt: list[list]):
+        self.reader = reader
+        self.path = reader.path
         self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
-        kinds = {t.merge.how for rec in run.records for t in rec.tensors if t.merge is not None}
-        left_out = {"concat", "concat_parts", "sum"}
-        if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
-            left_out.add("ranks")
-        spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors
-                  if t.merge is not None and t.merge.how in left_out}
+        spread = {(tuple(key), role, name) for key, role, name in exempt}
         self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread])
                         for rec in self.reader.records]
         self.ops = self.reader.ops  # one rank's own operations (replicas run the same ones)

@@ -1,15 +1,18 @@
 """Stored tensors compared by worker processes (no framework): the same metrics as in-process, whatever the
-slicing, dtypes, NaN/Inf or empty tensors; a failing worker leaves the comparison to the caller; align's report
-is the same with and without workers."""
+slicing, dtypes, NaN/Inf or empty tensors; a slice that fails in every worker is compared in this process; a
+worker killed mid-run changes nothing; align's report is the same with and without workers."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from layerdiff import api
 from layerdiff.compare import workers as compare_workers
+from layerdiff.compare.tasks import LocalPool
 from layerdiff.compare.workers import StoredPair, compare_pairs
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_data
 from layerdiff.tracefile.chunks import DataLocation
@@ -57,8 +60,8 @@ def test_workers_give_the_metrics_of_an_in_process_comparison(tmp_path, slice_by
                             b.dtype, math.prod(a.shape)) for a, b in entries]
         assert all(isinstance(p.location_a, DataLocation) for p in pairs)
         seen = []
-        got = compare_pairs(pairs, 2, progress=type("P", (), {"advance": lambda self, n: seen.append(n)})(),
-                            slice_bytes=slice_bytes)
+        got = compare_pairs(pairs, LocalPool(2), progress=type("P", (), {"advance": lambda self, n: seen.append(n)})(),
+                            slice_bytes=slice_bytes).metrics
         expected = [compare_data(ra.tensor_chunks(a, CHUNK_ELEMS), rb.tensor_chunks(b, CHUNK_ELEMS), a.dtype,
                                  b.dtype) for a, b in entries]
     assert got is not None and len(got) == len(expected)
@@ -69,14 +72,48 @@ def test_workers_give_the_metrics_of_an_in_process_comparison(tmp_path, slice_by
     assert sum(seen) == sum(p.nbytes() for p in pairs)  # progress counts every byte once
 
 
-def test_a_worker_that_fails_leaves_the_comparison_to_the_caller(tmp_path):
+def test_a_slice_that_fails_in_every_worker_is_compared_in_this_process_as_without_workers(tmp_path):
+    """Retried on the pool, then run here: it raises here as it would without workers, nothing goes missing."""
     _write(tmp_path / "a.h5", 1, 0.0)
     with open_trace(tmp_path / "a.h5") as reader:
         entry = reader.records[0].tensors[0]
         good = reader.data_location(entry)
     missing = DataLocation(str(tmp_path / "gone.h5"), good.chunk, good.addresses)
     pair = StoredPair(good, entry.offset, "float32", missing, entry.offset, "float32", 1_500_001)
-    assert compare_pairs([pair], 2) is None
+    with pytest.raises(FileNotFoundError):
+        compare_pairs([pair, pair], LocalPool(2), slice_bytes=1 << 20)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_leaves_complete_and_identical_metrics(tmp_path):
+    """A worker process killed for real while it holds slices: they go to the others (a new process takes its
+    place), and the merged sums are those of an undisturbed run, bit for bit (merged in slice order)."""
+    psutil = pytest.importorskip("psutil")
+    _write(tmp_path / "a.h5", 1, 0.0)
+    _write(tmp_path / "b.h5", 2, 1e-3)
+    with open_trace(tmp_path / "a.h5") as ra, open_trace(tmp_path / "b.h5") as rb:
+        entries = [(x.tensors[0], y.tensors[0]) for x, y in zip(ra.records, rb.records) if x.kind == "param"]
+        pairs = [StoredPair(ra.data_location(a), a.offset, a.dtype, rb.data_location(b), b.offset,
+                            b.dtype, math.prod(a.shape)) for a, b in entries] * 8
+        undisturbed = compare_pairs(pairs, LocalPool(2), slice_bytes=1).metrics
+        killed = []
+
+        def kill_one_worker():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not killed:
+                workers = [p for p in psutil.Process().children() if "layerdiff.compare.tasks" in " ".join(p.cmdline())]
+                if workers:
+                    time.sleep(0.05)  # it has slices by now
+                    workers[0].kill()
+                    killed.append(workers[0].pid)
+                time.sleep(0.005)
+
+        killer = threading.Thread(target=kill_one_worker)
+        killer.start()
+        got = compare_pairs(pairs, LocalPool(2), slice_bytes=1).metrics
+        killer.join()
+    assert killed
+    assert got == undisturbed
 
 
 @pytest.mark.torch
@@ -92,8 +129,8 @@ def test_align_reports_the_same_with_and_without_workers(tmp_path, monkeypatch):
     serial = api.align(tmp_path / "a.h5", tmp_path / "b.h5", workers=1).data
     monkeypatch.setattr(compare_workers, "MIN_BYTES", 0)  # these traces hold 200 MB: use workers all the same
     started = []
-    real_pool = compare_workers._Pool
-    monkeypatch.setattr(compare_workers, "_Pool", lambda size, header: started.append(size) or real_pool(size, header))
+    real_map = LocalPool.map
+    monkeypatch.setattr(LocalPool, "map", lambda self, *args, **kw: started.append(self.size) or real_map(self, *args, **kw))
     parallel = api.align(tmp_path / "a.h5", tmp_path / "b.h5", workers=2).data
     assert started == [2]
     assert len(serial["records"]) == len(parallel["records"]) > 100

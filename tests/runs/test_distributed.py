@@ -108,8 +108,10 @@ def test_tensor_parallel_run_aligns_with_one_process_forward_and_backward(runs, 
 def test_worker_processes_compare_a_run_of_ranks_as_one_process_does(runs, recipe_trace, monkeypatch):
     """Shards joined on the first axis and rank 0's copies are read from the rank files by worker processes."""
     from layerdiff.compare import workers as compare_workers
+    from layerdiff.compare.spec import Comparison
+    from layerdiff.compare.tasks import Workers
 
-    serial = align_files(recipe_trace("eps"), runs / "tp_clean", workers=1)
+    serial = align_files(recipe_trace("eps"), runs / "tp_clean")
     monkeypatch.setattr(compare_workers, "MIN_BYTES", 0)  # a small run: use workers all the same
     slices = []
     real_pairs = compare_workers.compare_pairs
@@ -119,7 +121,7 @@ def test_worker_processes_compare_a_run_of_ranks_as_one_process_does(runs, recip
         return real_pairs(pairs, *args, **kwargs)
 
     monkeypatch.setattr("layerdiff.compare.measure.compare_pairs", counted)
-    parallel = align_files(recipe_trace("eps"), runs / "tp_clean", workers=2)
+    parallel = align_files(recipe_trace("eps"), runs / "tp_clean", Comparison(workers=Workers(2)))
     assert slices and slices[0] > 100
     assert serial["verdict"] == parallel["verdict"] == "divergent"
     assert serial["forward"]["first_divergence"]["module"] == parallel["forward"]["first_divergence"]["module"]
