@@ -195,6 +195,22 @@ def test_ranks_are_compared_in_parallel_processes(tmp_path):
     assert results[1]["first_divergence"]["ranks"] == [1]
 
 
+def test_a_local_dask_cluster_gives_the_local_pools_reports_byte_for_byte(runs, recipe_trace, tmp_path, monkeypatch):
+    """--scheduler local (a LocalCluster of processes started for the command): a data-parallel run's rank pairs
+    and a tensor-parallel run's shards, read from the rank files by the cluster's workers."""
+    pytest.importorskip("distributed")
+    from layerdiff import api
+    from layerdiff.compare import workers as compare_workers
+
+    code, out, err = run_cli("align", runs / "dp_weight", "--scheduler", "local", "-q", "--json", tmp_path / "r.json")
+    assert code == 1 and "on rank(s) 1" in out, out + err
+    assert (tmp_path / "r.json").read_text() == api.align(runs / "dp_weight", workers=2).to_json()
+    monkeypatch.setattr(compare_workers, "MIN_BYTES", 0)  # a small run: the local pool compares its shards too
+    local = api.align(recipe_trace("eps"), runs / "tp_clean", workers=2)
+    assert local.to_json() == api.align(recipe_trace("eps"), runs / "tp_clean", scheduler="local", workers=2).to_json()
+    assert local.forward["module"] == "model.layers.1.post_attention_layernorm"
+
+
 def test_ranks_of_a_tensor_parallel_run_agree_on_what_they_replicate(runs):
     code, out, err = run_cli("align", runs / "tp_clean", "-q")
     assert code == 0, out + err  # shards differ by design and are left out
