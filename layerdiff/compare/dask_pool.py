@@ -48,8 +48,10 @@ class DaskPool:
         try:
             if scheduler == LOCAL_CLUSTER:
                 processes = worker_count(count)
-                cluster = distributed.LocalCluster(n_workers=processes, threads_per_worker=1, processes=True,
-                                                   dashboard_address=None, silence_logs=logging.CRITICAL)
+                cluster = distributed.LocalCluster(
+                    n_workers=processes, threads_per_worker=1, processes=True, dashboard_address=None,
+                    scheduler_kwargs={"dashboard_address": ":0"},  # its HTTP server on a free port: 8787 may be taken
+                    silence_logs=logging.CRITICAL)
                 where = f"a local Dask cluster of {processes} processes"
                 client = distributed.Client(cluster, set_as_default=False)
             elif Path(scheduler).is_file():

@@ -149,10 +149,11 @@ def run_task(function: Callable[[Any, Any], Any], shared: Any, job: Any) -> tupl
 
 
 class LocalPool:
-    """``size`` worker processes of our own (this process itself when 1), fed jobs as they finish earlier ones. A
-    job whose worker died (a new one takes its place) or which raised is sent again, ``RETRIES`` times; what still
-    fails then is run in this process, so the results are always complete (or this process raises, as it would
-    without workers)."""
+    """``size`` worker processes of our own (this process itself when 1), fed jobs as they finish earlier ones.
+    Until the first of them is ready (a new interpreter takes ~0.3 s to import what a task needs), this process
+    takes jobs itself, so a few small jobs cost no more than without workers. A job whose worker died (a new one
+    takes its place) or which raised is sent again, ``RETRIES`` times; what still fails then is run in this
+    process, so the results are always complete (or this process raises, as it would without workers)."""
 
     def __init__(self, size: int):
         self.size = max(size, 1)
@@ -160,13 +161,18 @@ class LocalPool:
 
     def map(self, function, shared, jobs, progress=None) -> TaskResults:
         results: list[Any] = [None] * len(jobs)
-        todo = list(range(len(jobs)))
-        if self.size > 1 and len(jobs) > 1:
-            todo = _Processes(function_name(function), shared, min(self.size, len(jobs))).run(jobs, results, progress)
-        for i in todo:  # in this process: without workers, or what the workers could not do
+
+        def here(i: int):
             results[i] = function(shared, jobs[i])
             if progress is not None:
                 progress(i)
+
+        todo = list(range(len(jobs)))
+        if self.size > 1 and len(jobs) > 1:
+            todo = _Processes(function_name(function), shared, min(self.size, len(jobs))).run(jobs, results,
+                                                                                               progress, here)
+        for i in todo:  # without workers, or what the workers could not do
+            here(i)
         return TaskResults(results)
 
 
@@ -178,6 +184,7 @@ class _Processes:
         self.size = size
         self.restarts = size * RETRIES  # replacements for workers that died, over the whole map
         self.procs: dict[int, subprocess.Popen] = {}
+        self.ready: set[int] = set()  # workers that said they can take jobs
         self.given: dict[int, list[int]] = {}  # worker pid -> the jobs it holds
         self.buffers: dict[int, bytes] = {}
         self.queue: list[int] = []  # jobs waiting for a worker
@@ -208,19 +215,26 @@ class _Processes:
         except (OSError, ValueError):
             return False
 
-    def run(self, jobs: Sequence[Any], results: list[Any], progress) -> list[int]:
-        """Fill ``results`` with what the workers computed; returns the jobs left to run in this process."""
+    def run(self, jobs: Sequence[Any], results: list[Any], progress, here: Callable[[int], None]) -> list[int]:
+        """Fill ``results`` with what the workers computed (``here(i)`` runs job ``i`` in this process while no
+        worker is ready); returns the jobs left to run in this process."""
         self.queue, self.attempts = list(range(len(jobs))), [0] * len(jobs)
         try:
             for _ in range(self.size):
                 self._start()
-            self._feed_all(jobs)
-            while any(self.given.values()):
-                for key, _ in self.selector.select():
+            while self.queue or any(self.given.values()):
+                starting = not self.ready and self.queue
+                if starting and not self.procs:
+                    break  # no worker at all: this process does the rest
+                events = self.selector.select(timeout=0 if starting else None)
+                if starting and not events:
+                    here(self.queue.pop())  # from the end: workers take from the front
+                    continue
+                for key, _ in events:
                     proc = key.data
                     if proc.pid in self.procs:
                         self._read(proc, jobs, results, progress)
-            return sorted(self.left + self.queue)  # queue: jobs no worker was left to take
+            return sorted(self.left + self.queue)
         finally:
             self.close()
 
@@ -231,11 +245,14 @@ class _Processes:
         try:
             replies = [json.loads(line) for line in lines]
             held = self.given[proc.pid]
-            if not all(isinstance(done, dict) and done.get("id") in held for done in replies):
+            if not all(isinstance(done, dict) and (done.get("id") in held or done.get("ready")) for done in replies):
                 raise ValueError("a reply to no job it holds")
         except ValueError:  # not a line this protocol writes: the worker is not sane, and is let go
             chunk, replies = b"", []
         for done in replies:
+            if done.get("ready"):
+                self.ready.add(proc.pid)
+                continue
             i = done["id"]
             self.given[proc.pid].remove(i)
             if "bad_input" in done:
@@ -249,6 +266,7 @@ class _Processes:
         if not chunk:  # the worker died: what it held goes to the others, and a new one takes its place
             self.selector.unregister(cast(IO[bytes], proc.stdout))
             del self.procs[proc.pid]
+            self.ready.discard(proc.pid)
             _stop(proc)
             for i in self.given.pop(proc.pid):
                 self._again(i)
@@ -266,7 +284,8 @@ class _Processes:
             self.left.append(i)
 
     def _feed_all(self, jobs):
-        for pid, proc in list(self.procs.items()):
+        for pid in sorted(self.ready):
+            proc = self.procs[pid]
             while self.queue and len(self.given[pid]) < IN_FLIGHT:
                 i = self.queue.pop(0)
                 self.given[pid].append(i)
@@ -293,8 +312,9 @@ def _stop(proc: subprocess.Popen):
 
 
 def main():
-    """A local worker: the function and its shared argument on the first line, then one job per line; one line
-    back per job ({"id", "result"}, {"id", "bad_input"} or {"id", "error"})."""
+    """A local worker: the function and its shared argument on the first line, then one job per line; a line
+    {"ready": true} once it can take jobs, then one line back per job ({"id", "result"}, {"id", "bad_input"} or
+    {"id", "error"})."""
     lines = sys.stdin.buffer
     header = json.loads(lines.readline())
     module, _, name = header["function"].partition(":")
@@ -306,6 +326,8 @@ def main():
     function: Callable[[Any, Any], Any] = found
     shared, out = header["shared"], sys.stdout.buffer
     sys.stdout = sys.stderr  # what a task prints must not mix with the replies
+    out.write(b'{"ready": true}\n')
+    out.flush()
     for line in lines:
         task = json.loads(line)
         try:

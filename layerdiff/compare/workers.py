@@ -81,7 +81,7 @@ def compare_pairs(pairs: list[StoredPair], pool: TaskPool, progress=None, slice_
             count = min(step, pair.numel - first)
             slices.append((n, pair, first, count, pair.nbytes() * count // max(pair.numel, 1)))
     tasks = _tasks(slices, slice_bytes)
-    jobs = [_job([slices[s] for s in task]) for task in tasks]
+    jobs = [slices_job([slices[s] for s in task]) for task in tasks]
     weights = [sum(slices[s][4] for s in task) for task in tasks]
     done = pool.map(compare_slices, None, jobs,
                     progress=None if progress is None else lambda i: progress.advance(weights[i]))
@@ -118,7 +118,7 @@ def _tasks(slices: list, slice_bytes: int) -> list[list[int]]:
     return tasks
 
 
-def _job(slices: list) -> dict:
+def slices_job(slices: list) -> dict:
     """A task as plain data: the files its slices read (absolute paths, and the addresses of only the chunks they
     touch) and the slices, each (file, offset, dtype) of A and of B, first element and count."""
     files: dict[tuple[str, int], dict[int, int]] = {}

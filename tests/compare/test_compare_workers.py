@@ -98,15 +98,19 @@ def test_a_worker_killed_mid_run_leaves_complete_and_identical_metrics(tmp_path)
         undisturbed = compare_pairs(pairs, LocalPool(2), slice_bytes=1).metrics
         killed = []
 
-        def kill_one_worker():
-            deadline = time.monotonic() + 30
+        def kill_one_worker():  # the first worker seen reading a trace: it holds slices
+            deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not killed:
-                workers = [p for p in psutil.Process().children() if "layerdiff.compare.tasks" in " ".join(p.cmdline())]
-                if workers:
-                    time.sleep(0.05)  # it has slices by now
-                    workers[0].kill()
-                    killed.append(workers[0].pid)
-                time.sleep(0.005)
+                for worker in psutil.Process().children():
+                    try:
+                        reading = any(f.path.endswith(".h5") for f in worker.open_files())
+                    except psutil.Error:
+                        continue
+                    if reading and "layerdiff.compare.tasks" in " ".join(worker.cmdline()):
+                        worker.kill()
+                        killed.append(worker.pid)
+                        return
+                time.sleep(0.002)
 
         killer = threading.Thread(target=kill_one_worker)
         killer.start()

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 def cluster():
     """Two worker processes (with their nannies) and a client of our own to watch them."""
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                                  silence_logs=logging.CRITICAL) as local, \
+                                  scheduler_kwargs={"dashboard_address": ":0"}, silence_logs=logging.CRITICAL) as local, \
             distributed.Client(local, set_as_default=False) as client:
         client.wait_for_workers(2)
         yield local.scheduler_address, client
