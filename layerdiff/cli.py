@@ -84,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("a", help="reference trace (a file, or the directory of a multi-rank run)")
     a.add_argument("b", nargs="?", help="candidate trace (a file or a run directory); omitted: compare the ranks "
                    "of run A with its rank 0 (data-parallel replicas that should agree)")
-    a.add_argument("--workers", type=int, metavar="N", help="processes comparing: the ranks of one run, or the "
-                   "stored tensors of two traces holding over 512 MB each (default: one per core, at most 8 for "
-                   "tensors; 1: all in this process)")
+    a.add_argument("--workers", type=int, metavar="N", help="processes comparing the rank pairs of one run or the "
+                   "stored tensors of two traces, when they hold over 512 MB a side (default: one per core, at most "
+                   "8; 1: all in this process)")
     a.add_argument("--scheduler", metavar="ADDRESS",
                    help="send that work to a Dask cluster: its scheduler's address (tcp://HOST:PORT) or scheduler "
                    "file, whose workers read the traces by path from a filesystem shared with this machine; 'local' "

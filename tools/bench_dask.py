@@ -30,7 +30,8 @@ import benchlib  # noqa: E402
 
 TITLE = "Comparing on a Dask cluster: overhead per task, an 8-rank run, memory per worker"
 METHOD = """A LocalCluster of 2 worker processes (1 thread each, with their nannies) on this machine, against the
-local pool (`--workers 2`, processes of layerdiff's own) and against one process. Overhead per task: tasks that
+local pool (`--workers 2`, processes of layerdiff's own, the driving process taking tasks too) and against one
+process. Overhead per task: tasks that
 compare one tiny slice (1024 float32 a side, read from a trace file), run in batches of N and 4N; the marginal
 wall time per task (the difference of the two batches over 3N tasks, so fixed costs such as starting the local
 pool's processes cancel), best of 3, for each pool. An 8-rank run: a data-parallel run written by
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
 
     from builders import data_parallel_run
     from layerdiff import api
-    from layerdiff.compare.tasks import LocalPool, Workers
+    from layerdiff.compare.tasks import LOCAL_MIN_BYTES, LocalPool, Workers
 
     run = benchlib.BenchRun("bench_dask", TITLE, METHOD, packages=("numpy", "h5py", "dask", "distributed"))
     repeat, n_tasks, memory_repeats = (1, 100, 3) if args.quick else (3, 500, 10)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
                              f"({len(large)} tasks in {overhead[name][1]:.2f} s)")
 
             throughput = {}
-            for name, kwargs in (("one process", {"workers": 1}), ("local pool, 2 processes", {"workers": 2}),
+            for name, kwargs in (("one process", {"workers": 1}), ("--workers 2 (the local pool)", {"workers": 2}),
                                  ("Dask, 2 workers (running cluster)", {"scheduler": address}),
                                  ("--scheduler local (cluster started)", {"scheduler": "local", "workers": 2})):
                 report = api.align(ranks, **kwargs)
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
         growth = max(abs(g) for g in results["worker_rss_growth_bytes"]) / 1e6
         headline = (f"{dask_overhead * 1e3:.1f} ms per task on Dask vs {base * 1e3:.2f} ms in the local pool; "
                     f"8 ranks in {dask_run:.2f} s on 2 Dask workers vs "
-                    f"{throughput['local pool, 2 processes'][0]:.2f} s locally; worker memory flat "
+                    f"{throughput['--workers 2 (the local pool)'][0]:.2f} s locally; worker memory flat "
                     f"(within {growth:.0f} MB over {memory_repeats} runs)")
         tables = [
             benchlib.table("Overhead per task (tiny slices: the cost of a task, not of its arithmetic)",
@@ -188,7 +189,10 @@ def main(argv=None) -> int:
                            ["where", "wall (median)", "rank pairs/s", "walls"],
                            [[name, f"{v[0]:.2f} s", f"{7 / v[0]:.1f}", benchlib.fmt_list(v[1])]
                             for name, v in throughput.items()],
-                           note=f"Rank files of {rank_bytes / 1e6:.0f} MB each; 2 cores: overhead, not scaling."),
+                           note=f"Rank files of {rank_bytes / 1e6:.0f} MB each; 2 cores: overhead, not scaling. "
+                                "`--workers 2` sends rank pairs to its processes when they read over 512 MB a "
+                                "side (here: " + ("yes" if 7 * rank_bytes >= LOCAL_MIN_BYTES else "no, all in one "
+                                "process") + "); the process that drives them takes rank pairs too."),
             benchlib.table("Memory per Dask worker over repeated 8-rank runs",
                            ["worker", "RSS after each run (MB)", "peak (MB)", "growth after the first run"],
                            [[str(n), " ".join(f"{x / 1e6:.0f}" for x in rss[w]), f"{max(hwm[w]) / 1e6:.0f}",

@@ -14,7 +14,6 @@ import numpy as np
 
 from layerdiff import schema
 from layerdiff.compare import per_rank
-from layerdiff.compare import workers as compare_workers
 from layerdiff.compare.configs import diff_configs, from_values
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from layerdiff.compare.nonfinite import first_nonfinite
@@ -111,9 +110,9 @@ class _Measured:
 
 def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: TokenOrder | bool, workers: Workers,
                         progress) -> _Measured:
-    """The pairs compared straight from stored bytes, by workers (``compare_workers``: processes of this machine
-    for traces over ``MIN_BYTES`` a side, or a Dask cluster's whenever a scheduler is given); nothing when they are
-    too few bytes to be worth it, or there are no workers."""
+    """The pairs compared straight from stored bytes, by workers (``compare.workers``: processes of this machine
+    for traces over ``LOCAL_MIN_BYTES`` a side, or a Dask cluster's whenever a scheduler is given); nothing when
+    they are too few bytes to be worth it, or there are no workers."""
     if not workers.parallel:
         return _Measured()
     jobs = {}
@@ -130,7 +129,7 @@ def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: TokenOrder |
                 if pieces:
                     jobs[key] = pieces
     total = sum(piece.nbytes() for pieces in jobs.values() for piece in pieces)
-    if not workers.sends(total // 2, compare_workers.MIN_BYTES):
+    if not workers.sends(total // 2):
         return _Measured()
     if progress is not None:
         progress.start(total)

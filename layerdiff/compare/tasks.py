@@ -35,6 +35,9 @@ SCHEDULER_ENV = "LAYERDIFF_SCHEDULER"  # the scheduler when --scheduler is not g
 LOCAL_CLUSTER = "local"  # --scheduler local: a Dask LocalCluster of processes on this machine
 RETRIES = 2  # a task that failed runs again this many times (on another worker, where there is one)
 IN_FLIGHT = 2  # jobs sent ahead to each local worker, so it never waits for the parent
+# bytes a side: below it, starting local worker processes (~0.3 s each to import what a task needs, more on a busy
+# machine) costs more than they save
+LOCAL_MIN_BYTES = 512 << 20
 # scheme://host:port, host:port or [ipv6]:port: what a Dask scheduler listens on (tcp, tls, ucx, ws, wss, inproc)
 _ADDRESS = re.compile(r"^(?:[a-z][a-z0-9+.-]*://)?(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
@@ -93,19 +96,19 @@ class Workers:
         """Whether units go anywhere but this process."""
         return self.scheduler is not None or worker_count(self.count) > 1
 
-    def sends(self, nbytes: int, local_minimum: int) -> bool:
-        """Whether units of ``nbytes`` (a side) go to workers: always to a cluster (it is given so that this machine
-        does not read them), to processes of this machine from ``local_minimum`` on (below it, starting them
-        costs more than they save)."""
+    def sends(self, nbytes: int) -> bool:
+        """Whether units that read ``nbytes`` (a side) go to workers: always to a cluster (it is given so that this
+        machine does not read them), to processes of this machine from ``LOCAL_MIN_BYTES`` on."""
         if not self.parallel or nbytes <= 0:
             return False
-        return self.scheduler is not None or nbytes >= local_minimum
+        return self.scheduler is not None or nbytes >= LOCAL_MIN_BYTES
 
     @contextmanager
-    def pool(self, most: int | None = None) -> Iterator[TaskPool]:
-        """The pool the units run in (``most``: how many tasks there are, so no idle process is started)."""
+    def pool(self, most: int | None = None, nbytes: int | None = None) -> Iterator[TaskPool]:
+        """The pool the units run in (``most``: how many tasks there are, so no idle process is started;
+        ``nbytes``: what they read, a side, when this process should take them if that is too little to send)."""
         if self.scheduler is None:
-            size = worker_count(self.count)
+            size = 1 if nbytes is not None and not self.sends(nbytes) else worker_count(self.count)
             yield LocalPool(min(size, most) if most is not None else size)
             return
         from layerdiff.compare.dask_pool import DaskPool  # Dask is imported only when a scheduler is given
@@ -150,10 +153,11 @@ def run_task(function: Callable[[Any, Any], Any], shared: Any, job: Any) -> tupl
 
 class LocalPool:
     """``size`` worker processes of our own (this process itself when 1), fed jobs as they finish earlier ones.
-    Until the first of them is ready (a new interpreter takes ~0.3 s to import what a task needs), this process
-    takes jobs itself, so a few small jobs cost no more than without workers. A job whose worker died (a new one
-    takes its place) or which raised is sent again, ``RETRIES`` times; what still fails then is run in this
-    process, so the results are always complete (or this process raises, as it would without workers)."""
+    This process takes jobs too, from the other end of the queue, whenever no reply is waiting: a new interpreter
+    takes ~0.3 s to import what a task needs, so a few small jobs are done here before the workers are up, and
+    workers only ever add. A job whose worker died (a new one takes its place) or which raised is sent again,
+    ``RETRIES`` times; what still fails then is run in this process, so the results are always complete (or this
+    process raises, as it would without workers)."""
 
     def __init__(self, size: int):
         self.size = max(size, 1)
@@ -217,17 +221,16 @@ class _Processes:
 
     def run(self, jobs: Sequence[Any], results: list[Any], progress, here: Callable[[int], None]) -> list[int]:
         """Fill ``results`` with what the workers computed (``here(i)`` runs job ``i`` in this process while no
-        worker is ready); returns the jobs left to run in this process."""
+        reply is waiting); returns the jobs left to run in this process."""
         self.queue, self.attempts = list(range(len(jobs))), [0] * len(jobs)
         try:
             for _ in range(self.size):
                 self._start()
             while self.queue or any(self.given.values()):
-                starting = not self.ready and self.queue
-                if starting and not self.procs:
-                    break  # no worker at all: this process does the rest
-                events = self.selector.select(timeout=0 if starting else None)
-                if starting and not events:
+                if self.queue and not self.procs:
+                    break  # no worker left: this process does the rest
+                events = self.selector.select(timeout=0 if self.queue else None)
+                if self.queue and not events:
                     here(self.queue.pop())  # from the end: workers take from the front
                     continue
                 for key, _ in events:

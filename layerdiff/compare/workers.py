@@ -21,7 +21,6 @@ from layerdiff.tracefile.chunks import DataLocation, MappedData
 from layerdiff.tracefile.tensors import storage_dtype
 
 SLICE_BYTES = 32 << 20  # per side: small enough to share out evenly, large enough that a line costs nothing
-MIN_BYTES = 512 << 20  # per side: below it, starting the workers (~0.25 s) costs more than two cores save
 
 
 @dataclass(frozen=True)

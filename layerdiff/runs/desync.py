@@ -38,11 +38,12 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
     jobs = [{"rank0": files[0], "other": files[rank], "rank": rank} for rank in range(1, world)]
     if progress is not None:
         progress.start(len(jobs))
-    with how.workers.pool(most=len(jobs)) as pool:
+    with how.workers.pool(most=len(jobs), nbytes=sum(os.path.getsize(f) for f in files[1:])) as pool:
         done = pool.map(rank_against_rank0, shared, jobs,
                         progress=None if progress is None else lambda i: progress.advance(1))
     results = [r for r in done.results if r is not None]
-    missing = [{"rank": jobs[i]["rank"], "reason": f"{reason} ({pool.where})"} for i, reason in sorted(done.failed.items())]
+    missing = [{"rank": jobs[i]["rank"], "reason": f"{reason} ({pool.where})"}
+               for i, reason in sorted(done.failed.items())]
     divergent = [r for r in results if r["verdict"] != "aligned"]
     first = None
     for phase in ("forward", "backward"):

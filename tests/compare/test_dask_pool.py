@@ -19,7 +19,7 @@ import pytest
 distributed = pytest.importorskip("distributed")
 
 from layerdiff import api  # noqa: E402
-from layerdiff.compare import workers as compare_workers  # noqa: E402
+from layerdiff.compare import tasks as compare_tasks  # noqa: E402
 from layerdiff.compare.spec import Comparison  # noqa: E402
 from layerdiff.compare.tasks import LocalPool, Workers  # noqa: E402
 from layerdiff.compare.workers import StoredPair, compare_pairs, compare_slices  # noqa: E402
@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slow
 def cluster():
     """Two worker processes (with their nannies) and a client of our own to watch them."""
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                                  scheduler_kwargs={"dashboard_address": ":0"}, silence_logs=logging.CRITICAL) as local, \
+                                  scheduler_kwargs={"dashboard_address": ":0"},
+                                  silence_logs=logging.CRITICAL) as local, \
             distributed.Client(local, set_as_default=False) as client:
         client.wait_for_workers(2)
         yield local.scheduler_address, client
@@ -72,7 +73,7 @@ def test_two_traces_on_the_cluster_give_the_local_pools_report_byte_for_byte(clu
     pytest.importorskip("torch")
     address, client = cluster
     a, b = recipe_trace(), recipe_trace("eps")
-    monkeypatch.setattr(compare_workers, "MIN_BYTES", 0)  # small traces: send them to the local pool all the same
+    monkeypatch.setattr(compare_tasks, "LOCAL_MIN_BYTES", 0)  # small traces: send them to the local pool all the same
     local = api.align(a, b, workers=2).to_json()
     with distributed.get_task_stream(client=client) as stream:
         on_cluster = api.align(a, b, scheduler=address).to_json()
@@ -105,10 +106,11 @@ def test_slices_of_large_tensors_merge_to_the_same_bits_wherever_they_ran(cluste
     assert any(not m["identical"] for m in local.metrics)
 
 
-def test_ranks_on_the_cluster_survive_a_worker_killed_mid_run(cluster, run8):
+def test_ranks_on_the_cluster_survive_a_worker_killed_mid_run(cluster, run8, monkeypatch):
     """A worker process killed while it holds rank pairs: the scheduler runs them on the other worker, and the
     report is the local pool's, byte for byte."""
     address, client = cluster
+    monkeypatch.setattr(compare_tasks, "LOCAL_MIN_BYTES", 0)  # a small run: to the local pool all the same
     local = api.align(run8, workers=2).to_json()
     killed: list = []
     killer = threading.Thread(target=_kill_when_busy, args=(client, "rank_against_rank0", killed))
