@@ -39,7 +39,8 @@ tests/builders.py (8 rank files of a model of linear layers and norms, rank 5 ou
 rank against rank 0 (`layerdiff align RUN`, 7 rank pairs, each a task that opens its two rank files), median of 3:
 in one process, in the local pool, on the running cluster (the client's connection included), and with
 `--scheduler local` (starting and closing the LocalCluster included). Memory per worker: each worker's resident
-set (RSS) and peak (VmHWM) after each of several repeats of the 8-rank comparison on the cluster."""
+set (RSS) and peak (VmHWM) after each of several repeats of the 8-rank comparison on the cluster, and a worker's
+peak after comparing runs of 8 and 32 ranks of small rank files (workers restarted before each)."""
 
 
 def worker_memory() -> dict:
@@ -154,6 +155,16 @@ def main(argv=None) -> int:
             for n, w in enumerate(workers):
                 benchlib.log(f"worker {n}: RSS after each of {memory_repeats} runs "
                              + " ".join(f"{x / 1e6:.0f}" for x in rss[w]) + f" MB; peak {max(hwm[w]) / 1e6:.0f} MB")
+
+            by_world = {}  # a worker's peak against the number of ranks (small rank files, fresh worker processes)
+            for world in (8, 32) if not args.quick else (4, 8):
+                small_run = data_parallel_run(Path(tmp) / f"small{world}", world, layers=4, hidden=256, batch=256,
+                                              desync=(1, 2))
+                client.restart()
+                client.wait_for_workers(2)
+                api.align(small_run, scheduler=address)
+                by_world[world] = max(m["VmHWM"] for m in client.run(worker_memory).values())
+                benchlib.log(f"{world} ranks: a worker's peak {by_world[world] / 1e6:.0f} MB")
         finally:
             client.close()
             cluster.close()
@@ -168,6 +179,7 @@ def main(argv=None) -> int:
         "rank_run_walls_s": {name: v[1] for name, v in throughput.items()},
         "worker_rss_bytes": [rss[w] for w in workers], "worker_peak_bytes": [hwm[w] for w in workers],
         "worker_rss_growth_bytes": [rss[w][-1] - rss[w][0] for w in workers],
+        "worker_peak_by_ranks_bytes": by_world,
         "waited_for_quiet_s": benchlib.WAITER.waited,
     }
     benchlib.log(f"Dask adds {(dask_overhead - base) * 1e3:.2f} ms per task over the local pool; "
@@ -178,7 +190,7 @@ def main(argv=None) -> int:
         headline = (f"{dask_overhead * 1e3:.1f} ms per task on Dask vs {base * 1e3:.2f} ms in the local pool; "
                     f"8 ranks in {dask_run:.2f} s on 2 Dask workers vs "
                     f"{throughput['--workers 2 (the local pool)'][0]:.2f} s locally; worker memory flat "
-                    f"(within {growth:.0f} MB over {memory_repeats} runs)")
+                    f"(within {growth:.1f} MB over {memory_repeats} runs)")
         tables = [
             benchlib.table("Overhead per task (tiny slices: the cost of a task, not of its arithmetic)",
                            ["where", "per task", f"{len(large)} tasks"],
@@ -198,6 +210,11 @@ def main(argv=None) -> int:
                            [[str(n), " ".join(f"{x / 1e6:.0f}" for x in rss[w]), f"{max(hwm[w]) / 1e6:.0f}",
                              f"{results['worker_rss_growth_bytes'][n] / 1e6:+.1f} MB"]
                             for n, w in enumerate(workers)]),
+            benchlib.table("A worker's peak memory against the number of ranks",
+                           ["ranks", "rank pairs", "a worker's peak (MB)"],
+                           [[world, world - 1, f"{peak / 1e6:.0f}"] for world, peak in by_world.items()],
+                           note="The same small rank files (4 blocks, hidden 256), workers restarted before each: a "
+                                "task opens its two rank files only."),
         ]
         run.write(args.json, quick=args.quick, headline=headline, tables=tables, results=results)
     return 0
