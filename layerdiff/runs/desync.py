@@ -34,7 +34,8 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
                                  "give a run directory of several ranks to compare its ranks")
         world, order, exempt = run.world_size, _execution_order(run), replica_exempt(run)
     files = [os.path.abspath(f) for f in rank_files(path) or ()]  # workers open them by path: absolute
-    shared = {"exempt": exempt, "policy": policy.describe(), "rule_files": list(how.rule_files)}
+    shared = {"exempt": exempt, "policy": policy.describe(),
+              "rule_files": [os.path.abspath(f) for f in how.rule_files]}  # read where the task runs
     jobs = [{"rank0": files[0], "other": files[rank], "rank": rank} for rank in range(1, world)]
     if progress is not None:
         progress.start(len(jobs))
