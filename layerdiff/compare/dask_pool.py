@@ -64,6 +64,9 @@ class DaskPool:
         except (OSError, TimeoutError, ValueError, TypeError, RuntimeError) as exc:
             if cluster is not None:
                 cluster.close()
+            if scheduler == LOCAL_CLUSTER:  # its workers import the caller's script again (multiprocessing's spawn)
+                raise LayerdiffError(f"cannot start a local Dask cluster: {first_line(exc, 200)} (a script that asks "
+                                     "for scheduler='local' needs if __name__ == '__main__':)") from None
             raise LayerdiffError(f"cannot reach a Dask scheduler at {scheduler}: {first_line(exc, 200)}") from None
         try:
             _check_workers(client, where)
@@ -93,6 +96,8 @@ class DaskPool:
                 i = number[future.key]
                 if future.status == "error":
                     failed[i] = _reason(future.exception())
+                elif future.status != "finished":  # cancelled: the scheduler lost it (restarted, closed)
+                    failed[i] = f"the task was {future.status} by the scheduler"
                 else:
                     kind, value = future.result()
                     if kind == "bad_input":

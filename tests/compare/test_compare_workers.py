@@ -50,14 +50,19 @@ def _same(x: dict, y: dict):
             assert x[key] == y[key], key
 
 
+def _stored_pairs(ra, rb) -> tuple[list, list[StoredPair]]:
+    """The param tensors of two traces written by ``_write``: (entry pairs, ``StoredPair``s)."""
+    entries = [(x.tensors[0], y.tensors[0]) for x, y in zip(ra.records, rb.records) if x.kind == "param"]
+    return entries, [StoredPair(ra.data_location(a), a.offset, a.dtype, rb.data_location(b), b.offset, b.dtype,
+                                math.prod(a.shape)) for a, b in entries]
+
+
 @pytest.mark.parametrize("slice_bytes", [1, 5 << 20, 32 << 20])  # 1: one read chunk per slice
 def test_workers_give_the_metrics_of_an_in_process_comparison(tmp_path, slice_bytes):
     _write(tmp_path / "a.h5", 1, 0.0)
     _write(tmp_path / "b.h5", 2, 1e-3)
     with open_trace(tmp_path / "a.h5") as ra, open_trace(tmp_path / "b.h5") as rb:
-        entries = [(x.tensors[0], y.tensors[0]) for x, y in zip(ra.records, rb.records) if x.kind == "param"]
-        pairs = [StoredPair(ra.data_location(a), a.offset, a.dtype, rb.data_location(b), b.offset,
-                            b.dtype, math.prod(a.shape)) for a, b in entries]
+        entries, pairs = _stored_pairs(ra, rb)
         assert all(isinstance(p.location_a, DataLocation) for p in pairs)
         seen = []
         got = compare_pairs(pairs, LocalPool(2), progress=type("P", (), {"advance": lambda self, n: seen.append(n)})(),
@@ -93,9 +98,7 @@ def test_a_worker_killed_mid_run_leaves_complete_and_identical_metrics(tmp_path)
     _write(tmp_path / "a.h5", 1, 0.0)
     _write(tmp_path / "b.h5", 2, 1e-3)
     with open_trace(tmp_path / "a.h5") as ra, open_trace(tmp_path / "b.h5") as rb:
-        entries = [(x.tensors[0], y.tensors[0]) for x, y in zip(ra.records, rb.records) if x.kind == "param"]
-        pairs = [StoredPair(ra.data_location(a), a.offset, a.dtype, rb.data_location(b), b.offset,
-                            b.dtype, math.prod(a.shape)) for a, b in entries]
+        _, pairs = _stored_pairs(ra, rb)
         undisturbed = compare_pairs(pairs, LocalPool(1), slice_bytes=1).metrics * 100
         pairs = pairs * 100  # ~1 s of work: the workers are up before this process could do it all
         killed = []
