@@ -11,6 +11,7 @@ from typing import Any, Mapping, cast
 
 from layerdiff import schema
 from layerdiff.compare.spec import Comparison
+from layerdiff.compare.tasks import Workers
 from layerdiff.errors import LayerdiffError
 from layerdiff.files import refuse_existing
 
@@ -18,11 +19,11 @@ EXIT_OK, EXIT_DIVERGENT, EXIT_UNTRUSTED = 0, 1, 3
 
 
 def comparison(*, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=(),  # noqa: A002
-               auto_map: bool = True) -> Comparison:
+               auto_map: bool = True, workers: Workers | None = None) -> Comparison:
     """Validate the comparison options once (``Comparison.of``); a bad value is a ``LayerdiffError`` naming the
-    option."""
+    option. ``workers``: where the work runs (``Workers.of``; this process when None)."""
     return Comparison.of(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules,
-                         auto_map=auto_map)
+                         auto_map=auto_map, workers=workers)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,12 @@ class Report:
 
     @property
     def problems(self) -> list:
-        """Why an "aligned" result cannot be trusted (incomplete run, one-sided phase, ...); empty if it can."""
+        """Why an "aligned" result cannot be trusted (incomplete run, one-sided phase, comparisons a cluster could
+        not finish, ...); empty if it can."""
+        if self.multi_rank:
+            from layerdiff.runs.desync import missing_line
+
+            return [missing_line(self.data["missing"])] if self.data.get("missing") else []
         return (self.data.get("trust") or {}).get("problems", [])
 
     @property
@@ -115,14 +121,16 @@ class Report:
         """One line per phase: what ``layerdiff align -q`` prints, without the exit code."""
         if self.multi_rank:
             first = self.data["first_divergence"]
+            compared = self.data["world_size"] - len(self.data.get("missing") or [])
+            warnings = "".join(f"; WARNING: {p}" for p in self.problems)
             if first:
                 return f"{self.verdict}: {first['phase']} {first['description']} on rank(s) " \
-                    f"{', '.join(map(str, first['ranks']))}"
+                    f"{', '.join(map(str, first['ranks']))}{warnings}"
             params = [r for r in self.data["ranks"] if r["params_differ"]]
             if params:  # the replicas' weights differ, nothing they computed yet
                 return f"{self.verdict}: parameters differ on rank(s) {', '.join(str(r['rank']) for r in params)}: " \
-                    f"{', '.join(params[0]['params_differ'][:3])}"
-            return f"{self.verdict}: all {self.data['world_size']} ranks agree with rank 0"
+                    f"{', '.join(params[0]['params_differ'][:3])}{warnings}"
+            return f"{self.verdict}: all {compared} ranks agree with rank 0{warnings}"
         lines = [f"{self.verdict}"]
         for phase in ("forward", "backward"):
             first = self.origin(phase)
@@ -138,27 +146,34 @@ class Report:
 
 
 def align(a, b=None, *, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=(),  # noqa: A002
-          auto_map: bool = True, workers: int | None = None, progress: bool = False) -> Report:
+          auto_map: bool = True, workers: int | None = None, scheduler: str | None = None,
+          progress: bool = False) -> Report:
     """Compare trace ``b`` (the candidate) with trace ``a`` (the reference), as ``layerdiff align A B``.
 
     Either may be a multi-rank run directory. With ``b`` omitted, ``a`` is a multi-rank run whose ranks are
     compared with rank 0. ``workers``: processes comparing ranks, or the stored tensors of two large traces
-    (None: one per core; 1: all in this process)."""
+    (None: one per core; 1: all in this process). ``scheduler``: a Dask scheduler's address (or a scheduler file,
+    or "local" for a LocalCluster of ``workers`` processes) whose workers do that work, reading the traces by path
+    from a filesystem they share with this machine; None: ``$LAYERDIFF_SCHEDULER`` if set."""
+    from layerdiff.compare.tasks import scheduler_address
     from layerdiff.judge.evaluate import align as align_traces
-    from layerdiff.report.progress import ByteProgress
+    from layerdiff.report.progress import ByteProgress, TaskProgress
     from layerdiff.runs.ranks import open_run
 
-    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules, auto_map=auto_map)
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise LayerdiffError(f"--workers must be a whole number >= 1, not {workers!r}")
+    how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules, auto_map=auto_map,
+                     workers=Workers.of(workers, *scheduler_address(scheduler)))
     if b is None:
         from layerdiff.runs.desync import check_run
 
-        return Report(check_run(a, how, workers=workers))
+        tasks = TaskProgress("comparing ranks with rank 0", enabled=None if progress else False)
+        try:
+            return Report(check_run(a, how, progress=tasks))
+        finally:
+            tasks.close()
     with open_run(a, how.rules) as ra, open_run(b, how.rules) as rb:
         bar = ByteProgress("aligning", enabled=None if progress else False)
         try:
-            data = align_traces(ra, rb, how, progress=bar, workers=workers)
+            data = align_traces(ra, rb, how, progress=bar)
         finally:
             bar.close()
     return Report(data)

@@ -84,9 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("a", help="reference trace (a file, or the directory of a multi-rank run)")
     a.add_argument("b", nargs="?", help="candidate trace (a file or a run directory); omitted: compare the ranks "
                    "of run A with its rank 0 (data-parallel replicas that should agree)")
-    a.add_argument("--workers", type=int, metavar="N", help="processes comparing: the ranks of one run, or the "
-                   "stored tensors of two traces holding over 512 MB each (default: one per core, at most 8 for "
-                   "tensors; 1: all in this process)")
+    a.add_argument("--workers", type=int, metavar="N", help="processes comparing the rank pairs of one run or the "
+                   "stored tensors of two traces, when they hold over 512 MB a side (default: one per core, at most "
+                   "8; 1: all in this process)")
+    a.add_argument("--scheduler", metavar="ADDRESS",
+                   help="send that work to a Dask cluster: its scheduler's address (tcp://HOST:PORT) or scheduler "
+                   "file, whose workers read the traces by path from a filesystem shared with this machine; 'local' "
+                   "starts a LocalCluster of processes here (--workers of them). Default: $LAYERDIFF_SCHEDULER. "
+                   "Needs layerdiff[dask] (docs/cluster.md)")
     a.add_argument("--map", action="append", metavar="B_REGEX=A_NAME",
                    help="rename B's module paths to A's (regex substitution; or a file of rules; repeatable)")
     a.add_argument("--layout", action="append", metavar="REGEX=TRANSFORM",
@@ -201,7 +206,7 @@ def cmd_align(args) -> int:
         return _align_ranks(args)
     report = api.align(args.a, args.b, **_tolerances(args), map=args.map or (), layout=args.layout or (),
                        rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet,
-                       workers=args.workers)
+                       workers=args.workers, scheduler=args.scheduler)
     if args.save_map:
         from layerdiff.files import write_atomically
         from layerdiff.match.mapping import rules_text
@@ -218,14 +223,15 @@ def _align_ranks(args) -> int:
     from layerdiff.report.jsonio import write_json
     from layerdiff.report.terminal import make_console, render_ranks
 
-    report = api.align(args.a, **_tolerances(args), rules=args.rules or (), workers=args.workers)
+    report = api.align(args.a, **_tolerances(args), rules=args.rules or (), workers=args.workers,
+                       scheduler=args.scheduler, progress=not args.quiet)
     if args.json:
         write_json(report.data, args.json, overwrite=args.force)
     if args.quiet:
         print(report.summary())
     else:
         render_ranks(report.data, make_console())
-    return EXIT_OK if report.verdict == "aligned" else EXIT_DIVERGENT
+    return report.exit_code
 
 
 def cmd_report(args) -> int:

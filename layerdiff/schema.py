@@ -323,6 +323,15 @@ class PhaseResult(TypedDict, total=False):
     failure_a: Optional[Failure]
 
 
+class NotCompared(TypedDict):
+    """A tensor pair whose comparison tasks failed on a Dask cluster after their retries."""
+    phase: Optional[str]
+    path: str
+    call: Int64
+    tensor: str
+    reason: str
+
+
 class Trust(TypedDict):
     ok: bool
     problems: List[str]
@@ -352,6 +361,7 @@ class Report(_ReportKeys, total=False):
     unmatched_modules: Optional[Unmatched]
     settings: Optional[Dict[str, Any]]
     config_diff: Optional[List[Dict[str, Any]]]
+    not_compared: List[NotCompared]
     forward: PhaseResult
     backward: PhaseResult
     verdict: Literal["aligned", "divergent"]

@@ -115,3 +115,52 @@ class Recorder:
         values = np.asarray(values, dtype=np.float32)
         self.trace.records.append(param(name, self.trace.put("param", "value", values), module_type=module_type))
         return values
+
+
+def write_trace(trace: Trace, path, meta: dict | None = None) -> Path:
+    """A ``Trace`` written as a real trace file (full mode), for what reads files: runs of ranks, worker processes
+    and clusters that open traces by path."""
+    import msgspec
+
+    from layerdiff.tracefile.writer import TraceWriter
+
+    writer = TraceWriter(path, {**trace.meta, **(meta or {})})
+    for rec in trace.records:
+        data = msgspec.to_builtins(rec)
+        data["tensors"] = [{**writer.write_tensor(trace.arrays[t.offset], t.dtype, store_data=True),
+                            "role": t.role, "key": t.key} for t in rec.tensors]
+        writer.write_record(data)
+    writer.close({"kind": "end", "status": "complete"})
+    return Path(path)
+
+
+def data_parallel_run(root, world: int, *, layers: int = 4, hidden: int = 64, batch: int = 16,
+                      desync: tuple[int, int] | None = None) -> Path:
+    """A data-parallel run of ``world`` ranks written as ``root/rank{N}.h5``: every rank runs the same blocks
+    (a linear layer and a norm each, with their weights) on the same batch, except that ``desync`` = (rank, block)
+    perturbs that block's weight on that rank (a replica that fell out of step)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal((batch, hidden)).astype(np.float32)
+    weights = [rng.standard_normal((hidden, hidden)).astype(np.float32) / np.sqrt(hidden) for _ in range(layers)]
+    for rank in range(world):
+        rec = Recorder()
+        with rec.call("", "Model", x0) as model_out:
+            x = x0
+            for i in range(layers):
+                w = weights[i] * (1.001 if desync == (rank, i) else 1.0)
+                rec.param(f"layers.{i}.linear.weight", w, module_type="Linear")
+                with rec.call(f"layers.{i}", "Block", x) as block_out:
+                    with rec.call(f"layers.{i}.linear", "Linear", x) as out:
+                        h = x @ w.T
+                        out.append(h)
+                    with rec.call(f"layers.{i}.norm", "RMSNorm", h) as out:
+                        y = (h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + 1e-6)).astype(np.float32)
+                        out.append(y)
+                    x = x + y
+                    block_out.append(x)
+            model_out.append(x)
+        write_trace(rec.trace, root / f"rank{rank}.h5",
+                    {"model_class": "toy.Blocks", "distributed": {"rank": rank, "world_size": world}})
+    return root

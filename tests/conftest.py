@@ -58,7 +58,7 @@ def recipe_trace(tmp_path_factory):
 
 
 def align_files(a, b, how=None, **kwargs):
-    """``layerdiff.judge.evaluate.align`` on two trace paths (``how``: a ``Comparison``; ``workers=``)."""
+    """``layerdiff.judge.evaluate.align`` on two trace paths (``how``: a ``Comparison``, its ``workers`` too)."""
     from layerdiff.judge.evaluate import align
     from layerdiff.runs.ranks import open_run
 

@@ -297,6 +297,10 @@ BAD_FLAGS = {
     "json_without_value": ["--json"],
     "workers_zero": ["--workers", "0"],
     "workers_not_a_number": ["--workers", "two"],
+    "scheduler_not_an_address": ["--scheduler", "not an address"],
+    "scheduler_empty": ["--scheduler", ""],
+    "scheduler_without_port": ["--scheduler", "tcp://10.0.0.5"],
+    "scheduler_address_with_workers": ["--scheduler", "tcp://127.0.0.1:8786", "--workers", "2"],  # whose workers?
 }
 
 

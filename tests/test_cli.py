@@ -1,5 +1,6 @@
 """The CLI end to end: trace a TARGET, align with exit codes and the JSON contract, re-threshold, show."""
 import json
+import os
 
 import pytest
 
@@ -125,18 +126,24 @@ def test_demo_runs_and_names_the_defect():
 
 
 def test_align_works_without_any_framework_importable(cli_traces):
-    """The aligner never imports a framework: block torch and align two torch traces."""
+    """The aligner never imports a framework, nor Dask unless a scheduler is given: block them and align two torch
+    traces; asked for a scheduler, it says in one line what to install."""
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['torch'] = None; sys.modules['paddle'] = None; sys.modules['mindspore'] = None\n"
+    code = ("import sys\n"
+            "for name in ('torch', 'paddle', 'mindspore', 'dask', 'distributed'):\n"
+            "    sys.modules[name] = None\n"
             "from layerdiff.cli import main\n"
-            f"rc = main(['align', r'{cli_traces / 'ref.h5'}', r'{cli_traces / 'bad.h5'}', '-q'])\n"
-            "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
-            "sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            f"traces = [r'{cli_traces / 'ref.h5'}', r'{cli_traces / 'bad.h5'}']\n"
+            "assert main(['align', *traces, '-q', '--workers', '2']) == 1\n"
+            "assert main(['align', *traces, '-q', '--scheduler', 'local']) == 2\n"
+            "sys.exit(main(['align', *traces, '-q']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "LAYERDIFF_SCHEDULER": ""})
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.startswith("divergent: forward norm")
+    assert proc.stderr == "layerdiff: error: --scheduler needs Dask: pip install 'layerdiff[dask]'\n"
 
 
 def test_recipes_are_listed_with_their_defects():

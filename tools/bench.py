@@ -151,6 +151,8 @@ def align_child(a: str, b: str, profile: bool):
 
     import h5py  # noqa: F401  (imported lazily by open_trace; import it first so it is not counted as align memory)
 
+    from layerdiff.compare.spec import Comparison
+    from layerdiff.compare.tasks import Workers
     from layerdiff.judge.evaluate import align
     from layerdiff.tracefile.reader import open_trace
 
@@ -162,7 +164,7 @@ def align_child(a: str, b: str, profile: bool):
     ra, rb = open_trace(a), open_trace(b)
     t_open = time.perf_counter() - t0
     rss_open = current_rss()
-    report = align(ra, rb, workers=None)  # as the CLI: worker processes for traces over 512 MB a side
+    report = align(ra, rb, Comparison(workers=Workers(None)))  # as the CLI: worker processes for traces over 512 MB a side
     t_total = time.perf_counter() - t0
     if prof:
         prof.disable()

@@ -65,6 +65,9 @@ KEYS = {
                     "{\"a\", \"b\"}}`; `notes` are the runs' own notes (`meta={...}`, the target and its `--arg`s).",
         "config_diff": "The models' own configurations where they differ, in canonical keys "
                        "(`[{\"key\", \"a\", \"b\", \"name_a\", \"name_b\", ...}]`); null when a trace holds no config.",
+        "not_compared": "Tensor pairs whose comparison did not complete (tasks that failed on a Dask cluster after "
+                        "their retries, `--scheduler`): each is also in its row's `skipped`, and `trust` names them; "
+                        "empty when everything was compared.",
         "forward": "The forward direction: verdict and origin.",
         "backward": "The backward direction: verdict and origin.",
         "verdict": "`aligned` or `divergent`.",
@@ -199,6 +202,14 @@ KEYS = {
         "rule": "The fused-module rule, for a fused module (`qkv`, `gate_up`, ...).",
         "a_parts": "Every path on A's side of a fused match.",
         "b_parts": "Every path on B's side of a fused match.",
+    },
+    "NotCompared": {
+        "phase": "`forward` or `backward`; null for a parameter.",
+        "path": "The record's path (A's name).",
+        "call": "The record's call index.",
+        "tensor": "`role:key` of the tensor pair.",
+        "reason": "Why: the worker's error in one line (`FileNotFoundError: ...`), or that its worker died each time "
+                  "(`KilledWorker`), and where (the cluster's address).",
     },
     "Unmatched": {
         "a": "Modules of A with no counterpart in B.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import site
 import sysconfig
 import weakref
 from dataclasses import dataclass, field
@@ -78,7 +79,10 @@ class SourceFinder:
 
     def __init__(self, framework_dirs: Iterable[str]):
         paths = sysconfig.get_paths()
-        self.site = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
+        # every site-packages: a venv made with --system-site-packages imports from the base Python's too, which
+        # sits under the base's stdlib directory (PaddleFormers there was skipped as standard library)
+        sites = [paths["purelib"], paths["platlib"], *getattr(site, "getsitepackages", list)()]
+        self.site = tuple(dict.fromkeys(os.path.abspath(p) + os.sep for p in sites))
         self.stdlib = tuple(os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib"))
         self.framework = tuple(os.path.abspath(d) + os.sep for d in framework_dirs)
         self.verdicts: dict[CodeType, str] = {}  # code object -> "skip" (framework, stdlib), "own", "model"

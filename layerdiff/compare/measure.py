@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, cast
 
 import msgspec
@@ -14,13 +14,13 @@ import numpy as np
 
 from layerdiff import schema
 from layerdiff.compare import per_rank
-from layerdiff.compare import workers as compare_workers
 from layerdiff.compare.configs import diff_configs, from_values
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from layerdiff.compare.nonfinite import first_nonfinite
 from layerdiff.compare.settings import settings_report
 from layerdiff.compare.spec import Comparison
-from layerdiff.compare.workers import aligned_pairs, compare_pairs, worker_count
+from layerdiff.compare.tasks import Workers
+from layerdiff.compare.workers import aligned_pairs, compare_pairs
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules
 from layerdiff.match.joins import best_way, resolved_as, unresolved, ways
@@ -115,13 +115,22 @@ def _stored_key(a: Operand, b: Operand, rule, relation):
     return None
 
 
-def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: TokenOrder | bool, workers: int | None,
-                        progress) -> dict:
-    """Metrics of the pairs compared straight from stored bytes, by worker processes (``compare_workers``), keyed
-    like ``_pair_metrics``' memo; empty when they are too few bytes to be worth it, or workers cannot be used."""
-    count = worker_count(workers)
-    if count < 2:
-        return {}
+@dataclass
+class _Measured:
+    """Metrics of stored pairs compared by workers, keyed like ``_pair_metrics``' memo, and the pairs whose tasks
+    failed on a cluster (key -> why): those are named in the report, not compared here."""
+
+    memo: dict = field(default_factory=dict)
+    failed: dict = field(default_factory=dict)
+
+
+def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: TokenOrder | bool, workers: Workers,
+                        progress) -> _Measured:
+    """The pairs compared straight from stored bytes, by workers (``compare.workers``: processes of this machine
+    for traces over ``LOCAL_MIN_BYTES`` a side, or a Dask cluster's whenever a scheduler is given); nothing when
+    they are too few bytes to be worth it, or there are no workers."""
+    if not workers.parallel:
+        return _Measured()
     jobs = {}
     for pair in pairs:
         for tp in pair.tensors:
@@ -136,23 +145,34 @@ def _compare_in_workers(pairs, readers, layouts: LayoutRules, swap: TokenOrder |
                 if pieces:
                     jobs[key] = pieces
     total = sum(piece.nbytes() for pieces in jobs.values() for piece in pieces)
-    if total < 2 * compare_workers.MIN_BYTES:
-        return {}
+    if not workers.sends(total // 2):
+        return _Measured()
     if progress is not None:
         progress.start(total)
     stored = [piece for pieces in jobs.values() for piece in pieces]
     groups = [n for n, pieces in enumerate(jobs.values()) for _ in pieces]
-    results = compare_pairs(stored, count, progress, groups=groups)
+    with workers.pool() as pool:
+        results = compare_pairs(stored, pool, progress, groups=groups)
     if progress is not None:
         progress.close()
-    return dict(zip(jobs, results)) if results is not None else {}
+    keys = list(jobs)
+    return _Measured({key: m for key, m in zip(keys, results.metrics) if m is not None},
+                     {keys[n]: f"{reason} ({pool.where})" for n, reason in results.failed.items()})
 
 
-def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: LayoutRules,
-                  swap: TokenOrder | bool) -> schema.Metrics | None:
+@dataclass(frozen=True)
+class _TaskFailed:
+    """A tensor pair whose tasks failed on a cluster: named in the report, not compared."""
+
+    reason: str
+
+
+def _pair_metrics(tp: TensorPair, path_a: str, readers, measured: _Measured, layouts: LayoutRules,
+                  swap: TokenOrder | bool) -> schema.Metrics | _TaskFailed | None:
     """Metrics for one tensor pair (None: it cannot be compared from what the traces hold). A pair of stored
     regions already compared (records share deduplicated tensors, or workers compared it) is not read again."""
     reader_a, reader_b = readers
+    memo = measured.memo
     a, b, rule, relation = _prepared(tp, path_a, layouts, swap)
     if rule is not None and a.plain and b.plain:
         return _compare_declared(reader_a, reader_b, a.entry, b.entry, rule)
@@ -161,6 +181,8 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, memo: dict, layouts: Lay
                 "numel": math.prod(a.shape)}
     if a.has_data and b.has_data:
         key = _stored_key(a, b, rule, relation)
+        if key is not None and key in measured.failed:
+            return _TaskFailed(measured.failed[key])
         if key is not None:
             if key not in memo:
                 memo[key] = compare_data(reader_a.tensor_chunks(a.entry, CHUNK_ELEMS),
@@ -356,10 +378,10 @@ def module_mapping(reader_a, reader_b, how: Comparison) -> ModuleMapping:
                          how.rename, how.auto_map)
 
 
-def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None, mapping: ModuleMapping | None = None,
-            workers: int | None = 1) -> schema.Report:
+def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
+            mapping: ModuleMapping | None = None) -> schema.Report:
     """Match the two traces (inferring renamed and fused modules unless ``how`` says not to) and compute metrics for
-    every tensor pair (``workers`` processes compare large stored tensors: None, one per core; 1, none)."""
+    every tensor pair (large stored tensors by ``how.workers``: processes of this machine or a Dask cluster)."""
     how = how or Comparison()
     rename, layouts, rules = how.rename, how.layouts, how.rules
     reader_a, reader_b = joined_pair(reader_a, reader_b)  # a step run as microbatches against one that was not
@@ -376,7 +398,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     swap = token_order(side_a, side_b)
     op_pairing = pair_ops(reader_a.ops, reader_b.ops, matching.pairs, mapping, rules)
     pairs: list[RecordPair | OpPair] = [*matching.pairs, *op_pairing.pairs]
-    memo = _compare_in_workers(pairs, (reader_a, reader_b), layouts, swap, workers, progress)
+    measured = _compare_in_workers(pairs, (reader_a, reader_b), layouts, swap, how.workers, progress)
+    not_compared: list[schema.NotCompared] = []
     if progress is not None:
         progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in pairs))
     records: list[schema.Row] = []
@@ -388,9 +411,13 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
         tensors: list[schema.TensorResult] = []
         skipped = list(pair.skipped)
         for tp in pair.tensors:
-            metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), memo,
+            metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), measured,
                                     NO_LAYOUTS if isinstance(ra, OpRecord) else layouts, swap)
-            if metrics is None:
+            if isinstance(metrics, _TaskFailed):
+                skipped.append(f"{tp.role}:{tp.key} (not compared: {metrics.reason})")
+                not_compared.append({"phase": ra.phase, "path": ra.path, "call": ra.call,
+                                     "tensor": f"{tp.role}:{tp.key}", "reason": metrics.reason})
+            elif metrics is None:
                 skipped.append(f"{tp.role}:{tp.key} (statistics only: a part or transform needs the values)")
             else:
                 tensors.append(_tensor_row(tp, metrics))
@@ -442,7 +469,7 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             "first_nonfinite": {"a": first_nonfinite(reader_a.records, ops=reader_a.ops),
                                 "b": first_nonfinite(reader_b.records, ops=reader_b.ops)},
             "settings": settings_report(reader_a.meta, reader_b.meta),
-            "config_diff": _config_diff(reader_a.meta, reader_b.meta)}
+            "config_diff": _config_diff(reader_a.meta, reader_b.meta), "not_compared": not_compared}
 
 
 def _config_diff(meta_a: dict, meta_b: dict) -> list | None:

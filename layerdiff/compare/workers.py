@@ -1,35 +1,26 @@
-"""Stored tensors compared in worker processes: align's arithmetic on every core.
+"""Stored tensors compared by workers: align's arithmetic on every core, or on a Dask cluster's workers.
 
 One core compares ~1.5-2 GB/s per side, so aligning two full traces of a 0.5B model (4 GB each) takes seconds,
 and a larger model's, minutes. The tensor pairs that are compared straight from their stored bytes are cut into
-slices (``SLICE_BYTES`` a side) and handed out, a few at a time, to ``python -m layerdiff.compare.workers``
-processes over their standard input and output (one JSON line each way). A worker reads its slices through
-``MappedData`` (the trace file mapped at the chunk addresses HDF5 reported: no HDF5, no index) and sends back the
-slice's running sums (``DataAccumulator.state``); the parent merges them per pair, in any order.
-
-Processes of our own, not ``multiprocessing``: the caller's ``__main__`` is never imported again (a script
-without a main guard would run twice) and no process that may hold threads (a progress bar's) is forked.
-If a worker cannot start or fails, the caller compares in-process, as without workers.
+slices (``SLICE_BYTES`` a side; small tensors' slices gathered into tasks of about that size) and handed to a
+``TaskPool`` (``compare.tasks``: processes of this machine or a Dask cluster). A worker reads its slices through
+``MappedData`` (the trace file mapped at the chunk addresses HDF5 reported, which the task carries: no HDF5, no
+index) and sends back each slice's running sums (``DataAccumulator.state``); the parent merges them per pair in
+slice order, so the metrics are the same wherever the slices ran, bit for bit.
 """
 from __future__ import annotations
 
-import json
 import os
-import selectors
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, cast
+from typing import Any
 
 from layerdiff.compare.metrics import CHUNK_ELEMS, DataAccumulator, accumulate
+from layerdiff.compare.tasks import TaskPool
 from layerdiff.schema import Metrics
 from layerdiff.tracefile.chunks import DataLocation, MappedData
 from layerdiff.tracefile.tensors import storage_dtype
 
 SLICE_BYTES = 32 << 20  # per side: small enough to share out evenly, large enough that a line costs nothing
-MIN_BYTES = 512 << 20  # per side: below it, starting the workers (~0.25 s) costs more than two cores save
-IN_FLIGHT = 2  # slices sent ahead to each worker, so it never waits for the parent
 
 
 @dataclass(frozen=True)
@@ -66,146 +57,95 @@ def aligned_pairs(segments_a: list, dtype_a: str, segments_b: list, dtype_b: str
     return out
 
 
-def worker_count(requested: int | None) -> int:
-    """``requested`` processes, or one per core this process may run on (at most 8) when None."""
-    if requested is not None:
-        return requested
-    try:
-        cores = len(os.sched_getaffinity(0))  # a container's or taskset's share, not the machine's
-    except AttributeError:  # no affinity call on this system
-        cores = os.cpu_count() or 1
-    return min(cores, 8)
+@dataclass
+class PairResults:
+    """``compare_pairs``' answer: the metrics of each result (None where a slice of it could not be compared)
+    and why each such result is missing."""
+
+    metrics: list[Metrics | None]
+    failed: dict[int, str]
 
 
-def compare_pairs(pairs: list[StoredPair], workers: int, progress=None, slice_bytes: int = SLICE_BYTES,
-                  groups: list[int] | None = None) -> list[Metrics] | None:
-    """``compare_data``'s metrics of each pair, in order, computed by up to ``workers`` processes; None when they
-    could not start or one failed (the caller then compares in-process). ``groups``: the result each pair's sums
-    go to (the pieces of one comparison, from ``aligned_pairs``); one result per pair when None.
-    ``progress.advance`` gets the bytes of each slice compared (both sides)."""
+def compare_pairs(pairs: list[StoredPair], pool: TaskPool, progress=None, slice_bytes: int = SLICE_BYTES,
+                  groups: list[int] | None = None) -> PairResults:
+    """``compare_data``'s metrics of each pair, in order, computed by ``pool``'s workers. ``groups``: the result
+    each pair's sums go to (the pieces of one comparison, from ``aligned_pairs``); one result per pair when None.
+    ``progress.advance`` gets the bytes of each task compared (both sides) as it finishes."""
     groups = list(range(len(pairs))) if groups is None else groups
-    locations = sorted({p.location_a for p in pairs} | {p.location_b for p in pairs}, key=lambda loc: loc.path)
-    index = {loc: i for i, loc in enumerate(locations)}
-    slices: list = []
+    slices: list[tuple[int, StoredPair, int, int, int]] = []  # (pair, the pair, first element, count, bytes)
     for n, pair in enumerate(pairs):
         widest = max(storage_dtype(pair.dtype_a).itemsize, storage_dtype(pair.dtype_b).itemsize)
         step = max(slice_bytes // widest // CHUNK_ELEMS, 1) * CHUNK_ELEMS  # the blocks an in-process pass sums
         for first in range(0, pair.numel, step):
             count = min(step, pair.numel - first)
-            slices.append((n, {"id": len(slices), "a": [index[pair.location_a], pair.offset_a, pair.dtype_a],
-                               "b": [index[pair.location_b], pair.offset_b, pair.dtype_b],
-                               "first": first, "count": count}, pair.nbytes() * count // max(pair.numel, 1)))
-    sums = [DataAccumulator() for _ in range(max(groups, default=-1) + 1)]
-    header = json.dumps({"locations": [[loc.path, loc.chunk, list(loc.addresses)] for loc in locations]})
-    pool = _Pool(min(workers, len(slices)), header)
+            slices.append((n, pair, first, count, pair.nbytes() * count // max(pair.numel, 1)))
+    tasks = _tasks(slices, slice_bytes)
+    jobs = [slices_job([slices[s] for s in task]) for task in tasks]
+    weights = [sum(slices[s][4] for s in task) for task in tasks]
+    done = pool.map(compare_slices, None, jobs,
+                    progress=None if progress is None else lambda i: progress.advance(weights[i]))
+    states: list[Any] = [None] * len(slices)
+    for task, result in zip(tasks, done.results):
+        for s, state in zip(task, result or [None] * len(task)):
+            states[s] = state
+    sums: list[DataAccumulator | None] = [DataAccumulator() for _ in range(max(groups, default=-1) + 1)]
+    failed: dict[int, str] = {}
+    for t, reason in done.failed.items():
+        for s in tasks[t]:
+            failed.setdefault(groups[slices[s][0]], reason)
+    for s, state in enumerate(states):  # in slice order: the same sums wherever and whenever each slice ran
+        group = groups[slices[s][0]]
+        acc = sums[group]
+        if group in failed or acc is None:
+            sums[group] = None
+        else:
+            acc.merge(DataAccumulator.from_state(state))
+    return PairResults([None if acc is None else acc.result() for acc in sums], failed)
+
+
+def _tasks(slices: list, slice_bytes: int) -> list[list[int]]:
+    """Slices gathered, in order, into tasks of about ``slice_bytes`` a side: a slice of a large tensor is a task
+    of its own, a small model's tensors share one (a task costs ~1 ms on a cluster, a slice of 32 MB ~20 ms)."""
+    tasks: list[list[int]] = []
+    size = 0
+    for s, (_, _, _, _, nbytes) in enumerate(slices):
+        if not tasks or size + nbytes > 2 * slice_bytes:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(s)
+        size += nbytes
+    return tasks
+
+
+def slices_job(slices: list) -> dict:
+    """A task as plain data: the files its slices read (absolute paths, and the addresses of only the chunks they
+    touch) and the slices, each (file, offset, dtype) of A and of B, first element and count."""
+    files: dict[tuple[str, int], dict[int, int]] = {}
+    out = []
+    for _, pair, first, count, _ in slices:
+        sides = []
+        for location, offset, dtype in ((pair.location_a, pair.offset_a, pair.dtype_a),
+                                        (pair.location_b, pair.offset_b, pair.dtype_b)):
+            itemsize = storage_dtype(dtype).itemsize
+            key = (os.path.abspath(location.path), location.chunk)
+            files.setdefault(key, {}).update(location.chunks_of(offset + first * itemsize, count * itemsize))
+            sides.append([list(files).index(key), offset, dtype])
+        out.append([*sides[0], *sides[1], first, count])
+    return {"files": [[path, chunk, sorted(chunks.items())] for (path, chunk), chunks in files.items()],
+            "slices": out}
+
+
+def compare_slices(_shared: Any, job: dict) -> list[dict]:
+    """A task, where it runs: the running sums of each slice of ``job`` (``_job``), in order."""
+    data = [MappedData(path, chunk, {int(i): int(address) for i, address in chunks})
+            for path, chunk, chunks in job["files"]]
     try:
-        for n, state, nbytes in pool.run(slices):
-            sums[groups[n]].merge(DataAccumulator.from_state(state))
-            if progress is not None:
-                progress.advance(nbytes)
-    except _WorkerFailed:
-        return None
+        out = []
+        for file_a, offset_a, dtype_a, file_b, offset_b, dtype_b, first, count in job["slices"]:
+            acc = accumulate(data[file_a].pieces(offset_a, first, count, dtype_a, CHUNK_ELEMS),
+                             data[file_b].pieces(offset_b, first, count, dtype_b, CHUNK_ELEMS), dtype_a, dtype_b)
+            out.append(acc.state())
+        return out
     finally:
-        pool.close()
-    return [acc.result() for acc in sums]
-
-
-class _WorkerFailed(Exception):
-    pass
-
-
-class _Pool:
-    """Worker processes fed slices as they finish earlier ones."""
-
-    def __init__(self, size: int, header: str):
-        self.procs = []
-        self.selector = selectors.DefaultSelector()
-        try:
-            package_root = str(Path(__file__).resolve().parents[2])  # this very layerdiff, installed or not
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root,
-                                                                            os.environ.get("PYTHONPATH")]))}
-            for _ in range(size):
-                proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-                self.procs.append(proc)
-                self._send(proc, header)
-                self.selector.register(cast(IO[bytes], proc.stdout), selectors.EVENT_READ, proc)  # PIPE: set
-        except OSError:
-            self.close()
-            raise _WorkerFailed from None
-
-    @staticmethod
-    def _send(proc, line: str):
-        try:
-            proc.stdin.write(line.encode() + b"\n")
-            proc.stdin.flush()
-        except (OSError, ValueError):
-            raise _WorkerFailed from None
-
-    def run(self, slices):
-        """Yield (pair number, slice sums, slice bytes) as workers finish slices."""
-        todo = list(reversed(slices))
-        owner = {}  # slice id -> (pair number, bytes)
-        pending = {proc.pid: 0 for proc in self.procs}
-        buffers = {proc.pid: b"" for proc in self.procs}
-
-        def feed(proc):
-            while todo and pending[proc.pid] < IN_FLIGHT:
-                n, task, nbytes = todo.pop()
-                owner[task["id"]] = (n, nbytes)
-                self._send(proc, json.dumps(task))
-                pending[proc.pid] += 1
-
-        for proc in self.procs:
-            feed(proc)
-        while owner:
-            for key, _ in self.selector.select():
-                proc = key.data
-                chunk = os.read(proc.stdout.fileno(), 1 << 16)
-                if not chunk:  # the worker died
-                    raise _WorkerFailed
-                *lines, buffers[proc.pid] = (buffers[proc.pid] + chunk).split(b"\n")
-                for line in lines:
-                    try:
-                        done = json.loads(line)
-                        n, nbytes = owner.pop(done["id"])
-                    except (ValueError, KeyError, TypeError):  # not a line this protocol writes
-                        raise _WorkerFailed from None
-                    pending[proc.pid] -= 1
-                    yield n, done["state"], nbytes
-                feed(proc)
-
-    def close(self):
-        for proc in self.procs:
-            for stream in (proc.stdin, proc.stdout):
-                try:
-                    if stream is not None:
-                        stream.close()
-                except OSError:
-                    pass
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        self.selector.close()
-
-
-def main():
-    """A worker: the trace locations on the first line, then one slice per line; one line of sums per slice."""
-    lines = sys.stdin.buffer
-    header = json.loads(lines.readline())
-    data = [MappedData(DataLocation(path, chunk, tuple(addresses))) for path, chunk, addresses in header["locations"]]
-    out = sys.stdout.buffer
-    for line in lines:
-        task = json.loads(line)
-        (la, oa, da), (lb, ob, db) = task["a"], task["b"]
-        first, count = task["first"], task["count"]
-        acc = accumulate(data[la].pieces(oa, first, count, da, CHUNK_ELEMS),
-                         data[lb].pieces(ob, first, count, db, CHUNK_ELEMS), da, db)
-        out.write(json.dumps({"id": task["id"], "state": acc.state()}).encode() + b"\n")  # json: keeps inf/nan
-        out.flush()
-    for mapped in data:
-        mapped.close()
-
-
-if __name__ == "__main__":
-    main()
+        for mapped in data:
+            mapped.close()

@@ -76,7 +76,20 @@ def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: sc
                             "pass run?): it was not compared")
     if measurements.get("same_file"):
         problems.append("A and B are the same file: nothing was compared with another run")
+    missing = measurements.get("not_compared") or []
+    if missing:
+        problems.append(not_compared_line(missing))
     return {"ok": not problems, "problems": problems}
+
+
+def not_compared_line(missing: list[schema.NotCompared], named: int = 5) -> str:
+    """The tensor pairs a cluster could not compare, as one line: the first few named, then how many more."""
+    names = [f"{m['path'] or '<root>'} {m['tensor']}" + (f" ({m['phase']})" if m.get("phase") else "")
+             for m in missing[:named]]
+    more = f" and {len(missing) - named} more (not_compared in the JSON report lists them)" \
+        if len(missing) > named else ""
+    return (f"{len(missing)} tensor comparison(s) did not complete, so the result is incomplete: "
+            f"{'; '.join(names)}{more}: {missing[0]['reason']}")
 
 
 def window_suggestion(measurements: schema.Report, origin: schema.Origin | None) -> dict | None:
@@ -135,8 +148,7 @@ def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows:
     return table
 
 
-def align(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
-          workers: int | None = 1) -> schema.Report:
+def align(reader_a, reader_b, how: Comparison | None = None, *, progress=None) -> schema.Report:
     """Two traces (readers) measured and judged as ``how`` says: the report ``layerdiff align`` writes."""
     how = how or Comparison()
-    return evaluate(measure(reader_a, reader_b, how, progress=progress, workers=workers), how.policy)
+    return evaluate(measure(reader_a, reader_b, how, progress=progress), how.policy)

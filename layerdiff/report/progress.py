@@ -20,13 +20,18 @@ class ByteProgress:
         self._bar: Progress | None = None
         self._task: TaskID | None = None
 
+    def _columns(self) -> tuple:
+        from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+
+        return BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()
+
     def start(self, total: int):
         if not self.enabled or total <= 0:
             return
-        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import Progress
 
-        bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                       TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        bar = Progress("[progress.description]{task.description}", *self._columns(), console=Console(stderr=True),
+                       transient=True)
         bar.start()
         self._task = bar.add_task(self.description, total=total)
         self._bar = bar
@@ -39,6 +44,15 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class TaskProgress(ByteProgress):
+    """The same bar over tasks done (the rank pairs of ``align RUN``, wherever they run)."""
+
+    def _columns(self) -> tuple:
+        from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        return BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()
 
 
 class StepProgress:

@@ -386,8 +386,14 @@ def render_ranks(result: View, console: Console):
         parts = [f"{phase} {r[phase]['description']}" for phase in ("forward", "backward") if r[phase]]
         differ = f"; parameters differ: {', '.join(r['params_differ'][:3])}" if r["params_differ"] else ""
         console.print(f"  rank {r['rank']}: [red]differs[/]: {as_text('; '.join(parts) or 'parameters only')}{as_text(differ)}")
+    for missing in result.get("missing") or []:
+        console.print(f"  rank {missing['rank']}: [yellow]not compared[/]: {as_text(missing['reason'])}")
     first = result["first_divergence"]
     if first:
         console.print(f"[bold red]first desync ({first['phase']}): {as_text(first['description'])}[/] on rank(s) "
                       f"{', '.join(map(str, first['ranks']))}")
     console.print(f"verdict: {result['verdict']}")
+    if result.get("missing"):
+        from layerdiff.runs.desync import missing_line
+
+        console.print(f"[bold yellow]WARNING: {as_text(missing_line(result['missing']))}[/]")

@@ -1,50 +1,57 @@
 """Ranks of one run against each other: where a data-parallel replica stops agreeing with rank 0.
 
 ``layerdiff align RUN`` (one run directory) compares every rank with the first of its replicas (rank 0 where the
-whole run replicates; the first rank of its pipeline stage in a Megatron layout) on what
-replicas must agree on (``ranks.RankView``: shards and partial sums left out; the weights alone where each
-data-parallel rank ran its own share of the batch), with the usual origin rule, so it names the first module
-whose inputs still agree across ranks and whose outputs do not, and the rank. Ranks are compared in parallel, one
-process per rank pair, each holding only its two traces' indexes (flat memory per worker).
+whole run replicates; the first rank of its pipeline stage in a Megatron layout) on what replicas must agree on
+(``ranks.RankView``: shards and partial sums left out; the weights alone where each data-parallel rank ran its own
+share of the batch), with the usual origin rule, so it names the first module whose inputs still agree across
+ranks and whose outputs do not, and the rank. Each rank pair is a task for the comparison's workers
+(``compare.tasks``: processes of this machine, or a Dask cluster's): it opens the two ranks' traces by path and
+nothing else, so a worker's memory does not grow with the number of ranks. A rank pair a cluster could not
+compare is named in the report (``missing``), never left out silently.
 """
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from layerdiff.compare.spec import Comparison
 from layerdiff.compare.tolerance import TolerancePolicy
 from layerdiff.errors import LayerdiffError
 from layerdiff.judge.evaluate import align
 from layerdiff.match.rules import ruleset
-from layerdiff.runs.ranks import RankedRun, RankView, open_run
+from layerdiff.runs.ranks import RankedRun, RankView, open_run, rank_files, replica_exempt
+from layerdiff.tracefile.reader import TraceReader
 from layerdiff.tracefile.records import CallRecord
 
 
-def check_run(path, how: Comparison | None = None, workers: int | None = None, progress=None) -> dict:
+def check_run(path, how: Comparison | None = None, progress=None) -> dict:
     """A report of every rank against rank 0 (see the module docstring): by ``how``'s tolerances and rules (the
-    ranks of one run share their names, so no renames or layouts apply)."""
+    ranks of one run share their names, so no renames or layouts apply), on ``how.workers``. ``progress``: a bar
+    (``start(total)``, ``advance(1)`` as each rank pair is done)."""
     how = how or Comparison()
     policy = how.policy
     with open_run(path, how.rules) as run:
         if not isinstance(run, RankedRun):
             raise LayerdiffError(f"{path}: a single trace; align it with another one (layerdiff align A B), or "
                                  "give a run directory of several ranks to compare its ranks")
-        world, order = run.world_size, _execution_order(run)
+        world, order, exempt = run.world_size, _execution_order(run), replica_exempt(run)
         groups = run.replica_groups()
-    jobs = [(str(path), group[0], rank, policy.describe(), list(how.rule_files))
+    files = [os.path.abspath(f) for f in rank_files(path) or ()]  # workers open them by path: absolute
+    shared = {"exempt": exempt, "policy": policy.describe(),
+              "rule_files": [os.path.abspath(f) for f in how.rule_files]}  # read where the task runs
+    jobs = [{"first": files[group[0]], "against": group[0], "other": files[rank], "rank": rank}
             for group in groups for rank in group[1:]]
     if not jobs:
         raise LayerdiffError(f"{path}: each of its {world} ranks is a pipeline stage of its own: no two hold the "
                              "same layers to compare; align the run with a reference (layerdiff align REF RUN)")
-    workers = min(workers or os.cpu_count() or 1, len(jobs))
-    if workers > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(_rank_against_rank0, *zip(*jobs)))
-    else:
-        results = [_rank_against_rank0(*job) for job in jobs]
     if progress is not None:
-        progress(f"compared {len(results)} rank(s) with rank 0")
+        progress.start(len(jobs))
+    with how.workers.pool(most=len(jobs), nbytes=sum(os.path.getsize(f) for f in files[1:])) as pool:
+        done = pool.map(rank_against_rank0, shared, jobs,
+                        progress=None if progress is None else lambda i: progress.advance(1))
+    results = [r for r in done.results if r is not None]
+    missing = [{"rank": jobs[i]["rank"], "reason": f"{reason} ({pool.where})"}
+               for i, reason in sorted(done.failed.items())]
     divergent = [r for r in results if r["verdict"] != "aligned"]
     first = None
     for phase in ("forward", "backward"):
@@ -55,7 +62,15 @@ def check_run(path, how: Comparison | None = None, workers: int | None = None, p
             first = {**min(found, key=lambda f: f[0])[1][phase], "ranks": ranks, "phase": phase}
             break
     return {"kind": "ranks", "path": str(path), "world_size": world, "ranks": results, "first_divergence": first,
-            "tolerances": policy.describe(), "verdict": "divergent" if divergent else "aligned"}
+            "missing": missing, "tolerances": policy.describe(), "verdict": "divergent" if divergent else "aligned"}
+
+
+def missing_line(missing: list[dict], named: int = 8) -> str:
+    """The rank pairs that could not be compared, as one line."""
+    ranks = ", ".join(str(m["rank"]) for m in missing[:named]) + (f" and {len(missing) - named} more"
+                                                                   if len(missing) > named else "")
+    return (f"{len(missing)} rank(s) not compared with rank 0, so the result is incomplete: rank(s) {ranks}: "
+            f"{missing[0]['reason']}")
 
 
 def _execution_order(run: RankedRun) -> dict:
@@ -66,13 +81,14 @@ def _execution_order(run: RankedRun) -> dict:
     return order
 
 
-def _rank_against_rank0(path: str, first: int, rank: int, policy: dict, rule_files: list) -> dict:
-    """``rank`` against ``first``, the first rank of its replicas (rank 0 where the whole run replicates)."""
-    how = Comparison(policy=TolerancePolicy.from_description(policy), rules=ruleset(rule_files),
-                     rule_files=tuple(rule_files))
-    with open_run(path, how.rules) as run:
-        report = align(RankView(run, first), RankView(run, rank), how)
-    return {"rank": rank, "against": first, "verdict": report["verdict"],
+def rank_against_rank0(shared: dict[str, Any], job: dict[str, Any]) -> dict:
+    """A task, where it runs: one rank against the first of its replicas (rank 0 where the whole run
+    replicates), from those two ranks' traces alone."""
+    how = Comparison(policy=TolerancePolicy.from_description(shared["policy"]), rules=ruleset(shared["rule_files"]),
+                     rule_files=tuple(shared["rule_files"]))
+    with TraceReader(job["first"]) as first, TraceReader(job["other"]) as other:
+        report = align(RankView(first, shared["exempt"]), RankView(other, shared["exempt"]), how)
+    return {"rank": job["rank"], "against": job["against"], "verdict": report["verdict"],
             "forward": report["forward"]["first_divergence"],
             "backward": report["backward"]["first_divergence"],
             "failing_tensors": report["forward"]["failing_tensors"] + report["backward"]["failing_tensors"],

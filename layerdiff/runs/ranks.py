@@ -166,10 +166,6 @@ class RankedRun:
             out.append(rec if len(holders) == len(self.readers) else replace(rec, ranks_held=holders))
         return sorted(out, key=_position) if len(set(self.stages)) > 1 else out
 
-    def global_records(self, rank: int) -> list[Record]:
-        """One rank's records under the whole model's names (``_global_records``)."""
-        return self._global_records()[rank]
-
     def replica_groups(self) -> list[list[int]]:
         """Ranks that hold the same layers (one pipeline stage): only they can agree on anything (tensor-parallel
         ranks on what they replicate, data-parallel ranks on their weights). Every rank of a run with no
@@ -545,29 +541,41 @@ def _find(rec: Record, entry: TensorEntry) -> TensorEntry | None:
 # ---------------------------------------------------------------------------------------------------------
 # Ranks against each other: what data-parallel replicas must agree on
 # ---------------------------------------------------------------------------------------------------------
-class RankView:
-    """One rank of a run as a trace of its own, without the tensors that ranks hold differently by design
-    (shards, partial sums): comparing two views finds where replicas that should agree stop agreeing."""
+def replica_exempt(run: RankedRun) -> list[list]:
+    """The tensors that ranks hold differently by design (shards, partial sums; in a tensor-parallel run also the
+    plain tensors of unknown placement, which may be shards): left out when ranks are compared with each other.
+    Plain data (``[record key, role, tensor key]`` each), so a worker comparing two ranks gets it with its task
+    and opens those two ranks' traces only."""
+    kinds = {t.merge.how for rec in run.records for t in rec.tensors if t.merge is not None}
+    left_out = {"concat", "concat_parts", "sum"}
+    if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
+        left_out.add("ranks")
+    # Megatron marks its tensor-parallel shards: every other weight is a copy on each rank of its stage
+    copies = {"ranks"} if any(run.layouts) else set()
+    spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors
+              if t.merge is not None and t.merge.how in left_out and not (rec.kind == "param" and t.merge.how in copies)}
+    return [[list(key), role, name] for key, role, name in sorted(spread, key=repr)]
 
-    def __init__(self, run: RankedRun, rank: int):
-        self.reader = run.readers[rank]
-        self.path = Path(f"{run.path}/rank{rank}.h5")
+
+class RankView:
+    """One rank's trace as a trace of its own, without the tensors that ranks hold differently by design
+    (``replica_exempt``): comparing two views finds where replicas that should agree stop agreeing."""
+
+    def __init__(self, reader: TraceReader, exempt: list[list]):
+        self.reader = reader
+        self.path = reader.path
         self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
-        kinds = {t.merge.how for rec in run.records for t in rec.tensors if t.merge is not None}
-        left_out = {"concat", "concat_parts", "sum"}
-        if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
-            left_out.add("ranks")
-        layout = run.layouts[rank]
-        # Megatron marks its tensor-parallel shards: every other weight is a copy on each rank of its stage
-        copies = {"ranks"} if layout else set()
-        spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors
-                  if t.merge is not None and t.merge.how in left_out
-                  and not (rec.kind == "param" and t.merge.how in copies)}
+        layout = reader.meta.get("parallel") or {}
+        renames = layout.get("global_paths") or {}
+        split = set(layout.get("split_modules") or ())
         own_data = (layout.get("dp") or 1) > 1  # Megatron's data-parallel ranks: each its own share of the batch
-        records = run.global_records(rank)  # under the whole model's names, as every rank's compare
+        spread = {(tuple(key), role, name) for key, role, name in exempt}
+        records = [_renamed(rec, renames) if renames else rec for rec in self.reader.records]  # the run's names
         self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread
                                               and (not own_data or rec.kind == "param")])
-                        for rec in records if not _owns(layout, rec.path) and (not own_data or rec.kind != "param_grad")]
+                        for rec in records if not _owns(layout, rec.path)
+                        and not (isinstance(rec, CallRecord) and rec.path in split)
+                        and (not own_data or rec.kind != "param_grad")]
         self.ops = self.reader.ops if not own_data else []  # one rank's own operations (replicas run the same)
 
     def tensor(self, entry):

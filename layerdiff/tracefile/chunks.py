@@ -45,14 +45,23 @@ class DataLocation:
     chunk: int
     addresses: tuple
 
+    def chunks_of(self, start: int, length: int) -> dict[int, int]:
+        """{chunk number: file address} of the chunks that hold bytes ``start``..``start + length`` of /data: all a
+        worker needs to read them (a task carries these, not a terabyte file's every address)."""
+        if length <= 0:
+            return {}
+        first, last = start // self.chunk, (start + length - 1) // self.chunk
+        return {i: self.addresses[i] for i in range(first, min(last + 1, len(self.addresses)))}
+
 
 class MappedData:
-    """A trace's tensor bytes read straight from its file at the chunk addresses of a ``DataLocation`` (no HDF5,
-    no index): how worker processes read the slices they compare."""
+    """A trace's tensor bytes read straight from its file at known chunk addresses (no HDF5, no index): how worker
+    processes read the slices they compare. ``chunks``: {chunk number: file address} of the chunks it may read
+    (``DataLocation.chunks_of``)."""
 
-    def __init__(self, location: DataLocation):
-        fd = os.open(location.path, os.O_RDONLY)
-        self._raw = RawChunkReader(fd, location.chunk, dict(enumerate(location.addresses)))
+    def __init__(self, path: str, chunk: int, chunks: dict[int, int]):
+        fd = os.open(path, os.O_RDONLY)
+        self._raw = RawChunkReader(fd, chunk, dict(chunks))
 
     def pieces(self, offset: int, first: int, count: int, dtype: str, chunk_elems: int):
         """Elements ``first``..``first + count`` of the tensor stored at ``offset``, as stored bits, in pieces."""

@@ -107,10 +107,13 @@ def test_tensor_parallel_run_aligns_with_one_process_forward_and_backward(runs, 
 
 def test_worker_processes_compare_a_run_of_ranks_as_one_process_does(runs, recipe_trace, monkeypatch):
     """Shards joined on the first axis and rank 0's copies are read from the rank files by worker processes."""
+    from layerdiff.compare import tasks as compare_tasks
     from layerdiff.compare import workers as compare_workers
+    from layerdiff.compare.spec import Comparison
+    from layerdiff.compare.tasks import Workers
 
-    serial = align_files(recipe_trace("eps"), runs / "tp_clean", workers=1)
-    monkeypatch.setattr(compare_workers, "MIN_BYTES", 0)  # a small run: use workers all the same
+    serial = align_files(recipe_trace("eps"), runs / "tp_clean")
+    monkeypatch.setattr(compare_tasks, "LOCAL_MIN_BYTES", 0)  # a small run: use workers all the same
     slices = []
     real_pairs = compare_workers.compare_pairs
 
@@ -119,7 +122,7 @@ def test_worker_processes_compare_a_run_of_ranks_as_one_process_does(runs, recip
         return real_pairs(pairs, *args, **kwargs)
 
     monkeypatch.setattr("layerdiff.compare.measure.compare_pairs", counted)
-    parallel = align_files(recipe_trace("eps"), runs / "tp_clean", workers=2)
+    parallel = align_files(recipe_trace("eps"), runs / "tp_clean", Comparison(workers=Workers(2)))
     assert slices and slices[0] > 100
     assert serial["verdict"] == parallel["verdict"] == "divergent"
     assert serial["forward"]["first_divergence"]["module"] == parallel["forward"]["first_divergence"]["module"]
@@ -181,16 +184,39 @@ with layerdiff.trace(built["model"], f"{sys.argv[1]}/dp3"):
 """
 
 
-def test_ranks_are_compared_in_parallel_processes(tmp_path):
+def test_ranks_are_compared_in_parallel_processes(tmp_path, monkeypatch):
+    from layerdiff import api
+    from layerdiff.compare import tasks as compare_tasks
+
     _launch(tmp_path, "dp3", DP3_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "3"])
-    results = []
-    for workers in ("1", "2"):
-        code, out, err = run_cli("align", tmp_path / "dp3", "--workers", workers, "--json", tmp_path / f"w{workers}.json")
-        assert code == 1, out + err
-        results.append(json.loads((tmp_path / f"w{workers}.json").read_text()))
-        assert "rank 1: differs" in out and "rank 2: agrees with rank 0" in out
-    assert results[0]["ranks"] == results[1]["ranks"]  # two worker processes give what one gives
-    assert results[1]["first_divergence"]["ranks"] == [1]
+    code, out, err = run_cli("align", tmp_path / "dp3", "--json", tmp_path / "r.json")
+    assert code == 1, out + err
+    assert "rank 1: differs" in out and "rank 2: agrees with rank 0" in out
+    monkeypatch.setattr(compare_tasks, "LOCAL_MIN_BYTES", 0)  # a small run: to worker processes all the same
+    sizes = []
+    real_map = compare_tasks.LocalPool.map
+    monkeypatch.setattr(compare_tasks.LocalPool, "map",
+                        lambda self, *args, **kw: sizes.append(self.size) or real_map(self, *args, **kw))
+    parallel = api.align(tmp_path / "dp3", workers=2)
+    assert sizes == [2]
+    assert (tmp_path / "r.json").read_text() == parallel.to_json()  # two worker processes give what one gives
+    assert parallel.data["first_divergence"]["ranks"] == [1]
+
+
+def test_a_local_dask_cluster_gives_the_local_pools_reports_byte_for_byte(runs, recipe_trace, tmp_path, monkeypatch):
+    """--scheduler local (a LocalCluster of processes started for the command): a data-parallel run's rank pairs
+    and a tensor-parallel run's shards, read from the rank files by the cluster's workers."""
+    pytest.importorskip("distributed")
+    from layerdiff import api
+    from layerdiff.compare import tasks as compare_tasks
+
+    code, out, err = run_cli("align", runs / "dp_weight", "--scheduler", "local", "-q", "--json", tmp_path / "r.json")
+    assert code == 1 and "on rank(s) 1" in out, out + err
+    assert (tmp_path / "r.json").read_text() == api.align(runs / "dp_weight", workers=2).to_json()
+    monkeypatch.setattr(compare_tasks, "LOCAL_MIN_BYTES", 0)  # a small run: the local pool compares its shards too
+    local = api.align(recipe_trace("eps"), runs / "tp_clean", workers=2)
+    assert local.to_json() == api.align(recipe_trace("eps"), runs / "tp_clean", scheduler="local", workers=2).to_json()
+    assert local.forward["module"] == "model.layers.1.post_attention_layernorm"
 
 
 def test_ranks_of_a_tensor_parallel_run_agree_on_what_they_replicate(runs):

@@ -11,6 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from layerdiff.compare.tasks import LocalPool
 from layerdiff.compare.workers import StoredPair, aligned_pairs, compare_pairs
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_data
 from layerdiff.runs.ranks import open_run
@@ -119,7 +120,7 @@ def test_workers_compare_a_merged_tensor_from_the_rank_files_as_in_process(tmp_p
             a, b = _entry(run, name), _entry(other, name)
             pieces = aligned_pairs(run.data_segments(a), "float32", other.data_segments(b), "float64")
             assert sum(p.numel for p in pieces) == math.prod(a.shape) and len(pieces) >= len(run.data_segments(a))
-            got = compare_pairs(pieces, 2, groups=[0] * len(pieces), slice_bytes=1 << 20)
+            got = compare_pairs(pieces, LocalPool(2), groups=[0] * len(pieces), slice_bytes=1 << 20).metrics
             want = compare_data(run.tensor_chunks(a, CHUNK_ELEMS), other.tensor_chunks(b, CHUNK_ELEMS),
                                 "float32", "float64")
             assert got is not None and got[0].keys() == want.keys()

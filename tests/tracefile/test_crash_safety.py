@@ -207,13 +207,17 @@ def test_a_killed_trace_shows_and_aligns_with_a_warning(killed_runs):
 
 
 RACE_SCRIPT = """
-import sys, time
+import os, sys, time
+from pathlib import Path
 import layerdiff
 from layerdiff.recipes import torch_llama
 from layerdiff.errors import LayerdiffError
 
 built = torch_llama.build()
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # both start writing at the same moment
+barrier = Path(sys.argv[2])  # both start writing at the same moment, however long each took to get here
+(barrier / str(os.getpid())).touch()
+while len(list(barrier.iterdir())) < 2:
+    time.sleep(0.001)
 try:
     with layerdiff.trace(built["model"], sys.argv[1], overwrite=True):
         for _ in range(3):
@@ -229,8 +233,9 @@ print("wrote")
 def test_two_writers_on_one_path_one_is_refused(tmp_path):
     (tmp_path / "race.py").write_text(RACE_SCRIPT)
     path = tmp_path / "shared.h5"
-    at = str(time.time() + 8)
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "race.py"), str(path), at], stdout=subprocess.PIPE,
+    (tmp_path / "ready").mkdir()  # the barrier: each writer says it is ready there, and waits for the other
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "race.py"), str(path), str(tmp_path / "ready")],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=_env()) for _ in range(2)]
     outputs = [p.communicate(timeout=120) for p in procs]
     codes = sorted(p.returncode for p in procs)
