@@ -36,41 +36,33 @@ for name, recipe, kwargs, steps in (("hf", torch_llama, {"layers": 4}, 1),
 """
 
 RUNS = """
+import importlib
 import sys
 import layerdiff
-from layerdiff.recipes import megatron_parallel
 
 out = sys.argv[1]
-for name, kwargs, steps in RUNS:
-    built = megatron_parallel.build(**kwargs)
+for name, recipe, kwargs, steps in RUNS:  # one job: the parallel state is made anew for each
+    built = importlib.import_module(f"layerdiff.recipes.{recipe}").build(**kwargs)
     with layerdiff.trace(built["model"], f"{out}/{name}"):
         for _ in range(steps):
             built["step"]()
 """
 TWO_RANKS = [
-    ("sp", {"tp": 2, "sp": True}, 1),
-    ("sp_train", {"tp": 2, "sp": True, "lr": 0.5}, 2),
-    ("sp_norm", {"tp": 2, "sp": True, "lr": 0.5, "defect": "sp_norm"}, 2),
-    ("sp_reduce_scatter", {"tp": 2, "sp": True, "defect": "reduce_scatter"}, 1),
-    ("pp", {"pp": 2}, 1),
-    ("pp_micro", {"pp": 2, "microbatches": 2, "first_stage_layers": 3}, 1),
-    ("pp_offset", {"pp": 2, "microbatches": 2, "first_stage_layers": 3, "defect": "offset"}, 1),
-    ("pp_backward", {"pp": 2, "microbatches": 2, "defect": "stage_backward"}, 1),
+    ("sp", "megatron_parallel", {"tp": 2, "sp": True}, 1),
+    ("sp_train", "megatron_parallel", {"tp": 2, "sp": True, "lr": 0.5}, 2),
+    ("sp_norm", "megatron_parallel", {"tp": 2, "sp": True, "lr": 0.5, "defect": "sp_norm"}, 2),
+    ("sp_reduce_scatter", "megatron_parallel", {"tp": 2, "sp": True, "defect": "reduce_scatter"}, 1),
+    ("pp", "megatron_parallel", {"pp": 2}, 1),
+    ("pp_micro", "megatron_parallel", {"pp": 2, "microbatches": 2, "first_stage_layers": 3}, 1),
+    ("pp_offset", "megatron_parallel", {"pp": 2, "microbatches": 2, "first_stage_layers": 3, "defect": "offset"}, 1),
+    ("pp_backward", "megatron_parallel", {"pp": 2, "microbatches": 2, "defect": "stage_backward"}, 1),
+    ("moe_dp", "megatron_moe", {"dp": 2}, 1),  # data parallel, every rank all 4 experts
+    ("moe_ep", "megatron_moe", {"dp": 2, "ep": 2}, 1),  # expert parallel: 2 experts a rank
+    ("moe_ep_expert", "megatron_moe", {"dp": 2, "ep": 2, "defect": "expert_rank"}, 1),
 ]
-EXPERTS = """
-import sys
-import layerdiff
-from layerdiff.recipes import megatron_moe
-
-for name, kwargs in (("moe_dp", {"dp": 2}), ("moe_ep", {"dp": 2, "ep": 2}),
-                     ("moe_ep_expert", {"dp": 2, "ep": 2, "defect": "expert_rank"})):
-    built = megatron_moe.build(**kwargs)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/{name}"):
-        built["step"]()
-"""
 FOUR_RANKS = [
-    ("tp_pp", {"tp": 2, "pp": 2, "microbatches": 2}, 1),
-    ("tp_pp_backward", {"tp": 2, "pp": 2, "microbatches": 2, "defect": "stage_backward"}, 1),
+    ("tp_pp", "megatron_parallel", {"tp": 2, "pp": 2, "microbatches": 2}, 1),
+    ("tp_pp_backward", "megatron_parallel", {"tp": 2, "pp": 2, "microbatches": 2, "defect": "stage_backward"}, 1),
 ]
 
 
@@ -92,7 +84,6 @@ def runs(tmp_path_factory):
     _run(root, "references", REFERENCES, [])
     _run(root, "two_ranks", f"RUNS = {TWO_RANKS!r}\n" + RUNS, _torchrun(2))
     _run(root, "four_ranks", f"RUNS = {FOUR_RANKS!r}\n" + RUNS, _torchrun(4))
-    _run(root, "experts", EXPERTS, _torchrun(2))
     return root
 
 
