@@ -54,6 +54,7 @@ class Metrics(TypedDict, total=False):
     note: str  # how the pair was compared: transposed, a part of a fused tensor, ...
     matched_by: str
     ranks: Dict[str, Any]  # per-rank metrics ("0", "1", ...) and "sum" of a run spread over ranks
+    damaged: str  # a side's stored bytes do not match their checksum: compared by statistics instead
 
 
 class Tolerance(TypedDict, total=False):
@@ -193,6 +194,8 @@ class RunSummary(_RunSummaryKeys, total=False):
     target_args: Optional[Dict[str, Any]]
     param_dtypes: Optional[List[Any]]
     devices: Optional[List[Any]]
+    damage: List[str]  # what was written whole and reads otherwise: index lines, metadata, tensor bytes
+    unverified: Int64  # records without a checksum (a trace written before checksums): not verified
 
 
 class _ShortRecordKeys(TypedDict):
@@ -320,9 +323,15 @@ class PhaseResult(TypedDict, total=False):
     failure_a: Optional[Failure]
 
 
-class Trust(TypedDict):
+class _TrustKeys(TypedDict):
     ok: bool
     problems: List[str]
+
+
+class Trust(_TrustKeys, total=False):
+    """Why an "aligned" verdict could still be wrong (``problems``: exit 3), and what was not checked but does not
+    make it wrong (``notes``: a trace written before checksums cannot be verified)."""
+    notes: List[str]
 
 
 class _ReportKeys(TypedDict):

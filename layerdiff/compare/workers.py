@@ -4,8 +4,9 @@ One core compares ~1.5-2 GB/s per side, so aligning two full traces of a 0.5B mo
 and a larger model's, minutes. The tensor pairs that are compared straight from their stored bytes are cut into
 slices (``SLICE_BYTES`` a side) and handed out, a few at a time, to ``python -m layerdiff.compare.workers``
 processes over their standard input and output (one JSON line each way). A worker reads its slices through
-``MappedData`` (the trace file mapped at the chunk addresses HDF5 reported: no HDF5, no index) and sends back the
-slice's running sums (``DataAccumulator.state``); the parent merges them per pair, in any order.
+``MappedData`` (the trace file mapped at the chunk addresses HDF5 reported: no HDF5, no index), verifies them
+against the tensor's checksums (sent with the slice) and sends back the slice's running sums
+(``DataAccumulator.state``), or that its bytes are damaged; the parent merges them per pair, in any order.
 
 Processes of our own, not ``multiprocessing``: the caller's ``__main__`` is never imported again (a script
 without a main guard would run twice) and no process that may hold threads (a progress bar's) is forked.
@@ -20,10 +21,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Optional, cast
 
 from layerdiff.compare.metrics import CHUNK_ELEMS, DataAccumulator, accumulate
 from layerdiff.schema import Metrics
+from layerdiff.tracefile.checksums import DamagedTensorError, TensorCheck
 from layerdiff.tracefile.chunks import DataLocation, MappedData
 from layerdiff.tracefile.tensors import storage_dtype
 
@@ -34,7 +36,8 @@ IN_FLIGHT = 2  # slices sent ahead to each worker, so it never waits for the par
 
 @dataclass(frozen=True)
 class StoredPair:
-    """Two stored tensors with the same number of elements, compared element by element."""
+    """Two stored tensors with the same number of elements, compared element by element; ``check_a``/``check_b``:
+    what verifies the bytes of the tensor each belongs to (its checksums; None: none recorded)."""
     location_a: DataLocation
     offset_a: int
     dtype_a: str
@@ -42,28 +45,38 @@ class StoredPair:
     offset_b: int
     dtype_b: str
     numel: int
+    check_a: Optional[TensorCheck] = None
+    check_b: Optional[TensorCheck] = None
 
     def nbytes(self) -> int:
         return self.numel * (storage_dtype(self.dtype_a).itemsize + storage_dtype(self.dtype_b).itemsize)
 
 
 def aligned_pairs(segments_a: list, dtype_a: str, segments_b: list, dtype_b: str) -> list[StoredPair]:
-    """The ``StoredPair``s that compare two tensors stored in segments (``data_segments``: a run of ranks keeps
-    its shards in one file each), cut where either side's segment ends; [] if their element counts differ."""
-    if sum(n for _, _, n in segments_a) != sum(n for _, _, n in segments_b):
+    """The ``StoredPair``s that compare two tensors stored in segments (``data_segments``: (location, byte offset,
+    elements[, TensorCheck]); a run of ranks keeps its shards in one file each), cut where either side's segment
+    ends; [] if their element counts differ."""
+    queue_a, queue_b = [_segment(s) for s in segments_a], [_segment(s) for s in segments_b]
+    if sum(s[2] for s in queue_a) != sum(s[2] for s in queue_b):
         return []
     size_a, size_b = storage_dtype(dtype_a).itemsize, storage_dtype(dtype_b).itemsize
-    out, queue_a, queue_b = [], list(segments_a), list(segments_b)
+    out = []
     while queue_a and queue_b:
-        (loc_a, off_a, n_a), (loc_b, off_b, n_b) = queue_a[0], queue_b[0]
+        (loc_a, off_a, n_a, check_a), (loc_b, off_b, n_b, check_b) = queue_a[0], queue_b[0]
         n = min(n_a, n_b)
         if n:
-            out.append(StoredPair(loc_a, off_a, dtype_a, loc_b, off_b, dtype_b, n))
-        queue_a[0], queue_b[0] = (loc_a, off_a + n * size_a, n_a - n), (loc_b, off_b + n * size_b, n_b - n)
+            out.append(StoredPair(loc_a, off_a, dtype_a, loc_b, off_b, dtype_b, n, check_a, check_b))
+        queue_a[0] = (loc_a, off_a + n * size_a, n_a - n, check_a)
+        queue_b[0] = (loc_b, off_b + n * size_b, n_b - n, check_b)
         for queue in (queue_a, queue_b):
             if queue[0][2] == 0:
                 queue.pop(0)
     return out
+
+
+def _segment(segment: tuple) -> tuple:
+    """A segment as (location, offset, elements, check): one without a check has none."""
+    return (*segment, None) if len(segment) == 3 else tuple(segment)
 
 
 def worker_count(requested: int | None) -> int:
@@ -92,22 +105,36 @@ def compare_pairs(pairs: list[StoredPair], workers: int, progress=None, slice_by
         step = max(slice_bytes // widest // CHUNK_ELEMS, 1) * CHUNK_ELEMS  # the blocks an in-process pass sums
         for first in range(0, pair.numel, step):
             count = min(step, pair.numel - first)
-            slices.append((n, {"id": len(slices), "a": [index[pair.location_a], pair.offset_a, pair.dtype_a],
-                               "b": [index[pair.location_b], pair.offset_b, pair.dtype_b],
-                               "first": first, "count": count}, pair.nbytes() * count // max(pair.numel, 1)))
+            sides = [[index[location], offset, dtype, _check(check, offset, first, count, dtype)]
+                     for location, offset, dtype, check in ((pair.location_a, pair.offset_a, pair.dtype_a, pair.check_a),
+                                                            (pair.location_b, pair.offset_b, pair.dtype_b, pair.check_b))]
+            slices.append((n, {"id": len(slices), "a": sides[0], "b": sides[1], "first": first, "count": count},
+                           pair.nbytes() * count // max(pair.numel, 1)))
     sums = [DataAccumulator() for _ in range(max(groups, default=-1) + 1)]
+    damaged: dict[int, str] = {}
     header = json.dumps({"locations": [[loc.path, loc.chunk, list(loc.addresses)] for loc in locations]})
     pool = _Pool(min(workers, len(slices)), header)
     try:
-        for n, state, nbytes in pool.run(slices):
-            sums[groups[n]].merge(DataAccumulator.from_state(state))
+        for n, done, nbytes in pool.run(slices):
+            if "damaged" in done:  # the slice's bytes did not match their checksums: the comparison is not used
+                damaged.setdefault(groups[n], done["damaged"])
+            else:
+                sums[groups[n]].merge(DataAccumulator.from_state(done["state"]))
             if progress is not None:
                 progress.advance(nbytes)
     except _WorkerFailed:
         return None
     finally:
         pool.close()
-    return [acc.result() for acc in sums]
+    return [{"damaged": damaged[n]} if n in damaged else acc.result() for n, acc in enumerate(sums)]
+
+
+def _check(check: Optional[TensorCheck], offset: int, first: int, count: int, dtype: str) -> list | None:
+    """What verifies a slice, as a worker receives it: the checksums of the tensor's blocks that it touches."""
+    if check is None:
+        return None
+    size = storage_dtype(dtype).itemsize
+    return check.around(offset + first * size, count * size).as_list()
 
 
 class _WorkerFailed(Exception):
@@ -172,7 +199,7 @@ class _Pool:
                     except (ValueError, KeyError, TypeError):  # not a line this protocol writes
                         raise _WorkerFailed from None
                     pending[proc.pid] -= 1
-                    yield n, done["state"], nbytes
+                    yield n, done, nbytes
                 feed(proc)
 
     def close(self):
@@ -197,14 +224,29 @@ def main():
     out = sys.stdout.buffer
     for line in lines:
         task = json.loads(line)
-        (la, oa, da), (lb, ob, db) = task["a"], task["b"]
+        (la, oa, da, ca), (lb, ob, db, cb) = task["a"], task["b"]
         first, count = task["first"], task["count"]
-        acc = accumulate(data[la].pieces(oa, first, count, da, CHUNK_ELEMS),
-                         data[lb].pieces(ob, first, count, db, CHUNK_ELEMS), da, db)
-        out.write(json.dumps({"id": task["id"], "state": acc.state()}).encode() + b"\n")  # json: keeps inf/nan
+        try:
+            acc = accumulate(data[la].pieces(oa, first, count, da, CHUNK_ELEMS, TensorCheck.from_list(ca)),
+                             data[lb].pieces(ob, first, count, db, CHUNK_ELEMS, TensorCheck.from_list(cb)), da, db)
+            done = {"id": task["id"], "state": acc.state()}
+        except DamagedTensorError as exc:
+            side, loc = ("a", la) if _is_damaged(data[la], oa, first, count, da, ca) else ("b", lb)
+            done = {"id": task["id"], "damaged": f"{side.upper()} ({header['locations'][loc][0]}): {exc}"}
+        out.write(json.dumps(done).encode() + b"\n")  # json: keeps inf/nan
         out.flush()
     for mapped in data:
         mapped.close()
+
+
+def _is_damaged(data: MappedData, offset: int, first: int, count: int, dtype: str, check) -> bool:
+    """Whether one side's slice fails its checksums (which side a failed comparison's damage is on)."""
+    try:
+        for _ in data.pieces(offset, first, count, dtype, CHUNK_ELEMS, TensorCheck.from_list(check)):
+            pass
+    except DamagedTensorError:
+        return True
+    return False
 
 
 if __name__ == "__main__":

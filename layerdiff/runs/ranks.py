@@ -27,6 +27,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from layerdiff.errors import TraceFormatError
+from layerdiff.tracefile.index import Damage
 from layerdiff.match.operands import combine_stats
 from layerdiff.tracefile.reader import TraceReader
 from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, Record, TensorEntry
@@ -102,6 +103,9 @@ class RankedRun:
         self.meta_framework = first.meta.get("framework")
         self.meta = {**first.meta, "ranks": len(self.readers)}
         self.crashed = any(r.crashed for r in self.readers)
+        self.damage = [Damage(f"rank {rank}: {d.where}", d.why, d.reads_as) for rank, r in enumerate(self.readers)
+                       for d in r.damage]
+        self.unverified = sum(r.unverified for r in self.readers)
         self.end = self._end()
         self._joined = 0  # joined entries made so far (each gets its own negative offset)
         self.records = self._merge()
@@ -359,6 +363,7 @@ class RankView:
         self.reader = run.readers[rank]
         self.path = Path(f"{run.path}/rank{rank}.h5")
         self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
+        self.damage, self.unverified = self.reader.damage, self.reader.unverified
         kinds = {t.merge.how for rec in run.records for t in rec.tensors if t.merge is not None}
         left_out = {"concat", "concat_parts", "sum"}
         if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
