@@ -158,9 +158,10 @@ def _unusable(record: AnyRecord | None, data_size: int) -> Optional[str]:
 
 
 def _reads_as(line: bytes) -> Optional[str]:
-    """What a damaged line that no longer decodes seems to be, from its text: its kind, phase and path."""
-    found = dict(_FIELD.findall(line[:400].decode("utf-8", "replace")))
-    return " ".join(found[k] or "<root>" for k in ("kind", "phase", "path") if k in found) or None
+    """What a damaged line that no longer decodes seems to be, from its text: its kind, phase, path and call."""
+    found = {key: text or number for key, text, number in _FIELD.findall(line[:400].decode("utf-8", "replace"))}
+    words = [found[k] or "<root>" for k in ("kind", "phase", "path") if k in found]
+    return " ".join(words + ([f"call {found['call']}"] if "call" in found else [])) or None
 
 
-_FIELD = re.compile(r'"(kind|phase|path)":"([^"]{0,120})"')
+_FIELD = re.compile(r'"(kind|phase|path|call)":(?:"([^"]{0,120})"|(\d{1,12})\b)')
