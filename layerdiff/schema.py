@@ -165,6 +165,7 @@ class Row(_RowKeys, total=False):
     ops: OpsSummary  # a module call whose operations both runs recorded
     ops_gradient_changed: Dict[str, List[Any]]  # backward: ``OpsSummary.gradient_changed`` of the call, if any
     args_diff: Dict[str, Any]  # an operation's row: the non-tensor arguments the runs set differently
+    inputs_inside: str  # B's module that computes this call's inputs inside itself and does not record them
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class ModuleMatch(_ModuleMatchKeys, total=False):
     rule: Optional[str]
     a_parts: Optional[List[str]]
     b_parts: Optional[List[str]]
+    inside: Optional[str]  # B's module that runs ``b`` inside itself (a Linear that applies its activation)
 
 
 class Unmatched(TypedDict, total=False):

@@ -434,6 +434,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
                "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
         if skipped:
             row["skipped"] = skipped
+        if pair.inputs_inside:
+            row["inputs_inside"] = pair.inputs_inside
         if ra.tied:
             row["tied"] = ra.tied
         ops = op_pairing.calls.get((ra.path, ra.call)) if ra.kind == "call" else None

@@ -265,6 +265,20 @@ def _inserted_gradient_origin(node: Node, chain: list, phase: schema.Phase) -> s
     return origin
 
 
+def _made_inside(node: Node, chain: list, params: list) -> Node | None:
+    """An origin whose inputs the candidate computes inside another module and never records (the input of an
+    activation its Linear applies inside itself): when the call before it, which made those inputs in A, has
+    parameters that differ, the divergence starts there (the weight of the Linear, not the activation)."""
+    if not node.row.get("inputs_inside") or len(chain) < 2 or node not in chain[-2].children:
+        return None
+    siblings = chain[-2].children
+    at = siblings.index(node)
+    maker = siblings[at - 1] if at else None
+    if maker is None or not maker.inputs_ok:
+        return None
+    return maker if any(p["module"] == maker.row["path"] and not p["passed"] for p in params) else None
+
+
 def _first_over_tolerance(rows, phase):
     over = [r for r in rows if r["kind"] == "call" and r["phase"] == phase
             and any(not t["passed"] for t in r["tensors"])]
@@ -323,6 +337,9 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
             if where == "own_code" and node.row.get("ops_gradient_changed"):
                 return _inserted_gradient_origin(node, chain, phase)
             own_params = params.get("param" if phase == "forward" else "param_grad", [])
+            maker = _made_inside(node, chain, own_params)
+            if maker is not None:
+                node, where, after, before, chain = maker, "module", None, None, chain[:-1] + [maker]
             return _origin_dict(node, where, after, before, chain, phase, own_params)
     bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)
     if phase == "backward" and bad_param is not None:  # parameter gradients differ though no call shows it
