@@ -166,6 +166,7 @@ class Row(_RowKeys, total=False):
     ops_gradient_changed: Dict[str, List[Any]]  # backward: ``OpsSummary.gradient_changed`` of the call, if any
     args_diff: Dict[str, Any]  # an operation's row: the non-tensor arguments the runs set differently
     inputs_inside: str  # B's module that computes this call's inputs inside itself and does not record them
+    dropped: List[str]  # of only_a/only_b, the inputs its caller got in both runs: handed on in one run only
 
 
 # -- the report --------------------------------------------------------------------------------------------

@@ -436,6 +436,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             row["skipped"] = skipped
         if pair.inputs_inside:
             row["inputs_inside"] = pair.inputs_inside
+        if pair.dropped:
+            row["dropped"] = pair.dropped
         if ra.tied:
             row["tied"] = ra.tied
         ops = op_pairing.calls.get((ra.path, ra.call)) if ra.kind == "call" else None

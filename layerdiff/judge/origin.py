@@ -78,8 +78,11 @@ def hparam_diff(a: dict | None, b: dict | None) -> dict:
 
 def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Phase, params: list) -> schema.Origin:
     row = node.row
+    handed = [t for t in (before.ins if before else []) if t.get("one_sided")]  # what its own code gave otherwise
     if where == "inputs":
         bad = _first_failing(node.ins)
+    elif handed:
+        bad = handed[0]
     else:
         bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
     diff = hparam_diff(row.get("hparams_a"), row.get("hparams_b"))
@@ -93,7 +96,9 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
             "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
-            "description": describe_origin(node, where, after, before, _partial_ranks(bad)),
+            "description": describe_origin(node, where, after, before, _partial_ranks(bad)) + (
+                f": it gives {before.row['path'].rpartition('.')[2] or '<root>'} {_tensor_name(handed)} in run "
+                f"{'A' if handed[0]['reason'].endswith('A only') else 'B'} only" if handed else ""),
             "tensor": {"role": bad["role"], "key": bad["key"], "reason": bad["reason"], "metrics": bad["metrics"]}
             if bad else None,
             "ranks": bad.get("ranks") if bad else None, "hint": bad.get("hint") if bad else None,
@@ -101,6 +106,11 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "class_diff": same_family_types,
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
+
+
+def _tensor_name(tensors: list[Judged]) -> str:
+    keys = [t["key"].removeprefix("kwargs.") for t in tensors]
+    return ", ".join(keys[:-1]) + (" and " if len(keys) > 1 else "") + keys[-1]
 
 
 def args_diff(a: dict | None, b: dict | None) -> dict:

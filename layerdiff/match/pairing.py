@@ -48,6 +48,7 @@ class RecordPair:
     only_b: list = field(default_factory=list)
     skipped: list = field(default_factory=list)  # tensors compared elsewhere (a sum on another part)
     inputs_inside: str | None = None  # B's module that computes this call's inputs inside itself, unrecorded
+    dropped: list = field(default_factory=list)  # one-sided inputs ("role:key") its caller got in both runs
 
 
 @dataclass
@@ -82,7 +83,42 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
         _not_recorded(pair, sources[0], match)
         result.pairs.append(pair)
     result.only_b = [rb for rb in side_b.records if id(rb) not in used]
+    _mark_dropped(result.pairs)
     return result
+
+
+_IN = {"forward": "input", "backward": "grad_output"}
+
+
+def _mark_dropped(pairs: list):
+    """The inputs a call gets in one run only that its caller got in both: the caller's own code handed the tensor
+    on in one run and not in the other (dropped it), as opposed to a tensor one run's code makes and the other's
+    never does (a port's attention that takes position_ids where the other's does not)."""
+    by_a = {(p.a.phase, p.a.path, p.a.call): p for p in pairs if isinstance(p.a, CallRecord)}
+    by_b = {(rb.phase, rb.path, rb.call): p for p in pairs if isinstance(p.a, CallRecord) for rb in p.b}
+    for pair in pairs:
+        ra, rb = pair.a, pair.b[0]
+        if not isinstance(ra, CallRecord) or not isinstance(rb, CallRecord):
+            continue
+        role = _IN[ra.phase]
+        for items, rec, index, side in ((pair.only_a, ra, by_a, "a"), (pair.only_b, rb, by_b, "b")):
+            parent = index.get((rec.phase, *rec.parent)) if rec.parent else None
+            if parent is None:
+                continue
+            given = [e for tp in parent.tensors if tp.role == role for e in getattr(tp, side).entries]
+            for item in items:
+                item_role, _, key = item.partition(":")
+                entry = next((t for t in rec.tensors if t.role == item_role == role and t.key == key), None)
+                if entry is not None and any(_same_tensor(entry, e) for e in given):
+                    pair.dropped.append(item)
+
+
+def _same_tensor(x: TensorEntry, y: TensorEntry) -> bool:
+    """One tensor handed on: its stored bytes (a tensor seen again in a step is stored once), or, in a statistics
+    trace, its shape, dtype and statistics."""
+    if x.offset is not None and y.offset is not None:
+        return x.offset == y.offset and x.nbytes == y.nbytes
+    return x.shape == y.shape and x.dtype == y.dtype and x.stats == y.stats
 
 
 _ABSORBED_ROLES = {"input": "output", "grad_input": "grad_output"}
