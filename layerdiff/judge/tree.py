@@ -3,7 +3,7 @@ tomorrow), with its tensors judged under a tolerance policy and sorted into the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from layerdiff import schema
 from layerdiff.compare.tolerance import TolerancePolicy, judge
@@ -138,7 +138,10 @@ def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict[CallKey, l
     return roots
 
 
-def _given_otherwise(row: schema.Row, phase: str, harmless: set, strict_inputs: bool) -> list[Judged]:
+Harmless = set[tuple[str, str, str]]  # (module with block indices as *, role, key): see _harmless_one_sided
+
+
+def _given_otherwise(row: schema.Row, phase: str, harmless: Harmless, strict_inputs: bool) -> list[Judged]:
     """The tensors given to a call in one run only that count as a difference of its inputs (``_build_tree``): not
     where the other run gives it an unpaired tensor of that role (one that may stand in for it), nor where the
     module does without it elsewhere (``harmless``)."""
@@ -152,10 +155,10 @@ def _given_otherwise(row: schema.Row, phase: str, harmless: set, strict_inputs: 
                                                                             else "A"])]
 
 
-def _harmless_one_sided(nodes, phase: str) -> set[tuple[str, str, str]]:
+def _harmless_one_sided(nodes: Iterable[Node], phase: str) -> Harmless:
     """(module with its block indices as *, role, key) of the tensors given to one run only at a call whose results
     agree: the module does without them, in any block."""
-    out = set()
+    out: Harmless = set()
     for node in nodes:
         if node.kind == "module" and node.inputs_ok and node.outputs_ok:
             place = collapse_indices(node.row["path"])

@@ -70,7 +70,8 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
         match = mapping.for_a(_module_of(ra))
         twins = [] if match is None else [side_b.twin(ra, p) for p in match.b]
         if match is not None and match.inside and isinstance(ra, CallRecord):
-            twins = [_inside(ra, twins[0], match, side_b)]
+            twin = twins[0]
+            twins = [_inside(ra, twin if isinstance(twin, CallRecord) else None, match, side_b)]
         sources = [s for s in twins if s is not None]
         if match is None or not sources or len(sources) < len(twins):
             result.only_a.append(ra)
