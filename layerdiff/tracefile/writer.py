@@ -496,6 +496,11 @@ def _publish(partial: Path, path: Path, replacing: int | None):
             os.link(partial, path)  # fails if the name exists: no file is replaced by accident
         except FileExistsError:
             raise _being_written(path) from None
+        except OSError:  # a filesystem without hard links (FAT, some network mounts): a rename, checked before
+            if os.path.lexists(path):
+                raise _being_written(path) from None
+            os.rename(partial, path)
+            return
         os.unlink(partial)
         return
     fd = _open_existing(path)
