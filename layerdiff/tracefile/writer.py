@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
-from layerdiff.tracefile.checksums import ALGORITHM, meta_digest, tensor_digests, with_checksum
+from layerdiff.tracefile.checksums import ALGORITHM, CHECK_BLOCK, digest, meta_digest, with_checksum
 from layerdiff.tracefile.index import encode_line
 from layerdiff.tracefile.layout import COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION, INDEX_CHUNK, load_h5py
 from layerdiff.tracefile.tensors import summarize
@@ -269,16 +269,19 @@ class TraceWriter:
         record."""
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
-            stored = np.ascontiguousarray(stored)
-            entry["checksums"] = tensor_digests(stored)  # hashed outside the lock: the writer thread goes on
+            raw = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)
+            digests = []
             with self._lock:
-                if self._behind is None:
-                    entry["offset"] = self._data.append([stored])
-                else:
-                    entry["offset"] = self.tensor_bytes  # the stream's end: all it holds
-                    self._behind.put_bytes(stored)
-                entry["nbytes"] = stored.nbytes
-                self.tensor_bytes += stored.nbytes
+                entry["offset"] = self._data.size if self._behind is None else self.tensor_bytes  # the data's end
+                for start in range(0, max(raw.size, 1), CHECK_BLOCK):
+                    block = raw[start:start + CHECK_BLOCK]
+                    digests.append(digest(block))  # hashed just before it is written: read from memory once
+                    if self._behind is None:
+                        self._data.append([block])
+                    else:
+                        self._behind.put_bytes(block)
+                entry["nbytes"], entry["checksums"] = raw.size, digests
+                self.tensor_bytes += raw.size
         return entry
 
     def _write_behind_data(self, start: int, view: memoryview):
