@@ -85,7 +85,10 @@ def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: sc
                             "pass run?): it was not compared")
     if measurements.get("same_file"):
         problems.append("A and B are the same file: nothing was compared with another run")
-    return {"ok": not problems, "problems": problems, "notes": notes}
+    result: schema.Trust = {"ok": not problems, "problems": problems}
+    if notes:
+        result["notes"] = notes
+    return result
 
 
 def window_suggestion(measurements: schema.Report, origin: schema.Origin | None) -> dict | None:

@@ -168,7 +168,10 @@ class TraceReader:
         return None if location is None else [(location, entry.offset, math.prod(entry.shape), TensorCheck.of(entry))]
 
     def size_bytes(self) -> int:
-        return os.path.getsize(self.path)
+        """Bytes the file takes on disk: the unused reserve of a finished trace is a hole (no blocks)."""
+        info = os.stat(self.path)
+        blocks = getattr(info, "st_blocks", None)
+        return info.st_size if blocks is None else min(info.st_size, blocks * 512)
 
     def close(self):
         if getattr(self, "_raw", None) is not None:

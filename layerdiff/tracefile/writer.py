@@ -1,6 +1,7 @@
 """Writing a trace: tensor bytes and index lines straight into chunks reserved ahead of them."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
@@ -8,6 +9,7 @@ import math
 import os
 import secrets
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -183,8 +185,14 @@ class _ReservedBytes:
         raise TraceFormatError("internal: offset outside the reserved chunks")
 
     def finish(self):
-        """Give the reserve's unused tail back (the dataset's length becomes what was written)."""
-        self.dataset.resize((self.size,))
+        """Give the disk blocks of the reserve's unused tail back, leaving HDF5's structure as it is: the
+        dataset keeps its length (a reader skips the zeros, as in a killed writer's trace). Shrinking the dataset
+        instead frees its last chunks, and HDF5 cuts the file to its new end before it writes that end into the
+        superblock: a writer killed in between left a file plain h5py refuses ("truncated file")."""
+        for start, address, length in self.runs:
+            low = max(start, self.size)
+            if low < start + length:
+                _punch_hole(self.fd, address + low - start, start + length - low)
 
 
 class TraceWriter:
@@ -397,6 +405,31 @@ def _preallocate(fd: int, nbytes: int):
         raise LayerdiffError(f"cannot grow the trace by {(nbytes + _METADATA_ROOM) / 1e6:.0f} MB: "
                              f"{exc.strerror or exc} (disk full, or a file-size limit)") from None
     _record_end(fd, end + nbytes + _METADATA_ROOM)
+
+
+def _punch_hole(fd: int, offset: int, length: int):
+    """Free the disk blocks of a byte range of the file, keeping its size (Linux's fallocate(PUNCH_HOLE); where it
+    is not available, the blocks stay: at most an eighth of the trace, its reserve)."""
+    first, end = -(-offset // _PAGE) * _PAGE, (offset + length) // _PAGE * _PAGE
+    if end <= first or _FALLOCATE is None:
+        return
+    _FALLOCATE(fd, 3, first, end - first)  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE; a failure is harmless
+
+
+def _libc_fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    call.restype = ctypes.c_int
+    return call
+
+
+_FALLOCATE = _libc_fallocate()
+_PAGE = 4096
 
 
 def _flush_file(h5file, fd: int):
