@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import layerdiff  # noqa: E402
 from layerdiff.recipes import torch_llama  # noqa: E402
 
-pytestmark = [pytest.mark.torch]
+pytestmark = [pytest.mark.torch, pytest.mark.slow]  # real models traced (their synthetic twins: test_call_tree)
 
 
 def _layer_code(layer, change: str):
