@@ -29,20 +29,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reas
 
 MODES = {"inline": {}, "behind": {"write_behind": 1 << 20}, "lzf": {"compression": "lzf", "flush_interval": 0.002}}
 KILLS = {"inline": (55, 30), "behind": (55, 30), "lzf": (25, 15)}  # (at random moments, at lines): 210 in all
-RECORDS = 40
+RECORDS = 30
 FINISHED = 1 << 40  # what the counter says once the trace is closed
 VALUES = np.random.default_rng(7).standard_normal(60_000, dtype=np.float32)
 
 
 def _workload(path: Path, counter: mmap.mmap, mode: str):
-    """The child's run: records with tensors of 4 to 240 KB and index lines of up to 16 KB (both reserves grow);
+    """The child's run: records with tensors of 4 to 240 KB and index lines of up to 20 KB (both reserves grow);
     the counter says how many records are in the file (-1: none yet, the file not published)."""
     writer = TraceWriter(path, {"case": "kill points", "mode": mode}, **MODES[mode])
     counter[:8] = struct.pack("q", 0)
     rng = np.random.default_rng(7)
     for i in range(RECORDS):
         entry = writer.write_tensor(VALUES[:int(rng.integers(1_000, 60_000))], "float32", store_data=True)
-        writer.write_record({"kind": "param", "path": f"layer{i}.weight", "module": "m" * int(rng.integers(0, 16_000)),
+        writer.write_record({"kind": "param", "path": f"layer{i}.weight", "module": "m" * int(rng.integers(0, 20_000)),
                              "call": 0, "step": 0, "seq": i, "tensors": [{**entry, "role": "param", "key": "value"}]})
         counter[:8] = struct.pack("q", writer.records_written)
     writer.close({"kind": "end", "status": "complete"})
