@@ -49,8 +49,8 @@ def _workload(path: Path, counter: mmap.mmap, mode: str):
     counter[:8] = struct.pack("q", FINISHED)
 
 
-def _kill_at_line(count: int):
-    """A trace function that SIGKILLs this process at the ``count``-th line the writer's modules run (any thread)."""
+def _line_tracer(on_line):
+    """A trace function calling ``on_line(n)`` at the n-th line the writer's modules run (any thread)."""
     seen = [0]
     here = str(Path(TraceWriter.__module__.replace(".", "/")).parent)
 
@@ -59,26 +59,33 @@ def _kill_at_line(count: int):
             return None
         if event == "line":
             seen[0] += 1
-            if seen[0] >= count:
-                os.kill(os.getpid(), signal.SIGKILL)
+            on_line(seen[0])
         return tracer
 
     return tracer
 
 
-def _run(path: Path, mode: str, *, delay: float | None = None, line: int | None = None) -> int:
-    """Fork a child that writes the trace; kill it after ``delay`` seconds, or let it kill itself at ``line``.
-    Returns the child's counter at its death."""
+def _kill_at(line: int):
+    def on_line(n: int):
+        if n >= line:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _line_tracer(on_line)
+
+
+def _run(path: Path, mode: str, *, delay: float | None = None, tracer=None) -> int:
+    """Fork a child that writes the trace; kill it after ``delay`` seconds, or let ``tracer`` (``_kill_at``) kill
+    it from inside. Returns the child's counter at its death."""
     counter = mmap.mmap(-1, 8)  # shared with the child
     counter[:8] = struct.pack("q", -1)
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         try:
-            if line is not None:
+            if tracer is not None:
                 import threading
 
-                threading.settrace(_kill_at_line(line))
-                sys.settrace(_kill_at_line(line))
+                threading.settrace(tracer)
+                sys.settrace(tracer)
             _workload(path, counter, mode)
         finally:
             os._exit(0)
@@ -112,30 +119,9 @@ def _check(path: Path, written: int) -> str:
 
 def _line_count(tmp: Path, mode: str) -> int:
     """How many lines of the writer's modules one whole run executes (its deterministic kill points)."""
-    counter = mmap.mmap(-1, 8)
-    counted = mmap.mmap(-1, 8)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            seen = [0]
-            here = str(Path(TraceWriter.__module__.replace(".", "/")).parent)
-
-            def tracer(frame, event, arg):
-                if here not in frame.f_code.co_filename:
-                    return None
-                if event == "line":
-                    seen[0] += 1
-                    counted[:8] = struct.pack("q", seen[0])
-                return tracer
-
-            import threading
-
-            threading.settrace(tracer)
-            sys.settrace(tracer)
-            _workload(tmp / f"count-{mode}.h5", counter, mode)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    counted = mmap.mmap(-1, 8)  # shared with the child
+    _run(tmp / f"count-{mode}.h5", mode, tracer=_line_tracer(lambda n: counted.__setitem__(slice(0, 8),
+                                                                                         struct.pack("q", n))))
     return struct.unpack("q", counted[:8])[0]
 
 
@@ -153,7 +139,8 @@ def test_every_killed_trace_opens_in_plain_h5py(tmp_path, mode):
              [("line", 1 + n * lines // at_lines) for n in range(at_lines)]
     for n, (how, where) in enumerate(points):
         path = tmp_path / f"k{n}.h5"
-        written = _run(path, mode, delay=where if how == "delay" else None, line=where if how == "line" else None)
+        written = _run(path, mode, delay=where if how == "delay" else None,
+                       tracer=_kill_at(where) if how == "line" else None)
         found.append(_check(path, written))
         path.unlink(missing_ok=True)
     partial = sorted(p.name for p in tmp_path.glob(".*.partial"))
