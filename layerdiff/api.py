@@ -136,6 +136,7 @@ class Report:
             first = self.origin(phase)
             lines.append(f"  {phase:8} " + (f"origin {first['description']}" if first else self.data[phase]["status"]))
         lines += [f"  WARNING: {p}" for p in self.problems]
+        lines += [f"  note: {n}" for n in (self.data.get("trust") or {}).get("notes", [])]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

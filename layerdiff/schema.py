@@ -55,6 +55,7 @@ class Metrics(TypedDict, total=False):
     matched_by: str
     ranks: Dict[str, Any]  # per-rank metrics ("0", "1", ...) and "sum" of a run spread over ranks
     microbatches: Dict[str, Any]  # per-microbatch metrics ("0", "1", ...) of a step whose microbatches were joined
+    damaged: str  # a side's stored bytes do not match their checksum: compared by statistics instead
 
 
 class Tolerance(TypedDict, total=False):
@@ -167,6 +168,8 @@ class Row(_RowKeys, total=False):
     args_diff: Dict[str, Any]  # an operation's row: the non-tensor arguments the runs set differently
     held_a: List[Int64]  # the only ranks of run A that ran this module (a pipeline stage, an expert's rank)
     held_b: List[Int64]  # ... of run B
+    inputs_inside: str  # B's module that computes this call's inputs inside itself and does not record them
+    dropped: List[str]  # of only_a/only_b, the inputs its caller got in both runs: handed on in one run only
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -196,6 +199,8 @@ class RunSummary(_RunSummaryKeys, total=False):
     target_args: Optional[Dict[str, Any]]
     param_dtypes: Optional[List[Any]]
     devices: Optional[List[Any]]
+    damage: List[str]  # what was written whole and reads otherwise: index lines, metadata, tensor bytes
+    unverified: Int64  # records without a checksum (a trace written before checksums): not verified
 
 
 class _ShortRecordKeys(TypedDict):
@@ -250,6 +255,7 @@ class ModuleMatch(_ModuleMatchKeys, total=False):
     rule: Optional[str]
     a_parts: Optional[List[str]]
     b_parts: Optional[List[str]]
+    inside: Optional[str]  # B's module that runs ``b`` inside itself (a Linear that applies its activation)
 
 
 class Unmatched(TypedDict, total=False):
@@ -332,9 +338,15 @@ class NotCompared(TypedDict):
     reason: str
 
 
-class Trust(TypedDict):
+class _TrustKeys(TypedDict):
     ok: bool
     problems: List[str]
+
+
+class Trust(_TrustKeys, total=False):
+    """Why an "aligned" verdict could still be wrong (``problems``: exit 3), and what was not checked but does not
+    make it wrong (``notes``: a trace written before checksums cannot be verified)."""
+    notes: List[str]
 
 
 class _ReportKeys(TypedDict):

@@ -19,7 +19,6 @@ from layerdiff.capture.ops import OpWindows
 from layerdiff.capture.options import TraceOptions
 from layerdiff.capture.session import TraceSession
 from layerdiff.errors import LayerdiffError
-from layerdiff.tracefile.layout import FORMAT_VERSION, FORMAT_VERSION_WITHOUT_OPS
 from layerdiff.tracefile.writer import TraceWriter
 from layerdiff.version import __version__
 
@@ -71,8 +70,7 @@ class Tracer:
             meta["parallel"] = layout
         writer = TraceWriter(self._file_path(ranks), meta, overwrite=options.overwrite,
                              compression=options.compression, flush_interval=options.flush_interval,
-                             write_behind=int(options.write_behind_mb * 2**20),
-                             format_version=FORMAT_VERSION if options.ops else FORMAT_VERSION_WITHOUT_OPS)
+                             write_behind=int(options.write_behind_mb * 2**20))
         self.session = TraceSession(writer, adapter, options.mode)
         # What exists now (the model, the framework, the user's objects) is moved out of the garbage collector's
         # sight while the trace is open: a traced step allocates many short-lived records, and each full

@@ -53,6 +53,8 @@ class Trace:
     arrays: dict = field(default_factory=dict)
     end: object = None
     crashed: bool = False
+    damage: list = field(default_factory=list)  # the reader's damaged parts (``tracefile.index.Damage``)
+    unverified: int = 0
 
     def put(self, role: str, key: str, values, dtype: str = "float32") -> TensorEntry:
         values = np.asarray(values, dtype=storage_dtype(dtype))

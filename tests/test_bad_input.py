@@ -241,7 +241,7 @@ def _garble(path: Path, case: str):
 @pytest.mark.parametrize("case", ["file_middle", "index_middle", "index_non_record_line", "hdf5_metadata"])
 def test_align_garbage_in_the_middle(work, case):
     """Garbled bytes: a one-line exit 2, or a normal report with exit 0/1, or 3 (aligned on what was readable,
-    with the warning that the trace is incomplete). Never a traceback."""
+    with the warning that the trace is damaged, naming where). Never a traceback."""
     garbled = work["dir"] / "garbled.h5"
     shutil.copy2(work["trace"], garbled)
     _garble(garbled, case)
@@ -255,7 +255,9 @@ def test_align_garbage_in_the_middle(work, case):
         assert "verdict: " in proc.stdout, _describe(proc)
         expected = "divergent" if proc.returncode == 1 else "aligned"
         if proc.returncode == 3:
-            assert "WARNING: A (garbled.h5) is incomplete" in proc.stdout, _describe(proc)
+            assert "WARNING: A (garbled.h5) is damaged" in proc.stdout, _describe(proc)
+        if case != "hdf5_metadata":  # every garbled byte of the index or the data is covered by a checksum
+            assert proc.returncode != 0 and "is damaged" in proc.stdout, _describe(proc)
         assert f"verdict: {expected}" in proc.stdout, _describe(proc)
         assert "garbled.h5" in proc.stdout, _describe(proc)
     assert snapshot(*work["watch"]) == before

@@ -234,7 +234,7 @@ def write_trace(path: Path, lines: list, data: bytes = np.array([1.0, 2.0], np.f
     return path
 
 
-# damaged trace index lines: each must end the readable part (the reader then sees a torn tail)
+# damaged trace index lines: each is named as damage and skipped; the lines after it are read
 BAD_TRACE_TENSORS = {
     "dtype_unknown": {"dtype": "float33"},
     "dtype_not_a_string": {"dtype": ["float32"]},
@@ -584,12 +584,12 @@ def test_report_nested_deeply_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["dtype_unknown", "shape_negative", "nbytes_disagree_with_shape"])
 def test_cli_trace_index_line(tmp_path, case):
-    """The trace's only parameter record is damaged: the reader stops before it, so the trace holds no
+    """The trace's only parameter record is damaged: the reader skips it, names it, and the trace holds no
     parameter values (before: a traceback reading the tensor)."""
     (tmp_path / "a.safetensors").write_bytes(st_bytes({"w": f32(2)}, np.array([1, 2], np.float32).tobytes()))
     write_trace(tmp_path / "t.h5", [param_line(**BAD_TRACE_TENSORS[case]), END_LINE])
     line = check_cli_error(tmp_path, "weights", "diff", "a.safetensors", "t.h5", "-o", "out.json", names="t.h5")
-    assert "no parameter values" in line and "ends early" in line
+    assert "no parameter values" in line and "1 damaged: index line 1" in line
 
 
 def test_handmade_trace_control(tmp_path):
@@ -604,11 +604,12 @@ def test_handmade_trace_control(tmp_path):
 
 
 @pytest.mark.parametrize("case", sorted(BAD_TRACE_TENSORS))
-def test_trace_index_line_ends_the_readable_part(case):
+def test_trace_index_line_is_named_and_the_lines_after_it_read(case):
     good = param_line()
     raw = b"\n".join([good, param_line(**BAD_TRACE_TENSORS[case]), good, END_LINE]) + b"\n"
-    records, end = bounded(trace_index.parse_index, raw, 8)
-    assert len(records) == 1 and end is None  # the damaged line and everything after it: a torn tail
+    scan = bounded(trace_index.parse_index, raw, 8)
+    assert len(scan.records) == 2 and scan.end is not None and not scan.torn
+    assert [d.where.split(" (")[0] for d in scan.damage] == ["index line 2"], scan.damage
 
 
 HOSTILE_INDEX_LINES = {
@@ -627,8 +628,8 @@ HOSTILE_INDEX_LINES = {
 @pytest.mark.parametrize("name", sorted(HOSTILE_INDEX_LINES))
 def test_trace_index_hostile_lines(name):
     raw = param_line() + b"\n" + HOSTILE_INDEX_LINES[name] + b"\n" + END_LINE
-    records, end = bounded(trace_index.parse_index, raw, 8)
-    assert len(records) == 1 and end is None
+    scan = bounded(trace_index.parse_index, raw, 8)
+    assert len(scan.records) == 1 and scan.end is not None and len(scan.damage) == 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -762,9 +763,8 @@ def test_fuzz_trace_index():
     def check(raw, data_size):
         result = bounded(trace_index.parse_index, raw, data_size)
         assert not isinstance(result, LayerdiffError)
-        records, end = result
-        _check_trace_records(records, data_size)
-        assert end is None or end.kind == "end"
+        _check_trace_records(result.records, data_size)
+        assert result.end is None or result.end.kind == "end"
 
     check()
 

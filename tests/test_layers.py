@@ -38,7 +38,7 @@ def test_the_type_checker_passes(tmp_path):
 FRAMEWORK_FREE_TESTS = ["tests/judge/test_call_tree.py", "tests/match/test_module_mapping.py",
                         "tests/match/test_rules.py", "tests/compare/test_metrics.py", "tests/logs/test_logs.py",
                         "tests/tracefile/test_index_lines.py", "tests/runs/test_parallel_layout.py",
-                        "tests/match/test_op_arguments.py"]
+                        "tests/match/test_op_arguments.py", "tests/tracefile/test_checksums.py"]
 
 
 def test_the_framework_free_tests_pass_with_every_framework_blocked():

@@ -3,7 +3,7 @@
     python tools/bench_decode.py [--steps 4] [--repeat 7] [--json out.json]
 
 Traces the torch_llama recipe (full mode, backward, ``--steps`` steps) once, then times the reader's index
-decoding (``layerdiff.tracefile.index.parse_index``: every line decoded and checked, what opening a trace costs
+decoding (``layerdiff.tracefile.index.parse_index``: every line verified, decoded and checked, what opening a trace costs
 before any tensor is read) ``--repeat`` times and prints the best time per record and per MB of index. Run it on
 two commits to compare two ways of decoding (the record count and index size say it is the same index).
 """
@@ -22,7 +22,8 @@ import benchlib  # noqa: E402
 
 TITLE = "Reading a trace's index"
 METHOD = """The torch_llama recipe is traced once (full mode, backward, several steps); then the reader's index decoding
-(every JSON line decoded into a typed record and checked: what opening a trace costs before any tensor is read) is
+(every JSON line verified against its checksum, decoded into a typed record and checked: what opening a trace costs
+before any tensor is read) is
 timed several times on those bytes, best time kept, per record and per MB of index."""
 
 
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
     times = []
     for _ in range(args.repeat):
         start = time.perf_counter()
-        records, end = parse_index(raw, data_size)
+        scan = parse_index(raw, data_size, checksummed=True)
+        records, end = scan.records, scan.end
         times.append(time.perf_counter() - start)
     best = min(times)
     lines = len(records) + (end is not None)

@@ -53,7 +53,8 @@ KEYS = {
         "only_b": "Records of run B with no counterpart in A.",
         "first_nonfinite": "Where each run first produced NaN or Inf.",
         "basis": "What the comparison read: `data` (tensor values), `stats` (statistics only), `mixed` or `none`.",
-        "structure": "`same_model` (one model class: a tensor given to one run only counts) or `ported`.",
+        "structure": "`same_model` (one model class: a tensor given to one run only counts, made or dropped) or "
+                     "`ported` (only a tensor the caller got in both runs and handed on in one counts).",
         "phases": "Per phase (`forward`, `backward`): whether each run (`a`, `b`) recorded it.",
         "same_file": "A and B are the same file (the verdict is then not trusted).",
         "map": "The `--map` rules used, as `[pattern, replacement]`, and the exact renames matching found.",
@@ -98,6 +99,11 @@ KEYS = {
         "target_args": "The TARGET's `--arg`s.",
         "param_dtypes": "From the trace's metadata.",
         "devices": "From the trace's metadata.",
+        "damage": "What was written whole and no longer reads as written: index lines (where, what they read as, "
+                  "why; skipped, the records after them read), the metadata, and tensors whose bytes do not match "
+                  "their checksums (compared by their statistics instead). Any of it makes the verdict untrusted.",
+        "unverified": "Records without a checksum: a trace written before checksums, read as before but not "
+                      "verified.",
     },
     "Failure": {
         "module": "The innermost module active when the run raised.",
@@ -134,6 +140,13 @@ KEYS = {
         "op": "An `op` row: A's operation.",
         "op_b": "An `op` row: B's counterpart.",
         "ops": "A module call whose operations both runs recorded: how many, and those without a counterpart.",
+        "inputs_inside": "B's module that computes this call's inputs inside itself and never records them (a "
+                         "Linear applying the activation this row is): they are not compared; where this call "
+                         "diverges and the call that made them in A has parameters that differ, the origin is that "
+                         "call.",
+        "dropped": "Of the inputs given to one run only (`only_a`/`only_b`), those the caller got in both runs and "
+                   "handed on in one: between a model and its port, only these count as a difference of the "
+                   "inputs.",
     },
     "TensorResult": {
         "role": "`input`, `output`, `grad_output`, `grad_input`, `param` or `param_grad`.",
@@ -170,6 +183,8 @@ KEYS = {
                 "rotary angles.",
         "matched_by": "How the pair was made when not by name (position and shape, with B's key).",
         "ranks": "Per-rank metrics (`\"0\"`, `\"1\"`, ...) and `\"sum\"` of a tensor spread over ranks.",
+        "damaged": "One side's stored bytes do not match their checksum (which side, where): the pair is compared by "
+                   "the statistics of its index lines, which are verified, instead.",
     },
     "Tolerance": {
         "atol": "Absolute tolerance.",
@@ -202,6 +217,8 @@ KEYS = {
         "rule": "The fused-module rule, for a fused module (`qkv`, `gate_up`, ...).",
         "a_parts": "Every path on A's side of a fused match.",
         "b_parts": "Every path on B's side of a fused match.",
+        "inside": "B's module that runs `b` inside itself, after its own work (a Linear that applies its "
+                  "activation as a child): found from structure and values, whatever the child's class.",
     },
     "NotCompared": {
         "phase": "`forward` or `backward`; null for a parameter.",
@@ -311,8 +328,10 @@ KEYS = {
     },
     "Trust": {
         "ok": "Nothing undermines the verdict.",
-        "problems": "What does: a run that did not finish, a direction recorded on one side only, the same file "
-                    "twice.",
+        "problems": "What does: a damaged trace (its damaged parts named), a run that did not finish, a direction "
+                    "recorded on one side only, the same file twice.",
+        "notes": "What was not checked and does not make the verdict wrong: a trace written before checksums "
+                 "(format 2 or older) cannot be verified.",
     },
 }
 

@@ -480,7 +480,7 @@ class TraceSession:
         self.flush_deferred()
         end = {"kind": "end", "status": "error" if exc is not None else "complete",
                "failure": self.failure if exc is not None else None,
-               "records": self.writer.records_written, "tensor_bytes": self.writer.tensor_bytes,
+               "records": self.writer.records_handed, "tensor_bytes": self.writer.tensor_bytes,
                "steps": self.step + 1, "seconds": round(time.time() - self.started, 3),
                "warnings": self.warnings}
         self.writer.close(end)

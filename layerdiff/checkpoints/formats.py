@@ -300,11 +300,14 @@ class TraceParams(Checkpoint):
         from layerdiff.tracefile.reader import open_trace
         self._reader = open_trace(path)
         records = [r for r in self._reader.records if r.kind == "param" and r.tensors]
+        damage = self._reader.damage
         if not records:
             crashed = self._reader.crashed
             self._reader.close()
             raise LayerdiffError(f"{path}: this trace holds no parameter values" + (
-                " (its index ends early: a damaged record, or the writing process died)" if crashed else ""))
+                f" ({len(damage)} damaged: {damage[0].describe()})" if damage else
+                " (its index ends early: the writing process died)" if crashed else ""))
+        self.notes += [f"DAMAGED {path}: {d.describe()} (a parameter it held is missing here)" for d in damage]
         steps = sorted({r.step for r in records})
         chosen = steps[0] if step == "first" else steps[-1]
         self._entries = {}

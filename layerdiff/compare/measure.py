@@ -32,6 +32,7 @@ from layerdiff.match.ops import OpPair, arguments_diff, pair_ops
 from layerdiff.match.pairing import RecordPair, TensorPair, match_records
 from layerdiff.match.rules import RuleSet
 from layerdiff.match.sides import TraceSide, token_order
+from layerdiff.tracefile.checksums import DamagedTensorError
 from layerdiff.tracefile.records import MICROBATCHES, CallRecord, EndRecord, OpRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float
 
@@ -48,7 +49,8 @@ def trace_summary(reader) -> schema.RunSummary:
             "status": end.status or "interrupted", "failure": cast(Optional[schema.Failure], end.failure),
             "warnings": end.warnings, "param_dtypes": meta.get("param_dtypes"),
             "target": (meta.get("user") or {}).get("target"), "target_args": (meta.get("user") or {}).get("target_args"),
-            "devices": meta.get("devices")}
+            "devices": meta.get("devices"), "damage": [d.describe() for d in reader.damage],
+            "unverified": reader.unverified}
 
 
 def _short(rec: Record) -> schema.ShortRecord:
@@ -183,19 +185,23 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, measured: _Measured, lay
         key = _stored_key(a, b, rule, relation)
         if key is not None and key in measured.failed:
             return _TaskFailed(measured.failed[key])
-        if key is not None:
-            if key not in memo:
-                memo[key] = compare_data(reader_a.tensor_chunks(a.entry, CHUNK_ELEMS),
-                                         reader_b.tensor_chunks(b.entry, CHUNK_ELEMS), a.dtype, b.dtype)
-            metrics: schema.Metrics = {**memo[key]}
-        else:
-            try:
-                va, vb = relation.views(a.values(reader_a), b.values(reader_b))
-            except ValueError as exc:  # a fused split that the sizes do not allow
-                return {"basis": "shape", "mismatch": f"cannot derive the compared tensor: {exc}",
-                        "numel": math.prod(a.shape)}
-            metrics = _compare_values(va, vb)
-        per_rank = _per_rank_metrics(a, b, relation, reader_a, reader_b)
+        try:
+            if key is not None:
+                if key not in memo:
+                    memo[key] = _compare_stored(a, b, reader_a, reader_b)
+                if "damaged" in memo[key]:
+                    return _damaged_metrics(a, b, memo[key]["damaged"])
+                metrics: schema.Metrics = {**memo[key]}
+            else:
+                try:
+                    va, vb = relation.views(_side("A", a.values, reader_a), _side("B", b.values, reader_b))
+                except ValueError as exc:  # a fused split that the sizes do not allow
+                    return {"basis": "shape", "mismatch": f"cannot derive the compared tensor: {exc}",
+                            "numel": math.prod(a.shape)}
+                metrics = _compare_values(va, vb)
+            per_rank = _per_rank_metrics(a, b, relation, reader_a, reader_b)
+        except DamagedTensorError as exc:
+            return _damaged_metrics(a, b, str(exc))
         if per_rank:
             metrics[per_rank.pop("over", "ranks")] = per_rank  # type: ignore[literal-required]
     else:
@@ -231,6 +237,45 @@ def _joined(merge, n: int) -> str:
         "concat": f"shards joined on axis {merge.dim}", "concat_parts": f"shards joined part by part on axis {merge.dim}",
         "replicate": "copies (rank 0's compared; each rank's checked)", "sum": "partial sums added",
         "ranks": "tensors, unresolved"}.get(merge.how, merge.how)
+
+
+def _compare_stored(a: Operand, b: Operand, reader_a, reader_b) -> schema.Metrics:
+    """Two stored tensors compared element by element as they are read, each verified against its checksums:
+    the metrics, or ``{"damaged": why}`` when either side's bytes do not match them."""
+    try:
+        return compare_data(_side("A", reader_a.tensor_chunks, a.entry, CHUNK_ELEMS),
+                            _side("B", reader_b.tensor_chunks, b.entry, CHUNK_ELEMS), a.dtype, b.dtype)
+    except DamagedTensorError as exc:
+        return {"damaged": str(exc)}
+
+
+def _side(name: str, read, *args):
+    """``read(*args)`` (a tensor's values, or its pieces as they are read), its damage named as run ``name``'s."""
+    try:
+        result = read(*args)
+    except DamagedTensorError as exc:
+        raise DamagedTensorError(f"{name}: {exc}") from None
+    if isinstance(result, np.ndarray):
+        return result
+    return _named_pieces(name, result)
+
+
+def _named_pieces(name: str, pieces):
+    try:
+        yield from pieces
+    except DamagedTensorError as exc:
+        raise DamagedTensorError(f"{name}: {exc}") from None
+
+
+def _damaged_metrics(a: Operand, b: Operand, why: str) -> schema.Metrics:
+    """A pair whose stored bytes are damaged on one side: compared by the statistics of its (verified) index
+    line instead, with the damage said (``damaged``); ``DamagedTensorError`` when there are none to compare."""
+    sa, sb = a.stats(), b.stats()
+    if sa is None or sb is None:
+        raise DamagedTensorError(why)
+    metrics = compare_stats(sa, sb)
+    metrics["damaged"] = why
+    return metrics
 
 
 def _resolved(operand: Operand, other_shape) -> Operand:
@@ -352,6 +397,15 @@ def _op_row(pair: OpPair, tensors: list[schema.TensorResult], skipped: list[str]
     return row
 
 
+def _describe_row(rec: Record | OpRecord) -> str:
+    """A record as a damage line names it."""
+    if isinstance(rec, OpRecord):
+        return f"op {rec.phase} {rec.path or '<root>'} call {rec.call} operation {rec.index} ({rec.name})"
+    if isinstance(rec, CallRecord):
+        return f"call {rec.phase} {rec.path or '<root>'} call {rec.call}"
+    return f"{rec.kind} {rec.path}"
+
+
 def _data_bytes(rec: Record | OpRecord) -> int:
     return sum(t.nbytes or 0 for t in rec.tensors)
 
@@ -387,6 +441,9 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     reader_a, reader_b = joined_pair(reader_a, reader_b)  # a step run as microbatches against one that was not
     for reader in (reader_a, reader_b):
         if not any(r.kind == "call" for r in reader.records):
+            if reader.damage:
+                raise LayerdiffError(f"{reader.path}: damaged, no usable module call left ({len(reader.damage)} "
+                                     f"damaged: {reader.damage[0].describe()}{'; ...' if len(reader.damage) > 1 else ''})")
             raise LayerdiffError(f"{reader.path}: holds no module calls (interrupted before its first flush, "
                                  "or damaged)")
     side_a = TraceSide(reader_a.records, reader_a.meta, rules, reader_a)
@@ -403,6 +460,7 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     if progress is not None:
         progress.start(sum(_data_bytes(p.a) + sum(_data_bytes(rb) for rb in p.b) for p in pairs))
     records: list[schema.Row] = []
+    damaged: list[tuple[str, str]] = []  # (why: "A: ..." or "B: ...", what) of tensors whose bytes are damaged
     ancestors = _ancestors(reader_a.records)
     forward_ops = [{(op.path, op.call, op.index): op for op in reader.ops if op.phase == "forward"}
                    for reader in (reader_a, reader_b)]
@@ -411,8 +469,13 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
         tensors: list[schema.TensorResult] = []
         skipped = list(pair.skipped)
         for tp in pair.tensors:
-            metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), measured,
-                                    NO_LAYOUTS if isinstance(ra, OpRecord) else layouts, swap)
+            try:
+                metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), measured,
+                                        NO_LAYOUTS if isinstance(ra, OpRecord) else layouts, swap)
+            except DamagedTensorError as exc:
+                skipped.append(f"{tp.role}:{tp.key} (damaged: {exc})")
+                damaged.append((str(exc), f"{_describe_row(ra)} {tp.role} {tp.key}: {exc}"))
+                continue
             if isinstance(metrics, _TaskFailed):
                 skipped.append(f"{tp.role}:{tp.key} (not compared: {metrics.reason})")
                 not_compared.append({"phase": ra.phase, "path": ra.path, "call": ra.call,
@@ -420,6 +483,9 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             elif metrics is None:
                 skipped.append(f"{tp.role}:{tp.key} (statistics only: a part or transform needs the values)")
             else:
+                if "damaged" in metrics:
+                    damaged.append((metrics["damaged"], f"{_describe_row(ra)} {tp.role} {tp.key}: "
+                                    f"{metrics['damaged']} (compared by its statistics)"))
                 tensors.append(_tensor_row(tp, metrics))
         if isinstance(pair, OpPair):
             records.append(_op_row(pair, tensors, skipped, ancestors, rules, forward_ops))
@@ -441,6 +507,10 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
                "tensors": tensors, "only_a": pair.only_a, "only_b": pair.only_b}
         if skipped:
             row["skipped"] = skipped
+        if pair.inputs_inside:
+            row["inputs_inside"] = pair.inputs_inside
+        if pair.dropped:
+            row["dropped"] = pair.dropped
         if ra.tied:
             row["tied"] = ra.tied
         for side, rec in (("held_a", ra), ("held_b", rb)):
@@ -458,7 +528,10 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     same_model = reader_a.meta.get("model_class") == reader_b.meta.get("model_class")
     phases = {phase: {side: any(r.kind == "call" and r.phase == phase for r in reader.records)
                       for side, reader in (("a", reader_a), ("b", reader_b))} for phase in ("forward", "backward")}
-    return {"report_version": schema.REPORT_VERSION, "a": trace_summary(reader_a), "b": trace_summary(reader_b),
+    summaries = {"a": trace_summary(reader_a), "b": trace_summary(reader_b)}
+    for why, what in damaged:
+        summaries["b" if why.startswith("B") else "a"].setdefault("damage", []).append(what)
+    return {"report_version": schema.REPORT_VERSION, "a": summaries["a"], "b": summaries["b"],
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
             "map": rename.as_list(), "layouts": layouts.as_list(), "rules": rules.describe(), "records": records,
             "structure": "same_model" if same_model else "ported", "phases": phases,

@@ -5,18 +5,20 @@ and a larger model's, minutes. The tensor pairs that are compared straight from 
 slices (``SLICE_BYTES`` a side; small tensors' slices gathered into tasks of about that size) and handed to a
 ``TaskPool`` (``compare.tasks``: processes of this machine or a Dask cluster). A worker reads its slices through
 ``MappedData`` (the trace file mapped at the chunk addresses HDF5 reported, which the task carries: no HDF5, no
-index) and sends back each slice's running sums (``DataAccumulator.state``); the parent merges them per pair in
+index), verifies them against the tensor's checksums (the blocks a slice touches, sent with it) and sends back each
+slice's running sums (``DataAccumulator.state``), or that its bytes are damaged; the parent merges them per pair in
 slice order, so the metrics are the same wherever the slices ran, bit for bit.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from layerdiff.compare.metrics import CHUNK_ELEMS, DataAccumulator, accumulate
 from layerdiff.compare.tasks import TaskPool
 from layerdiff.schema import Metrics
+from layerdiff.tracefile.checksums import DamagedTensorError, TensorCheck
 from layerdiff.tracefile.chunks import DataLocation, MappedData
 from layerdiff.tracefile.tensors import storage_dtype
 
@@ -25,7 +27,8 @@ SLICE_BYTES = 32 << 20  # per side: small enough to share out evenly, large enou
 
 @dataclass(frozen=True)
 class StoredPair:
-    """Two stored tensors with the same number of elements, compared element by element."""
+    """Two stored tensors with the same number of elements, compared element by element; ``check_a``/``check_b``:
+    what verifies the bytes of the tensor each belongs to (its checksums; None: none recorded)."""
     location_a: DataLocation
     offset_a: int
     dtype_a: str
@@ -33,24 +36,29 @@ class StoredPair:
     offset_b: int
     dtype_b: str
     numel: int
+    check_a: Optional[TensorCheck] = None
+    check_b: Optional[TensorCheck] = None
 
     def nbytes(self) -> int:
         return self.numel * (storage_dtype(self.dtype_a).itemsize + storage_dtype(self.dtype_b).itemsize)
 
 
 def aligned_pairs(segments_a: list, dtype_a: str, segments_b: list, dtype_b: str) -> list[StoredPair]:
-    """The ``StoredPair``s that compare two tensors stored in segments (``data_segments``: a run of ranks keeps
-    its shards in one file each), cut where either side's segment ends; [] if their element counts differ."""
-    if sum(n for _, _, n in segments_a) != sum(n for _, _, n in segments_b):
+    """The ``StoredPair``s that compare two tensors stored in segments (``data_segments``: (location, byte offset,
+    elements[, TensorCheck]); a run of ranks keeps its shards in one file each), cut where either side's segment
+    ends; [] if their element counts differ."""
+    queue_a, queue_b = [_segment(s) for s in segments_a], [_segment(s) for s in segments_b]
+    if sum(s[2] for s in queue_a) != sum(s[2] for s in queue_b):
         return []
     size_a, size_b = storage_dtype(dtype_a).itemsize, storage_dtype(dtype_b).itemsize
-    out, queue_a, queue_b = [], list(segments_a), list(segments_b)
+    out = []
     while queue_a and queue_b:
-        (loc_a, off_a, n_a), (loc_b, off_b, n_b) = queue_a[0], queue_b[0]
+        (loc_a, off_a, n_a, check_a), (loc_b, off_b, n_b, check_b) = queue_a[0], queue_b[0]
         n = min(n_a, n_b)
         if n:
-            out.append(StoredPair(loc_a, off_a, dtype_a, loc_b, off_b, dtype_b, n))
-        queue_a[0], queue_b[0] = (loc_a, off_a + n * size_a, n_a - n), (loc_b, off_b + n * size_b, n_b - n)
+            out.append(StoredPair(loc_a, off_a, dtype_a, loc_b, off_b, dtype_b, n, check_a, check_b))
+        queue_a[0] = (loc_a, off_a + n * size_a, n_a - n, check_a)
+        queue_b[0] = (loc_b, off_b + n * size_b, n_b - n, check_b)
         for queue in (queue_a, queue_b):
             if queue[0][2] == 0:
                 queue.pop(0)
@@ -59,11 +67,16 @@ def aligned_pairs(segments_a: list, dtype_a: str, segments_b: list, dtype_b: str
 
 @dataclass
 class PairResults:
-    """``compare_pairs``' answer: the metrics of each result (None where a slice of it could not be compared)
-    and why each such result is missing."""
+    """``compare_pairs``' answer: the metrics of each result (None where a slice of it could not be compared;
+    ``{"damaged": why}`` where a slice's bytes failed their checksums) and why each missing one is missing."""
 
     metrics: list[Metrics | None]
     failed: dict[int, str]
+
+
+def _segment(segment: tuple) -> tuple:
+    """A segment as (location, offset, elements, check): one without a check has none."""
+    return (*segment, None) if len(segment) == 3 else tuple(segment)
 
 
 def compare_pairs(pairs: list[StoredPair], pool: TaskPool, progress=None, slice_bytes: int = SLICE_BYTES,
@@ -90,17 +103,21 @@ def compare_pairs(pairs: list[StoredPair], pool: TaskPool, progress=None, slice_
             states[s] = state
     sums: list[DataAccumulator | None] = [DataAccumulator() for _ in range(max(groups, default=-1) + 1)]
     failed: dict[int, str] = {}
+    damaged: dict[int, str] = {}
     for t, reason in done.failed.items():
         for s in tasks[t]:
             failed.setdefault(groups[slices[s][0]], reason)
     for s, state in enumerate(states):  # in slice order: the same sums wherever and whenever each slice ran
         group = groups[slices[s][0]]
         acc = sums[group]
-        if group in failed or acc is None:
+        if isinstance(state, dict) and "damaged" in state:  # its bytes failed their checksums: not compared
+            damaged.setdefault(group, state["damaged"])
+        elif group in failed or acc is None:
             sums[group] = None
         else:
             acc.merge(DataAccumulator.from_state(state))
-    return PairResults([None if acc is None else acc.result() for acc in sums], failed)
+    return PairResults([{"damaged": damaged[n]} if n in damaged else None if acc is None else acc.result()
+                        for n, acc in enumerate(sums)], failed)
 
 
 def _tasks(slices: list, slice_bytes: int) -> list[list[int]]:
@@ -124,28 +141,54 @@ def slices_job(slices: list) -> dict:
     out = []
     for _, pair, first, count, _ in slices:
         sides = []
-        for location, offset, dtype in ((pair.location_a, pair.offset_a, pair.dtype_a),
-                                        (pair.location_b, pair.offset_b, pair.dtype_b)):
+        for location, offset, dtype, check in ((pair.location_a, pair.offset_a, pair.dtype_a, pair.check_a),
+                                               (pair.location_b, pair.offset_b, pair.dtype_b, pair.check_b)):
             itemsize = storage_dtype(dtype).itemsize
             key = (os.path.abspath(location.path), location.chunk)
             files.setdefault(key, {}).update(location.chunks_of(offset + first * itemsize, count * itemsize))
-            sides.append([list(files).index(key), offset, dtype])
+            sides.append([list(files).index(key), offset, dtype, _check(check, offset, first, count, dtype)])
         out.append([*sides[0], *sides[1], first, count])
     return {"files": [[path, chunk, sorted(chunks.items())] for (path, chunk), chunks in files.items()],
             "slices": out}
 
 
 def compare_slices(_shared: Any, job: dict) -> list[dict]:
-    """A task, where it runs: the running sums of each slice of ``job`` (``_job``), in order."""
+    """A task, where it runs: the running sums of each slice of ``job`` (``slices_job``), in order, each slice
+    verified against its checksums as it is read (``{"damaged": why}`` where it fails them)."""
     data = [MappedData(path, chunk, {int(i): int(address) for i, address in chunks})
             for path, chunk, chunks in job["files"]]
     try:
         out = []
-        for file_a, offset_a, dtype_a, file_b, offset_b, dtype_b, first, count in job["slices"]:
-            acc = accumulate(data[file_a].pieces(offset_a, first, count, dtype_a, CHUNK_ELEMS),
-                             data[file_b].pieces(offset_b, first, count, dtype_b, CHUNK_ELEMS), dtype_a, dtype_b)
-            out.append(acc.state())
+        for file_a, offset_a, dtype_a, check_a, file_b, offset_b, dtype_b, check_b, first, count in job["slices"]:
+            try:
+                acc = accumulate(
+                    data[file_a].pieces(offset_a, first, count, dtype_a, CHUNK_ELEMS, TensorCheck.from_list(check_a)),
+                    data[file_b].pieces(offset_b, first, count, dtype_b, CHUNK_ELEMS, TensorCheck.from_list(check_b)),
+                    dtype_a, dtype_b)
+                out.append(acc.state())
+            except DamagedTensorError as exc:
+                side, file = ("A", file_a) if _is_damaged(data[file_a], offset_a, first, count, dtype_a, check_a) \
+                    else ("B", file_b)
+                out.append({"damaged": f"{side} ({job['files'][file][0]}): {exc}"})
         return out
     finally:
         for mapped in data:
             mapped.close()
+
+
+def _check(check: Optional[TensorCheck], offset: int, first: int, count: int, dtype: str) -> list | None:
+    """What verifies a slice, as a worker receives it: the checksums of the tensor's blocks that it touches."""
+    if check is None:
+        return None
+    size = storage_dtype(dtype).itemsize
+    return check.around(offset + first * size, count * size).as_list()
+
+
+def _is_damaged(data: MappedData, offset: int, first: int, count: int, dtype: str, check) -> bool:
+    """Whether one side's slice fails its checksums (which side a failed comparison's damage is on)."""
+    try:
+        for _ in data.pieces(offset, first, count, dtype, CHUNK_ELEMS, TensorCheck.from_list(check)):
+            pass
+    except DamagedTensorError:
+        return True
+    return False

@@ -60,13 +60,22 @@ def _failure(run: schema.RunSummary) -> schema.Failure | None:
 
 
 def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: schema.PhaseResult) -> schema.Trust:
-    """Why an "aligned" verdict could still be wrong: a run that did not finish, a phase recorded on one side
-    only, the same trace twice. ``{"ok": bool, "problems": [...]}``; the CLI exits 3 for aligned-but-not-ok."""
-    problems = []
+    """Why an "aligned" verdict could still be wrong: a damaged trace, a run that did not finish, a phase recorded
+    on one side only, the same trace twice. ``{"ok": bool, "problems": [...], "notes": [...]}``; the CLI exits 3
+    for aligned-but-not-ok. ``notes``: traces written before checksums (not verified)."""
+    problems, notes = [], []
     for summary, name in ((measurements["a"], "A"), (measurements["b"], "B")):
+        damage = summary.get("damage") or []
+        if damage:
+            shown = "; ".join(damage[:3]) + (f"; and {len(damage) - 3} more" if len(damage) > 3 else "")
+            problems.append(f"{name} ({summary['path']}) is damaged: {len(damage)} part(s) do not read as written "
+                            f"(not compared, or compared by statistics only): {shown}")
         if not summary.get("complete", True):
             problems.append(f"{name} ({summary['path']}) is incomplete: its run did not finish, so only what it "
                             "recorded before was compared")
+        if summary.get("unverified"):
+            notes.append(f"{name} ({summary['path']}) cannot be verified: written before checksums (trace format "
+                         "2 or older), so damage to it would go unnoticed")
     phases = measurements.get("phases") or {}
     for phase in ("forward", "backward"):
         present = phases.get(phase, {})
@@ -79,7 +88,10 @@ def trust(measurements: schema.Report, forward: schema.PhaseResult, backward: sc
     missing = measurements.get("not_compared") or []
     if missing:
         problems.append(not_compared_line(missing))
-    return {"ok": not problems, "problems": problems}
+    result: schema.Trust = {"ok": not problems, "problems": problems}
+    if notes:
+        result["notes"] = notes
+    return result
 
 
 def not_compared_line(missing: list[schema.NotCompared], named: int = 5) -> str:

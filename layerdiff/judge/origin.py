@@ -88,8 +88,11 @@ def hparam_diff(a: dict | None, b: dict | None) -> dict:
 
 def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Phase, params: list) -> schema.Origin:
     row = node.row
+    handed = [t for t in (before.ins if before else []) if t.get("one_sided")]  # what its own code gave otherwise
     if where == "inputs":
         bad = _first_failing(node.ins)
+    elif handed:
+        bad = handed[0]
     else:
         bad = _first_failing(node.outs) or _first_failing(before.ins if before else []) or _first_failing(node.ins)
     diff = hparam_diff(row.get("hparams_a"), row.get("hparams_b"))
@@ -103,7 +106,9 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
             "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
-            "description": describe_origin(node, where, after, before, _partial_ranks(bad)),
+            "description": describe_origin(node, where, after, before, _partial_ranks(bad)) + (
+                f": it gives {before.row['path'].rpartition('.')[2] or '<root>'} {_tensor_name(handed)} in run "
+                f"{'A' if handed[0]['reason'].endswith('A only') else 'B'} only" if handed else ""),
             "tensor": {"role": bad["role"], "key": bad["key"], "reason": bad["reason"], "metrics": bad["metrics"]}
             if bad else None,
             "ranks": _origin_ranks(row, bad), "hint": bad.get("hint") if bad else None,
@@ -111,6 +116,11 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "class_diff": same_family_types,
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
+
+
+def _tensor_name(tensors: list[Judged]) -> str:
+    keys = [t["key"].removeprefix("kwargs.") for t in tensors]
+    return ", ".join(keys[:-1]) + (" and " if len(keys) > 1 else "") + keys[-1]
 
 
 def args_diff(a: dict | None, b: dict | None) -> dict:
@@ -275,6 +285,20 @@ def _inserted_gradient_origin(node: Node, chain: list, phase: schema.Phase) -> s
     return origin
 
 
+def _made_inside(node: Node, chain: list, params: list) -> Node | None:
+    """An origin whose inputs the candidate computes inside another module and never records (the input of an
+    activation its Linear applies inside itself): when the call before it, which made those inputs in A, has
+    parameters that differ, the divergence starts there (the weight of the Linear, not the activation)."""
+    if not node.row.get("inputs_inside") or len(chain) < 2 or node not in chain[-2].children:
+        return None
+    siblings = chain[-2].children
+    at = siblings.index(node)
+    maker = siblings[at - 1] if at else None
+    if maker is None or not maker.inputs_ok:
+        return None
+    return maker if any(p["module"] == maker.row["path"] and not p["passed"] for p in params) else None
+
+
 def _first_over_tolerance(rows, phase):
     over = [r for r in rows if r["kind"] == "call" and r["phase"] == phase
             and any(not t["passed"] for t in r["tensors"])]
@@ -335,6 +359,9 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
             if where == "own_code" and node.row.get("ops_gradient_changed"):
                 return _inserted_gradient_origin(node, chain, phase)
             own_params = params.get("param" if phase == "forward" else "param_grad", [])
+            maker = _made_inside(node, chain, own_params)
+            if maker is not None:
+                node, where, after, before, chain = maker, "module", None, None, chain[:-1] + [maker]
             return _origin_dict(node, where, after, before, chain, phase, own_params)
     bad_param = next((p for p in params.get("param_grad", []) if not p["passed"]), None)
     if phase == "backward" and bad_param is not None:  # parameter gradients differ though no call shows it

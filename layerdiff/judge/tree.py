@@ -3,10 +3,11 @@ tomorrow), with its tensors judged under a tolerance policy and sorted into the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from layerdiff import schema
 from layerdiff.compare.tolerance import TolerancePolicy, judge
+from layerdiff.match.mapping import collapse_indices
 from layerdiff.schema import IN_ROLES, OUT_ROLES
 
 Judged = Mapping[str, Any]  # a judged tensor of a row (``schema.TensorResult``), or a parameter's (``param_rows``)
@@ -75,7 +76,7 @@ def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy) -> 
 
 
 def _one_sided(row: schema.Row, phase: str) -> list[Judged]:
-    """Pseudo-tensors that fail: inputs given to one run only (a mask passed on one side)."""
+    """Pseudo-tensors that fail: inputs given to one run only (a mask passed on one side, or dropped)."""
     roles = IN_ROLES[phase]
     out: list[Judged] = []
     for items, other in ((row.get("only_a"), "B"), (row.get("only_b"), "A")):
@@ -91,8 +92,16 @@ def _one_sided(row: schema.Row, phase: str) -> list[Judged]:
 def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict[CallKey, list[Judged]],
                 strict_inputs: bool = False, uses: dict[CallKey, list[Judged]] | None = None) -> list[Node]:
     """The call tree of A's matched calls (and operations). A call whose parent has no counterpart hangs under its
-    nearest ancestor that has one. With ``strict_inputs`` (two runs of the same model class), a tensor given to the
-    root of one run only counts as a difference of the inputs."""
+    nearest ancestor that has one. A tensor given to a call in one run only (its caller's own code dropped it, or
+    made it) counts as a difference of that call's inputs where the call's results differ although the inputs both
+    runs gave it agree: the divergence was then born in the caller's code, which gave it something else. Not where
+    the same module's results agree without it in another call or block (``_harmless_one_sided``: a port whose
+    attention never takes position_ids, a causal mask one implementation takes and another builds itself): that is
+    a difference of representation. Between two runs of the same model class (``strict_inputs``) every such
+    tensor counts, made or dropped; between a model and its port, one that a port's code makes where the other's
+    never does is a difference of design, so only a tensor the caller got in both runs and handed on in one counts
+    (``dropped``). With ``strict_inputs``, a tensor given to the root of one run only counts as a difference of the
+    inputs."""
     nodes: dict[NodeKey, Node] = {}
     for row in rows:
         if row["kind"] not in NODE_KINDS or row["phase"] != phase:
@@ -110,6 +119,7 @@ def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict[CallKey, l
         for key, tensors in (uses or {}).items():  # a tied weight's gradient, per use: on the call that used it
             if key in nodes:
                 nodes[key].outs.extend(tensors)
+    harmless = _harmless_one_sided(nodes.values(), phase)
     roots: list[Node] = []
     for node in sorted(nodes.values(), key=lambda n: n.row["begin"]):
         chain = node.row.get("ancestors")
@@ -119,11 +129,41 @@ def _build_tree(rows: list[schema.Row], phase: str, param_grads: dict[CallKey, l
         parent = next((nodes[tuple(up)] for up in chain if tuple(up) in nodes), None)
         if parent is not None:
             parent.children.append(node)
+            if node.inputs_ok and not node.outputs_ok:
+                node.ins = node.ins + _given_otherwise(node.row, phase, harmless, strict_inputs)
         else:
             if strict_inputs and not chain:
                 node.ins = node.ins + _one_sided(node.row, phase)
             roots.append(node)
     return roots
+
+
+Harmless = set[tuple[str, str, str]]  # (module with block indices as *, role, key): see _harmless_one_sided
+
+
+def _given_otherwise(row: schema.Row, phase: str, harmless: Harmless, strict_inputs: bool) -> list[Judged]:
+    """The tensors given to a call in one run only that count as a difference of its inputs (``_build_tree``): not
+    where the other run gives it an unpaired tensor of that role (one that may stand in for it), nor where the
+    module does without it elsewhere (``harmless``)."""
+    place = collapse_indices(row["path"])
+    dropped = row.get("dropped") or []
+    sides = {"B": row.get("only_b") or [], "A": row.get("only_a") or []}  # "given to run A only": B has none
+    return [t for t in _one_sided(row, phase)
+            if (place, t["role"], t["key"]) not in harmless
+            and (strict_inputs or f"{t['role']}:{t['key']}" in dropped)
+            and not any(item.startswith(t["role"] + ":") for item in sides["B" if t["reason"].endswith("A only")
+                                                                            else "A"])]
+
+
+def _harmless_one_sided(nodes: Iterable[Node], phase: str) -> Harmless:
+    """(module with its block indices as *, role, key) of the tensors given to one run only at a call whose results
+    agree: the module does without them, in any block."""
+    out: Harmless = set()
+    for node in nodes:
+        if node.kind == "module" and node.inputs_ok and node.outputs_ok:
+            place = collapse_indices(node.row["path"])
+            out.update((place, t["role"], t["key"]) for t in _one_sided(node.row, phase))
+    return out
 
 
 def call_tree(rows: list[schema.Row], phase: str, strict_inputs: bool = False) -> list[Node]:

@@ -197,18 +197,32 @@ def _from_rows(rows) -> dict:
 
 
 def parse_jsonl(lines) -> dict:
-    rows = []
+    """A JSONL log: its object lines read as rows. In a log that has such rows, a line that starts an object and
+    cannot be read (nested too deeply, not JSON, an integer of over 4300 digits) is an error naming it: skipped,
+    it would read as iterations one run lacks. Only a last line cut short (a log still being written) is let go."""
+    lines = list(lines)
+    rows, malformed = [], None
     for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line.startswith("{"):
             continue
         try:
             obj = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, nested too deeply, an integer of over 4300 digits
+        except RecursionError:
+            why = "nested too deeply"
+        except ValueError as exc:
+            if n == len(lines):
+                continue
+            why = f"not JSON ({first_line(exc, 120)})"
+        else:
+            if isinstance(obj, dict):
+                rows.append((n, obj))
             continue
-        if isinstance(obj, dict):
-            rows.append((n, obj))
-    return _from_rows(rows)
+        malformed = malformed or (n, why)
+    data = _from_rows(rows)
+    if data and malformed:
+        raise LogLineError(malformed[0], f"a JSON log line that cannot be read: {malformed[1]}")
+    return data
 
 
 def parse_csv(lines) -> dict:

@@ -43,6 +43,7 @@ class Match:
     rule: str | None = None
     confidence: float = 1.0
     evidence: tuple = ()
+    inside: str | None = None  # B's module that runs B's side inside itself (a Linear applying its activation)
 
     @property
     def fused_side(self) -> str | None:
@@ -58,6 +59,8 @@ class Match:
         out = {"a": self.a[0], "b": self.b[0], "confidence": self.confidence, "reason": ", ".join(self.evidence)}
         if self.rule:
             out.update(rule=self.rule, a_parts=list(self.a), b_parts=list(self.b))
+        if self.inside:
+            out["inside"] = self.inside
         return out
 
 
@@ -223,6 +226,7 @@ def match_modules(a: dict, b: dict, rules: RuleSet, rename=None, auto: bool = Tr
             used_b.add(path_b)
     if auto:
         matches += _match_units(a, b, rules, used_a, used_b)
+        matches += _match_absorbed(a, b, matches, used_a, used_b)
         matches += _match_containers(a, b, rules, matches, used_a, used_b)
     matched_a = {p for m in matches for p in m.a}
     matched_b = {p for m in matches for p in m.b}
@@ -270,6 +274,58 @@ def _match_units(a: dict, b: dict, rules: RuleSet, used_a: set, used_b: set) -> 
             used_a.update(ua.paths)
             used_b.update(ub.paths)
     return matches
+
+
+def _match_absorbed(a: dict, b: dict, matches: list, used_a: set, used_b: set) -> list:
+    """A module of B that runs, inside itself after its own work, a child whose counterpart in A is the call right
+    after A's module: MindSpore Transformers' ``w1`` Linear applies its activation as a child, HF's ``gate_proj``
+    hands its output to ``act_fn``. The child is that call, found from structure and values, whatever its class or
+    name: the two modules are matched and own parameters; A's runs nothing inside itself and B's runs one child no
+    other match claims (seen in forward, or in backward only: a cell with a backward of its own); the next call of
+    A's parent takes A's module's output and gives one of its size; and B's module does not give what A's gives
+    (it gives what comes after the activation)."""
+    out = []
+    for match in matches:
+        if len(match.a) != 1 or len(match.b) != 1:
+            continue
+        ia, ib = a.get(match.a[0]), b.get(match.b[0])
+        if ia is None or ib is None or ia.children or not ia.params or not ib.params:
+            continue
+        inner = ib.children + ib.backward_children
+        if len(inner) != 1 or inner[0] in used_b:
+            continue
+        child = b.get(inner[0])
+        if child is not None and child.out_numels and child.out_numels != ib.out_numels:
+            continue
+        following = _next_call(a, ia)
+        if following is None or following.path in used_a or following.params or following.children or \
+                following.out_numels != ia.out_numels or not _same_print(ia.out_prints, following.in_prints):
+            continue
+        if _same_print(ib.out_prints, ia.out_prints):
+            continue  # B's module gives A's module's result: what runs inside it is something else
+        evidence = [f"runs inside {ib.local}, as {following.local} runs after {ia.local}"]
+        if _same_print(ib.out_prints, following.out_prints):
+            evidence.append(f"{ib.local}'s output is {following.local}'s")
+        out.append(Match((following.path,), (inner[0],), None, 0.9 if len(evidence) > 1 else 0.6, tuple(evidence),
+                         inside=ib.path))
+        used_a.add(following.path)
+        used_b.add(inner[0])
+    return out
+
+
+def _next_call(infos: dict, info: ModuleInfo) -> ModuleInfo | None:
+    """The call its parent makes right after this module's."""
+    parent = infos.get(info.parent) if info.parent is not None else None
+    if parent is None:
+        return None
+    siblings = sorted((infos[p] for p in parent.children if infos[p].called), key=lambda i: i.order)
+    at = next((n for n, s in enumerate(siblings) if s.path == info.path), None)
+    return siblings[at + 1] if at is not None and at + 1 < len(siblings) else None
+
+
+def _same_print(x: tuple, y: tuple) -> bool:
+    """The first float tensors of two calls hold the same values (their fingerprints agree)."""
+    return bool(x and y and x[0] is not None and y[0] is not None and x[0].same(y[0]))
 
 
 def _fused_pair(ua: _Unit, ub: _Unit) -> bool:

@@ -50,6 +50,7 @@ class Joined:
         self.path: Path = inner.path
         self.meta = {**inner.meta, "microbatches_joined": True}
         self.crashed, self.end = inner.crashed, inner.end
+        self.damage, self.unverified = inner.damage, inner.unverified  # checksums: what reading it found
         self.ops: list = []  # operations are not joined over microbatches: compare them between alike runs
         self._next_offset = min([0, *(t.offset for rec in inner.records for t in _entries(rec)
                                       if t.offset is not None)]) - 1

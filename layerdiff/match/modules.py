@@ -70,6 +70,9 @@ class ModuleInfo:
     hparams: dict = field(default_factory=dict)
     children: list = field(default_factory=list)  # paths
     called: bool = True
+    in_prints: tuple = ()  # Fingerprints of its first call's float inputs (None where not computable)
+    out_prints: tuple = ()  # ... and of its outputs: a tensor handed on keeps its fingerprint
+    backward_children: list = field(default_factory=list)  # children seen in backward only (custom-backward cells)
 
     @property
     def local(self) -> str:
@@ -110,7 +113,8 @@ def from_records(records) -> dict:
             continue
         outs = tuple(math.prod(t.shape) for t in r.tensors if t.role == "output")
         infos[r.path] = ModuleInfo(r.path, r.type, r.parent[0] if r.parent else None, r.begin, out_numels=outs,
-                                   hparams=dict(r.hparams or {}))
+                                   hparams=dict(r.hparams or {}), in_prints=_prints(r, "input"),
+                                   out_prints=_prints(r, "output"))
     seen = set()
     for r in records:
         if r.kind != "param" or r.path in seen or not r.tensors:
@@ -123,7 +127,16 @@ def from_records(records) -> dict:
         leaf = canonical_param_name(r.path).rpartition(".")[2]
         infos[module].params.append(ParamInfo(leaf, tuple(t.shape), Fingerprint.of_stats(t.stats)))
     _link_children(infos)
+    for r in records:  # a cell with a backward of its own runs unseen in forward (MindSpore): its parent knows it
+        if isinstance(r, CallRecord) and r.phase == "backward" and r.step == 0 and r.path not in infos and r.parent:
+            parent = infos.get(r.parent[0])
+            if parent is not None and r.path not in parent.backward_children:
+                parent.backward_children.append(r.path)
     return infos
+
+
+def _prints(record: CallRecord, role: str) -> tuple:
+    return tuple(Fingerprint.of_stats(t.stats) for t in record.tensors if t.role == role)
 
 
 def from_model(entries) -> dict:

@@ -49,6 +49,8 @@ class RecordPair:
     only_a: list = field(default_factory=list)  # "role:key" of tensors with no counterpart
     only_b: list = field(default_factory=list)
     skipped: list = field(default_factory=list)  # tensors compared elsewhere (a sum on another part)
+    inputs_inside: str | None = None  # B's module that computes this call's inputs inside itself, unrecorded
+    dropped: list = field(default_factory=list)  # one-sided inputs ("role:key") its caller got in both runs
 
 
 @dataclass
@@ -69,6 +71,9 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
     for ra in side_a.records:
         match = mapping.for_a(_module_of(ra))
         twins = [] if match is None else [side_b.twin(ra, p) for p in match.b]
+        if match is not None and match.inside and isinstance(ra, CallRecord):
+            twin = twins[0]
+            twins = [_inside(ra, twin if isinstance(twin, CallRecord) else None, match, side_b)]
         sources = [s for s in twins if s is not None]
         if match is None or not sources or len(sources) < len(twins):
             result.only_a.append(ra)
@@ -77,9 +82,46 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
         first = sources[0]
         if match.fused_side is None and isinstance(first, CallRecord) and not side_a.children.get(ra.path):
             sources = [_with_absorbed(first, match, side_b, mapping)]
-        result.pairs.append(_pair(ra, tuple(sources), match, links))
+        pair = _pair(ra, tuple(sources), match, links)
+        _not_recorded(pair, sources[0], match)
+        result.pairs.append(pair)
     result.only_b = [rb for rb in side_b.records if id(rb) not in used]
+    _mark_dropped(result.pairs)
     return result
+
+
+_IN = {"forward": "input", "backward": "grad_output"}
+
+
+def _mark_dropped(pairs: list):
+    """The inputs a call gets in one run only that its caller got in both: the caller's own code handed the tensor
+    on in one run and not in the other (dropped it), as opposed to a tensor one run's code makes and the other's
+    never does (a port's attention that takes position_ids where the other's does not)."""
+    by_a = {(p.a.phase, p.a.path, p.a.call): p for p in pairs if isinstance(p.a, CallRecord)}
+    by_b = {(rb.phase, rb.path, rb.call): p for p in pairs if isinstance(p.a, CallRecord) for rb in p.b}
+    for pair in pairs:
+        ra, rb = pair.a, pair.b[0]
+        if not isinstance(ra, CallRecord) or not isinstance(rb, CallRecord):
+            continue
+        role = _IN[ra.phase]
+        for items, rec, index, side in ((pair.only_a, ra, by_a, "a"), (pair.only_b, rb, by_b, "b")):
+            parent = index.get((rec.phase, *rec.parent)) if rec.parent else None
+            if parent is None:
+                continue
+            given = [e for tp in parent.tensors if tp.role == role for e in getattr(tp, side).entries]
+            for item in items:
+                item_role, _, key = item.partition(":")
+                entry = next((t for t in rec.tensors if t.role == item_role == role and t.key == key), None)
+                if entry is not None and any(_same_tensor(entry, e) for e in given):
+                    pair.dropped.append(item)
+
+
+def _same_tensor(x: TensorEntry, y: TensorEntry) -> bool:
+    """One tensor handed on: its stored bytes (a tensor seen again in a step is stored once), or, in a statistics
+    trace, its shape, dtype and statistics."""
+    if x.offset is not None and y.offset is not None:
+        return x.offset == y.offset and x.nbytes == y.nbytes
+    return x.shape == y.shape and x.dtype == y.dtype and x.stats == y.stats
 
 
 _ABSORBED_ROLES = {"input": "output", "grad_input": "grad_output"}
@@ -88,7 +130,7 @@ _ABSORBED_ROLES = {"input": "output", "grad_input": "grad_output"}
 def absorbed_child(path_b: str, match: Match, side_b: TraceSide, mapping: ModuleMapping) -> str | None:
     """The child that B's module runs inside itself although its counterpart in A sits outside A's module."""
     a_path = match.a[0]
-    for child in side_b.children.get(path_b, ()):
+    for child in side_b.children.get(path_b, []) + side_b.backward_children.get(path_b, []):
         other = mapping.for_b(child)
         if other is not None and not any(p == a_path or p.startswith(a_path + ".") for p in other.a):
             return child
@@ -100,13 +142,49 @@ def _with_absorbed(rb: CallRecord, match: Match, side_b: TraceSide, mapping: Mod
     ``w1`` Linear applies its SiLU as a child; HF's ``gate_proj`` does not): then B's own result is that child's
     input, and B's record stands in with it as output (and the child's input gradient as grad_output)."""
     child = absorbed_child(rb.path, match, side_b, mapping)
-    twin = side_b.calls.get((rb.phase, child, rb.call)) if child else None
-    if child is None or twin is None:
+    if child is None:
         return rb
+    twin = side_b.calls.get((rb.phase, child, rb.call))
     inner = [replace(t, role=_ABSORBED_ROLES[t.role], key=f"{child.rpartition('.')[2]}:{t.key}")
-             for t in twin.tensors if t.role in _ABSORBED_ROLES]
+             for t in (twin.tensors if twin is not None else ()) if t.role in _ABSORBED_ROLES]
     kept = [t for t in rb.tensors if t.role not in ("output", "grad_output")]
-    return replace(rb, tensors=kept + inner, absorbed=child)
+    return replace(rb, tensors=kept + inner, absorbed=child)  # without a record of the child: its input unseen
+
+
+def _inside(ra: CallRecord, twin: CallRecord | None, match: Match, side_b: TraceSide) -> CallRecord | None:
+    """B's record of a module that B's ``match.inside`` runs inside itself, completed with what that module's own
+    record shows of it: its result is the outer module's (forward: the output; backward: the gradient w.r.t. it).
+    A cell with a backward of its own is recorded in backward only, with its input gradient: its forward is made
+    here, from the outer module's output (its input, computed inside, is not recorded)."""
+    outer = side_b.calls.get((ra.phase, match.inside, ra.call))
+    if outer is None:
+        return twin
+    role = "output" if ra.phase == "forward" else "grad_output"
+    have = twin.tensors if twin is not None else []
+    if any(t.role == role for t in have):
+        return twin
+    given = [t for t in outer.tensors if t.role == role]
+    base = twin if twin is not None else replace(outer, path=match.b[0], type=side_b.types.get(match.b[0]),
+                                                 parent=(match.inside, ra.call), hparams=None, scalars=None,
+                                                 arg_names=None, ops=None, producers=None)
+    return replace(base, tensors=[t for t in have if t.role != role] + given)
+
+
+def _not_recorded(pair: RecordPair, rb, match: Match):
+    """A's tensors that B computes inside a module and never records (the input of an activation its Linear
+    applies inside itself, that Linear's result before it) are not compared, and say why: not "given to one run
+    only", which would be a difference of the runs."""
+    inside = match.inside or getattr(rb, "absorbed", None)
+    if not inside or not isinstance(rb, CallRecord):
+        return
+    hidden = [item for item in pair.only_a if item.partition(":")[0] in ("input", "output", "grad_output")
+              and not any(t.role == item.partition(":")[0] for t in rb.tensors)]
+    for item in hidden:
+        pair.only_a.remove(item)
+        where = f"inside B's {match.inside}" if match.inside else f"by B's {rb.path} before its {inside}"
+        pair.skipped.append(f"{item} (computed {where}, not recorded there: compared where it is)")
+        if match.inside and item.startswith("input:"):
+            pair.inputs_inside = match.inside
 
 
 def _pair(ra: Record, sources: tuple, match: Match, links: FusedLinks) -> RecordPair:

@@ -33,13 +33,18 @@ class TraceSide:
         self.calls: dict[tuple, CallRecord] = {}
         self.params: dict[tuple, ParamRecord] = {}
         self.types: dict[str, str | None] = {}
-        self.children: dict[str, list[str]] = {}
+        self.children: dict[str, list[str]] = {}  # forward
+        self.backward_children: dict[str, list[str]] = {}  # modules seen in backward only, under their parent
         for r in self.records:
             if isinstance(r, CallRecord):
                 self.calls.setdefault((r.phase, r.path, r.call), r)
                 self.types.setdefault(r.path, r.type)
                 if r.phase == "forward" and r.call == 0 and r.parent:
                     self.children.setdefault(r.parent[0], []).append(r.path)
+                elif r.phase == "backward" and r.parent and ("forward", r.path, r.call) not in self.calls:
+                    inner = self.backward_children.setdefault(r.parent[0], [])  # a custom-backward cell
+                    if r.path not in inner:
+                        inner.append(r.path)
             else:  # param_grad_use: "call" is the using module's call
                 module = r.module_path
                 leaf = canonical_param_name(r.path).rpartition(".")[2]

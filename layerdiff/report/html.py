@@ -222,6 +222,7 @@ def report_html(report: View) -> str:
             f"<p>A <code>{escape(str(report['a'].get('path')))}</code> &nbsp; B "
             f"<code>{escape(str(report['b'].get('path')))}</code></p>"
             + "".join(f"<p class='bad'>WARNING: {escape(p)}</p>" for p in problems)
+            + "".join(f"<p>note: {escape(n)}</p>" for n in (report.get("trust") or {}).get("notes", []))
             + "".join(f"<p class='bad'>the models' own configs differ: {escape(d['key'])} {escape(str(d['a']))} (A) "
                       f"vs {escape(str(d['b']))} (B)</p>" for d in report.get("config_diff") or ()))
     body = [head, _origin_block(report, "forward", steps), _origin_block(report, "backward", steps),

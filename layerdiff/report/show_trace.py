@@ -74,6 +74,7 @@ def _summary(reader) -> dict:
             "tensors": sum(len(r.tensors) for r in reader.records),
             "tensor_bytes": sum(t.nbytes or 0 for r in reader.records for t in r.tensors),
             "steps": end.steps, "warnings": end.warnings,
+            "damage": [d.describe() for d in reader.damage], "unverified": reader.unverified,
             "nonfinite_records": len(holding),
             "ops": {phase: sum(1 for op in reader.ops if op.phase == phase) for phase in ("forward", "backward")},
             "nonfinite_origin": {phase: first_nonfinite(reader.records, phase, reader.ops)
@@ -110,6 +111,13 @@ def show(path, records: bool = False, nan: bool = False, ops: str | None = None)
         status = info["status"] if info["status"] != "interrupted" else \
             "interrupted (the writing process died; records up to its last flush)"
         console.print(f"status: {status}")
+        for damage in info["damage"]:
+            console.print(f"[bold red]DAMAGED: {escape(damage)}[/]")
+        if info["damage"]:
+            console.print(f"[bold red]{len(info['damage'])} damaged part(s): written whole, they no longer read as "
+                          "written (bit rot, a bad copy); the rest of the trace reads as written[/]")
+        if info["unverified"]:
+            console.print("[dim]note: written before checksums (trace format 2 or older): cannot be verified[/]")
         if info["failure"]:
             f = info["failure"]
             console.print(f"[red]failed in {f.get('module') or '<root>'}: {f.get('error')}[/]")

@@ -191,6 +191,8 @@ def render(report: View, console: Console | None = None):
     _render_body(report, console)
     for problem in (report.get("trust") or {}).get("problems", []):
         console.print(f"[bold yellow]WARNING: {as_text(problem)}[/]")
+    for note in (report.get("trust") or {}).get("notes", []):
+        console.print(f"[dim]note: {as_text(note)}[/]")
     if (report.get("trust") or {}).get("problems") and report["verdict"] == "aligned":
         console.print("[bold yellow]the runs agree on what was compared, but the comparison is incomplete (exit 3)[/]")
 

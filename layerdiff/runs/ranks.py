@@ -27,6 +27,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from layerdiff.errors import TraceFormatError
+from layerdiff.tracefile.index import Damage
 from layerdiff.match.operands import combine_stats
 from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
@@ -103,6 +104,9 @@ class RankedRun:
         self.meta_framework = first.meta.get("framework")
         self.meta = {**first.meta, "ranks": len(self.readers)}
         self.crashed = any(r.crashed for r in self.readers)
+        self.damage = [Damage(f"rank {rank}: {d.where}", d.why, d.reads_as) for rank, r in enumerate(self.readers)
+                       for d in r.damage]
+        self.unverified = sum(r.unverified for r in self.readers)
         self.end = self._end()
         self._joined = 0  # joined entries made so far (each gets its own negative offset)
         self.layouts = [reader.meta.get("parallel") or {} for reader in self.readers]
@@ -565,6 +569,7 @@ class RankView:
         self.reader = reader
         self.path = reader.path
         self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
+        self.damage, self.unverified = self.reader.damage, self.reader.unverified
         layout = reader.meta.get("parallel") or {}
         renames = layout.get("global_paths") or {}
         split = set(layout.get("split_modules") or ())

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from layerdiff.errors import TraceFormatError
+from layerdiff.tracefile.checksums import TensorCheck, verified_pieces
 from layerdiff.tracefile.tensors import storage_dtype
 
 
@@ -63,11 +64,16 @@ class MappedData:
         fd = os.open(path, os.O_RDONLY)
         self._raw = RawChunkReader(fd, chunk, dict(chunks))
 
-    def pieces(self, offset: int, first: int, count: int, dtype: str, chunk_elems: int):
-        """Elements ``first``..``first + count`` of the tensor stored at ``offset``, as stored bits, in pieces."""
+    def pieces(self, offset: int, first: int, count: int, dtype: str, chunk_elems: int,
+               check: TensorCheck | None = None):
+        """Elements ``first``..``first + count`` of the tensor stored at ``offset``, as stored bits, in pieces,
+        verified against ``check`` (the tensor's checksums: the blocks the slice touches are hashed whole, reading
+        the bytes of its first and last block outside the slice; ``DamagedTensorError`` when one differs)."""
         dt = storage_dtype(dtype)
-        return stored_pieces(self._raw if self._raw.mapped is not None else None, self._raw.read,
-                       offset + first * dt.itemsize, count * dt.itemsize, dt, chunk_elems)
+        start, length = offset + first * dt.itemsize, count * dt.itemsize
+        pieces = stored_pieces(self._raw if self._raw.mapped is not None else None, self._raw.read, start, length, dt,
+                               chunk_elems)
+        return verified_pieces(pieces, check, start, length, self._raw.read)
 
     def close(self):
         self._raw.close()

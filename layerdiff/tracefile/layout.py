@@ -3,10 +3,10 @@ import importlib
 from types import ModuleType
 
 FORMAT_NAME = "layerdiff-trace"
-FORMAT_VERSION = 3  # the newest this layerdiff reads and writes; 3: op records (``ops`` tracing), producers
-# 2: param_grad_use records (a tied weight's gradient per use), arg_names, tied. A trace without operations is
-# written as version 2, so that a layerdiff that predates operations still reads it.
-FORMAT_VERSION_WITHOUT_OPS = 2
+FORMAT_VERSION = 3  # the newest this layerdiff reads and writes, and the one every trace is written in.
+# 3: checksums (every index line, every stored tensor, the metadata: ``checksums``), op records (``ops`` tracing),
+# producers. 2: param_grad_use records (a tied weight's gradient per use), arg_names, tied. Traces of versions 1
+# and 2 are read without verification.
 DATA_CHUNK = 1 << 20
 INDEX_CHUNK = 1 << 16
 COMPRESSIONS = (None, "gzip", "lzf")

@@ -10,14 +10,21 @@ import numpy as np
 
 from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
 from layerdiff.tracefile.chunks import DataLocation, LengthenedFile, RawChunkReader, stored_pieces
-from layerdiff.tracefile.index import parse_index
+from layerdiff.tracefile.checksums import (ALGORITHM, DamagedTensorError, TensorCheck, meta_digest, verified_pieces,
+                                           verify_bytes)
+from layerdiff.tracefile.index import Damage, parse_index
 from layerdiff.tracefile.layout import FORMAT_NAME, FORMAT_VERSION, load_h5py
 from layerdiff.tracefile.records import OpRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import storage_dtype
 
 
 class TraceReader:
-    """Reads a trace: metadata and the record index without touching tensor bytes, tensors on demand."""
+    """Reads a trace: metadata and the record index without touching tensor bytes, tensors on demand.
+
+    Every index line and every tensor read is checked against its checksum (format 3): ``damage`` lists what was
+    written whole and reads otherwise (the records after a damaged line are read), a tensor whose bytes do not
+    match raises ``DamagedTensorError``; ``crashed`` says the writer did not finish (no end record);
+    ``unverified`` counts records without a checksum (a trace written before checksums)."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -62,10 +69,13 @@ class TraceReader:
             except Exception:
                 self.close()
                 raise TraceFormatError(f"{self.path}: damaged trace ({first_line(exc)})") from None
-        indexed, self.end = parse_index(raw, self._data.shape[0])
+        scan = parse_index(raw, self._data.shape[0], self.checksummed)
+        self.end = scan.end
         # module calls and parameters (what every pass reads), and the operations inside calls (``ops`` tracing)
-        self.records: list[Record] = [r for r in indexed if not isinstance(r, OpRecord)]
-        self.ops: list[OpRecord] = [r for r in indexed if isinstance(r, OpRecord)]
+        self.records: list[Record] = [r for r in scan.records if not isinstance(r, OpRecord)]
+        self.ops: list[OpRecord] = [r for r in scan.records if isinstance(r, OpRecord)]
+        self.damage: list[Damage] = self._meta_damage + scan.damage  # what was written whole and reads otherwise
+        self.unverified = scan.unverified  # records without a checksum (a trace written before checksums)
         if self.end is None:
             self.crashed = True
         self._raw = RawChunkReader.open(self.path, self._data)
@@ -81,7 +91,9 @@ class TraceReader:
         if version > FORMAT_VERSION:
             raise TraceFormatError(f"{self.path}: trace format {version} is newer than this layerdiff "
                                    f"reads ({FORMAT_VERSION}); upgrade layerdiff")
-        self.meta = json.loads(attrs["meta"])
+        self.format_version = version
+        self.checksummed = attrs.get("checksum") == ALGORITHM
+        self.meta, self._meta_damage = _read_meta(attrs, self.checksummed)
         self._data = self._file["data"]
         return bytes(self._file["index"][:])
 
@@ -94,15 +106,22 @@ class TraceReader:
             if self._raw is not None:
                 return self._raw.read(start, length, out)
             return self._data[start:start + length]
-        except TraceFormatError:
-            raise
-        except Exception as exc:
-            raise TraceFormatError(f"{self.path}: damaged tensor data ({first_line(exc)})") from None
+        except Exception as exc:  # h5py's errors on a damaged chunk index, bytes past the end of a cut file
+            raise DamagedTensorError(f"{self.path}: damaged tensor data ({first_line(exc)})") from None
 
     def tensor(self, entry: TensorEntry) -> np.ndarray:
-        """The stored bits of a tensor (decode with ``tensors.as_float``)."""
-        raw = self._read(*self._span(entry))
+        """The stored bits of a tensor (decode with ``tensors.as_float``), checked against its checksums
+        (``DamagedTensorError`` when they do not match)."""
+        start, length = self._span(entry)
+        raw = self._read(start, length)
+        try:
+            verify_bytes(TensorCheck.of(entry), raw, start)
+        except DamagedTensorError as exc:
+            raise self._damaged(entry, exc) from None
         return raw.view(storage_dtype(entry.dtype)).reshape(entry.shape)
+
+    def _damaged(self, entry: TensorEntry, exc: DamagedTensorError) -> DamagedTensorError:
+        return DamagedTensorError(f"{self.path}: {entry.role} {entry.key} ({entry.dtype} {entry.shape}): {exc}")
 
     def _span(self, entry: TensorEntry) -> tuple[int, int]:
         """(offset, nbytes) of a tensor's bytes in /data."""
@@ -118,7 +137,15 @@ class TraceReader:
         for ahead (``MADV_WILLNEED``) and those compared are let go (``MADV_DONTNEED``): resident memory stays flat.
         """
         raw = self._raw if self._raw is not None and self._raw.mapped is not None else None
-        return stored_pieces(raw, self._read, *self._span(entry), storage_dtype(entry.dtype), chunk_elems)
+        start, length = self._span(entry)
+        pieces = stored_pieces(raw, self._read, start, length, storage_dtype(entry.dtype), chunk_elems)
+        return self._verified(verified_pieces(pieces, TensorCheck.of(entry), start, length, self._read), entry)
+
+    def _verified(self, pieces, entry: TensorEntry):
+        try:
+            yield from pieces
+        except DamagedTensorError as exc:
+            raise self._damaged(entry, exc) from None
 
     def data_location(self, entry: TensorEntry) -> DataLocation | None:
         """Where the tensor's bytes lie in the file, for a reader in another process (``MappedData``); None when
@@ -134,13 +161,17 @@ class TraceReader:
         return self._location
 
     def data_segments(self, entry: TensorEntry) -> list | None:
-        """[(DataLocation, byte offset, elements)]: where a tensor's flat values lie, for worker processes (one
-        segment here; a run of ranks may give several); None where ``data_location`` gives none."""
+        """[(DataLocation, byte offset, elements, TensorCheck or None)]: where a tensor's flat values lie and what
+        verifies them, for worker processes (one segment here; a run of ranks may give several); None where
+        ``data_location`` gives none."""
         location = self.data_location(entry)
-        return None if location is None else [(location, entry.offset, math.prod(entry.shape))]
+        return None if location is None else [(location, entry.offset, math.prod(entry.shape), TensorCheck.of(entry))]
 
     def size_bytes(self) -> int:
-        return os.path.getsize(self.path)
+        """Bytes the file takes on disk: the unused reserve of a finished trace is a hole (no blocks)."""
+        info = os.stat(self.path)
+        blocks = getattr(info, "st_blocks", None)
+        return info.st_size if blocks is None else min(info.st_size, blocks * 512)
 
     def close(self):
         if getattr(self, "_raw", None) is not None:
@@ -154,6 +185,26 @@ class TraceReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _read_meta(attrs, checksummed: bool) -> tuple[dict, list[Damage]]:
+    """The run's metadata and, where it does not read as written, its damage (the metadata is then what could be
+    read of it, or nothing)."""
+    text = attrs.get("meta")
+    text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    if not isinstance(text, str):
+        return {}, [Damage("the run's metadata (attribute meta)", "missing")]
+    damage = []
+    expected = attrs.get("meta_checksum")
+    if checksummed and (not isinstance(expected, str) or meta_digest(text) != expected):
+        damage.append(Damage("the run's metadata (attribute meta)", "its checksum does not match"))
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}, damage or [Damage("the run's metadata (attribute meta)", "not JSON")]
+    if not isinstance(meta, dict):
+        return {}, damage or [Damage("the run's metadata (attribute meta)", "not a JSON object")]
+    return meta, damage
 
 
 def open_trace(path) -> TraceReader:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, TypedDict, Union
 
 import msgspec
 
+from layerdiff.tracefile.checksums import count_blocks
 from layerdiff.tracefile.tensors import storage_dtype
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # an index, a size, a position in a file
@@ -74,8 +75,9 @@ class Merge(msgspec.Struct, frozen=True, omit_defaults=True):
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One tensor of a record: what it is (``role``: input, output, grad_output, grad_input, param, param_grad;
     ``key``: "args.0", "kwargs.hidden_states", "out.0", "value"), its dtype, shape and statistics, and where its
-    bytes are (``offset``/``nbytes`` into /data, full mode only). ``placement``: how a distributed tensor is spread
-    over ranks. ``merge`` and ``parts`` are never in a file: a run of ranks joined sets them."""
+    bytes are (``offset``/``nbytes`` into /data, full mode only) and their ``checksums`` (one per
+    ``checksums.CHECK_BLOCK`` bytes; format 3). ``placement``: how a distributed tensor is spread over ranks.
+    ``merge`` and ``parts`` are never in a file: a run of ranks joined sets them."""
     role: str
     key: str
     dtype: str
@@ -83,6 +85,7 @@ class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     stats: Stats
     offset: Optional[Int64] = None  # a joined tensor of a run of ranks has a negative (virtual) offset
     nbytes: Optional[Count] = None
+    checksums: Optional[list[str]] = None
     placement: Optional[dict[str, Any]] = None
     merge: Optional[Merge] = None
     parts: tuple[TensorEntry, ...] = ()
@@ -280,5 +283,7 @@ def _valid_entry(t: TensorEntry) -> bool:
         if numel > (1 << 63) - 1:
             return False
     if (t.offset is None) != (t.nbytes is None):
+        return False
+    if t.checksums is not None and (t.nbytes is None or len(t.checksums) != count_blocks(t.nbytes)):
         return False
     return t.nbytes is None or (t.nbytes == numel * itemsize and len(t.shape) <= 32)

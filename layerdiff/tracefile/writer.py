@@ -1,11 +1,15 @@
 """Writing a trace: tensor bytes and index lines straight into chunks reserved ahead of them."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
 import math
 import os
+import secrets
+import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,21 +18,29 @@ from typing import Any, Mapping
 import numpy as np
 
 from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
+from layerdiff.tracefile.checksums import ALGORITHM, CHECK_BLOCK, digest, meta_digest, with_checksum
 from layerdiff.tracefile.index import encode_line
-from layerdiff.tracefile.layout import (COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION_WITHOUT_OPS, INDEX_CHUNK,
-                                        load_h5py)
+from layerdiff.tracefile.layout import COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION, INDEX_CHUNK, load_h5py
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writebehind import BLOCK, WriteBehind
 
 
 class _AppendOnlyBytes:
-    """A growable 1-D uint8 dataset with a write-behind buffer: one resize per flush, not per tensor."""
+    """A growable 1-D uint8 dataset that goes through HDF5's filters (a compressed trace), written a whole chunk at
+    a time and each chunk once.
 
-    def __init__(self, dataset, buffer_limit: int):
-        self.dataset = dataset
+    HDF5 writes a chunk it rewrites (a partial chunk filled later) to a new place and frees the old one, so a
+    writer killed between that write and HDF5's next flush could lose bytes the index already points at. So bytes
+    are gathered in memory and written in whole chunks; at a flush (the index lines that wait for their data) the
+    last partial chunk is written padded with zeros, and the bytes after it start a new chunk (their offsets say
+    where). The zeros cost next to nothing once compressed."""
+
+    def __init__(self, h5file, dataset, buffer_limit: int, fd: int):
+        self.h5file, self.dataset, self.fd = h5file, dataset, fd
+        self.chunk = dataset.chunks[0]
         self.buffer = bytearray()
-        self.buffer_limit = buffer_limit
-        self.on_disk = 0
+        self.buffer_limit = max(buffer_limit, self.chunk)
+        self.on_disk = 0  # a whole number of chunks
 
     @property
     def size(self) -> int:
@@ -38,30 +50,30 @@ class _AppendOnlyBytes:
         """Append byte buffers one after the other; return the first one's offset."""
         offset = self.size
         for raw in buffers:
-            view = memoryview(raw).cast("B")
-            if len(view) >= self.buffer_limit:  # big tensors skip the copy into the buffer
-                self.drain()
-                self._write(np.frombuffer(view, dtype=np.uint8))
-            else:
-                self.buffer += view
-                if len(self.buffer) >= self.buffer_limit:
-                    self.drain()
+            self.buffer += memoryview(raw).cast("B")
+        if len(self.buffer) >= self.buffer_limit:
+            self._write(padded=False)
         return offset
 
-    def drain(self):
-        if self.buffer:
-            self._write(np.frombuffer(self.buffer, dtype=np.uint8))
-            self.buffer = bytearray()
-
-    def _write(self, arr: np.ndarray):
+    def _write(self, padded: bool):
+        """Write the gathered whole chunks (``padded``: and the partial last one, filled with zeros)."""
+        n = len(self.buffer) if padded else len(self.buffer) // self.chunk * self.chunk
+        if n == 0:
+            return
+        whole = -(-n // self.chunk) * self.chunk
+        arr = np.zeros(whole, dtype=np.uint8)
+        arr[:n] = np.frombuffer(self.buffer, dtype=np.uint8, count=n)
+        del self.buffer[:n]
         start = self.on_disk
-        self.dataset.resize((start + arr.size,))
-        self.dataset[start:start + arr.size] = arr
-        self.on_disk += arr.size
+        _preallocate(self.fd, whole)  # HDF5 puts the (compressed) chunks in the room claimed here
+        self.dataset.resize((start + whole,))
+        self.dataset[start:start + whole] = arr
+        self.on_disk += whole
+        _flush_file(self.h5file, self.fd)  # the chunks HDF5 allocated are in the file it records, now
 
     def flush(self):
-        self.drain()
-        self.dataset.flush()
+        self._write(padded=True)
+        _flush_file(self.h5file, self.fd)
 
 
 class _ReservedBytes:
@@ -121,7 +133,7 @@ class _ReservedBytes:
         _preallocate(self.fd, capacity - self.capacity)  # a full disk fails here, before HDF5 writes anything
         old = self.capacity
         self.dataset.resize((capacity,))
-        self.h5file.flush()  # the grown dataset's metadata is on disk before any byte is written into it
+        _flush_file(self.h5file, self.fd)  # the grown dataset's metadata is on disk before a byte is written into it
         self._map(old)
 
     def append(self, buffers) -> int:
@@ -173,8 +185,14 @@ class _ReservedBytes:
         raise TraceFormatError("internal: offset outside the reserved chunks")
 
     def finish(self):
-        """Give the reserve's unused tail back (the dataset's length becomes what was written)."""
-        self.dataset.resize((self.size,))
+        """Give the disk blocks of the reserve's unused tail back, leaving HDF5's structure as it is: the
+        dataset keeps its length (a reader skips the zeros, as in a killed writer's trace). Shrinking the dataset
+        instead frees its last chunks, and HDF5 cuts the file to its new end before it writes that end into the
+        superblock: a writer killed in between left a file plain h5py refuses ("truncated file")."""
+        for start, address, length in self.runs:
+            low = max(start, self.size)
+            if low < start + length:
+                _punch_hole(self.fd, address + low - start, start + length - low)
 
 
 class TraceWriter:
@@ -188,7 +206,8 @@ class TraceWriter:
 
     With ``write_behind`` > 0 (bytes), tensor bytes and index lines are written by a thread of their own
     (``WriteBehind``), in the same order, while the step goes on; a process killed outright then loses the
-    records still queued. ``records_written`` counts the records in the file either way.
+    records still queued. ``records_written`` counts the records in the file either way (a compressed trace's
+    lines wait in memory for the data they point at, until the next flush).
 
     The file is created exclusively and locked for the whole run: a second writer on the same path is refused
     before it writes anything. Thread-safe: autograd may call back from its own thread.
@@ -196,7 +215,7 @@ class TraceWriter:
 
     def __init__(self, path, meta: dict, *, overwrite: bool = False, compression: str | None = None,
                  flush_interval: float = 1.0, buffer_bytes: int = 8 << 20, write_behind: int = 0,
-                 format_version: int = FORMAT_VERSION_WITHOUT_OPS):
+                 format_version: int = FORMAT_VERSION):
         if compression not in COMPRESSIONS:
             raise LayerdiffError(f"unknown compression {compression!r}; choose gzip or lzf")
         if not (isinstance(flush_interval, (int, float)) and math.isfinite(flush_interval) and flush_interval >= 0):
@@ -204,16 +223,20 @@ class TraceWriter:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             raise LayerdiffError(f"directory {self.path.parent} does not exist")
-        self._fd = _open_exclusively(self.path, overwrite)
+        replacing = _refuse_taken(self.path, overwrite)
+        self._fd, partial = _open_partial(self.path)
         self._released = False  # the descriptor (and with it the lock) given back
         try:
             h5py = load_h5py()
             behind = write_behind > 0 and compression is None
             aligned = dict(alignment_threshold=DATA_CHUNK, alignment_interval=BLOCK) if behind else {}
-            self._file = h5py.File(self.path, "w", libver="earliest", locking=False, **aligned)
+            self._file = h5py.File(partial, "w", libver="earliest", locking=False, **aligned)
             self._file.attrs["format"] = FORMAT_NAME
             self._file.attrs["format_version"] = format_version
-            self._file.attrs["meta"] = json.dumps(meta, default=str)
+            meta_text = json.dumps(meta, default=str)
+            self._file.attrs["meta"] = meta_text
+            self._file.attrs["checksum"] = ALGORITHM
+            self._file.attrs["meta_checksum"] = meta_digest(meta_text)
             self._data: _ReservedBytes | _AppendOnlyBytes
             self._reserved: _ReservedBytes | None = None  # the data of an uncompressed trace, written in place
             if compression is None:
@@ -221,12 +244,18 @@ class TraceWriter:
             else:
                 data = self._file.create_dataset("data", shape=(0,), maxshape=(None,), dtype="u1",
                                                  chunks=(DATA_CHUNK,), compression=compression)
-                self._data = _AppendOnlyBytes(data, buffer_bytes)
+                self._data = _AppendOnlyBytes(self._file, data, buffer_bytes, self._fd)
             self._index = _ReservedBytes(self._file, "index", self._fd, INDEX_CHUNK, 4 * INDEX_CHUNK)
             self._file.flush()
-        except OSError as exc:
+            _publish(partial, self.path, replacing)  # the trace's name appears once it names a whole HDF5 file
+        except BaseException as exc:
+            if getattr(self, "_file", None) is not None:
+                self._file.close()
+            _remove(partial)
             self._release()
-            raise LayerdiffError(f"cannot write {self.path}: {exc.strerror or first_line(exc)}") from None
+            if isinstance(exc, OSError):
+                raise LayerdiffError(f"cannot write {self.path}: {exc.strerror or first_line(exc)}") from None
+            raise
         self._lock = threading.RLock()
         self._pending: list[bytes] = []
         self.compressed = compression is not None
@@ -237,22 +266,30 @@ class TraceWriter:
             self._behind = WriteBehind(write_behind, self._write_behind_data, self._write_behind_lines)
         self.flush_interval = flush_interval
         self._last_flush = time.perf_counter()
-        self.records_written = 0
+        self.records_written = 0  # records whose lines are in the file
+        self.records_handed = 0  # records handed to ``write_record`` (in the file, or queued for it)
         self.tensor_bytes = 0
         self.closed = False
 
     def write_tensor(self, stored: np.ndarray, dtype: str, *, store_data: bool,
                      stats: Mapping[str, Any] | None = None) -> dict:
-        """Summarize a tensor (and in full mode append its bytes); return its entry for a record."""
+        """Summarize a tensor (and in full mode append its bytes and their checksums); return its entry for a
+        record."""
         entry = self.summary_entry(dtype, stored.shape, stats or summarize(stored, dtype))
         if store_data:
+            raw = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)
+            digests = []
             with self._lock:
-                entry["offset"], entry["nbytes"] = self.tensor_bytes, stored.nbytes  # the data's end: all it holds
-                if self._behind is None:
-                    self._data.append([np.ascontiguousarray(stored)])
-                else:
-                    self._behind.put_bytes(stored)
-                self.tensor_bytes += stored.nbytes
+                entry["offset"] = self._data.size if self._behind is None else self.tensor_bytes  # the data's end
+                for start in range(0, max(raw.size, 1), CHECK_BLOCK):
+                    block = raw[start:start + CHECK_BLOCK]
+                    digests.append(digest(block))  # hashed just before it is written: read from memory once
+                    if self._behind is None:
+                        self._data.append([block])
+                    else:
+                        self._behind.put_bytes(block)
+                entry["nbytes"], entry["checksums"] = raw.size, digests
+                self.tensor_bytes += raw.size
         return entry
 
     def _write_behind_data(self, start: int, view: memoryview):
@@ -284,12 +321,12 @@ class TraceWriter:
         return {"dtype": dtype, "shape": list(shape), "stats": stats}
 
     def write_record(self, record: dict):
-        """One record (a dict of the shape ``records`` declares) as the index's next line."""
-        line = encode_line(record)
+        """One record (a dict of the shape ``records`` declares) as the index's next line, with its checksum."""
+        line = with_checksum(encode_line(record))
         with self._lock:
+            self.records_handed += 1
             if self.compressed:  # the index may only point at data that is on disk: lines wait for a flush
                 self._pending.append(line)
-                self.records_written += 1
                 if time.perf_counter() - self._last_flush >= self.flush_interval:
                     self.flush()
                 return
@@ -326,6 +363,7 @@ class TraceWriter:
                     self._reserved.size = self.tensor_bytes  # the written stream's end (whole blocks may pass it)
                     self._reserved.finish()
                 self._index.finish()
+                _flush_file(self._file, self._fd)  # the reserve given back: the file's end moves back with it
                 self._file.close()
             except OSError as exc:  # a full disk: what was written before stays readable
                 raise LayerdiffError(f"cannot finish {self.path}: {exc.strerror or first_line(exc)}; the "
@@ -358,33 +396,165 @@ _METADATA_ROOM = 1 << 17  # room past the reserved chunks for HDF5's own metadat
 def _preallocate(fd: int, nbytes: int):
     """Claim disk space for ``nbytes`` more at the end of the file (and room for HDF5's metadata) before HDF5
     is told about it: a full disk or a file-size limit is then one clear error while the file still describes
-    only what it holds, instead of a half-written HDF5 structure."""
+    only what it holds, instead of a half-written HDF5 structure. The superblock's end-of-allocation is moved to
+    the end of that room (``_record_end``): what HDF5 allocates next lies inside the file it records."""
     end = os.fstat(fd).st_size
     try:
         os.posix_fallocate(fd, end, nbytes + _METADATA_ROOM)
     except OSError as exc:
         raise LayerdiffError(f"cannot grow the trace by {(nbytes + _METADATA_ROOM) / 1e6:.0f} MB: "
                              f"{exc.strerror or exc} (disk full, or a file-size limit)") from None
+    _record_end(fd, end + nbytes + _METADATA_ROOM)
 
 
-def _open_exclusively(path: Path, overwrite: bool) -> int:
-    """A descriptor of the trace file, locked for this writer: an existing file is refused unless
-    ``overwrite``, and a file another process is writing is refused always. Nothing is truncated here."""
-    flags = os.O_RDWR | os.O_CREAT | (0 if overwrite else os.O_EXCL)
+def _punch_hole(fd: int, offset: int, length: int):
+    """Free the disk blocks of a byte range of the file, keeping its size (Linux's fallocate(PUNCH_HOLE); where it
+    is not available, the blocks stay: at most an eighth of the trace, its reserve)."""
+    first, end = -(-offset // _PAGE) * _PAGE, (offset + length) // _PAGE * _PAGE
+    if end <= first or _FALLOCATE is None:
+        return
+    _FALLOCATE(fd, 3, first, end - first)  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE; a failure is harmless
+
+
+def _libc_fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        fd = os.open(path, flags, 0o644)
-    except FileExistsError:
-        raise LayerdiffError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it") from None
-    except IsADirectoryError:
-        raise LayerdiffError(f"{path} is a directory; name a trace file") from None
+        call = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    call.restype = ctypes.c_int
+    return call
+
+
+_FALLOCATE = _libc_fallocate()
+_PAGE = 4096
+
+
+def _flush_file(h5file, fd: int):
+    """HDF5's flush of the trace, kept openable by plain h5py at every moment of it.
+
+    HDF5 allocates new chunks (and nodes of their index) at its end-of-allocation and writes that address into
+    the superblock only when it flushes, after it has written the metadata that points there and cut the file to
+    that length. A writer killed in between left a file plain h5py refuses: metadata past the superblock's end
+    ("addr overflow"), or a superblock past the file's end ("truncated file"). So the superblock records, ahead
+    of HDF5, the end of the room claimed before HDF5 allocates (``_preallocate``), and, once the datasets' own
+    buffers are written (compressed chunks are allocated then), the exact end HDF5 will cut the file to."""
+    for dataset in h5file.values():
+        dataset.flush()
+    _record_end(fd, h5file.id.get_filesize())
+    h5file.flush()
+
+
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _record_end(fd: int, end: int):
+    """Record ``end`` as the file's end-of-allocation in its superblock, the file at least that long.
+    Superblock versions 0 and 1 (``libver="earliest"``) keep the address without a checksum, at byte 40 or 44;
+    a file whose superblock is not on disk yet (one being created, not published) is left alone."""
+    head = os.pread(fd, 52, 0)
+    if len(head) < 52 or head[:8] != _SIGNATURE or head[8] not in (0, 1) or head[13] != 8:
+        return
+    base = 24 if head[8] == 0 else 28
+    if struct.unpack_from("<Q", head, base)[0] != 0 or struct.unpack_from("<Q", head, base + 16)[0] == end:
+        return
+    size = os.fstat(fd).st_size
+    if size < end:
+        os.posix_fallocate(fd, size, end - size)
+    os.pwrite(fd, struct.pack("<Q", end), base + 16)
+
+
+def _refuse_taken(path: Path, overwrite: bool) -> int | None:
+    """Refuse, before anything is written, a path that holds a file (unless ``overwrite``), a directory, or a
+    trace another process is writing. Returns the inode of the file to replace (None: there is none)."""
+    if path.is_dir():
+        raise LayerdiffError(f"{path} is a directory; name a trace file")
+    if not path.exists():
+        return None
+    if not overwrite:
+        raise LayerdiffError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it")
+    fd = _open_existing(path)
+    if fd is None:
+        return None
+    try:
+        return os.fstat(fd).st_ino
+    finally:
+        os.close(fd)  # (the lock taken to probe goes with it)
+
+
+def _open_existing(path: Path) -> int | None:
+    """A descriptor of the file at ``path``, locked, or None when there is none; a file another process holds
+    locked (a trace being written) is refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
     except OSError as exc:
         raise LayerdiffError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise LayerdiffError(f"{path} is being written by another process; choose another path") from None
+        raise _being_written(path) from None
     return fd
+
+
+def _being_written(path: Path) -> LayerdiffError:
+    return LayerdiffError(f"{path} is being written by another process; choose another path")
+
+
+def _open_partial(path: Path) -> tuple[int, Path]:
+    """A new file beside ``path`` that the trace is built in until its HDF5 structure is whole (``_publish``),
+    created exclusively and locked for this writer: a process killed before then leaves no half-made file under
+    the trace's name, only this hidden one."""
+    while True:
+        partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+        try:
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise LayerdiffError(f"cannot write {path}: {exc.strerror or exc}") from None
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+    return fd, partial
+
+
+def _publish(partial: Path, path: Path, replacing: int | None):
+    """Give the partial file the trace's name. ``replacing``: the inode of the file that was there when this writer
+    started (``_refuse_taken``), or None. A file that appeared at that name since, or replaced that one, is
+    another writer's: refused, never replaced (this writer's file is locked already, so a writer that comes
+    later is refused on it)."""
+    if replacing is None:
+        try:
+            os.link(partial, path)  # fails if the name exists: no file is replaced by accident
+        except FileExistsError:
+            raise _being_written(path) from None
+        except OSError:  # a filesystem without hard links (FAT, some network mounts): a rename, checked before
+            if os.path.lexists(path):
+                raise _being_written(path) from None
+            os.rename(partial, path)
+            return
+        os.unlink(partial)
+        return
+    fd = _open_existing(path)
+    if fd is None:
+        raise _being_written(path)  # removed meanwhile: by the other writer's cleanup, or a user
+    try:
+        if os.fstat(fd).st_ino != replacing:
+            raise _being_written(path)
+        os.replace(partial, path)
+    finally:
+        os.close(fd)
+
+
+def _remove(partial: Path):
+    try:
+        os.unlink(partial)
+    except OSError:
+        pass
 
 
 def _write_error(exc: OSError) -> LayerdiffError:

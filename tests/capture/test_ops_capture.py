@@ -16,7 +16,7 @@ from conftest import run_cli  # noqa: E402
 
 import layerdiff  # noqa: E402
 from layerdiff.recipes import torch_llama_ops as recipe  # noqa: E402
-from layerdiff.tracefile.layout import FORMAT_VERSION, FORMAT_VERSION_WITHOUT_OPS  # noqa: E402
+from layerdiff.tracefile.layout import FORMAT_VERSION  # noqa: E402
 from layerdiff.tracefile.reader import open_trace  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -156,14 +156,18 @@ def test_a_window_records_operations_only_inside_the_matching_modules(tmp_path):
         assert reader.meta["options"]["ops"] == [r"^model\.layers\.1\.self_attn$"]
 
 
-def test_operations_raise_the_format_version_only_when_recorded(tmp_path, whole):
+def test_every_trace_is_written_in_one_format_version_with_or_without_operations(tmp_path, whole):
+    """Operations and checksums came into one format version (3): a trace without operations is written in it too
+    (its checksums need it), and its op records are verified like every other line."""
     import h5py
 
     traced(tmp_path / "plain.h5", ops=False)
     with h5py.File(tmp_path / "plain.h5", "r") as f:
-        assert f.attrs["format_version"] == FORMAT_VERSION_WITHOUT_OPS
+        assert f.attrs["format_version"] == FORMAT_VERSION == 3 and f.attrs["checksum"] == "xxh3_64"
     with h5py.File(whole[0], "r") as f:
         assert f.attrs["format_version"] == FORMAT_VERSION
+    with open_trace(whole[0]) as reader:
+        assert reader.ops and not reader.damage and reader.unverified == 0
 
 
 def test_trace_restores_what_it_wrapped(tmp_path):

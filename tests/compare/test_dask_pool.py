@@ -178,7 +178,8 @@ def test_a_trace_the_workers_cannot_read_is_named_exit_3(cluster, recipe_trace, 
 def test_bad_input_in_a_task_is_raised_at_once_and_other_failures_after_retries(cluster, tmp_path):
     address, client = cluster
     (tmp_path / "not_a_trace.h5").write_bytes(b"no HDF5 here")
-    job = {"rank0": str(tmp_path / "not_a_trace.h5"), "other": str(tmp_path / "not_a_trace.h5"), "rank": 1}
+    job = {"first": str(tmp_path / "not_a_trace.h5"), "other": str(tmp_path / "not_a_trace.h5"), "rank": 1,
+           "against": 0}
     shared = {"exempt": [], "policy": Comparison().policy.describe(), "rule_files": []}
     with Workers(scheduler=address).pool() as pool:
         with pytest.raises(LayerdiffError, match="not_a_trace.h5"):

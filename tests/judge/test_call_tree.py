@@ -87,6 +87,43 @@ def test_a_defect_in_a_blocks_own_code_is_placed_between_the_children_around_it(
     assert (found["tensor"]["role"], found["tensor"]["key"]) == ("output", "out")  # the block's own output
 
 
+MASK = (np.arange(8) < 6).astype(np.float32)  # the last two features hidden
+
+
+def masked_run(drop_in: tuple = (), effect: bool = True) -> Recorder:
+    """Each block hands its attention the mask it is given; a block in ``drop_in`` calls its attention without it
+    (its own code dropped it). ``effect``: whether the attention's result depends on the mask."""
+    rec = Recorder()
+    with rec.call("", "Model", X, MASK) as model_out:
+        x = X
+        for i in range(2):
+            block = f"layers.{i}"
+            with rec.call(block, "Block", x, MASK) as block_out:
+                given = (x,) if block in drop_in else (x, MASK)
+                with rec.call(f"{block}.attn", "Attention", *given) as out:
+                    h = np.tanh(x @ W)
+                    out.append(h * MASK if len(given) > 1 and effect else h)
+                x = x + out[0]
+                block_out.append(x)
+        model_out.append(x)
+    return rec
+
+
+def test_a_tensor_the_blocks_own_code_drops_is_a_difference_of_its_childs_inputs():
+    """Before, the attention that got no mask was named (its paired input agrees), with a note."""
+    found = origin(masked_run(), masked_run(drop_in=("layers.1",)))
+    assert found["module"] == "layers.1" and found["where"] == "own_code", found
+    assert found["description"] == "layers.1, own code before attn: it gives attn args.1 in run A only"
+    assert found["tensor"]["key"] == "args.1" and found["tensor"]["reason"] == "given to run A only"
+
+
+def test_a_tensor_given_to_one_run_only_counts_for_nothing_where_the_results_agree():
+    report = align(masked_run(effect=False).trace, masked_run(drop_in=("layers.0", "layers.1"), effect=False).trace)
+    assert report["forward"]["status"] == "aligned", report["forward"]["first_divergence"]
+    attention = next(r for r in report["records"] if r["path"] == "layers.1.attn")
+    assert attention["only_a"] == ["input:args.1"]
+
+
 def test_the_same_measurements_judged_again_under_looser_tolerances():
     report = layerdiff.Report(align(block_run().trace, block_run("layers.0.attn", scale=1 + 1e-3).trace))
     assert report.data["forward"]["status"] == "divergent"

@@ -225,6 +225,39 @@ def test_unrecognised_file_is_one_line_error(tmp_path, content):
     assert "Megatron-LM, MindSpore Transformers, CSV or JSONL" in msg
 
 
+@pytest.mark.parametrize("bad", ['{"iteration": 5, "loss": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                                 '{"iteration": 5, "loss": 9.25,, "lr": 1e-4}',
+                                 '{"iteration": 5, "loss": ' + "9" * 5000 + "}"],
+                         ids=["nested_deeply", "not_json", "5000_digits"])
+def test_a_jsonl_line_that_cannot_be_read_is_refused_naming_it(tmp_path, bad):
+    """Before: the line was skipped, its iteration read as missing from one run, and ``logs diff`` said the runs
+    differ (exit 1). A log still being written may end in a line cut short: that one is let go."""
+    lines = jsonl_text(run_values()).splitlines()
+    lines[4] = bad
+    a = write(tmp_path, "a.jsonl", jsonl_text(run_values()))
+    b = write(tmp_path, "b.jsonl", "\n".join(lines) + "\n")
+    with pytest.raises(LayerdiffError) as exc:
+        logs.load_log(b)
+    message = str(exc.value)
+    assert "\n" not in message and message.startswith(f"{b}: line 5: a JSON log line that cannot be read")
+    with pytest.raises(LayerdiffError, match="line 5"):
+        logs.run(diff_args(a, b))  # the CLI's logs diff: exit 2 (LayerdiffError), not 1 (different)
+    torn = write(tmp_path, "torn.jsonl", jsonl_text(run_values()) + '{"iteration": 13, "lo')
+    assert sorted(logs.load_log(torn)[1]) == list(range(1, N + 1))
+
+
+@pytest.mark.slow
+def test_cli_logs_diff_refuses_a_nested_jsonl_line_with_one_line_and_exit_2(tmp_path):
+    lines = jsonl_text(run_values()).splitlines()
+    lines[4] = '{"iteration": 5, "loss": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    a = write(tmp_path, "a.jsonl", jsonl_text(run_values()))
+    b = write(tmp_path, "b.jsonl", "\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "layerdiff", "logs", "diff", str(a), str(b)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "line 5" in proc.stderr, proc.stderr
+    assert "nested too deeply" in proc.stderr
+
+
 def test_missing_file_and_bad_tolerance(tmp_path):
     a = write(tmp_path, "a.log", megatron_text(run_values()))
     with pytest.raises(LayerdiffError, match="no such file"):

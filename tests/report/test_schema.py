@@ -79,7 +79,8 @@ def test_every_key_a_report_holds_is_declared(report):
 
 def test_trace_records_have_the_declared_shape(tmp_path):
     """Every line the writer writes decodes into its typed record, and every key it writes is a declared field
-    (the reader skips undeclared keys: one the writer adds but the declaration lacks would be lost)."""
+    (the reader skips undeclared keys: one the writer adds but the declaration lacks would be lost), but the line's
+    own checksum, which the reader checks before decoding it."""
     import h5py
     import msgspec
 
@@ -94,7 +95,7 @@ def test_trace_records_have_the_declared_shape(tmp_path):
         record = records.decode_line(line)
         assert record is not None, line
         written = json.loads(line)
-        declared = set(msgspec.structs.asdict(record)) | {"kind"}
+        declared = set(msgspec.structs.asdict(record)) | {"kind", "checksum"}
         assert set(written) <= declared, set(written) - declared
         for entry in written.get("tensors", ()):
             assert set(entry) <= set(records.TensorEntry.__struct_fields__), entry
