@@ -130,7 +130,9 @@ class Report:
             if params:  # the replicas' weights differ, nothing they computed yet
                 return f"{self.verdict}: parameters differ on rank(s) {', '.join(str(r['rank']) for r in params)}: " \
                     f"{', '.join(params[0]['params_differ'][:3])}{warnings}"
-            return f"{self.verdict}: all {compared} ranks agree with rank 0{warnings}"
+            firsts = {r.get("against", 0) for r in self.data["ranks"]}
+            whom = "rank 0" if firsts <= {0} else "the first rank of their replicas"
+            return f"{self.verdict}: all {compared} ranks agree with {whom}{warnings}"
         lines = [f"{self.verdict}"]
         for phase in ("forward", "backward"):
             first = self.origin(phase)

@@ -1,6 +1,6 @@
 """Recipe: the small Llama of ``torch_llama`` as a Megatron-core ``GPTModel`` trained the way Megatron trains it:
-tensor, sequence and pipeline parallel, with microbatches, through megatron-core's own schedule and its
-DistributedDataParallel, on CPU ranks (gloo).
+tensor, sequence, pipeline and data parallel (``dp``: each rank its share of the batch), with microbatches,
+through megatron-core's own schedule and its DistributedDataParallel, on CPU ranks (gloo).
 
     layerdiff trace torch_llama --arg layers=4 -o hf.h5                                   # the reference
     torchrun --standalone --nproc-per-node 2 -m layerdiff trace megatron_parallel \\
@@ -9,6 +9,8 @@ DistributedDataParallel, on CPU ranks (gloo).
         --arg layers=4 --arg pp=2 --arg microbatches=2 --arg first_stage_layers=3 -o pp   # PP=2, uneven, 2 microbatches
     torchrun --standalone --nproc-per-node 4 -m layerdiff trace megatron_parallel \\
         --arg layers=4 --arg tp=2 --arg pp=2 -o tp_pp                                     # TP=2 x PP=2 on 4 ranks
+    torchrun --standalone --nproc-per-node 4 -m layerdiff trace megatron_parallel \
+        --arg layers=4 --arg tp=2 --arg dp=2 -o tp_dp                                     # TP=2 x DP=2 on 4 ranks
     layerdiff align hf.h5 pp
 
 One ``step()`` is one training iteration as Megatron runs it: ``get_forward_backward_func()`` runs every
@@ -133,8 +135,8 @@ def _has(model, path: str) -> bool:
 
 
 def build_model(*, layers: int, tp: int, pp: int, sp: bool, first_stage_layers: int | None, seed: int,
-                defect: str | None):
-    init_parallel(tp, pp)
+                defect: str | None, dp: int = 1):
+    init_parallel(tp, pp, dp=dp)
     torch.manual_seed(seed)
     cfg = shared.config(layers=layers)
     uneven = first_stage_layers is not None and pp == 2
@@ -224,17 +226,20 @@ def trainer(model: GPTModel, forward_step, batches, *, microbatches: int, seq: i
 
 def build(defect: str | None = None, *, layers: int = 4, tp: int = 1, pp: int = 1, sp: bool = False,
           microbatches: int = 1, first_stage_layers: int | None = None, lr: float = 0.0, batch: int = 2,
-          seq: int = 16, seed: int = 0):
+          seq: int = 16, seed: int = 0, dp: int = 1):
     if sp and tp < 2:
         raise ValueError("sp=true splits activations over tensor-parallel ranks: it needs tp >= 2")
-    if batch % microbatches:
-        raise ValueError(f"batch {batch} does not split into {microbatches} microbatches")
+    if batch % (microbatches * dp):
+        raise ValueError(f"batch {batch} does not split into {dp} data-parallel shares of {microbatches} "
+                         "microbatches")
     model, cfg = build_model(layers=layers, tp=tp, pp=pp, sp=sp, first_stage_layers=first_stage_layers, seed=seed,
-                             defect=defect)
+                             defect=defect, dp=dp)
     _inject(model, defect, first_stage_layers)
     base.reserve_attention_buffer(batch * cfg["heads"] * seq * seq)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
-    micro = batch // microbatches
+    share = batch // dp  # each data-parallel rank runs its share of the batch, in order of its rank
+    input_ids = input_ids[parallel_state.get_data_parallel_rank() * share:][:share]
+    micro = share // microbatches
     position_ids = torch.arange(seq).unsqueeze(0).expand(micro, -1)
     attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
 
@@ -245,6 +250,6 @@ def build(defect: str | None = None, *, layers: int = 4, tp: int = 1, pp: int = 
 
     step = trainer(model, forward_step, lambda: iter(input_ids.split(micro)), microbatches=microbatches, seq=seq,
                    micro=micro, lr=lr)
-    meta = {"recipe": "megatron_parallel", "defect": defect, "tp": tp, "pp": pp, "sp": sp,
+    meta = {"recipe": "megatron_parallel", "defect": defect, "tp": tp, "pp": pp, "sp": sp, "dp": dp,
             "microbatches": microbatches}
     return {"model": model, "step": step, "meta": meta}

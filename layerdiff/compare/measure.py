@@ -316,15 +316,14 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
         out: dict[str, Any] = {}
         copies = []
         merge = operand.entry.merge
-        for part, (mine, theirs) in enumerate(zip(reader.part_values(operand.entry), pieces)):
+        for rank, mine, theirs, scale in _rank_pieces(reader, operand.entry, pieces):
             mine = as_float(mine, operand.entry.dtype).reshape(-1)
-            if merge is not None and merge.scale is not None:  # each part is the rank's own loss's gradient
-                mine = mine * merge.scale
+            if scale != 1.0:  # each part is the rank's own loss's gradient
+                mine = mine * scale
             theirs = np.ascontiguousarray(theirs).reshape(-1)
             if mine.size != theirs.size:
                 return None
             copies.append(mine)
-            rank = merge.rank_of(part) if merge is not None else part
             out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
         sharded = operand.entry.merge is not None and operand.entry.merge.how in ("concat", "concat_parts")
         out["how"] = "shards" if sharded else "copies"
@@ -338,6 +337,23 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
             out["sum"] = _compare_values(pieces[0].reshape(-1).astype(np.float64), total)
         return out
     return None
+
+
+def _rank_pieces(reader, entry, pieces: list):
+    """(rank, its stored part, the other run's matching piece, the part's scale) for each part of a merged
+    entry, down through parts joined over ranks themselves (a data-parallel replica's tensor-parallel ranks);
+    the scale is what the joins multiply a part by (a rank's own loss's gradient: their mean)."""
+    merge = entry.merge
+    scale = merge.scale if merge is not None and merge.scale is not None else 1.0
+    for i, (part, mine, piece) in enumerate(zip(entry.parts, reader.part_values(entry), pieces)):
+        nested = merge is not None and merge.over == "ranks" and part.merge is not None and \
+            part.merge.over == "ranks" and len(part.parts) > 1
+        inner = per_rank.rank_slices(part, piece) if nested else None
+        if inner is None:
+            yield (merge.rank_of(i) if merge is not None else i), mine, piece, scale
+            continue
+        for rank, value, theirs, own in _rank_pieces(reader, part, inner):
+            yield rank, value, theirs, own * scale
 
 
 def _tensor_row(tp: TensorPair, metrics: schema.Metrics) -> schema.TensorResult:

@@ -164,7 +164,7 @@ class RankedRun:
             by_stage: dict[int, list[int]] = {}
             for rank in holders:
                 by_stage.setdefault(self.stages[rank], []).append(rank)
-            merged = [self._merge_group([index[r][key] for r in group], group, sharded_weights, state)
+            merged = [self._merge_stage([index[r][key] for r in group], group, sharded_weights, state)
                       for _, group in sorted(by_stage.items())]
             rec = merged[0] if len(merged) == 1 else _join_stages(merged)
             out.append(rec if len(holders) == len(self.readers) else replace(rec, ranks_held=holders))
@@ -173,10 +173,13 @@ class RankedRun:
     def replica_groups(self) -> list[list[int]]:
         """Ranks that hold the same layers (one pipeline stage): only they can agree on anything (tensor-parallel
         ranks on what they replicate, data-parallel ranks on their weights). Every rank of a run with no
-        pipeline."""
-        groups: dict[int, list[int]] = {}
+        pipeline. With tensor and data parallelism both, the ranks of one tensor-parallel coordinate: they hold
+        the same shards."""
+        groups: dict[tuple, list[int]] = {}
+        both = all((lay.get("tp") or 1) > 1 and (lay.get("dp") or 1) > 1 for lay in self.layouts)
         for rank, stage in enumerate(self.stages):
-            groups.setdefault(stage, []).append(rank)
+            shard = int(self.layouts[rank].get("tp_rank") or 0) if both else 0
+            groups.setdefault((stage, shard), []).append(rank)
         return list(groups.values())
 
     def _global_records(self) -> list[list[Record]]:
@@ -203,9 +206,60 @@ class RankedRun:
         apart = any(owned[r] for r in holders)
         return [r for r in range(len(self.readers)) if self.stages[r] in stages and (owned[r] or not apart)]
 
-    def _merge_group(self, twins: list[Record], ranks: list[int], sharded_weights: dict,
+    def _merge_stage(self, twins: list[Record], ranks: list[int], sharded_weights: dict,
                      state: "_MergeState") -> Record:
-        """One record that the ranks of one pipeline stage each hold: its tensors joined by placement."""
+        """One record that the ranks of one pipeline stage each hold, joined: by placement among tensor-parallel
+        ranks, and where the stage also has several data-parallel replicas (tp > 1 and dp > 1), each replica's
+        tensor-parallel ranks first, then the replicas along the batch axis (``_join_replicas``)."""
+        replicas = self._replicas(ranks, twins[0])
+        if replicas is None:
+            return self._merge_group(twins, ranks, sharded_weights, state)
+        by_rank = dict(zip(ranks, twins))
+        joined = [self._merge_group([by_rank[r] for r in replica], replica, sharded_weights, state, replica=True)
+                  for replica in replicas]
+        return self._join_replicas(joined, replicas)
+
+    def _replicas(self, ranks: list[int], rec: Record) -> list[list[int]] | None:
+        """``ranks`` as data-parallel replicas, each its tensor-parallel ranks in order (None: one level of join
+        is enough: no tensor or no data parallelism, or a module held apart, such as one rank's experts)."""
+        layouts = [self.layouts[r] for r in ranks]
+        if len(ranks) < 4 or any((lay.get("tp") or 1) < 2 or (lay.get("dp") or 1) < 2 for lay in layouts) \
+                or any(_owns(lay, rec.path) or _owns(lay, getattr(rec, "module", None) or "") for lay in layouts):
+            return None
+        replicas: dict[int, list[int]] = {}
+        for rank, layout in zip(ranks, layouts):
+            replicas.setdefault(int(layout.get("dp_rank") or 0), []).append(rank)
+        groups = [replicas[d] for d in sorted(replicas)]
+        return groups if len(groups) > 1 and len({len(g) for g in groups}) == 1 else None
+
+    def _join_replicas(self, records: list[Record], replicas: list[list[int]]) -> Record:
+        """Data-parallel replicas' records (each already joined over its tensor-parallel ranks) as one: each
+        tensor one copy where the replicas agree (a weight, a mask), else joined along the batch axis, gradients
+        as their mean where the step averages them (``_batch_join``)."""
+        rec = records[0]
+        firsts = [replica[0] for replica in replicas]
+        tensors: list[TensorEntry] = []
+        for i, entry in enumerate(rec.tensors):
+            parts = [r.tensors[i] if i < len(r.tensors) and r.tensors[i].key == entry.key else _find(r, entry)
+                     for r in records]
+            if any(p is None for p in parts):
+                tensors.append(entry)  # the first replica's, as joined: the others lack it
+                continue
+            found = [p for p in parts if p is not None]
+            if rec.kind == "param_grad" and self._grad_mean(firsts):
+                how: tuple | None = ("sum", None, 1.0 / len(found))  # each replica's own batch's: DDP's mean
+            else:
+                how = self._batch_join(rec, found, firsts[0])
+                if how and how[0] == "concat" and entry.role.startswith("grad") and self._grad_mean(firsts):
+                    how = ("concat", how[1], 1.0 / len(found))
+            tensors.append(self._merged_entry(found, how, firsts))
+        return replace(rec, tensors=tensors)
+
+    def _merge_group(self, twins: list[Record], ranks: list[int], sharded_weights: dict,
+                     state: "_MergeState", replica: bool = False) -> Record:
+        """One record that the ranks of one pipeline stage each hold: its tensors joined by placement.
+        ``replica``: the ranks are the tensor-parallel ranks of one data-parallel replica, whose sums over the
+        replicas are left to ``_join_replicas`` (``_within_replica``)."""
         rec = twins[0]
         tensors: list[TensorEntry] = []
         known: dict[tuple, tuple] = {}
@@ -222,6 +276,8 @@ class RankedRun:
                 or state.forward_how.get(_forward_key(rec, entry)) or state.param_how.get(_param_of(rec)) \
                 or (None if rec.path in sharded_weights else _like_input(entry, known))
             how = self._every_part(rec, how) or self._data_parallel(rec, parts, ranks)
+            if replica:
+                how = _within_replica(entry, how)
             if how and how[0] == "concat" and entry.role.startswith("grad") and self._grad_mean(ranks):
                 how = ("concat", how[1], 1.0 / len(ranks))  # each rank's own loss's gradient: the step's is their mean
             merged_entry = self._merged_entry(parts, how, ranks)
@@ -244,18 +300,26 @@ class RankedRun:
         if len(parts) < 2 or not all((self.layouts[r].get("dp") or 1) > 1 and (self.layouts[r].get("tp") or 1) == 1
                                      for r in ranks):
             return None
+        return self._batch_join(rec, parts, ranks[0])
+
+    def _batch_join(self, rec: Record, parts: list[TensorEntry], first_rank: int) -> tuple | None:
+        """How data-parallel shares of one tensor join: one copy when alike, else along the batch axis of
+        ``first_rank``'s share (None: a parameter that differs, left per rank)."""
         first = parts[0]
         if all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:]):
             return "replicate", None
-        batch, seq = self._local_tokens.get(ranks[0]) or (None, None)
+        batch, seq = self._local_tokens.get(first_rank) or (None, None)
         axis = next((d for d, n in enumerate(first.shape) if n == batch), None)
         if axis is None and batch is not None and seq is not None and first.shape and first.shape[0] == batch * seq:
             axis = 0  # the rank's tokens flattened ([b * s, ...], an MoE router's): the ranks' blocks in turn
         return ("concat", axis) if axis is not None and not isinstance(rec, ParamRecord) else None
 
     def _grad_mean(self, ranks: list[int]) -> bool:
-        """Data-parallel ranks whose gradients the step averages (``ParallelLayout.grad_mean``)."""
-        return len(ranks) > 1 and all(self.layouts[r].get("grad_mean") for r in ranks)
+        """Data-parallel ranks whose gradients the step averages (``ParallelLayout.grad_mean``): ranks of
+        different replicas (tensor-parallel ranks of one replica share its loss)."""
+        replicas = {self.layouts[r].get("dp_rank") for r in ranks}
+        return len(ranks) > 1 and len(replicas) == len(ranks) and all(self.layouts[r].get("grad_mean")
+                                                                       for r in ranks)
 
     def _sharded_weights(self, records: list[list[Record]]) -> dict:
         """module path -> (placement dim of its weight, the weight's local shape) for sharded weights, over every
@@ -334,12 +398,14 @@ class RankedRun:
         return replace(entry, offset=None, nbytes=None)
 
     # -- reading ------------------------------------------------------------------------------------------
-    def _part_readers(self, entry: TensorEntry) -> list[TraceReader]:
+    def _part_readers(self, entry: TensorEntry) -> list[TraceReader | RankedRun]:
         """The reader of each part of a merged entry (the rank that holds it)."""
         merge = entry.merge
         if merge is None:
             return [self.readers[0]]
-        return [self.readers[merge.rank_of(i)] for i in range(len(entry.parts))]
+        # a part joined itself (a data-parallel replica's tensor-parallel shards) is read through this run
+        return [self if part.merge is not None else self.readers[merge.rank_of(i)]
+                for i, part in enumerate(entry.parts)]
 
     def part_values(self, entry: TensorEntry) -> list:
         """Each rank's stored bits of a merged entry, in the order of its parts."""
@@ -439,6 +505,16 @@ class _MergeState:
         self.shards_by_region: dict[tuple, tuple] = {}
         self.forward_how: dict[tuple, tuple] = {}  # (path, call, role, key) -> how
         self.param_how: dict[str, tuple] = {}  # parameter name -> how
+
+
+def _within_replica(entry: TensorEntry, how: tuple | None) -> tuple | None:
+    """A partial sum's join among the tensor-parallel ranks of one data-parallel replica: a sum over the
+    data-parallel ranks alone (a gradient DDP adds up) is the same on each of them, one copy; one over both (a
+    sequence-parallel norm's) adds up the tensor-parallel ranks', its scale left to the replicas' join."""
+    if not how or how[0] != "sum":
+        return how
+    mesh = (entry.placement or {}).get("mesh") or ()
+    return ("replicate", None) if len(mesh) < 2 else ("sum", None)
 
 
 def _ranks(ranks: list[int]) -> tuple[int, ...] | None:

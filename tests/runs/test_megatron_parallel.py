@@ -63,6 +63,9 @@ TWO_RANKS = [
 FOUR_RANKS = [
     ("tp_pp", "megatron_parallel", {"tp": 2, "pp": 2, "microbatches": 2}, 1),
     ("tp_pp_backward", "megatron_parallel", {"tp": 2, "pp": 2, "microbatches": 2, "defect": "stage_backward"}, 1),
+    ("tp_dp", "megatron_parallel", {"tp": 2, "dp": 2}, 1),  # each data-parallel replica: 2 tensor-parallel ranks
+    ("tp_sp_dp_train", "megatron_parallel", {"tp": 2, "sp": True, "dp": 2, "lr": 0.5}, 2),
+    ("tp_sp_dp_norm", "megatron_parallel", {"tp": 2, "sp": True, "dp": 2, "lr": 0.5, "defect": "sp_norm"}, 2),
 ]
 
 
@@ -89,7 +92,9 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("run,reference", [("sp", "hf"), ("pp", "hf"), ("pp_micro", "hf"), ("tp_pp", "hf"),
                                            ("sp_train", "hf_train"), ("sp", "mg1"), ("pp_micro", "mg1"),
-                                           ("tp_pp", "mg1"), ("sp_train", "mg1_train")])
+                                           ("tp_pp", "mg1"), ("sp_train", "mg1_train"), ("tp_dp", "hf"),
+                                           ("tp_dp", "mg1"), ("tp_sp_dp_train", "hf_train"),
+                                           ("tp_sp_dp_train", "mg1_train")])
 def test_each_layout_aligns_with_one_process_without_flags(runs, run, reference):
     report = align_files(runs / f"{reference}.h5", runs / run)
     assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
@@ -98,7 +103,7 @@ def test_each_layout_aligns_with_one_process_without_flags(runs, run, reference)
     assert len(compared) > 250 and all(t["passed"] for t in compared)
     grads = [r for r in report["records"] if r["kind"] == "param_grad"]
     params = 39 if reference.startswith("hf") else 27  # Megatron fuses q, k, v and gate, up
-    assert len(grads) == params * (2 if run == "sp_train" else 1)  # every parameter's gradient, every stage's
+    assert len(grads) == params * (2 if run.endswith("_train") else 1)  # every parameter's gradient, every stage's
 
 
 def test_pipeline_stages_join_into_one_model_under_global_layer_numbers(runs):
@@ -121,6 +126,7 @@ def test_pipeline_stages_join_into_one_model_under_global_layer_numbers(runs):
     ("pp_offset", "hf", "forward", "model.layers.3.input_layernorm", [1]),
     ("pp_backward", "hf", "backward", "model.layers.3.mlp.down_proj", [1]),
     ("tp_pp_backward", "hf", "backward", "model.layers.3.mlp.down_proj", [2, 3]),
+    ("tp_sp_dp_norm", "hf_train", "backward", "model.norm", None),  # a sum over every rank: none singled out
 ])
 def test_a_planted_defect_is_named_at_its_module_rank_and_direction(runs, run, reference, direction, module, ranks):
     from layerdiff.recipes.megatron_parallel import DEFECTS
@@ -135,7 +141,7 @@ def test_a_planted_defect_is_named_at_its_module_rank_and_direction(runs, run, r
 
 def _defect(run: str) -> str:
     return {"sp_norm": "sp_norm", "sp_reduce_scatter": "reduce_scatter", "pp_offset": "offset",
-            "pp_backward": "stage_backward", "tp_pp_backward": "stage_backward"}[run]
+            "pp_backward": "stage_backward", "tp_pp_backward": "stage_backward", "tp_sp_dp_norm": "sp_norm"}[run]
 
 
 def test_a_norm_gradient_never_all_reduced_under_sequence_parallelism(runs):
@@ -176,6 +182,24 @@ def test_an_expert_perturbed_on_one_expert_parallel_rank(runs):
     assert origin["module"] == "model.layers.1.mlp"  # HF runs every expert in one call: its MoE block
 
 
+def test_tensor_and_data_parallel_ranks_join_replica_by_replica(runs):
+    """TP=2 x DP=2: each data-parallel replica's tensor-parallel shards are joined first, then the replicas
+    along the batch axis (each ran its own share of the batch), the parameters' gradients as DDP's mean; a
+    tensor's ranks are named down to the tensor-parallel rank; the replicas of a shard are its data-parallel
+    counterparts."""
+    with open_run(runs / "tp_dp") as run:
+        root = next(r for r in run.records if r.kind == "call" and r.phase == "forward" and r.path == "")
+        ids = next(t for t in root.tensors if t.role == "input" and t.dtype.startswith("int"))
+        assert ids.shape == [2, 16] and ids.merge.how == "concat" and ids.merge.ranks == (0, 2)
+        assert [[p.merge.rank_of(i) for i in range(len(p.parts))] for p in ids.parts] == [[0, 1], [2, 3]]
+        qkv = next(r for r in run.records if r.kind == "param_grad" and r.path.endswith("0.self_attention.linear_qkv"
+                                                                                      ".weight"))
+        assert qkv.tensors[0].merge.how == "sum" and qkv.tensors[0].merge.scale == 0.5
+        assert run.replica_groups() == [[0, 2], [1, 3]]
+    origin = align_files(runs / "hf_train.h5", runs / "tp_sp_dp_norm")["forward"]["first_divergence"]
+    assert origin["module"] == "model.norm" and origin["step"] == 1 and origin["ranks"] == [0, 1, 2, 3]
+
+
 def test_ranks_against_their_replicas(runs):
     """``layerdiff align RUN``: each rank against the first of its pipeline stage; the replicas of the norm whose
     gradient was never all-reduced differ after the update; a run of stages alone has no replica to compare."""
@@ -187,5 +211,7 @@ def test_ranks_against_their_replicas(runs):
     assert code == 1 and "parameters differ: decoder.final_layernorm.weight" in out, out + err
     code, out, err = run_cli("align", runs / "tp_pp")
     assert code == 0 and "rank 3: agrees with rank 2" in out, out + err
+    code, out, err = run_cli("align", runs / "tp_sp_dp_train", "-q")
+    assert code == 0 and "all 4 ranks agree" in out, out + err
     code, out, err = run_cli("align", runs / "pp")
     assert code == 2 and "no two hold the same layers" in err and "Traceback" not in err, err
