@@ -316,6 +316,7 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
         out: dict[str, Any] = {}
         copies = []
         merge = operand.entry.merge
+        gathered: dict[int, tuple[list, list]] = {}  # a rank's pieces (several: its microbatches, in turn)
         for rank, mine, theirs, scale in _rank_pieces(reader, operand.entry, pieces):
             mine = as_float(mine, operand.entry.dtype).reshape(-1)
             if scale != 1.0:  # each part is the rank's own loss's gradient
@@ -323,6 +324,11 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
             theirs = np.ascontiguousarray(theirs).reshape(-1)
             if mine.size != theirs.size:
                 return None
+            ours, others = gathered.setdefault(rank, ([], []))
+            ours.append(mine)
+            others.append(theirs)
+        for rank, (ours, others) in gathered.items():
+            mine, theirs = (np.concatenate(x) if len(x) > 1 else x[0] for x in (ours, others))
             copies.append(mine)
             out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
         sharded = operand.entry.merge is not None and operand.entry.merge.how in ("concat", "concat_parts")
@@ -341,8 +347,9 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
 
 def _rank_pieces(reader, entry, pieces: list):
     """(rank, its stored part, the other run's matching piece, the part's scale) for each part of a merged
-    entry, down through parts joined over ranks themselves (a data-parallel replica's tensor-parallel ranks);
-    the scale is what the joins multiply a part by (a rank's own loss's gradient: their mean)."""
+    entry, down through parts joined over ranks themselves (a data-parallel replica's tensor-parallel ranks, a
+    rank's microbatches): a rank can come several times. The scale is what the joins multiply a part by (a
+    rank's own loss's gradient: their mean)."""
     merge = entry.merge
     scale = merge.scale if merge is not None and merge.scale is not None else 1.0
     for i, (part, mine, piece) in enumerate(zip(entry.parts, reader.part_values(entry), pieces)):

@@ -126,8 +126,40 @@ class Joined:
         batch = (self._tokens.get(rec.step) or (None,))[0]
         return next((d for d, n in enumerate(first.shape) if n == batch), "batches")
 
+    def _rank_major(self, parts: list[TensorEntry], axis: int) -> TensorEntry | None:
+        """A microbatched run of data-parallel ranks: each microbatch's call joined its ranks' shares along the
+        batch axis (rank 0's, rank 1's), but the ranks split the batch first (rank 0 the first share, its
+        microbatches one after the other). Joined that way round: each rank's microbatches in turn, then the
+        ranks (None: not such parts)."""
+        first = parts[0].merge
+        count = len(parts[0].parts)
+        if first is None or count < 2 or any(
+                p.merge is None or p.merge.over == MICROBATCHES or p.merge.how != "concat" or p.merge.dim != axis
+                or p.merge.ranks != first.ranks or p.merge.scale != first.scale or len(p.parts) != count
+                for p in parts):
+            return None
+        shares = [self._concat([p.parts[j] for p in parts], axis,
+                               Merge("concat", axis, ranks=(first.rank_of(j),) * len(parts)))
+                  for j in range(count)]
+        joined = self._concat(shares, axis, Merge("concat", axis, ranks=first.ranks, scale=first.scale))
+        return replace(joined, stats=combine_stats([p.stats for p in parts]) or parts[0].stats)  # as scaled
+
+    def _concat(self, parts: list[TensorEntry], axis: int, merge: Merge) -> TensorEntry:
+        shape = list(parts[0].shape)
+        shape[axis] = sum(p.shape[axis] for p in parts)
+        offset = nbytes = None
+        if all(p.offset is not None for p in parts):
+            offset, self._next_offset = self._next_offset, self._next_offset - 1
+            nbytes = sum(p.nbytes or 0 for p in parts)
+        return replace(parts[0], shape=shape, stats=combine_stats([p.stats for p in parts]) or parts[0].stats,
+                       merge=merge, parts=tuple(parts), offset=offset, nbytes=nbytes, placement=None)
+
     def _joined_entry(self, parts: list[TensorEntry], how: str | int) -> TensorEntry:
         """``how``: "sum" (gradients), "replicate", "batches" (undecided), or the axis to join on."""
+        if isinstance(how, int):
+            rank_major = self._rank_major(parts, how)
+            if rank_major is not None:
+                return rank_major
         stats: Mapping[str, Any]
         shape = list(parts[0].shape)
         if how == "sum":

@@ -261,6 +261,7 @@ class RankedRun:
         ``replica``: the ranks are the tensor-parallel ranks of one data-parallel replica, whose sums over the
         replicas are left to ``_join_replicas`` (``_within_replica``)."""
         rec = twins[0]
+        stage = self.stages[ranks[0]]
         tensors: list[TensorEntry] = []
         known: dict[tuple, tuple] = {}
         for i, entry in enumerate(rec.tensors):
@@ -273,7 +274,7 @@ class RankedRun:
             region = (ranks[0], *_region(entry))
             how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, state.shards_by_region,
                                                            region) \
-                or state.forward_how.get(_forward_key(rec, entry)) or state.param_how.get(_param_of(rec)) \
+                or state.forward_how.get((stage, _forward_key(rec, entry))) or state.param_how.get(_param_of(rec)) \
                 or (None if rec.path in sharded_weights else _like_input(entry, known))
             how = self._every_part(rec, how) or self._data_parallel(rec, parts, ranks)
             if replica:
@@ -288,7 +289,7 @@ class RankedRun:
                 if entry.offset is not None:
                     state.shards_by_region[region] = how
             if how and isinstance(rec, CallRecord) and rec.phase == "forward":
-                state.forward_how[(rec.path, rec.call, entry.role, entry.key)] = how
+                state.forward_how[(stage, (rec.path, rec.call, entry.role, entry.key))] = how
             tensors.append(merged_entry)
         return replace(rec, tensors=tensors)
 
@@ -503,7 +504,9 @@ class _MergeState:
 
     def __init__(self) -> None:
         self.shards_by_region: dict[tuple, tuple] = {}
-        self.forward_how: dict[tuple, tuple] = {}  # (path, call, role, key) -> how
+        # (pipeline stage, (path, call, role, key)) -> how: a module several stages run (the model) has another
+        # tensor on each (a stage's hidden states, the last stage's logits)
+        self.forward_how: dict[tuple, tuple] = {}
         self.param_how: dict[str, tuple] = {}  # parameter name -> how
 
 

@@ -28,7 +28,8 @@ out = sys.argv[1]
 for name, recipe, kwargs, steps in (("hf", torch_llama, {"layers": 4}, 1),
                                     ("hf_train", torch_llama, {"layers": 4, "lr": 0.5}, 2),
                                     ("mg1", megatron_parallel, {}, 1), ("mg1_train", megatron_parallel, {"lr": 0.5}, 2),
-                                    ("mixtral", megatron_moe, {"impl": "hf"}, 1)):
+                                    ("mixtral", megatron_moe, {"impl": "hf"}, 1),
+                                    ("hf4", torch_llama, {"layers": 4, "batch": 4}, 1)):
     built = recipe.build(**kwargs)
     with layerdiff.trace(built["model"], f"{out}/{name}.h5"):
         for _ in range(steps):
@@ -66,6 +67,11 @@ FOUR_RANKS = [
     ("tp_dp", "megatron_parallel", {"tp": 2, "dp": 2}, 1),  # each data-parallel replica: 2 tensor-parallel ranks
     ("tp_sp_dp_train", "megatron_parallel", {"tp": 2, "sp": True, "dp": 2, "lr": 0.5}, 2),
     ("tp_sp_dp_norm", "megatron_parallel", {"tp": 2, "sp": True, "dp": 2, "lr": 0.5, "defect": "sp_norm"}, 2),
+    # 4 sequences: 2 a data-parallel rank, 1 a microbatch
+    ("tp_sp_dp_micro", "megatron_parallel", {"tp": 2, "sp": True, "dp": 2, "batch": 4, "microbatches": 2}, 1),
+    ("pp_dp_micro", "megatron_parallel", {"pp": 2, "dp": 2, "batch": 4, "microbatches": 2}, 1),
+    ("pp_dp_micro_backward", "megatron_parallel", {"pp": 2, "dp": 2, "batch": 4, "microbatches": 2,
+                                                   "defect": "stage_backward"}, 1),
 ]
 
 
@@ -94,7 +100,8 @@ def runs(tmp_path_factory):
                                            ("sp_train", "hf_train"), ("sp", "mg1"), ("pp_micro", "mg1"),
                                            ("tp_pp", "mg1"), ("sp_train", "mg1_train"), ("tp_dp", "hf"),
                                            ("tp_dp", "mg1"), ("tp_sp_dp_train", "hf_train"),
-                                           ("tp_sp_dp_train", "mg1_train")])
+                                           ("tp_sp_dp_train", "mg1_train"), ("tp_sp_dp_micro", "hf4"),
+                                           ("pp_dp_micro", "hf4")])
 def test_each_layout_aligns_with_one_process_without_flags(runs, run, reference):
     report = align_files(runs / f"{reference}.h5", runs / run)
     assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
@@ -127,6 +134,7 @@ def test_pipeline_stages_join_into_one_model_under_global_layer_numbers(runs):
     ("pp_backward", "hf", "backward", "model.layers.3.mlp.down_proj", [1]),
     ("tp_pp_backward", "hf", "backward", "model.layers.3.mlp.down_proj", [2, 3]),
     ("tp_sp_dp_norm", "hf_train", "backward", "model.norm", None),  # a sum over every rank: none singled out
+    ("pp_dp_micro_backward", "hf4", "backward", "model.layers.3.mlp.down_proj", [2, 3]),
 ])
 def test_a_planted_defect_is_named_at_its_module_rank_and_direction(runs, run, reference, direction, module, ranks):
     from layerdiff.recipes.megatron_parallel import DEFECTS
@@ -141,7 +149,8 @@ def test_a_planted_defect_is_named_at_its_module_rank_and_direction(runs, run, r
 
 def _defect(run: str) -> str:
     return {"sp_norm": "sp_norm", "sp_reduce_scatter": "reduce_scatter", "pp_offset": "offset",
-            "pp_backward": "stage_backward", "tp_pp_backward": "stage_backward", "tp_sp_dp_norm": "sp_norm"}[run]
+            "pp_backward": "stage_backward", "tp_pp_backward": "stage_backward", "tp_sp_dp_norm": "sp_norm",
+            "pp_dp_micro_backward": "stage_backward"}[run]
 
 
 def test_a_norm_gradient_never_all_reduced_under_sequence_parallelism(runs):
@@ -198,6 +207,23 @@ def test_tensor_and_data_parallel_ranks_join_replica_by_replica(runs):
         assert run.replica_groups() == [[0, 2], [1, 3]]
     origin = align_files(runs / "hf_train.h5", runs / "tp_sp_dp_norm")["forward"]["first_divergence"]
     assert origin["module"] == "model.norm" and origin["step"] == 1 and origin["ranks"] == [0, 1, 2, 3]
+
+
+def test_data_parallel_microbatches_join_rank_by_rank(runs):
+    """DP=2 with 2 microbatches: rank 0 ran sequences 0 and 1 (one a microbatch), rank 1 sequences 2 and 3; each
+    rank's microbatches are joined first, then the ranks, so the batch reads in the reference's order."""
+    from layerdiff.match.microbatches import Joined
+
+    with open_run(runs / "pp_dp_micro") as run:
+        joined = Joined(run)
+        root = next(r for r in joined.records if r.kind == "call" and r.phase == "forward" and r.path == "")
+        ids = next(t for t in root.tensors if t.role == "input" and t.dtype.startswith("int"))
+        assert ids.shape == [4, 16] and [ids.merge.rank_of(i) for i in range(len(ids.parts))] == [0, 1]
+        assert [p.merge.ranks for p in ids.parts] == [(0, 0), (1, 1)]  # each rank's two microbatches
+        from layerdiff.recipes import llama_shared
+
+        expected = llama_shared.input_ids(llama_shared.config(layers=4), 4, 16, 0)
+        assert (joined.tensor(ids) == expected).all()
 
 
 def test_ranks_against_their_replicas(runs):
