@@ -1,7 +1,9 @@
 """Ranks of one run against each other: where a data-parallel replica stops agreeing with rank 0.
 
 ``layerdiff align RUN`` (one run directory) compares every rank with the first of its replicas (rank 0 where the
-whole run replicates; the first rank of its pipeline stage in a Megatron layout) on what replicas must agree on
+whole run replicates; the first rank of its pipeline stage in a Megatron layout; with tensor and data parallelism
+both, the first replica of its tensor-parallel rank, and the first tensor-parallel rank of its replica on the
+weights that are not sharded) on what replicas must agree on
 (``ranks.RankView``: shards and partial sums left out; the weights alone where each data-parallel rank ran its own
 share of the batch), with the usual origin rule, so it names the first module whose inputs still agree across
 ranks and whose outputs do not, and the rank. Each rank pair is a task for the comparison's workers
@@ -34,13 +36,15 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
         if not isinstance(run, RankedRun):
             raise LayerdiffError(f"{path}: a single trace; align it with another one (layerdiff align A B), or "
                                  "give a run directory of several ranks to compare its ranks")
-        world, order, exempt = run.world_size, _execution_order(run), replica_exempt(run)
-        groups = run.replica_groups()
+        world, order = run.world_size, _execution_order(run)
+        exempt = {"replicas": replica_exempt(run), "peers": replica_exempt(run, peers=True)}
+        groups = [(group, "replicas") for group in run.replica_groups()] + \
+            [(group, "peers") for group in run.peer_groups()]
     files = [os.path.abspath(f) for f in rank_files(path) or ()]  # workers open them by path: absolute
     shared = {"exempt": exempt, "policy": policy.describe(),
               "rule_files": [os.path.abspath(f) for f in how.rule_files]}  # read where the task runs
-    jobs = [{"first": files[group[0]], "against": group[0], "other": files[rank], "rank": rank}
-            for group in groups for rank in group[1:]]
+    jobs = [{"first": files[group[0]], "against": group[0], "other": files[rank], "rank": rank, "exempt": kind}
+            for group, kind in groups for rank in group[1:]]
     if not jobs:
         raise LayerdiffError(f"{path}: each of its {world} ranks is a pipeline stage of its own: no two hold the "
                              "same layers to compare; align the run with a reference (layerdiff align REF RUN)")
@@ -86,8 +90,11 @@ def rank_against_rank0(shared: dict[str, Any], job: dict[str, Any]) -> dict:
     replicates), from those two ranks' traces alone."""
     how = Comparison(policy=TolerancePolicy.from_description(shared["policy"]), rules=ruleset(shared["rule_files"]),
                      rule_files=tuple(shared["rule_files"]))
+    exempt = shared["exempt"]
+    if isinstance(exempt, dict):  # by the kind of group: data-parallel replicas, or a replica's TP ranks
+        exempt = exempt[job.get("exempt", "replicas")]
     with TraceReader(job["first"]) as first, TraceReader(job["other"]) as other:
-        report = align(RankView(first, shared["exempt"]), RankView(other, shared["exempt"]), how)
+        report = align(RankView(first, exempt), RankView(other, exempt), how)
     return {"rank": job["rank"], "against": job["against"], "verdict": report["verdict"],
             "forward": report["forward"]["first_divergence"],
             "backward": report["backward"]["first_divergence"],

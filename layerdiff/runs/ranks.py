@@ -182,6 +182,17 @@ class RankedRun:
             groups.setdefault((stage, shard), []).append(rank)
         return list(groups.values())
 
+    def peer_groups(self) -> list[list[int]]:
+        """With tensor and data parallelism both (tp > 1 and dp > 1): the tensor-parallel ranks of each
+        data-parallel replica, which hold the same copy of every weight that is not sharded (a norm's); none
+        otherwise (``replica_groups`` already holds them)."""
+        if not all((lay.get("tp") or 1) > 1 and (lay.get("dp") or 1) > 1 for lay in self.layouts):
+            return []
+        groups: dict[tuple, list[int]] = {}
+        for rank, stage in enumerate(self.stages):
+            groups.setdefault((stage, int(self.layouts[rank].get("dp_rank") or 0)), []).append(rank)
+        return list(groups.values())
+
     def _global_records(self) -> list[list[Record]]:
         """Each rank's records under the whole model's names (``ParallelLayout.global_paths``: a later pipeline
         stage's layers, an expert-parallel rank's experts), their positions in time made comparable across the
@@ -624,19 +635,25 @@ def _find(rec: Record, entry: TensorEntry) -> TensorEntry | None:
 # ---------------------------------------------------------------------------------------------------------
 # Ranks against each other: what data-parallel replicas must agree on
 # ---------------------------------------------------------------------------------------------------------
-def replica_exempt(run: RankedRun) -> list[list]:
+def replica_exempt(run: RankedRun, peers: bool = False) -> list[list]:
     """The tensors that ranks hold differently by design (shards, partial sums; in a tensor-parallel run also the
     plain tensors of unknown placement, which may be shards): left out when ranks are compared with each other.
     Plain data (``[record key, role, tensor key]`` each), so a worker comparing two ranks gets it with its task
-    and opens those two ranks' traces only."""
-    kinds = {t.merge.how for rec in run.records for t in rec.tensors if t.merge is not None}
+    and opens those two ranks' traces only. ``peers``: for the tensor-parallel ranks of one data-parallel replica
+    (``RankedRun.peer_groups``), by how the replica's ranks were joined."""
+    def joined(t: TensorEntry) -> str | None:
+        """How the ranks compared hold ``t``: how it was joined (a replica's ranks: how their part was)."""
+        inner = t.parts[0] if peers and t.parts and t.parts[0].merge is not None else t
+        return inner.merge.how if inner.merge is not None else None
+
+    kinds = {joined(t) for rec in run.records for t in rec.tensors if t.merge is not None}
     left_out = {"concat", "concat_parts", "sum"}
     if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
         left_out.add("ranks")
     # Megatron marks its tensor-parallel shards: every other weight is a copy on each rank of its stage
     copies = {"ranks"} if any(run.layouts) else set()
-    spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors
-              if t.merge is not None and t.merge.how in left_out and not (rec.kind == "param" and t.merge.how in copies)}
+    spread = {(_key(rec), t.role, t.key) for rec in run.records for t in rec.tensors if t.merge is not None
+              and joined(t) in left_out and not (rec.kind == "param" and joined(t) in copies)}
     return [[list(key), role, name] for key, role, name in sorted(spread, key=repr)]
 
 

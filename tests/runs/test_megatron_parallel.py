@@ -204,7 +204,7 @@ def test_tensor_and_data_parallel_ranks_join_replica_by_replica(runs):
         qkv = next(r for r in run.records if r.kind == "param_grad" and r.path.endswith("0.self_attention.linear_qkv"
                                                                                       ".weight"))
         assert qkv.tensors[0].merge.how == "sum" and qkv.tensors[0].merge.scale == 0.5
-        assert run.replica_groups() == [[0, 2], [1, 3]]
+        assert run.replica_groups() == [[0, 2], [1, 3]] and run.peer_groups() == [[0, 1], [2, 3]]
     origin = align_files(runs / "hf_train.h5", runs / "tp_sp_dp_norm")["forward"]["first_divergence"]
     assert origin["module"] == "model.norm" and origin["step"] == 1 and origin["ranks"] == [0, 1, 2, 3]
 
@@ -239,5 +239,8 @@ def test_ranks_against_their_replicas(runs):
     assert code == 0 and "rank 3: agrees with rank 2" in out, out + err
     code, out, err = run_cli("align", runs / "tp_sp_dp_train", "-q")
     assert code == 0 and "all 4 ranks agree" in out, out + err
+    code, out, err = run_cli("align", runs / "tp_sp_dp_norm")  # TP peers of each replica: the norm's copies
+    assert code == 1 and "rank 1: differs: parameters only; parameters differ: decoder.final_layernorm.weight" \
+        in out and "rank 2: agrees with rank 0" in out, out + err
     code, out, err = run_cli("align", runs / "pp")
     assert code == 2 and "no two hold the same layers" in err and "Traceback" not in err, err
