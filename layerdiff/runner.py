@@ -106,6 +106,9 @@ def resolve(target: str):
                 raise LayerdiffError(f"{location}: importing it raised {_where(exc)}") from None
         if module is None:
             raise LayerdiffError(f"{location!r} is neither a file, a recipe (see recipes/) nor an importable module")
+        if getattr(module, "__file__", None) is None and Path(location).is_dir():  # a folder read as a package
+            raise LayerdiffError(f"{location!r} is a directory (a run of traces?), not code to run: give a target as "
+                                 "file.py:function, module:function or a recipe")
     func = getattr(module, func_name, None)
     if not callable(func):
         raise LayerdiffError(f"{target}: no function {func_name!r} in {getattr(module, '__file__', module)}")

@@ -345,6 +345,15 @@ def test_trace_unknown_recipe_or_module(work):
     check_bad_input(["trace", "no_such_recipe_or_module_xyz", "-o", "out.h5"], work["dir"], work["watch"])
 
 
+@pytest.mark.parametrize("command", ["trace", "bisect"])
+def test_a_directory_given_as_the_code_to_run(work, command):
+    """A run's directory where a target belongs (``bisect ref.h5 RUN``) is said to be one, not read as a package."""
+    (work["dir"] / "a_run").mkdir()
+    args = ["trace", "a_run", "-o", "out.h5"] if command == "trace" else ["bisect", str(work["trace"]), "a_run"]
+    proc = check_bad_input(args, work["dir"], work["watch"])
+    assert "'a_run' is a directory (a run of traces?), not code to run" in proc.stderr
+
+
 @pytest.mark.parametrize("target", ["nobuild.py", "nobuild.py:build", "nobuild.py:missing_function"])
 def test_trace_target_without_the_function(work, target):
     (work["dir"] / "nobuild.py").write_text(NO_BUILD_TARGET)
