@@ -203,7 +203,10 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, measured: _Measured, lay
         except DamagedTensorError as exc:
             return _damaged_metrics(a, b, str(exc))
         if per_rank:
+            micro = per_rank.pop(MICROBATCHES, None)
             metrics[per_rank.pop("over", "ranks")] = per_rank  # type: ignore[literal-required]
+            if micro:
+                metrics[MICROBATCHES] = micro  # type: ignore[literal-required]
     else:
         sa, sb = a.stats(), b.stats()
         if sa is None or sb is None:
@@ -317,20 +320,26 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
         copies = []
         merge = operand.entry.merge
         gathered: dict[int, tuple[list, list]] = {}  # a rank's pieces (several: its microbatches, in turn)
-        for rank, mine, theirs, scale in _rank_pieces(reader, operand.entry, pieces):
+        by_micro: dict[int, tuple[list, list]] = {}  # ... and a microbatch's, over the ranks
+        for rank, micro, mine, theirs, scale in _rank_pieces(reader, operand.entry, pieces):
             mine = as_float(mine, operand.entry.dtype).reshape(-1)
             if scale != 1.0:  # each part is the rank's own loss's gradient
                 mine = mine * scale
             theirs = np.ascontiguousarray(theirs).reshape(-1)
             if mine.size != theirs.size:
                 return None
-            ours, others = gathered.setdefault(rank, ([], []))
-            ours.append(mine)
-            others.append(theirs)
+            for groups, key in ((gathered, rank), (by_micro, micro)):
+                if key is not None:
+                    groups.setdefault(key, ([], []))[0].append(mine)
+                    groups[key][1].append(theirs)
         for rank, (ours, others) in gathered.items():
             mine, theirs = (np.concatenate(x) if len(x) > 1 else x[0] for x in (ours, others))
             copies.append(mine)
             out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
+        if by_micro:  # data-parallel ranks' microbatches (each rank's joined first): each microbatch apart too
+            out[MICROBATCHES] = {"how": "shards", "run": side, **{
+                str(k): _compare_values(np.concatenate(o), np.concatenate(m)) if side == "b"
+                else _compare_values(np.concatenate(m), np.concatenate(o)) for k, (m, o) in sorted(by_micro.items())}}
         sharded = operand.entry.merge is not None and operand.entry.merge.how in ("concat", "concat_parts")
         out["how"] = "shards" if sharded else "copies"
         out["run"] = side  # whose ranks these are
@@ -345,22 +354,24 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
     return None
 
 
-def _rank_pieces(reader, entry, pieces: list):
-    """(rank, its stored part, the other run's matching piece, the part's scale) for each part of a merged
-    entry, down through parts joined over ranks themselves (a data-parallel replica's tensor-parallel ranks, a
-    rank's microbatches): a rank can come several times. The scale is what the joins multiply a part by (a
-    rank's own loss's gradient: their mean)."""
+def _rank_pieces(reader, entry, pieces: list, micro: int | None = None):
+    """(rank, microbatch, its stored part, the other run's matching piece, the part's scale) for each part of a
+    merged entry, down through parts joined over ranks themselves (a data-parallel replica's tensor-parallel
+    ranks; a rank's microbatches, parts of one rank, which give the microbatch, else None): a rank can come
+    several times. The scale is what the joins multiply a part by (a rank's own loss's gradient: their mean)."""
     merge = entry.merge
     scale = merge.scale if merge is not None and merge.scale is not None else 1.0
+    one_rank = merge is not None and len(entry.parts) > 1 and \
+        len({merge.rank_of(i) for i in range(len(entry.parts))}) == 1
     for i, (part, mine, piece) in enumerate(zip(entry.parts, reader.part_values(entry), pieces)):
         nested = merge is not None and merge.over == "ranks" and part.merge is not None and \
             part.merge.over == "ranks" and len(part.parts) > 1
         inner = per_rank.rank_slices(part, piece) if nested else None
         if inner is None:
-            yield (merge.rank_of(i) if merge is not None else i), mine, piece, scale
+            yield (merge.rank_of(i) if merge is not None else i), (i if one_rank else micro), mine, piece, scale
             continue
-        for rank, value, theirs, own in _rank_pieces(reader, part, inner):
-            yield rank, value, theirs, own * scale
+        for rank, sub_micro, value, theirs, own in _rank_pieces(reader, part, inner, i if one_rank else micro):
+            yield rank, sub_micro, value, theirs, own * scale
 
 
 def _tensor_row(tp: TensorPair, metrics: schema.Metrics) -> schema.TensorResult:

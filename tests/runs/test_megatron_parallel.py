@@ -224,6 +224,12 @@ def test_data_parallel_microbatches_join_rank_by_rank(runs):
 
         expected = llama_shared.input_ids(llama_shared.config(layers=4), 4, 16, 0)
         assert (joined.tensor(ids) == expected).all()
+    report = align_files(runs / "hf4.h5", runs / "pp_dp_micro")
+    out = next(t for r in report["records"] if r["path"] == "model.layers.2" and r["phase"] == "forward"
+               for t in r["tensors"] if t["role"] == "output")
+    # layer 2 is on the second stage (ranks 2 and 3): each rank's part, and each microbatch over both ranks
+    assert set(out["metrics"]["ranks"]) == {"2", "3", "how", "run"}
+    assert set(out["metrics"]["microbatches"]) == {"0", "1", "how", "run"}
 
 
 def test_ranks_against_their_replicas(runs):
