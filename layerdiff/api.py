@@ -120,6 +120,8 @@ class Report:
     def summary(self) -> str:
         """One line per phase: what ``layerdiff align -q`` prints, without the exit code."""
         if self.multi_rank:
+            from layerdiff.runs.desync import against_rank0
+
             first = self.data["first_divergence"]
             compared = self.data["world_size"] - len(self.data.get("missing") or [])
             warnings = "".join(f"; WARNING: {p}" for p in self.problems)
@@ -130,8 +132,7 @@ class Report:
             if params:  # the replicas' weights differ, nothing they computed yet
                 return f"{self.verdict}: parameters differ on rank(s) {', '.join(str(r['rank']) for r in params)}: " \
                     f"{', '.join(params[0]['params_differ'][:3])}{warnings}"
-            firsts = {r.get("against", 0) for r in self.data["ranks"]}
-            whom = "rank 0" if firsts <= {0} else "the first rank of their replicas"
+            whom = "rank 0" if against_rank0(self.data) else "the first rank of their replicas"
             return f"{self.verdict}: all {compared} ranks agree with {whom}{warnings}"
         lines = [f"{self.verdict}"]
         for phase in ("forward", "backward"):

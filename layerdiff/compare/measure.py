@@ -23,7 +23,7 @@ from layerdiff.compare.tasks import Workers
 from layerdiff.compare.workers import aligned_pairs, compare_pairs
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules
-from layerdiff.match.joins import best_way, resolved_as, unresolved, ways
+from layerdiff.match.joins import line_up, resolved_as, unresolved
 from layerdiff.match.layouts import LayoutRules, TokenOrder, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
 from layerdiff.match.microbatches import joined_pair
@@ -237,8 +237,8 @@ def _joined(merge, n: int) -> str:
                                        "replicate": "alike (the first compared)",
                                        "batches": "unresolved"}.get(merge.how, merge.how)
     return f"{n} ranks' " + {
-        "concat": f"shards joined on axis {merge.dim}", "concat_parts": f"shards joined part by part on axis {merge.dim}",
-        "replicate": "copies (rank 0's compared; each rank's checked)", "sum": "partial sums added",
+        "concat": f"shards joined on axis {merge.dim}",
+        "concat_parts": f"shards joined part by part on axis {merge.dim}", "replicate": "copies (rank 0's compared; each rank's checked)", "sum": "partial sums added",
         "ranks": "tensors, unresolved"}.get(merge.how, merge.how)
 
 
@@ -289,16 +289,11 @@ def _resolved(operand: Operand, other_shape) -> Operand:
         return operand
     if operand.op == "value":
         return replace(operand, entries=(per_rank.resolve(operand.entry, other_shape),))
-    fits = []
-    for way in ways(operand.entry):
-        entries = tuple(resolved_as(e, way) if unresolved(e) else e for e in operand.entries)
-        if relate_shapes(tuple(other_shape), tuple(replace(operand, entries=entries).shape)).kind \
-                in ("same", "permute"):
-            fits.append(way)
-    best = best_way(operand.entry, fits)
-    if best is None:
-        return operand
-    return replace(operand, entries=tuple(resolved_as(e, best) if unresolved(e) else e for e in operand.entries))
+    def joined(way) -> Operand:
+        return replace(operand, entries=tuple(resolved_as(e, way) if unresolved(e) else e for e in operand.entries))
+
+    best = line_up(operand.entry, other_shape, lambda way: joined(way).shape)
+    return operand if best is None else joined(best)
 
 
 def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> dict[str, Any] | None:
@@ -332,14 +327,18 @@ def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> d
                 if key is not None:
                     groups.setdefault(key, ([], []))[0].append(mine)
                     groups[key][1].append(theirs)
+        def whole(pieces: list) -> np.ndarray:
+            return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+        def compared(mine: np.ndarray, theirs: np.ndarray) -> schema.Metrics:  # A's first
+            return _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
+
         for rank, (ours, others) in gathered.items():
-            mine, theirs = (np.concatenate(x) if len(x) > 1 else x[0] for x in (ours, others))
-            copies.append(mine)
-            out[str(rank)] = _compare_values(theirs, mine) if side == "b" else _compare_values(mine, theirs)
+            copies.append(whole(ours))
+            out[str(rank)] = compared(copies[-1], whole(others))
         if by_micro:  # data-parallel ranks' microbatches (each rank's joined first): each microbatch apart too
-            out[MICROBATCHES] = {"how": "shards", "run": side, **{
-                str(k): _compare_values(np.concatenate(o), np.concatenate(m)) if side == "b"
-                else _compare_values(np.concatenate(m), np.concatenate(o)) for k, (m, o) in sorted(by_micro.items())}}
+            out[MICROBATCHES] = {"how": "shards", "run": side,
+                                 **{str(k): compared(whole(m), whole(o)) for k, (m, o) in sorted(by_micro.items())}}
         sharded = operand.entry.merge is not None and operand.entry.merge.how in ("concat", "concat_parts")
         out["how"] = "shards" if sharded else "copies"
         out["run"] = side  # whose ranks these are
@@ -363,14 +362,16 @@ def _rank_pieces(reader, entry, pieces: list, micro: int | None = None):
     scale = merge.scale if merge is not None and merge.scale is not None else 1.0
     one_rank = merge is not None and len(entry.parts) > 1 and \
         len({merge.rank_of(i) for i in range(len(entry.parts))}) == 1
-    for i, (part, mine, piece) in enumerate(zip(entry.parts, reader.part_values(entry), pieces)):
-        nested = merge is not None and merge.over == "ranks" and part.merge is not None and \
-            part.merge.over == "ranks" and len(part.parts) > 1
-        inner = per_rank.rank_slices(part, piece) if nested else None
-        if inner is None:
+    inner = [per_rank.rank_slices(part, piece) if merge is not None and merge.over == "ranks" and
+             part.merge is not None and part.merge.over == "ranks" and len(part.parts) > 1 else None
+             for part, piece in zip(entry.parts, pieces)]
+    # a part compared piece by piece further down is not read whole here
+    values = reader.part_values(entry) if any(x is None for x in inner) else [None] * len(inner)
+    for i, (part, mine, piece, slices) in enumerate(zip(entry.parts, values, pieces, inner)):
+        if slices is None:
             yield (merge.rank_of(i) if merge is not None else i), (i if one_rank else micro), mine, piece, scale
             continue
-        for rank, sub_micro, value, theirs, own in _rank_pieces(reader, part, inner, i if one_rank else micro):
+        for rank, sub_micro, value, theirs, own in _rank_pieces(reader, part, slices, i if one_rank else micro):
             yield rank, sub_micro, value, theirs, own * scale
 
 

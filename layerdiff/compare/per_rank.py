@@ -10,8 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from layerdiff.match.joins import best_way, resolved_as, unresolved, ways
-from layerdiff.match.layouts import relate_shapes
+from layerdiff.match.joins import line_up, resolved_as, unresolved
 from layerdiff.tracefile.records import TensorEntry
 
 
@@ -21,9 +20,7 @@ def resolve(entry: TensorEntry, other_shape: Sequence[int]) -> TensorEntry:
     shards along the one axis that, N times longer, lines them up; else as is."""
     if not unresolved(entry):
         return entry
-    way = best_way(entry, [way for way in ways(entry)
-                           if relate_shapes(tuple(other_shape), tuple(resolved_as(entry, way).shape)).kind
-                           in ("same", "permute")])
+    way = line_up(entry, other_shape, lambda w: resolved_as(entry, w).shape)
     return entry if way is None else resolved_as(entry, way)
 
 

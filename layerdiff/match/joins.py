@@ -4,12 +4,13 @@ microbatches of a tensor-parallel run's logits). Pairing tries them to find a te
 ``compare.per_rank.resolve`` picks the one that lines up with the counterpart."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from msgspec.structs import replace
 
+from layerdiff.match.layouts import relate_shapes
 from layerdiff.match.operands import combine_stats
-from layerdiff.tracefile.records import Merge, TensorEntry
+from layerdiff.tracefile.records import CallRecord, Merge, Record, TensorEntry
 
 # one way to join a tensor: its own join (("keep",): decided already; ("replicate",); ("concat", axis)) and the
 # way its parts are joined, when they wait too
@@ -77,6 +78,13 @@ def candidate_shapes(entry: TensorEntry) -> list[tuple[int, ...]]:
     return [tuple(resolved_as(entry, way).shape) for way in ways(entry)]
 
 
+def line_up(entry: TensorEntry, other_shape: Sequence[int], shape_as: Callable[[Way], Sequence[int]]) -> Way | None:
+    """The way to join an unresolved entry so that what is compared (``shape_as(way)``: the entry joined, or a
+    value derived from it) lines up with the other run's ``other_shape`` (``best_way`` of those that do)."""
+    return best_way(entry, [way for way in ways(entry)
+                            if relate_shapes(tuple(other_shape), tuple(shape_as(way))).kind in ("same", "permute")])
+
+
 def best_way(entry: TensorEntry, fits: list[Way]) -> Way | None:
     """Of the ways that line an entry up with its counterpart, the one to take: the one with the fewest joins
     along an axis (a copy before shards); None when two such remain (the join cannot be told)."""
@@ -88,3 +96,30 @@ def best_way(entry: TensorEntry, fits: list[Way]) -> Way | None:
     least = min(concats(w) for w in fits)
     best = [w for w in fits if concats(w) == least]
     return best[0] if len(best) == 1 else None
+
+
+def alike(parts: list[TensorEntry]) -> bool:
+    """Parts that are copies of one tensor (a weight, a mask every rank or microbatch had): the same shape, dtype
+    and statistics."""
+    first = parts[0]
+    return all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:])
+
+
+def batch_axis(shape: list[int], batch: int | None) -> int | None:
+    """The axis along which shares of a batch of ``batch`` sequences join: the first of that size (token ids
+    [b, s]; the layouts models use put it before heads and groups: [b, s, h], Megatron's [s, b, h],
+    [b, heads, s, d], [s, b, groups, d])."""
+    return next((d for d, n in enumerate(shape) if n == batch), None)
+
+
+def token_shapes(records: list[Record]) -> dict[int, tuple]:
+    """{step: (batch, sequence)} of a run's share of each step, from the token ids (the first 2-D integer input)
+    of the step's first root call."""
+    out: dict[int, tuple] = {}
+    for rec in records:
+        if isinstance(rec, CallRecord) and rec.phase == "forward" and not rec.parent and rec.step not in out:
+            ids = next((t for t in rec.tensors if t.role == "input" and len(t.shape) == 2
+                        and t.dtype.startswith(("int", "uint"))), None)
+            if ids is not None:
+                out[rec.step] = tuple(ids.shape)
+    return out

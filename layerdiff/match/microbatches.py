@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 from msgspec.structs import replace
 
+from layerdiff.match.joins import alike, batch_axis, token_shapes
 from layerdiff.match.operands import combine_stats
 from layerdiff.tracefile.records import MICROBATCHES, CallRecord, Merge, ParamRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
@@ -52,7 +53,7 @@ class Joined:
         self.crashed, self.end = inner.crashed, inner.end
         self.damage, self.unverified = inner.damage, inner.unverified  # checksums: what reading it found
         self.ops: list = []  # operations are not joined over microbatches: compare them between alike runs
-        self._next_offset = min([0, *(t.offset for rec in inner.records for t in _entries(rec)
+        self._next_offset = min([0, *(t.offset for rec in inner.records for t in rec.tensors
                                       if t.offset is not None)]) - 1
         self.records = self._join(inner.records)
 
@@ -68,7 +69,7 @@ class Joined:
                 groups[key] = []
                 order.append(key)
             groups[key].append(rec)
-        self._tokens = _token_shapes(records)
+        self._tokens = token_shapes(records)
         calls: dict[tuple, int] = {}  # (kind, phase, path) -> joined calls so far
         renumbered: dict[tuple, int] = {}  # (phase, path, original call) -> joined call
         joined: list[Record] = []
@@ -117,14 +118,12 @@ class Joined:
 
     def _batch_join(self, rec: Record, parts: list) -> str | int:
         """How a tensor's microbatches join: "replicate" when each had it alike (a mask, rotary angles), else
-        along the batch axis: the first axis of the microbatch's batch size (token ids [b, s]); the layouts models
-        use put it before heads and groups ([b, s, h], Megatron's [s, b, h], [b, heads, s, d], [s, b, groups, d]).
-        A tensor with no such axis is left for the other run's shape to decide ("batches")."""
-        first = parts[0]
-        if all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:]):
+        along the batch axis of the microbatch's batch size (``joins.batch_axis``). A tensor with no such axis
+        is left for the other run's shape to decide ("batches")."""
+        if alike(parts):
             return "replicate"
-        batch = (self._tokens.get(rec.step) or (None,))[0]
-        return next((d for d, n in enumerate(first.shape) if n == batch), "batches")
+        axis = batch_axis(parts[0].shape, (self._tokens.get(rec.step) or (None,))[0])
+        return "batches" if axis is None else axis
 
     def _rank_major(self, parts: list[TensorEntry], axis: int) -> TensorEntry | None:
         """A microbatched run of data-parallel ranks: each microbatch's call joined its ranks' shares along the
@@ -141,27 +140,32 @@ class Joined:
         shares = [self._concat([p.parts[j] for p in parts], axis,
                                Merge("concat", axis, ranks=(first.rank_of(j),) * len(parts)))
                   for j in range(count)]
-        joined = self._concat(shares, axis, Merge("concat", axis, ranks=first.ranks, scale=first.scale))
-        return replace(joined, stats=combine_stats([p.stats for p in parts]) or parts[0].stats)  # as scaled
+        return self._concat(shares, axis, Merge("concat", axis, ranks=first.ranks, scale=first.scale),
+                            stats=combine_stats([p.stats for p in parts]) or parts[0].stats)  # as scaled
 
-    def _concat(self, parts: list[TensorEntry], axis: int, merge: Merge) -> TensorEntry:
+    def _concat(self, parts: list[TensorEntry], axis: int, merge: Merge,
+                stats: Mapping[str, Any] | None = None) -> TensorEntry:
+        """``parts`` joined along ``axis`` (their statistics combined unless given)."""
         shape = list(parts[0].shape)
         shape[axis] = sum(p.shape[axis] for p in parts)
+        return self._joined(parts, shape, stats or combine_stats([p.stats for p in parts]) or parts[0].stats, merge)
+
+    def _joined(self, parts: list[TensorEntry], shape: list[int], stats: Mapping[str, Any],
+                merge: Merge) -> TensorEntry:
+        """An entry made of ``parts``: a region of its own (a negative offset) when every part has stored bytes."""
         offset = nbytes = None
         if all(p.offset is not None for p in parts):
             offset, self._next_offset = self._next_offset, self._next_offset - 1
             nbytes = sum(p.nbytes or 0 for p in parts)
-        return replace(parts[0], shape=shape, stats=combine_stats([p.stats for p in parts]) or parts[0].stats,
-                       merge=merge, parts=tuple(parts), offset=offset, nbytes=nbytes, placement=None)
+        return replace(parts[0], shape=shape, stats=stats, merge=merge, parts=tuple(parts), offset=offset,
+                       nbytes=nbytes, placement=None)
 
     def _joined_entry(self, parts: list[TensorEntry], how: str | int) -> TensorEntry:
         """``how``: "sum" (gradients), "replicate", "batches" (undecided), or the axis to join on."""
         if isinstance(how, int):
-            rank_major = self._rank_major(parts, how)
-            if rank_major is not None:
-                return rank_major
+            return self._rank_major(parts, how) or \
+                self._concat(parts, how, Merge("concat", how, over=MICROBATCHES))
         stats: Mapping[str, Any]
-        shape = list(parts[0].shape)
         if how == "sum":
             stats = {"numel": parts[0].stats.get("numel", 0), "min": None, "max": None, "mean": None, "l2": None,
                      "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
@@ -169,17 +173,7 @@ class Joined:
             stats = parts[0].stats
         else:
             stats = combine_stats([p.stats for p in parts]) or parts[0].stats
-        if isinstance(how, int):
-            shape[how] = sum(p.shape[how] for p in parts)
-            merge = Merge("concat", how, over=MICROBATCHES)
-        else:
-            merge = Merge(how, over=MICROBATCHES)
-        offset = nbytes = None
-        if all(p.offset is not None for p in parts):
-            offset, self._next_offset = self._next_offset, self._next_offset - 1
-            nbytes = sum(p.nbytes or 0 for p in parts)
-        return replace(parts[0], shape=shape, stats=stats, merge=merge, parts=tuple(parts), offset=offset,
-                       nbytes=nbytes, placement=None)
+        return self._joined(parts, list(parts[0].shape), stats, Merge(how, over=MICROBATCHES))
 
     @staticmethod
     def _reparented(rec: Record, renumbered: dict[tuple, int]) -> Record:
@@ -229,23 +223,6 @@ class Joined:
         self.close()
 
 
-def _token_shapes(records: list[Record]) -> dict[int, tuple]:
-    """{step: (batch, sequence)} of a microbatch, from the token ids (the first 2-D integer input) of the step's
-    first root call."""
-    out: dict[int, tuple] = {}
-    for rec in records:
-        if isinstance(rec, CallRecord) and rec.phase == "forward" and not rec.parent and rec.step not in out:
-            ids = next((t for t in rec.tensors if t.role == "input" and len(t.shape) == 2
-                        and t.dtype.startswith(("int", "uint"))), None)
-            if ids is not None:
-                out[rec.step] = tuple(ids.shape)
-    return out
-
-
 def _joined_here(entry: TensorEntry) -> bool:
     return entry.merge is not None and entry.merge.over == MICROBATCHES
-
-
-def _entries(rec: Record) -> list[TensorEntry]:
-    return list(rec.tensors)
 

@@ -377,8 +377,9 @@ def _render_footer(report: View, console: Console):
 
 def render_ranks(result: View, console: Console):
     """``layerdiff align RUN``: one line per rank against the first of its replicas, then the first desync."""
-    firsts = {r.get("against", 0) for r in result["ranks"]}
-    with_whom = "rank 0" if firsts <= {0} else "the first rank of its replicas"
+    from layerdiff.runs.desync import against_rank0  # only for a run's ranks against each other
+
+    with_whom = "rank 0" if against_rank0(result) else "the first rank of its replicas"
     console.print(f"[bold]{as_text(result['path'])}[/]: {result['world_size']} ranks, each compared with {with_whom} on "
                   "what replicas must agree on (shards and partial sums left out)")
     for r in result["ranks"]:

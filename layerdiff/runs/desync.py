@@ -14,7 +14,7 @@ compare is named in the report (``missing``), never left out silently.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from layerdiff.compare.spec import Comparison
 from layerdiff.compare.tolerance import TolerancePolicy
@@ -67,6 +67,12 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
             break
     return {"kind": "ranks", "path": str(path), "world_size": world, "ranks": results, "first_divergence": first,
             "missing": missing, "tolerances": policy.describe(), "verdict": "divergent" if divergent else "aligned"}
+
+
+def against_rank0(result: Mapping[str, Any]) -> bool:
+    """Whether every rank of a ``check_run`` report was compared with rank 0 (else with the first of its
+    replicas: a pipeline stage's, a tensor-parallel rank's)."""
+    return {r.get("against", 0) for r in result["ranks"]} <= {0}
 
 
 def missing_line(missing: list[dict], named: int = 8) -> str:

@@ -28,6 +28,7 @@ from msgspec.structs import replace
 
 from layerdiff.errors import TraceFormatError
 from layerdiff.tracefile.index import Damage
+from layerdiff.match.joins import alike, batch_axis, token_shapes
 from layerdiff.match.operands import combine_stats
 from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
@@ -111,7 +112,9 @@ class RankedRun:
         self._joined = 0  # joined entries made so far (each gets its own negative offset)
         self.layouts = [reader.meta.get("parallel") or {} for reader in self.readers]
         self.stages = [int(layout.get("pp_rank") or 0) for layout in self.layouts]
-        self._local_tokens = {rank: _token_shape(reader.records) for rank, reader in enumerate(self.readers)}
+        # (batch, sequence) of each rank's share of its first step
+        self._local_tokens = {rank: next(iter(token_shapes(reader.records).values()), None)
+                              for rank, reader in enumerate(self.readers)}
         self.records = self._merge()
         self.ops: list[OpRecord] = []  # operations are not joined across ranks: align one rank's trace for them
 
@@ -175,22 +178,20 @@ class RankedRun:
         ranks on what they replicate, data-parallel ranks on their weights). Every rank of a run with no
         pipeline. With tensor and data parallelism both, the ranks of one tensor-parallel coordinate: they hold
         the same shards."""
-        groups: dict[tuple, list[int]] = {}
-        both = all((lay.get("tp") or 1) > 1 and (lay.get("dp") or 1) > 1 for lay in self.layouts)
-        for rank, stage in enumerate(self.stages):
-            shard = int(self.layouts[rank].get("tp_rank") or 0) if both else 0
-            groups.setdefault((stage, shard), []).append(rank)
-        return list(groups.values())
+        return self._by_stage("tp_rank" if _tensor_and_data(self.layouts) else None)
 
     def peer_groups(self) -> list[list[int]]:
         """With tensor and data parallelism both (tp > 1 and dp > 1): the tensor-parallel ranks of each
         data-parallel replica, which hold the same copy of every weight that is not sharded (a norm's); none
         otherwise (``replica_groups`` already holds them)."""
-        if not all((lay.get("tp") or 1) > 1 and (lay.get("dp") or 1) > 1 for lay in self.layouts):
-            return []
+        return self._by_stage("dp_rank") if _tensor_and_data(self.layouts) else []
+
+    def _by_stage(self, coordinate: str | None) -> list[list[int]]:
+        """The ranks of each pipeline stage, split by their ``coordinate`` in the layout (None: not split)."""
         groups: dict[tuple, list[int]] = {}
         for rank, stage in enumerate(self.stages):
-            groups.setdefault((stage, int(self.layouts[rank].get("dp_rank") or 0)), []).append(rank)
+            at = int(self.layouts[rank].get(coordinate) or 0) if coordinate else 0
+            groups.setdefault((stage, at), []).append(rank)
         return list(groups.values())
 
     def _global_records(self) -> list[list[Record]]:
@@ -234,7 +235,7 @@ class RankedRun:
         """``ranks`` as data-parallel replicas, each its tensor-parallel ranks in order (None: one level of join
         is enough: no tensor or no data parallelism, or a module held apart, such as one rank's experts)."""
         layouts = [self.layouts[r] for r in ranks]
-        if len(ranks) < 4 or any((lay.get("tp") or 1) < 2 or (lay.get("dp") or 1) < 2 for lay in layouts) \
+        if len(ranks) < 4 or not _tensor_and_data(layouts) \
                 or any(_owns(lay, rec.path) or _owns(lay, getattr(rec, "module", None) or "") for lay in layouts):
             return None
         replicas: dict[int, list[int]] = {}
@@ -251,19 +252,15 @@ class RankedRun:
         firsts = [replica[0] for replica in replicas]
         tensors: list[TensorEntry] = []
         for i, entry in enumerate(rec.tensors):
-            parts = [r.tensors[i] if i < len(r.tensors) and r.tensors[i].key == entry.key else _find(r, entry)
-                     for r in records]
-            if any(p is None for p in parts):
+            parts = _counterparts(records, i, entry)
+            if parts is None:
                 tensors.append(entry)  # the first replica's, as joined: the others lack it
                 continue
-            found = [p for p in parts if p is not None]
             if rec.kind == "param_grad" and self._grad_mean(firsts):
-                how: tuple | None = ("sum", None, 1.0 / len(found))  # each replica's own batch's: DDP's mean
+                how: tuple | None = ("sum", None, 1.0 / len(parts))  # each replica's own batch's: DDP's mean
             else:
-                how = self._batch_join(rec, found, firsts[0])
-                if how and how[0] == "concat" and entry.role.startswith("grad") and self._grad_mean(firsts):
-                    how = ("concat", how[1], 1.0 / len(found))
-            tensors.append(self._merged_entry(found, how, firsts))
+                how = self._mean_of_gradients(entry, self._batch_join(rec, parts, firsts[0]), firsts)
+            tensors.append(self._merged_entry(parts, how, firsts))
         return replace(rec, tensors=tensors)
 
     def _merge_group(self, twins: list[Record], ranks: list[int], sharded_weights: dict,
@@ -276,10 +273,8 @@ class RankedRun:
         tensors: list[TensorEntry] = []
         known: dict[tuple, tuple] = {}
         for i, entry in enumerate(rec.tensors):
-            located = [t.tensors[i] if i < len(t.tensors) and t.tensors[i].key == entry.key
-                       else _find(t, entry) for t in twins]
-            parts = [p for p in located if p is not None]
-            if len(parts) < len(located):
+            parts = _counterparts(twins, i, entry)
+            if parts is None:
                 tensors.append(self._per_rank_entry([entry], ranks[:1]))
                 continue
             region = (ranks[0], *_region(entry))
@@ -290,8 +285,7 @@ class RankedRun:
             how = self._every_part(rec, how) or self._data_parallel(rec, parts, ranks)
             if replica:
                 how = _within_replica(entry, how)
-            if how and how[0] == "concat" and entry.role.startswith("grad") and self._grad_mean(ranks):
-                how = ("concat", how[1], 1.0 / len(ranks))  # each rank's own loss's gradient: the step's is their mean
+            how = self._mean_of_gradients(entry, how, ranks)
             merged_entry = self._merged_entry(parts, how, ranks)
             if rec.kind == "param" and how:
                 state.param_how[rec.path] = how
@@ -318,13 +312,20 @@ class RankedRun:
         """How data-parallel shares of one tensor join: one copy when alike, else along the batch axis of
         ``first_rank``'s share (None: a parameter that differs, left per rank)."""
         first = parts[0]
-        if all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:]):
+        if alike(parts):
             return "replicate", None
         batch, seq = self._local_tokens.get(first_rank) or (None, None)
-        axis = next((d for d, n in enumerate(first.shape) if n == batch), None)
+        axis = batch_axis(first.shape, batch)
         if axis is None and batch is not None and seq is not None and first.shape and first.shape[0] == batch * seq:
             axis = 0  # the rank's tokens flattened ([b * s, ...], an MoE router's): the ranks' blocks in turn
         return ("concat", axis) if axis is not None and not isinstance(rec, ParamRecord) else None
+
+    def _mean_of_gradients(self, entry: TensorEntry, how: tuple | None, ranks: list[int]) -> tuple | None:
+        """A gradient joined along an axis over ranks each with its own loss (``_grad_mean``): the step's is
+        their mean."""
+        if how and how[0] == "concat" and entry.role.startswith("grad") and self._grad_mean(ranks):
+            return "concat", how[1], 1.0 / len(ranks)
+        return how
 
     def _grad_mean(self, ranks: list[int]) -> bool:
         """Data-parallel ranks whose gradients the step averages (``ParallelLayout.grad_mean``): ranks of
@@ -501,14 +502,6 @@ def _scaled(stats: dict[str, Any] | None, scale: float | None) -> dict[str, Any]
     return {**stats, **{k: stats[k] * scale for k in ("min", "max", "mean", "l2") if stats.get(k) is not None}}
 
 
-def _token_shape(records: list[Record]) -> tuple[int, int] | None:
-    """(batch, sequence) of a rank's first step: its first root call's token ids ([b, s], 2-D integers)."""
-    root = next((r for r in records if isinstance(r, CallRecord) and r.phase == "forward" and not r.parent), None)
-    ids = next((t for t in root.tensors if t.role == "input" and len(t.shape) == 2
-                and t.dtype.startswith(("int", "uint"))), None) if root is not None else None
-    return (ids.shape[0], ids.shape[1]) if ids is not None else None
-
-
 class _MergeState:
     """What the merge of earlier records tells about later ones: shards by their stored bytes, a gradient spread
     as its forward tensor is, a parameter's gradient as the parameter."""
@@ -519,6 +512,20 @@ class _MergeState:
         # tensor on each (a stage's hidden states, the last stage's logits)
         self.forward_how: dict[tuple, tuple] = {}
         self.param_how: dict[str, tuple] = {}  # parameter name -> how
+
+
+def _tensor_and_data(layouts: list[Mapping[str, Any]]) -> bool:
+    """Ranks laid out with tensor and data parallelism both (tp > 1 and dp > 1)."""
+    return all((lay.get("tp") or 1) > 1 and (lay.get("dp") or 1) > 1 for lay in layouts)
+
+
+def _counterparts(records: list[Record], i: int, entry: TensorEntry) -> list[TensorEntry] | None:
+    """The ``i``-th tensor of the first of ``records`` (``entry``) in each of them, found by role and key where
+    the order differs; None when one lacks it."""
+    found = [r.tensors[i] if i < len(r.tensors) and r.tensors[i].key == entry.key else _find(r, entry)
+             for r in records]
+    parts = [p for p in found if p is not None]
+    return parts if len(parts) == len(found) else None
 
 
 def _within_replica(entry: TensorEntry, how: tuple | None) -> tuple | None:
