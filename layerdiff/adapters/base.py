@@ -55,6 +55,11 @@ class FrameworkAdapter(ABC):
         dtype, in-place version), or None where the framework cannot tell (every tensor is then stored)."""
         return None
 
+    def version(self, t: Any) -> int | None:
+        """A counter that changes whenever ``t``'s bytes change in place (torch's ``_version``), for tensors that
+        ``identify`` knows; None where there is none (the tensor is then known by ``identify`` alone)."""
+        return None
+
     #: whether ``identify`` holds for gradients in backward too; False where the framework's backward kernels may
     #: write into a live gradient's buffer without bumping its version (Paddle reuses them in place)
     gradients_keep_identity: ClassVar[bool] = True

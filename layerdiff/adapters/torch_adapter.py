@@ -75,15 +75,19 @@ def to_stored(t: torch.Tensor):
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None or t.is_meta:
         return None
-    t = local(t)
-    if t is None:
-        return None
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg()
+    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_cpu and t.layout == torch.strided:
+        t = t.detach()  # the common case (a plain tensor in memory): no conversions to try one by one
+    else:
+        t = local(t)
+        if t is None:
+            return None
+        t = t.detach()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        if t.device.type != "cpu":
+            t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if name == "bfloat16":
         return t.view(torch.int16).numpy().view(np.uint16), name
     if name.startswith("float8"):
@@ -96,6 +100,11 @@ def identify(t: torch.Tensor):
     if t.layout != torch.strided or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
         return None
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
+
+
+def version(t: torch.Tensor) -> int | None:
+    """The in-place version counter of a tensor that ``identify`` knows (None for others)."""
+    return t._version if type(t) is torch.Tensor or type(t) is torch.nn.Parameter else None
 
 
 _MAX_GRAPH_WALK = 512  # autograd nodes visited per call of a module that owns a tied weight
@@ -175,7 +184,7 @@ class DeviceDeferral:
 
     def add(self, t: torch.Tensor) -> DeferredStats | None:
         """The tensor's statistics, deferred; None for what is summarized otherwise (the host's tensors)."""
-        if not _on_accelerator(t) or not t.is_floating_point() or t.layout != torch.strided:
+        if t.is_cpu or not _on_accelerator(t) or not t.is_floating_point() or t.layout != torch.strided:
             return None
         shard = local(t)
         if shard is None or shard.numel() == 0:
@@ -458,6 +467,7 @@ class TorchAdapter(FrameworkAdapter):
     dtype_name = staticmethod(dtype_name)
     to_stored = staticmethod(to_stored)
     identify = staticmethod(identify)
+    version = staticmethod(version)
     fast_stats = staticmethod(fast_stats)
     describe = staticmethod(describe)
     placement = staticmethod(placement)

@@ -229,8 +229,7 @@ class OpCapture:
         frame = session.stack[-1]
         inputs: list[tuple[str, Any]] = []
         scalars: dict[str, Any] = {}
-        _arguments(args, "args", is_tensor, self.scalar, inputs, scalars)
-        _arguments(kwargs, "kwargs", is_tensor, self.scalar, inputs, scalars)
+        _top_arguments(args, kwargs, is_tensor, self.scalar, inputs, scalars)
         stack = session.stack
         producers = {key: self.producers.lookup(frame, t, stack) for key, t in inputs}
         op = session.begin_op(frame, name, scalars, inputs, producers, *located)
@@ -250,6 +249,8 @@ class OpCapture:
         outputs: list[tuple[str, Any]] = []
         if name.in_place and inputs:
             outputs.append(("out", inputs[0][1]))
+        elif is_tensor(out):  # most operations: one tensor
+            outputs.append(("out", out))
         else:
             walk(out, "out", is_tensor, lambda k, t: outputs.append((k, t)), None)
         same = name.kind in SAME_VALUES
@@ -257,7 +258,7 @@ class OpCapture:
         self.stats["ops"] += 1
         for key, t in outputs:
             self.producers.register(frame, t, {"kind": "op", "index": op.index, "key": key})
-        if grads is None or same or any(t is i for _, t in outputs for _, i in inputs):
+        if grads is None or same or _hands_back(inputs, outputs):
             return out  # no gradients; a view or a copy (its gradient is its output's); an input handed back
         if tapped or grads.one_step is None:
             self._watch_gradients(op, tapped, outputs, grads)
@@ -296,6 +297,38 @@ class OpCapture:
         grads.on_gradients([t for _, t in wanted], on_outputs)
         if tapped:
             grads.on_gradients([t for _, t in tapped], on_inputs)
+
+
+def _hands_back(inputs: list, outputs: list) -> bool:
+    """Whether an operation returned one of its inputs (``x.to(x.dtype)``, ``contiguous`` of a contiguous one)."""
+    for _, t in outputs:
+        for _, i in inputs:
+            if t is i:
+                return True
+    return False
+
+
+_ARG_KEYS = tuple(f"args.{i}" for i in range(16))
+_PLAIN = (bool, int, float)
+
+
+def _top_arguments(args: tuple, kwargs: dict, is_tensor: Callable[[Any], bool], scalar: Callable[[Any], Any],
+                   tensors: list[tuple[str, Any]], out: dict[str, Any]) -> None:
+    """``_arguments`` of a call's positional and keyword arguments, with the common ones (a tensor, a number,
+    None) taken without a call each: the interceptor runs this for every operation."""
+    if len(args) > 16:
+        _arguments(args, "args", is_tensor, scalar, tensors, out)
+        args = ()
+    for i, v in enumerate(args):
+        key = _ARG_KEYS[i] if i < 16 else f"args.{i}"
+        if is_tensor(v):
+            tensors.append((key, v))
+        elif v is None or type(v) in _PLAIN:
+            out[key] = v
+        else:
+            _arguments(v, key, is_tensor, scalar, tensors, out)
+    if kwargs:
+        _arguments(kwargs, "kwargs", is_tensor, scalar, tensors, out)
 
 
 def _arguments(obj: Any, prefix: str, is_tensor: Callable[[Any], bool], scalar: Callable[[Any], Any],

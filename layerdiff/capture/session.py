@@ -70,6 +70,8 @@ class TensorAccess(Protocol):
 
     ``to_stored(t)`` -> (numpy array of the tensor's bits, dtype name) or None if it cannot be stored;
     ``identify(t)`` -> a hashable key that is equal for two tensors only while they show the same bytes, or None;
+    ``version(t)`` -> a counter that changes whenever the tensor object's bytes change in place, or None (where it is
+    not None, a tensor object seen again in a step is known by it, without ``identify``);
     ``fast_stats(t)`` -> the statistics computed by the framework itself, or None to use numpy;
     ``describe(t)`` -> (dtype name, shape) of what ``fast_stats`` summarized: "stats" mode skips the host copy;
     ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part);
@@ -79,6 +81,8 @@ class TensorAccess(Protocol):
     def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None: ...
 
     def identify(self, t: Any) -> Any: ...
+
+    def version(self, t: Any) -> int | None: ...
 
     def fast_stats(self, t: Any) -> Any: ...
 
@@ -139,6 +143,9 @@ class TraceSession:
         self.writer = writer
         self.tensors = tensors
         self.seen: dict = {}  # identity -> ([weakrefs to tensors with that identity], entry); per step
+        # id(tensor object) -> (weakref to it, its version, entry), per step: the same object seen again is known by
+        # two lookups (the identity costs a dozen attribute reads; most tensors a step records are seen again)
+        self.seen_objects: dict[int, tuple[Any, Any, dict]] = {}
         self.store_data = mode == "full"
         self.stack: list[CallFrame] = []
         self.call_counts: dict[str, int] = {}
@@ -154,6 +161,7 @@ class TraceSession:
         self.started = time.time()
         self.deferred: list[DeferredStats] = []  # statistics still on the device ...
         self.queued: list[dict] = []  # ... and the records that wait for them, in order
+        self.deferred_any = False  # whether any statistic was ever left on a device (records may point at one)
         self._deferring = threading.RLock()  # autograd may call back from a thread of its own
         self.deferral = tensors.deferral()
 
@@ -162,7 +170,7 @@ class TraceSession:
         """A record to the writer, in order: after the records that wait for statistics still on the device."""
         with self._deferring:
             if not self.deferred:
-                self.writer.write_record(_settled(record))
+                self.writer.write_record(_settled(record) if self.deferred_any else record)
                 return
             self.queued.append(record)
             if len(self.queued) >= DEFERRED_RECORDS:
@@ -197,12 +205,18 @@ class TraceSession:
         """``same_values``: the entry of a tensor with the same values in another layout (a view, a transpose):
         without stored data, its statistics are taken over, not computed again. ``known``: whether its identity
         can be trusted (gradients in some frameworks' backward: ``gradients_keep_identity``)."""
+        if known:
+            again = self.seen_objects.get(id(t))
+            if again is not None and again[0]() is t and (not store or "offset" in again[2]) and \
+                    again[1] == self.tensors.version(t):
+                return again[2]
         identity = self.tensors.identify(t) if known else None
         if identity is not None:
             hit = self.seen.get(identity)
             if hit is not None and (not store or "offset" in hit[1]) and \
                     any(self._same(ref(), identity) for ref in hit[0]):
                 hit[0].append(weakref.ref(t))
+                self._seen_object(t, hit[1])
                 return hit[1]
         if same_values is not None and not store:
             dtype, shape = self.tensors.describe(t)
@@ -210,10 +224,12 @@ class TraceSession:
                 entry = self.writer.summary_entry(dtype, shape, same_values["stats"])
                 if identity is not None:
                     self.seen[identity] = ([weakref.ref(t)], entry)
+                    self._seen_object(t, entry)
                 return entry
         stats: Any = self.deferral.add(t) if self.deferral is not None and not store else None
         if stats is not None:
             self.deferred.append(stats)
+            self.deferred_any = True
         else:
             stats = self.tensors.fast_stats(t)
         if stats is not None and not store:
@@ -228,7 +244,13 @@ class TraceSession:
             entry["placement"] = place
         if identity is not None:
             self.seen[identity] = ([weakref.ref(t)], entry)
+            self._seen_object(t, entry)
         return entry
+
+    def _seen_object(self, t, entry: dict) -> None:
+        version = self.tensors.version(t)
+        if version is not None:
+            self.seen_objects[id(t)] = (weakref.ref(t), version, entry)
 
     def _same(self, obj, identity) -> bool:
         """A remembered tensor still alive with the same identity: its bytes cannot have been reused."""
@@ -239,6 +261,7 @@ class TraceSession:
         hit = self.seen.get(self.tensors.identify(original))
         if hit is not None:
             hit[0].append(weakref.ref(alias))
+            self._seen_object(alias, hit[1])
 
     def warn(self, message: str):
         if message not in self.warnings:
@@ -265,6 +288,7 @@ class TraceSession:
         self.micro = 0 if scope is not None else None
         self.step += 1
         self.seen.clear()
+        self.seen_objects.clear()
 
     def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict,
                    full: bool = True, arg_names: tuple = (), scope: Any = None) -> CallFrame:

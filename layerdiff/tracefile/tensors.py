@@ -91,14 +91,23 @@ def encode_float(values: np.ndarray, dtype: str) -> np.ndarray:
 _PIECE = 1 << 16  # elements: a piece stays in the CPU cache for its four reductions (one read from memory)
 
 
-def _sum(x: np.ndarray) -> float:
-    """The sum of a flat float32/float64 array of at most a piece, by ``np.einsum``'s vectorized loop.
+_ONES = {np.dtype(t): np.ones(_PIECE, t) for t in (np.float32, np.float64)}
+for _ones in _ONES.values():
+    _ones.setflags(write=False)
 
-    Why: numpy's pairwise sum of a 64K-element float32 piece took 9.8 us, einsum 4.2 us (BLAS routes were faster
-    still but start BLAS's threads, which then spin against the framework's: the traced step took twice as
-    long). Its error stays within ~2e-7 of the sum of magnitudes over a piece; pieces are added in float64.
+
+_REDUCED = frozenset(_ONES)  # dtypes reduced as they are (a set of dtypes: comparing a dtype with np.float32 converts)
+
+
+def _sum(x: np.ndarray) -> float:
+    """The sum of a flat float32/float64 array of at most a piece, as its dot product with ones (BLAS's dot, as
+    the sum of squares already is).
+
+    Why: numpy's pairwise sum of a 64K-element float32 piece took 9.8 us, ``np.einsum`` 3.6 us plus its Python
+    dispatcher, the dot 2.7 us, with the same error (within ~1e-7 of the sum of magnitudes over a piece, measured
+    against float64); pieces are added in float64. The ones are made once (read-only constants, never written).
     """
-    return float(np.einsum("i->", x))
+    return float(np.dot(x, _ONES[x.dtype][:x.size]))
 
 
 def _moments(x: np.ndarray, add: Callable[[np.ndarray], Any] = _sum) -> tuple[float, float, float, float]:
@@ -145,7 +154,7 @@ def summarize(stored: np.ndarray, dtype: str) -> dict[str, Any]:
     if n == 0:
         return stats
     x = np.ascontiguousarray(as_float(stored, dtype).reshape(-1))
-    if x.dtype not in (np.float32, np.float64):
+    if x.dtype not in _REDUCED:
         x = x.astype(np.float64)
     moments = _one_piece(x) if n <= _PIECE else None  # None: more than a piece, or not all finite
     if moments is None:
