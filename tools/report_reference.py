@@ -32,7 +32,8 @@ PAGE = ROOT / "docs" / "reference" / "report.md"
 OBJECTS = {
     "Failure": "Where a traced run raised: the module, the error, and the modules active then.",
     "Tolerance": "The tolerance a tensor pair was judged by: it passes when "
-                 "`max_abs <= atol + rtol * ref_max_abs` and `cosine >= cos`.",
+                 "`max_abs <= atol + rtol * ref_max_abs` and `cosine >= cos` (the cosine is not judged when "
+                 "`ref_max_abs <= atol`: both tensors are within the absolute tolerance of zero).",
     "NonfiniteOrigin": "The first call of a run whose inputs are finite and whose outputs (or input gradients) are not.",
     "ModuleMatch": "One inferred module match and its evidence.",
     "Unmatched": "Modules of each run with no counterpart in the other.",

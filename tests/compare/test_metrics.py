@@ -78,6 +78,18 @@ def test_tolerance_judgement_and_overrides():
         parse_rule("no-colon")
 
 
+def test_cosine_is_no_evidence_between_tensors_within_atol_of_zero():
+    """A gradient that is zero in exact arithmetic is rounding noise in each run, at any angle to the other run's:
+    judged by its magnitude alone. Above atol, the angle still decides."""
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal(64) * 1e-12, rng.standard_normal(64) * 1e-12
+    noise = compare_data([a.astype(np.float32)], [b.astype(np.float32)], "float32", "float32")
+    assert noise["cosine"] < 0.9 and judge(noise, DEFAULTS["float32"]) == (True, "within tolerance")
+    assert judge(noise, TolerancePolicy(atol=0.0).for_tensor("x", "float32", "float32"))[0] is False
+    signal = {**noise, "ref_max_abs": 1e-6, "max_abs": 1e-9}
+    assert judge(signal, DEFAULTS["float32"])[0] is False and "cosine" in judge(signal, DEFAULTS["float32"])[1]
+
+
 def test_stats_comparison():
     rng = np.random.default_rng(1)
     a = rng.standard_normal(1000).astype(np.float32)
