@@ -4,7 +4,9 @@ A pair passes when ``max_abs <= atol + rtol * max|reference|`` and ``cosine >= c
 reference is not entirely within ``atol`` of zero: the angle between two tensors of rounding noise is no evidence).
 Defaults per dtype follow common parity practice: bf16 max diff ~1e-2 and cosine > 0.9999, fp16 ~1e-3 and
 > 0.99999; fp32 is tight enough to flag a 1e-4 relative defect while staying quiet on honest fp32
-reimplementations (different op order: ~1e-6 relative). The less precise side of a pair decides.
+reimplementations (different op order: ~1e-6 relative). The less precise side of a pair decides, and where the two runs
+hold their parameters in different dtypes, the less precise of those decides for every floating tensor
+(``precision_floor``).
 """
 from __future__ import annotations
 
@@ -37,12 +39,34 @@ DEFAULTS = {
 }
 
 
-def dtype_class(dtype_a: str | None, dtype_b: str | None) -> str:
+def dtype_class(dtype_a: str | None, dtype_b: str | None, floor: str | None = None) -> str:
+    """The tolerance class of a pair: its less precise floating dtype, or ``floor`` where that is less precise
+    still (``precision_floor``); "exact" for integers and booleans."""
     floats = [d for d in (dtype_a, dtype_b) if d in FLOAT_DTYPES]
     if not floats:
         return "exact"
+    if floor in FLOAT_DTYPES:
+        floats.append(floor)
     worst = min(floats, key=lambda d: PRECISION_RANK[d])
     return "float8" if worst.startswith("float8") else worst
+
+
+def precision_floor(dtypes_a: Iterable[str] | None, dtypes_b: Iterable[str] | None) -> str | None:
+    """The least precise floating dtype the two runs hold their parameters in, where they hold them in different
+    ones (float32 against bfloat16: "bfloat16"); None where both hold the same. Every floating tensor of such a
+    comparison is judged by that dtype's tolerance at best.
+
+    Why: a value computed from less precise data is no more precise than that data. A run that holds its weights
+    in bfloat16 computes its float32 tensors (a loss from its logits, an upcast buffer, a norm's statistics) from
+    bfloat16 values: against a float32 run they differ by bfloat16's rounding (the loss of a small Llama: 2.6e-5
+    relative, over float32's 2e-5), and every float32 against bfloat16 comparison was "divergent" at the loss, or
+    at the first upcast with operations recorded. Runs that hold the same dtypes keep float32's tolerance where
+    they compute in float32: a norm one of them takes in bfloat16 by mistake is still found."""
+    floats_a = {d for d in dtypes_a or () if d in FLOAT_DTYPES}
+    floats_b = {d for d in dtypes_b or () if d in FLOAT_DTYPES}
+    if not floats_a or not floats_b or floats_a == floats_b:
+        return None
+    return min(floats_a | floats_b, key=lambda d: PRECISION_RANK[d])
 
 
 class TolerancePolicy:
@@ -53,8 +77,10 @@ class TolerancePolicy:
         self.global_override = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("cos", cos)) if v is not None}
         self.rules = [(re.compile(pattern), dict(values)) for pattern, values in rules]
 
-    def for_tensor(self, path: str, dtype_a: str | None, dtype_b: str | None) -> Tolerance:
-        cls = dtype_class(dtype_a, dtype_b)
+    def for_tensor(self, path: str, dtype_a: str | None, dtype_b: str | None, floor: str | None = None) -> Tolerance:
+        """``floor``: the least precise dtype either run holds its parameters in, where they differ
+        (``precision_floor``)."""
+        cls = dtype_class(dtype_a, dtype_b, floor)
         tol = DEFAULTS[cls]
         if cls != "exact":
             tol = replace(tol, **self.global_override)

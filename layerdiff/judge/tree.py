@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping
 
 from layerdiff import schema
-from layerdiff.compare.tolerance import TolerancePolicy, judge
+from layerdiff.compare.tolerance import TolerancePolicy, judge, precision_floor
 from layerdiff.match.mapping import collapse_indices
 from layerdiff.schema import IN_ROLES, OUT_ROLES
 
@@ -56,12 +56,15 @@ def node_key(row: schema.Row) -> NodeKey:
 def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[schema.Row]:
     """The measured rows with every tensor judged under ``policy``: new rows and tensors, the measurements are
     left as they were (the same measurements can be judged again under other tolerances)."""
-    return [{**row, "tensors": [_judged(row["path"], t, policy) for t in row["tensors"]]}
+    run_a, run_b = measurements.get("a"), measurements.get("b")
+    floor = precision_floor(run_a.get("param_dtypes") if run_a else None, run_b.get("param_dtypes") if run_b else None)
+    return [{**row, "tensors": [_judged(row["path"], t, policy, floor) for t in row["tensors"]]}
             for row in measurements["records"]]
 
 
-def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy) -> schema.TensorResult:
-    tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"])
+def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
+            floor: str | None = None) -> schema.TensorResult:
+    tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"], floor)
     passed, reason = judge(tensor["metrics"], tol)
     t: schema.TensorResult = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
     t.pop("ranks", None)  # from an earlier judgement under other tolerances

@@ -49,6 +49,8 @@ def _decode_float8(bits: np.ndarray, exp_bits: int, man_bits: int, bias: int, ie
 
 def as_float(stored: np.ndarray, dtype: str) -> np.ndarray:
     """The values of a stored tensor as a numpy float array (float32 or wider); ints and bools as float64."""
+    if stored.ndim == 0:  # a scalar tensor: numpy's operators return a scalar for it, whose bits cannot be viewed
+        return as_float(stored.reshape(1), dtype).reshape(())
     if dtype == "bfloat16":
         return (stored.astype(np.uint32) << 16).view(np.float32)
     if dtype == "float8_e4m3fn":

@@ -7,7 +7,7 @@ import pytest
 
 from layerdiff.compare.metrics import compare_arrays, compare_data, compare_stats
 from layerdiff.tracefile.tensors import as_float, summarize
-from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule
+from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule, precision_floor
 
 
 def _reference(a, b):
@@ -88,6 +88,32 @@ def test_cosine_is_no_evidence_between_tensors_within_atol_of_zero():
     assert judge(noise, TolerancePolicy(atol=0.0).for_tensor("x", "float32", "float32"))[0] is False
     signal = {**noise, "ref_max_abs": 1e-6, "max_abs": 1e-9}
     assert judge(signal, DEFAULTS["float32"])[0] is False and "cosine" in judge(signal, DEFAULTS["float32"])[1]
+
+
+def test_runs_holding_parameters_in_other_dtypes_are_judged_by_the_less_precise():
+    assert precision_floor(["float32"], ["bfloat16"]) == "bfloat16"
+    assert precision_floor(["float32", "bfloat16"], ["float32"]) == "bfloat16"
+    assert precision_floor(["float32"], ["float32"]) is None and precision_floor(["bfloat16"], ["bfloat16"]) is None
+    assert precision_floor(None, ["float16"]) is None  # a run that does not say: nothing to go by
+    policy = TolerancePolicy()
+    assert policy.for_tensor("m", "float32", "float32", "bfloat16") == DEFAULTS["bfloat16"]
+    assert policy.for_tensor("m", "float16", "float16", "bfloat16") == DEFAULTS["bfloat16"]
+    assert policy.for_tensor("m", "float64", "float64", "float16") == DEFAULTS["float16"]
+    assert policy.for_tensor("m", "int64", "int64", "bfloat16") == DEFAULTS["exact"]  # integers stay exact
+    assert policy.for_tensor("m", "float32", "float32", None) == DEFAULTS["float32"]
+
+
+@pytest.mark.parametrize("dtype, bits", [("bfloat16", np.uint16(0x3FC0)), ("float8_e4m3fn", np.uint8(0x3C)),
+                                         ("float8_e5m2", np.uint8(0x3E)), ("float16", np.float16(1.5)),
+                                         ("float32", np.float32(1.5)), ("int64", np.int64(1))])
+def test_scalar_tensors_of_every_dtype_are_read(dtype, bits):
+    """A 0-dimensional tensor (a loss, a scale an operation makes) in bfloat16 stopped a trace: numpy's shift of a
+    0-d array gives a scalar, whose bits cannot be viewed as float32."""
+    stored = np.array(bits)
+    assert stored.ndim == 0
+    value = as_float(stored, dtype)
+    assert value.shape == () and float(value) == (1.0 if dtype == "int64" else 1.5)
+    assert summarize(stored, dtype)["mean"] == float(value)
 
 
 def test_stats_comparison():
