@@ -295,7 +295,8 @@ class OriginOp(TypedDict, total=False):
 
 class Origin(TypedDict, total=False):
     """Where a divergence starts: a call whose inputs agree and whose outputs do not (``where``: module,
-    own_code, inputs, forward = inherited from forward, raised, param_grad; with ``ops`` tracing also op, an
+    own_code, inputs, forward = inherited from forward, raised, param_grad, update = the parameters a step
+    begins with differ while every earlier step agrees: the optimizer's update; with ``ops`` tracing also op, an
     operation inside ``module``'s own code, and op_input, a tensor the code passed to an operation)."""
     module: Optional[str]
     call: Optional[Int64]

@@ -246,7 +246,9 @@ KEYS = {
         "type": "A's module class.",
         "where": "`module` (the module's own computation), `own_code` (a parent's own code between two children), "
                  "`inputs` (the runs were given different inputs), `forward` (backward inherited from the forward "
-                 "divergence), `raised`, `param_grad` (parameter gradients differ though no call shows it); with "
+                 "divergence), `raised`, `param_grad` (parameter gradients differ though no call shows it), `update` "
+                 "(the parameters a step begins with differ while every earlier step agrees: the update between "
+                 "the steps, such as the optimizer's; `module` is then the first such parameter's); with "
                  "operations recorded (`--ops`), `op` (an operation of `module`'s own code: its inputs agree, its "
                  "output does not) and `op_input` (the code passed an operation a tensor that differs while what "
                  "made it agrees).",

@@ -10,7 +10,7 @@ from layerdiff.compare.measure import measure
 from layerdiff.compare.metrics import relative_error
 from layerdiff.compare.spec import Comparison
 from layerdiff.compare.tolerance import TolerancePolicy
-from layerdiff.judge.origin import phase_result
+from layerdiff.judge.origin import phase_result, update_origin
 from layerdiff.judge.tree import call_tree, judge_rows, param_rows
 from layerdiff.match.modules import find_blocks
 
@@ -22,6 +22,7 @@ def evaluate(measurements: schema.Report, policy: TolerancePolicy) -> schema.Rep
     params = {kind: param_rows(rows, kind) for kind in ("param", "param_grad", "param_grad_use")}
     strict = measurements.get("structure") == "same_model"
     forward = phase_result(rows, "forward", call_tree(rows, "forward", strict), params, None)
+    forward["first_divergence"] = update_origin(rows, params, forward["first_divergence"])
     backward = phase_result(rows, "backward", call_tree(rows, "backward", strict), params,
                              forward["first_divergence"])
     forward["failure"], forward["failure_a"] = _failure(measurements["b"]), _failure(measurements["a"])

@@ -372,3 +372,30 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
         return {"module": bad_param["module"], "where": "param_grad", "description": description,
                 "tensor": bad_param, "hparam_diff": {}, "param_diffs": [bad_param], "chain": [], "phase": phase}
     return None
+
+
+def update_origin(rows: list[schema.Row], params: dict, origin: schema.Origin | None) -> schema.Origin | None:
+    """The forward origin where the first step that differs begins with parameters that differ while everything
+    before agrees (the earlier steps' forward, gradients and parameters): the update between the steps, outside the
+    model's calls (the optimizer's settings, gradient clipping or scaling, code that sets weights between steps).
+
+    Why: a training run with another learning rate was named at its first module with a weight ("model.embed_tokens
+    ... parameter differs"), as if that module's code were wrong."""
+    step = origin.get("step", 0) if origin is not None else 0
+    if origin is None or not step or origin.get("where") in ("inputs", "raised"):
+        return origin
+    changed = [p for p in params.get("param", []) if p["step"] == step and not p["passed"]]
+    earlier = [t for r in rows if r.get("step") is not None and r["step"] < step for t in r["tensors"]]
+    if not changed or not earlier or not all(t["passed"] for t in earlier):
+        return origin
+    recorded = sum(1 for p in params.get("param", []) if p["step"] == step)
+    first = changed[0]
+    more = f" and {len(changed) - 1} more of the {recorded} parameters" if len(changed) > 1 else ""
+    return {**origin, "module": first["module"], "where": "update", "tensor": None, "param_diffs": changed, "type": None,
+            "call": None, "between": [None, None], "op": None, "hparam_diff": {}, "class_diff": None,
+            "chain": [first["module"] or "<root>"],
+            "description": f"the update before step {step + 1}: {first['name']}{more} differ at its start, though "
+                           f"everything before agrees (the forward, gradients and parameters of step {step}): they "
+                           "changed differently between the steps, outside the model's calls: the optimizer's update "
+                           "(learning rate, betas, epsilon, weight decay, gradient clipping or scaling) or code that "
+                           "sets weights between steps"}

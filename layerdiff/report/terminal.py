@@ -93,6 +93,9 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
         lines.append("the run stopped with this exception; modules active when it was raised are the chain below")
     elif where == "forward":
         lines.append("backward differs because forward already does; fix the forward origin first")
+    elif where == "update":
+        lines.append("compare the optimizers' settings, and what runs between backward and optimizer.step() "
+                     "(gradient clipping, scaling, accumulation)")
     elif tensor:
         if where == "op_input":
             lead = "what made its input agrees; "

@@ -1,0 +1,47 @@
+"""A few training steps (the parity workflow's third level): where the first step that differs begins with
+parameters that differ while every earlier step agrees end to end, the origin is the update between the steps
+(``where: "update"``), not the first module that holds a weight. A defect of the model's code in a later step is
+still named at its module.
+
+Real models: transformers' Llama of ``recipes/torch_llama.py``, trained with SGD for two steps.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import align_files
+
+torch = pytest.importorskip("torch")
+
+import layerdiff  # noqa: E402
+from layerdiff.recipes import torch_llama  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]  # real models traced
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("training")
+    for name, kwargs in {"ref": dict(lr=0.1), "lr": dict(lr=0.11),
+                         "eps_step2": dict(lr=0.1, defect="eps", defect_step=2)}.items():
+        built = torch_llama.build(**kwargs)
+        with layerdiff.trace(built["model"], root / f"{name}.h5"):
+            for _ in range(2):
+                built["step"]()
+    return root
+
+
+def test_another_learning_rate_is_named_as_the_update_between_steps(traces):
+    report = align_files(traces / "ref.h5", traces / "lr.h5")
+    origin = report["forward"]["first_divergence"]
+    assert report["verdict"] == "divergent" and origin["where"] == "update" and origin["step"] == 1, origin
+    assert "the update before step 2" in origin["description"] and "learning rate" in origin["description"]
+    assert origin["param_diffs"] and all(p["step"] == 1 for p in origin["param_diffs"])
+    assert report["backward"]["first_divergence"]["where"] == "forward"  # inherited from it
+
+
+def test_a_defect_of_the_models_code_in_a_later_step_is_named_at_its_module(traces):
+    report = align_files(traces / "ref.h5", traces / "eps_step2.h5")
+    origin = report["forward"]["first_divergence"]
+    assert origin["where"] != "update" and origin["step"] == 1, origin
+    assert origin["module"] == "model.layers.1.post_attention_layernorm", origin["description"]
