@@ -332,6 +332,12 @@ def _differentiable(t) -> bool:
     return t.requires_grad and (t.is_floating_point() or t.is_complex())
 
 
+def _eager(hook):
+    """``hook`` as dynamo leaves it: run by Python, never traced into a compiled graph."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if disable is not None else hook
+
+
 class Hooks(ModuleHooks):
     """Registers forward hooks on every module (plus gradient taps and parameter-gradient hooks)."""
 
@@ -343,8 +349,11 @@ class Hooks(ModuleHooks):
         return self.model.named_parameters(remove_duplicate=False)  # a tied weight under each owner
 
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
-        return [module.register_forward_pre_hook(pre_hook, with_kwargs=True),
-                module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)]
+        """The hooks run as Python even inside a ``torch.compile``d model (``torch.compiler.disable``): compiled
+        code breaks its graph at every traced module's boundary, and each module's own code is still compiled.
+        Without it, dynamo traced into the hooks (and failed in them: "NameError: ___tuple_iterator_getitem")."""
+        return [module.register_forward_pre_hook(_eager(pre_hook), with_kwargs=True),
+                module.register_forward_hook(_eager(post_hook), with_kwargs=True, always_call=True)]
 
     def register_param_grad_hooks(self):
         for name, p in self.params:

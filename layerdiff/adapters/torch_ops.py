@@ -77,6 +77,11 @@ class _Names:
         return found
 
 
+_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+"""Whether ``torch.compile`` is tracing this call into a graph: a compiled graph runs its operations as one
+program, so they are not recorded one by one (its modules still are: their hooks run eagerly)."""
+
+
 class _OpMode(TorchFunctionMode):
     """Hands every torch call made while a module's operations are recorded to ``capture.run``."""
 
@@ -89,7 +94,7 @@ class _OpMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         capture = self.capture
-        if not capture.recording():
+        if _compiling() or not capture.recording():
             return func(*args, **kwargs)
         name = self.names(func)
         if name is _NOT_AN_OP or not name.kind:
@@ -106,7 +111,7 @@ def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator
     apply: Callable[..., Any] = original.__func__
 
     def wrapped(cls, *args, **kwargs):
-        if cls in own_functions or not capture.recording():
+        if cls in own_functions or _compiling() or not capture.recording():
             return apply(cls, *args, **kwargs)
         name = OpName(f"{cls.__qualname__}.apply", cls.__name__)
         return capture.run(lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1),
