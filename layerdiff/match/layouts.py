@@ -239,10 +239,15 @@ def relate_shapes(shape_a, shape_b, swap_leading: "bool | TokenOrder" = False) -
     if sa == sb:
         return ShapeRelation("reshape", a, b)
     if math.prod(a) == math.prod(b):
-        if sorted(sa) == sorted(sb) and len(sa) <= 6:
+        if sorted(sa) == sorted(sb) and len(sa) <= 6 and sa != sb:
             perms = [p for p in itertools.permutations(range(len(sb))) if all(sb[p[i]] == sa[i] for i in range(len(sa)))]
             if len(perms) == 1:
                 return ShapeRelation("permute", a, b, perms[0])
+            # dimensions of one size keep their order ([s, b, h, d] against [b, h, s, d] with s == d: s is the
+            # first of the two in both); before, such a pair was compared flattened, which matched nothing
+            in_order = [p for p in perms if all(p[i] < p[j] for i in range(len(sa)) for j in range(i + 1, len(sa))
+                                                if sa[i] == sa[j])]
+            return ShapeRelation("permute", a, b, in_order[0], ambiguous=True)
         return ShapeRelation("reshape", a, b)
     if _subsequence_at(sb, sa) is not None or _subsequence_at(sa, sb) is not None:
         return ShapeRelation("broadcast", a, b)
@@ -272,8 +277,10 @@ def _tokens_reordered(a: tuple, b: tuple, order: TokenOrder) -> ShapeRelation | 
         return shape[1:] if shape[:1] == (tokens,) else shape[2:] if shape[:2] == lead else None
 
     rest_a, rest_b = rest(a, lead_a), rest(b, lead_b)
-    if rest_a is None or rest_b is None or _squeezed(rest_a) != _squeezed(rest_b):
+    if rest_a is None or rest_b is None or math.prod(rest_a) != math.prod(rest_b):
         return None
+    # the dimensions after the tokens may be split otherwise ([s, b, groups, heads * d] against [b, s, hidden]):
+    # in the same order in memory, so B's view keeps its own and the tokens are swapped before they
     view = lead_b + _squeezed(rest_b)
     swapped = (0, 2, 1) if len(lead_b) == 3 else (1, 0)
     return ShapeRelation("permute", a, b, swapped + tuple(range(len(lead_b), len(view))), b_view=view)

@@ -385,15 +385,18 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             fused = mt.how.startswith("fused")
             in_pairs = [] if fused else pair_inputs(mt.a, mt.b, producers)
             tensors = [TensorPair("input", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in in_pairs]
-            tensors += [TensorPair("output", ea.key, eb.key, operand(ea), operand(eb), note)
-                        for ea, eb in pair_outputs(mt.a, mt.b)]
+            out_pairs = pair_outputs(mt.a, mt.b)
+            tensors += [TensorPair("output", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in out_pairs]
             result.pairs.append(OpPair(mt.a, (mt.b,), tensors, *_unpaired(mt.a, mt.b, tensors, ("input", "output")),
                                        how=mt.how))
             back_a = backward_a.get((ra.path, ra.call, mt.a.index))
             back_b = backward_b.get((rb.path, rb.call, mt.b.index))
             if back_a is None or back_b is None:
                 continue
-            keys = {ea.key: eb.key for ea, eb in in_pairs}
+            # an input's gradient sums what every output hands back: where one side's operation has outputs the
+            # other's lacks (B's chunk into both halves against A's slice of one), the two are not the same sum
+            whole = _all_paired(mt.a, mt.b, out_pairs)
+            keys = {ea.key: eb.key for ea, eb in in_pairs} if whole else {}
             grads_b = {t.key: t for t in back_b.tensors if t.role == "grad_input"}
             tensors = [TensorPair("grad_output", ea.key, eb.key, operand(ea), operand(eb), note)
                        for ea, eb in pair_outputs(back_a, back_b, "grad_output")]
@@ -403,6 +406,13 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             result.pairs.append(OpPair(back_a, (back_b,), tensors,
                                        *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input")), how=mt.how))
     return result
+
+
+def _all_paired(a: OpRecord, b: OpRecord, out_pairs: Sequence) -> bool:
+    """Whether every output of both operations has its counterpart."""
+    paired_a, paired_b = {ea.key for ea, _ in out_pairs}, {eb.key for _, eb in out_pairs}
+    return all(t.key in paired_a for t in a.tensors if t.role == "output") and \
+        all(t.key in paired_b for t in b.tensors if t.role == "output")
 
 
 def _gradient_changed(inserted: Sequence[OpRecord], backward: dict, path: str, call: int) -> list[list]:

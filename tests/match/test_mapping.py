@@ -1,4 +1,5 @@
 """Modules renamed or wrapped between two runs are matched by structure, shown, and can be saved and edited."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -99,28 +100,40 @@ def test_save_map_refuses_to_overwrite(tmp_path):
 
 
 class Conv(nn.Module):
-    """A conv whose weight a port keeps as [kh, kw, in, out] (a real TF/JAX-style layout)."""
+    """A conv whose weight a port keeps in another order: ``perm`` of OIHW ([kh, kw, in, out] is TF/JAX's HWIO)."""
 
-    def __init__(self, hwio=False):
+    def __init__(self, perm=None):
         super().__init__()
         w = torch.randn(6, 3, 2, 2, generator=torch.Generator().manual_seed(0))
-        self.weight = nn.Parameter(w.permute(2, 3, 1, 0).contiguous() if hwio else w)
-        self.hwio = hwio
+        self.weight = nn.Parameter(w.permute(*perm).contiguous() if perm else w)
+        self.back = tuple(int(i) for i in np.argsort(perm)) if perm else None
 
     def forward(self, x):
-        w = self.weight.permute(3, 2, 0, 1) if self.hwio else self.weight
+        w = self.weight.permute(*self.back) if self.back else self.weight
         return torch.nn.functional.conv2d(x, w)
 
 
-def test_declared_layout_rule_compares_permuted_weights(tmp_path):
-    for name, hwio in (("oihw.h5", False), ("hwio.h5", True)):
-        model = nn.Sequential(Conv(hwio))
+def _conv_traces(tmp_path):
+    for name, perm in (("oihw.h5", None), ("hwio.h5", (2, 3, 1, 0)), ("whio.h5", (3, 2, 1, 0))):
+        model = nn.Sequential(Conv(perm))
         with layerdiff.trace(model, tmp_path / name):
             model(torch.ones(1, 3, 4, 4)).sum().backward()
-    code, out, _ = run_cli("align", tmp_path / "oihw.h5", tmp_path / "hwio.h5", "-q")
-    assert code == 1  # same numbers, different layout: weights and their gradients differ as stored
-    code, out, err = run_cli("align", tmp_path / "oihw.h5", tmp_path / "hwio.h5", "-q",
-                             "--layout", r"0\.weight$=permute(3,2,0,1)")
+
+
+def test_a_permuted_weight_is_inferred_when_same_sized_dimensions_keep_their_order(tmp_path):
+    """HWIO against OIHW: kh and kw are both 2, so the shapes allow two orders; the one that keeps them in order
+    is taken (and noted). Before, the pair was compared flattened and differed."""
+    _conv_traces(tmp_path)
+    code, out, err = run_cli("align", tmp_path / "oihw.h5", tmp_path / "hwio.h5", "-q")
     assert code == 0, out + err
-    code, _, err = run_cli("align", tmp_path / "oihw.h5", tmp_path / "hwio.h5", "--layout", "x=spin(1)")
+
+
+def test_declared_layout_rule_compares_permuted_weights(tmp_path):
+    _conv_traces(tmp_path)  # [kw, kh, in, out]: the shapes cannot say that kh and kw are swapped
+    code, out, _ = run_cli("align", tmp_path / "oihw.h5", tmp_path / "whio.h5", "-q")
+    assert code == 1  # same numbers, different layout: weights and their gradients differ as compared
+    code, out, err = run_cli("align", tmp_path / "oihw.h5", tmp_path / "whio.h5", "-q",
+                             "--layout", r"0\.weight$=permute(3,2,1,0)")
+    assert code == 0, out + err
+    code, _, err = run_cli("align", tmp_path / "oihw.h5", tmp_path / "whio.h5", "--layout", "x=spin(1)")
     assert code == 2 and err.count("\n") == 1

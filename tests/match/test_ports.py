@@ -5,6 +5,7 @@ the reference's names. Traces are made in subprocesses, one per framework, side 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,9 +27,9 @@ import layerdiff
 from layerdiff.recipes import megatron_llama as mg, torch_llama as hf, llama_shared as shared
 
 out = sys.argv[1]
-def trace(recipe, name, defect=None, mode="full", **kw):
+def trace(recipe, name, defect=None, mode="full", ops=False, **kw):
     built = recipe.build(defect, **kw)
-    with layerdiff.trace(built["model"], f"{out}/{name}.h5", mode=mode):
+    with layerdiff.trace(built["model"], f"{out}/{name}.h5", mode=mode, ops=ops):
         built["step"]()
 
 trace(hf, "hf")
@@ -39,6 +40,9 @@ trace(mg, "mg_stats_eps", "eps", mode="stats")
 for d in ["eps", "weight"]:
     trace(hf, f"hf_{d}", d)
 trace(mg, "mg")
+trace(hf, "hf_ops", ops=True)
+trace(mg, "mg_ops", ops=True)
+trace(mg, "mg_ops_owncode", "owncode", ops=True)
 for d in mg.DEFECTS:
     trace(mg, f"mg_{d}", d)
 
@@ -148,6 +152,30 @@ def test_megatron_defects_named_in_hf_names(ports, defect):
     if defect == "owncode":
         assert report["forward"]["first_divergence"]["between"] == ["model.layers.1.self_attn",
                                                                     "model.layers.1.post_attention_layernorm"]
+
+
+def test_megatron_operations_align_with_hf(ports):
+    """Operations recorded in both: Megatron's [s, b, heads, d] against HF's [b, heads, s, d] (head_dim equal to
+    the sequence length here: dimensions of one size keep their order), its [s, b, groups, heads * d] split of the
+    fused QKV against HF's [b, s, hidden], and its chunk of a rotary input into halves against HF's two slices
+    (whose input gradients are each one half's). Before, 100 of these tensors were compared flattened, or as
+    gradients of another sum, and failed: a clean pair, and an origin named in the wrong layer."""
+    report = align_files(ports / "hf_ops.h5", ports / "mg_ops.h5")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    ops = [r for r in report["records"] if r["kind"] == "op"]
+    assert len(ops) > 50 and all(t["passed"] for r in ops for t in r["tensors"]), \
+        [(r["path"], r["op"]["name"], t["key"], t["reason"]) for r in ops for t in r["tensors"] if not t["passed"]]
+
+
+def test_megatron_own_code_defect_is_named_at_its_line_with_operations(ports):
+    from layerdiff.recipes import megatron_llama
+
+    report = align_files(ports / "hf_ops.h5", ports / "mg_ops_owncode.h5")
+    origin = report["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.1", origin["description"]
+    lines = Path(megatron_llama.__file__).read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "residual * (1 + 1e-3)" in text)
+    assert any(source.endswith(f"megatron_llama.py:{line}") for _, _, source in origin["op"]["only_b"]), origin["op"]
 
 
 def test_additive_and_boolean_masks_are_compared_as_what_they_hide(ports):
