@@ -81,8 +81,15 @@ def candidate_shapes(entry: TensorEntry) -> list[tuple[int, ...]]:
 def line_up(entry: TensorEntry, other_shape: Sequence[int], shape_as: Callable[[Way], Sequence[int]]) -> Way | None:
     """The way to join an unresolved entry so that what is compared (``shape_as(way)``: the entry joined, or a
     value derived from it) lines up with the other run's ``other_shape`` (``best_way`` of those that do)."""
-    return best_way(entry, [way for way in ways(entry)
-                            if relate_shapes(tuple(other_shape), tuple(shape_as(way))).kind in ("same", "permute")])
+    return best_way(entry, [way for way in ways(entry) if _lines_up(tuple(other_shape), tuple(shape_as(way)))])
+
+
+def _lines_up(shape: tuple, joined: tuple) -> bool:
+    """The same shape, or one the shapes alone reorder into it; not a reordering they allow several ways (the
+    heads of Megatron's query [s, b, 2, d] joined along the batch, [s, 4, 2, d], against [s, 2, 4, d] when s == d:
+    only the join along the heads is the same shape)."""
+    relation = relate_shapes(shape, joined)
+    return relation.kind == "same" or (relation.kind == "permute" and not relation.ambiguous)
 
 
 def best_way(entry: TensorEntry, fits: list[Way]) -> Way | None:
