@@ -19,11 +19,13 @@ EXIT_OK, EXIT_DIVERGENT, EXIT_UNTRUSTED = 0, 1, 3
 
 
 def comparison(*, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=(),  # noqa: A002
-               auto_map: bool = True, workers: Workers | None = None) -> Comparison:
+               auto_map: bool = True, workers: Workers | None = None, all_positions: bool = False) -> Comparison:
     """Validate the comparison options once (``Comparison.of``); a bad value is a ``LayerdiffError`` naming the
-    option. ``workers``: where the work runs (``Workers.of``; this process when None)."""
+    option. ``workers``: where the work runs (``Workers.of``; this process when None). ``all_positions``: compare
+    padded positions too (by default, where both runs' root call got the same ``attention_mask`` with zeros,
+    tensors that lead with [batch, seq] are compared where it is 1)."""
     return Comparison.of(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules,
-                         auto_map=auto_map, workers=workers)
+                         auto_map=auto_map, workers=workers, all_positions=all_positions)
 
 
 @dataclass(frozen=True)
@@ -151,21 +153,22 @@ class Report:
 
 def align(a, b=None, *, atol=None, rtol=None, cos=None, tol=(), map=(), layout=(), rules=(),  # noqa: A002
           auto_map: bool = True, workers: int | None = None, scheduler: str | None = None,
-          progress: bool = False) -> Report:
+          progress: bool = False, all_positions: bool = False) -> Report:
     """Compare trace ``b`` (the candidate) with trace ``a`` (the reference), as ``layerdiff align A B``.
 
     Either may be a multi-rank run directory. With ``b`` omitted, ``a`` is a multi-rank run whose ranks are
     compared with rank 0. ``workers``: processes comparing ranks, or the stored tensors of two large traces
     (None: one per core; 1: all in this process). ``scheduler``: a Dask scheduler's address (or a scheduler file,
     or "local" for a LocalCluster of ``workers`` processes) whose workers do that work, reading the traces by path
-    from a filesystem they share with this machine; None: ``$LAYERDIFF_SCHEDULER`` if set."""
+    from a filesystem they share with this machine; None: ``$LAYERDIFF_SCHEDULER`` if set. ``all_positions``:
+    compare padded positions too (``--all-positions``; see ``comparison``)."""
     from layerdiff.compare.tasks import scheduler_address
     from layerdiff.judge.evaluate import align as align_traces
     from layerdiff.report.progress import ByteProgress, TaskProgress
     from layerdiff.runs.ranks import open_run
 
     how = comparison(atol=atol, rtol=rtol, cos=cos, tol=tol, map=map, layout=layout, rules=rules, auto_map=auto_map,
-                     workers=Workers.of(workers, *scheduler_address(scheduler)))
+                     workers=Workers.of(workers, *scheduler_address(scheduler)), all_positions=all_positions)
     if b is None:
         from layerdiff.runs.desync import check_run
 

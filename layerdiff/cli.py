@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the module mapping inferred for renamed modules as an editable --map file")
     a.add_argument("--no-auto-map", action="store_true",
                    help="do not infer renamed modules from structure (names must match, or --map them)")
+    a.add_argument("--all-positions", action="store_true",
+                   help="compare padded positions too (by default, where both runs were given the same "
+                        "attention_mask with zeros, tensors that lead with [batch, seq] are compared where it is 1)")
     a.add_argument("--rules", action="append", metavar="FILE.toml",
                    help="extra naming/fusion/transform rules on top of the built-in ones (docs/concepts/rule-files.md)")
     _add_tolerance_flags(a)
@@ -206,7 +209,7 @@ def cmd_align(args) -> int:
         return _align_ranks(args)
     report = api.align(args.a, args.b, **_tolerances(args), map=args.map or (), layout=args.layout or (),
                        rules=args.rules or (), auto_map=not args.no_auto_map, progress=not args.quiet,
-                       workers=args.workers, scheduler=args.scheduler)
+                       workers=args.workers, scheduler=args.scheduler, all_positions=args.all_positions)
     if args.save_map:
         from layerdiff.files import write_atomically
         from layerdiff.match.mapping import rules_text

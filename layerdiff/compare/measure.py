@@ -85,6 +85,52 @@ def _values(reader, t: TensorEntry) -> np.ndarray:
     return values if values.dtype in (np.float32, np.float64) else values.astype(np.float64)
 
 
+PADDING_MASK_KEYS = ("kwargs.attention_mask",)
+_PADDING_MAX_ELEMENTS = 1 << 26  # a side: larger tensors are compared at every position, as they are streamed
+
+
+def padding_masks(reader_a, reader_b) -> dict[int, np.ndarray]:
+    """step -> the positions to compare ([batch, seq] booleans), where both runs' root call was given the same
+    ``attention_mask`` of ones and zeros with some zeros (padding).
+
+    Why: the values a model computes at padded positions are never used (the loss and the other positions do not
+    read them), and implementations differ there by design: with a left-padded batch, a query whose keys are all
+    masked gets a uniform average from eager attention and something else from SDPA, so eager against SDPA was
+    "divergent" at the first attention. Tensors that lead with [batch, seq] are compared at the other positions."""
+    roots_b = {r.step: r for r in reader_b.records if r.kind == "call" and r.phase == "forward" and r.parent is None}
+    masks: dict[int, np.ndarray] = {}
+    for ra in reader_a.records:
+        rb = roots_b.get(ra.step) if ra.kind == "call" and ra.phase == "forward" and ra.parent is None else None
+        if rb is None or ra.step in masks:
+            continue
+        ea = next((t for t in ra.tensors if t.key in PADDING_MASK_KEYS and t.role == "input"), None)
+        eb = next((t for t in rb.tensors if t.key in PADDING_MASK_KEYS and t.role == "input"), None)
+        if ea is None or eb is None or ea.offset is None or eb.offset is None or len(ea.shape) != 2 or \
+                list(ea.shape) != list(eb.shape):
+            continue
+        try:
+            va, vb = _values(reader_a, ea), _values(reader_b, eb)
+        except DamagedTensorError:
+            continue
+        if np.array_equal(va, vb) and np.isin(va, (0, 1)).all() and not va.all():
+            masks[ra.step] = va != 0
+    return masks
+
+
+def _unpadded(metrics: schema.Metrics, a: Operand, b: Operand, relation, readers, keep: np.ndarray) -> schema.Metrics:
+    """The pair compared at the positions ``keep`` marks, where A's tensor (as compared) leads with [batch, seq];
+    ``metrics`` as they were otherwise."""
+    if tuple(a.shape[:2]) != keep.shape or relation.kind not in ("same", "reshape", "permute") or \
+            math.prod(a.shape) > _PADDING_MAX_ELEMENTS or metrics.get("basis") != "data":
+        return metrics
+    reader_a, reader_b = readers
+    va, vb = relation.views(_side("A", a.values, reader_a), _side("B", b.values, reader_b))
+    rows = keep.reshape(-1)
+    kept = _compare_values(va.reshape(rows.size, -1)[rows], vb.reshape(rows.size, -1)[rows])
+    note = f"{int(rows.size - rows.sum())} of {rows.size} positions left out: padding (attention_mask 0 in both runs)"
+    return {**kept, "note": f"{metrics['note']}; {note}" if metrics.get("note") else note}
+
+
 def _compare_values(a: np.ndarray, b: np.ndarray) -> schema.Metrics:
     return compare_arrays(np.ascontiguousarray(a), np.ascontiguousarray(b), str(a.dtype), str(b.dtype))
 
@@ -170,7 +216,7 @@ class _TaskFailed:
 
 
 def _pair_metrics(tp: TensorPair, path_a: str, readers, measured: _Measured, layouts: LayoutRules,
-                  swap: TokenOrder | bool) -> schema.Metrics | _TaskFailed | None:
+                  swap: TokenOrder | bool, keep: np.ndarray | None = None) -> schema.Metrics | _TaskFailed | None:
     """Metrics for one tensor pair (None: it cannot be compared from what the traces hold). A pair of stored
     regions already compared (records share deduplicated tensors, or workers compared it) is not read again."""
     reader_a, reader_b = readers
@@ -227,6 +273,11 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, measured: _Measured, lay
         notes.append(relation.note())
     if notes:
         metrics["note"] = "; ".join(dict.fromkeys(notes))
+    if keep is not None and tp.activation and a.has_data and b.has_data:  # ``padding_masks``
+        try:
+            metrics = _unpadded(metrics, a, b, relation, readers, keep)
+        except (DamagedTensorError, ValueError):
+            pass  # compared at every position, as measured above
     return metrics
 
 
@@ -499,6 +550,7 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     ancestors = _ancestors(reader_a.records)
     forward_ops = [{(op.path, op.call, op.index): op for op in reader.ops if op.phase == "forward"}
                    for reader in (reader_a, reader_b)]
+    padding = padding_masks(reader_a, reader_b) if how.skip_padding else {}
     for pair in pairs:
         ra, rb = pair.a, pair.b[0]
         tensors: list[schema.TensorResult] = []
@@ -506,7 +558,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
         for tp in pair.tensors:
             try:
                 metrics = _pair_metrics(tp, ra.path, (reader_a, reader_b), measured,
-                                        NO_LAYOUTS if isinstance(ra, OpRecord) else layouts, swap)
+                                        NO_LAYOUTS if isinstance(ra, OpRecord) else layouts, swap,
+                                        padding.get(ra.step))
             except DamagedTensorError as exc:
                 skipped.append(f"{tp.role}:{tp.key} (damaged: {exc})")
                 damaged.append((str(exc), f"{_describe_row(ra)} {tp.role} {tp.key}: {exc}"))

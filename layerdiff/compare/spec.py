@@ -21,7 +21,8 @@ class Comparison:
     """How two traces are compared (the flags align and bisect share). ``policy``: tolerances; ``rename``: B's
     module paths into A's (``--map``); ``layouts``: declared layout transforms (``--layout``); ``rules``: the rule
     set (built-in plus ``--rules`` files); ``auto_map``: infer renamed and fused modules from the evidence;
-    ``workers``: where the units of work run (``--workers``, ``--scheduler``; this process unless told)."""
+    ``workers``: where the units of work run (``--workers``, ``--scheduler``; this process unless told);
+    ``skip_padding``: leave out the positions where both runs' ``attention_mask`` is 0 (``--all-positions``: not)."""
 
     policy: TolerancePolicy = field(default_factory=TolerancePolicy)
     rename: RenameRules = field(default_factory=RenameRules)
@@ -30,12 +31,13 @@ class Comparison:
     auto_map: bool = True
     rule_files: tuple[str, ...] = ()  # the files ``rules`` was made from (worker processes make it again from them)
     workers: Workers = field(default_factory=Workers)
+    skip_padding: bool = True
 
     @classmethod
     def of(cls, *, atol: float | None = None, rtol: float | None = None, cos: float | None = None,
            tol: Iterable[str] | None = (), map: Iterable[str] | None = (),  # noqa: A002
            layout: Iterable[str] | None = (), rules: Iterable[str | PathLike[str]] | None = (),
-           auto_map: bool = True, workers: Workers | None = None) -> Comparison:
+           auto_map: bool = True, workers: Workers | None = None, all_positions: bool = False) -> Comparison:
         """From the options as the CLI and the Python API name them; a bad value is a ``LayerdiffError`` naming the
         option."""
         try:
@@ -51,4 +53,4 @@ class Comparison:
             raise LayerdiffError(str(exc)) from None
         files = tuple(str(p) for p in rules or ())
         return cls(TolerancePolicy(atol, rtol, cos, parsed), RenameRules.parse(list(map or ())), layouts,
-                   ruleset(list(files)), auto_map, files, workers or Workers())
+                   ruleset(list(files)), auto_map, files, workers or Workers(), not all_positions)
