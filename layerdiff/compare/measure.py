@@ -128,7 +128,8 @@ def _unpadded(metrics: schema.Metrics, a: Operand, b: Operand, relation, readers
     rows = keep.reshape(-1)
     kept = _compare_values(va.reshape(rows.size, -1)[rows], vb.reshape(rows.size, -1)[rows])
     note = f"{int(rows.size - rows.sum())} of {rows.size} positions left out: padding (attention_mask 0 in both runs)"
-    return {**kept, "note": f"{metrics['note']}; {note}" if metrics.get("note") else note}
+    # the per-rank and per-microbatch metrics (``ranks``, ``microbatches``) stay as measured, over every position
+    return {**metrics, **kept, "note": f"{metrics['note']}; {note}" if metrics.get("note") else note}
 
 
 def _compare_values(a: np.ndarray, b: np.ndarray) -> schema.Metrics:
