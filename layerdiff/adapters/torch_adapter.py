@@ -25,6 +25,9 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         _DTYPE_NAMES[getattr(torch, _name)] = _name
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these types: no subclass (a DTensor, an async result)
+
+
 def is_tensor(obj) -> bool:
     return isinstance(obj, torch.Tensor)
 
@@ -37,7 +40,7 @@ def local(t: torch.Tensor):
     """What this process holds of ``t``, as a plain tensor: a DTensor's local shard (with its placement recorded
     separately), an async collective's result (waiting for it), the tensor itself otherwise; None if a tensor
     subclass cannot be read."""
-    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+    if type(t) in _PLAIN:
         return t
     if _is_dtensor(t):
         return t.to_local()
@@ -75,7 +78,7 @@ def to_stored(t: torch.Tensor):
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None or t.is_meta:
         return None
-    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_cpu and t.layout == torch.strided:
+    if type(t) in _PLAIN and t.is_cpu and t.layout == torch.strided:
         t = t.detach()  # the common case (a plain tensor in memory): no conversions to try one by one
     else:
         t = local(t)
@@ -97,14 +100,14 @@ def to_stored(t: torch.Tensor):
 
 def identify(t: torch.Tensor):
     """Equal for two tensors only while they show the same bytes (in-place ops bump ``_version``)."""
-    if t.layout != torch.strided or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if t.layout != torch.strided or t.is_meta or type(t) not in _PLAIN:
         return None
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
 
 
 def version(t: torch.Tensor) -> int | None:
     """The in-place version counter of a tensor that ``identify`` knows (None for others)."""
-    return t._version if type(t) is torch.Tensor or type(t) is torch.nn.Parameter else None
+    return t._version if type(t) in _PLAIN else None
 
 
 _MAX_GRAPH_WALK = 512  # autograd nodes visited per call of a module that owns a tied weight

@@ -319,8 +319,7 @@ def _top_arguments(args: tuple, kwargs: dict, is_tensor: Callable[[Any], bool], 
     if len(args) > 16:
         _arguments(args, "args", is_tensor, scalar, tensors, out)
         args = ()
-    for i, v in enumerate(args):
-        key = _ARG_KEYS[i] if i < 16 else f"args.{i}"
+    for key, v in zip(_ARG_KEYS, args):
         if is_tensor(v):
             tensors.append((key, v))
         elif v is None or type(v) in _PLAIN:

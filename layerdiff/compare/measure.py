@@ -23,7 +23,7 @@ from layerdiff.compare.tasks import Workers
 from layerdiff.compare.workers import aligned_pairs, compare_pairs
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules
-from layerdiff.match.joins import line_up, resolved_as, unresolved
+from layerdiff.match.joins import line_up, resolved_as, root_calls, unresolved
 from layerdiff.match.layouts import LayoutRules, TokenOrder, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
 from layerdiff.match.microbatches import joined_pair
@@ -97,14 +97,18 @@ def padding_masks(reader_a, reader_b) -> dict[int, np.ndarray]:
     read them), and implementations differ there by design: with a left-padded batch, a query whose keys are all
     masked gets a uniform average from eager attention and something else from SDPA, so eager against SDPA was
     "divergent" at the first attention. Tensors that lead with [batch, seq] are compared at the other positions."""
-    roots_b = {r.step: r for r in reader_b.records if r.kind == "call" and r.phase == "forward" and r.parent is None}
+    roots_b: dict[int, CallRecord] = {}
+    for rb in root_calls(reader_b.records):
+        roots_b.setdefault(rb.step, rb)  # a step's first (microbatches: the first one's mask)
     masks: dict[int, np.ndarray] = {}
-    for ra in reader_a.records:
-        rb = roots_b.get(ra.step) if ra.kind == "call" and ra.phase == "forward" and ra.parent is None else None
-        if rb is None or ra.step in masks:
+    seen: set[int] = set()
+    for ra in root_calls(reader_a.records):
+        other = roots_b.get(ra.step)
+        if other is None or ra.step in seen:
             continue
+        seen.add(ra.step)
         ea = next((t for t in ra.tensors if t.key in PADDING_MASK_KEYS and t.role == "input"), None)
-        eb = next((t for t in rb.tensors if t.key in PADDING_MASK_KEYS and t.role == "input"), None)
+        eb = next((t for t in other.tensors if t.key in PADDING_MASK_KEYS and t.role == "input"), None)
         if ea is None or eb is None or ea.offset is None or eb.offset is None or len(ea.shape) != 2 or \
                 list(ea.shape) != list(eb.shape):
             continue
@@ -290,7 +294,8 @@ def _joined(merge, n: int) -> str:
                                        "batches": "unresolved"}.get(merge.how, merge.how)
     return f"{n} ranks' " + {
         "concat": f"shards joined on axis {merge.dim}",
-        "concat_parts": f"shards joined part by part on axis {merge.dim}", "replicate": "copies (rank 0's compared; each rank's checked)", "sum": "partial sums added",
+        "concat_parts": f"shards joined part by part on axis {merge.dim}",
+        "replicate": "copies (rank 0's compared; each rank's checked)", "sum": "partial sums added",
         "ranks": "tensors, unresolved"}.get(merge.how, merge.how)
 
 

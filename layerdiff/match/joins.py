@@ -4,7 +4,7 @@ microbatches of a tensor-parallel run's logits). Pairing tries them to find a te
 ``compare.per_rank.resolve`` picks the one that lines up with the counterpart."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from msgspec.structs import replace
 
@@ -119,12 +119,17 @@ def batch_axis(shape: list[int], batch: int | None) -> int | None:
     return next((d for d, n in enumerate(shape) if n == batch), None)
 
 
+def root_calls(records: Iterable[Record]) -> Iterator[CallRecord]:
+    """A run's root calls, forward, in order (a step of microbatches calls the root once for each)."""
+    return (rec for rec in records if isinstance(rec, CallRecord) and rec.phase == "forward" and not rec.parent)
+
+
 def token_shapes(records: list[Record]) -> dict[int, tuple]:
     """{step: (batch, sequence)} of a run's share of each step, from the token ids (the first 2-D integer input)
     of the step's first root call."""
     out: dict[int, tuple] = {}
-    for rec in records:
-        if isinstance(rec, CallRecord) and rec.phase == "forward" and not rec.parent and rec.step not in out:
+    for rec in root_calls(records):
+        if rec.step not in out:
             ids = next((t for t in rec.tensors if t.role == "input" and len(t.shape) == 2
                         and t.dtype.startswith(("int", "uint"))), None)
             if ids is not None:
