@@ -198,6 +198,7 @@ class RunSummary(_RunSummaryKeys, total=False):
     target: Optional[str]
     target_args: Optional[Dict[str, Any]]
     param_dtypes: Optional[List[Any]]
+    autocast_dtypes: List[str]  # what automatic mixed precision computed in (torch.autocast): empty when off
     devices: Optional[List[Any]]
     damage: List[str]  # what was written whole and reads otherwise: index lines, metadata, tensor bytes
     unverified: Int64  # records without a checksum (a trace written before checksums): not verified

@@ -73,6 +73,12 @@ class FrameworkAdapter(ABC):
         read back in batches; None where the framework summarizes every tensor at once."""
         return None
 
+    def autocast_dtypes(self) -> list[str]:
+        """The dtypes automatic mixed precision computes in right now (``torch.autocast``, ``paddle.amp.auto_cast``),
+        empty while it is off. A run under it keeps float32 tensors (its residual stream, its upcasts) that are
+        computed from those dtypes' results: they are judged at that dtype's tolerance (``precision_floor``)."""
+        return []
+
     def describe(self, t: Any) -> tuple[str, list[int]]:
         """(dtype name, shape) of the tensor as ``to_stored`` keeps it (of what ``fast_stats`` summarized): lets
         "stats" mode skip the host copy."""

@@ -33,6 +33,7 @@ import paddle
 
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.tracefile.tensors import FLOAT_DTYPES
 
 _DTYPE_NAMES = {name: name for name in (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
@@ -179,6 +180,15 @@ def identify(t):
 
 def describe(t):
     return _dtype_name(t), list(t.shape)
+
+
+def autocast_dtypes() -> list[str]:
+    """The dtype ``paddle.amp.auto_cast`` computes in right now (empty while it is off: always on the CPU, where
+    Paddle's auto_cast casts nothing)."""
+    if not paddle.amp.is_autocast_enabled():
+        return []
+    name = str(paddle.amp.get_autocast_dtype()).removeprefix("paddle.")
+    return [name] if name in FLOAT_DTYPES else []
 
 
 def distributed() -> RankPlace | None:
@@ -409,6 +419,7 @@ class PaddleAdapter(FrameworkAdapter):
     to_stored = staticmethod(to_stored)
     identify = staticmethod(identify)
     describe = staticmethod(describe)
+    autocast_dtypes = staticmethod(autocast_dtypes)
     placement = staticmethod(placement)
     metadata = staticmethod(metadata)
     distributed = staticmethod(distributed)

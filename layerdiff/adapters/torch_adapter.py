@@ -281,6 +281,16 @@ def describe(t: torch.Tensor):
     return _DTYPE_NAMES[t.dtype], list(local(t).shape)
 
 
+# where torch.autocast can be on: the CPU, and each accelerator this torch build knows by a type of its own
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def autocast_dtypes() -> list[str]:
+    """The dtypes ``torch.autocast`` computes in right now, on any device (empty while it is off)."""
+    return [_DTYPE_NAMES[torch.get_autocast_dtype(device)] for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)]
+
+
 def distributed() -> RankPlace | None:
     """This process's place in a torch.distributed job of several ranks (None when it runs alone)."""
     import torch.distributed as dist
@@ -482,6 +492,7 @@ class TorchAdapter(FrameworkAdapter):
     version = staticmethod(version)
     fast_stats = staticmethod(fast_stats)
     describe = staticmethod(describe)
+    autocast_dtypes = staticmethod(autocast_dtypes)
     placement = staticmethod(placement)
     metadata = staticmethod(metadata)
     distributed = staticmethod(distributed)

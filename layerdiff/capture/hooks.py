@@ -243,6 +243,9 @@ class ModuleHooks:
                 if session.starts_step(scope):
                     self.start_step()
             step = session.step + (0 if session.stack or not session.starts_step(scope) else 1)
+            autocast = self.adapter.autocast_dtypes()
+            if autocast:
+                session.autocast.update(autocast)
             if read["step"] != step:
                 text = safe_extra_repr(module)
                 if text != read["repr"]:

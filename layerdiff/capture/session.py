@@ -158,6 +158,7 @@ class TraceSession:
         self.micro: int | None = None  # the microbatch of the step in progress (None: not a scheduled step)
         self.failure: dict | None = None
         self.warnings: list[str] = []
+        self.autocast: set[str] = set()  # dtypes automatic mixed precision computed in, in any call
         self.started = time.time()
         self.deferred: list[DeferredStats] = []  # statistics still on the device ...
         self.queued: list[dict] = []  # ... and the records that wait for them, in order
@@ -507,4 +508,6 @@ class TraceSession:
                "records": self.writer.records_handed, "tensor_bytes": self.writer.tensor_bytes,
                "steps": self.step + 1, "seconds": round(time.time() - self.started, 3),
                "warnings": self.warnings}
+        if self.autocast:
+            end["autocast_dtypes"] = sorted(self.autocast)
         self.writer.close(end)

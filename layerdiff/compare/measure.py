@@ -48,6 +48,7 @@ def trace_summary(reader) -> schema.RunSummary:
             "mode": meta.get("mode"), "records": len(reader.records), "complete": not reader.crashed,
             "status": end.status or "interrupted", "failure": cast(Optional[schema.Failure], end.failure),
             "warnings": end.warnings, "param_dtypes": meta.get("param_dtypes"),
+            "autocast_dtypes": list(end.autocast_dtypes),
             "target": (meta.get("user") or {}).get("target"), "target_args": (meta.get("user") or {}).get("target_args"),
             "devices": meta.get("devices"), "damage": [d.describe() for d in reader.damage],
             "unverified": reader.unverified}
@@ -635,8 +636,13 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
             "first_nonfinite": {"a": first_nonfinite(reader_a.records, ops=reader_a.ops),
                                 "b": first_nonfinite(reader_b.records, ops=reader_b.ops)},
-            "settings": settings_report(reader_a.meta, reader_b.meta),
+            "settings": settings_report(_with_autocast(reader_a), _with_autocast(reader_b)),
             "config_diff": _config_diff(reader_a.meta, reader_b.meta), "not_compared": not_compared}
+
+
+def _with_autocast(reader) -> dict:
+    """A trace's settings, with what automatic mixed precision computed in (known only once the run ended)."""
+    return {**reader.meta, "autocast_dtypes": list(reader.end.autocast_dtypes) if reader.end else []}
 
 
 def _config_diff(meta_a: dict, meta_b: dict) -> list | None:

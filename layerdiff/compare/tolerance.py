@@ -51,10 +51,12 @@ def dtype_class(dtype_a: str | None, dtype_b: str | None, floor: str | None = No
     return "float8" if worst.startswith("float8") else worst
 
 
-def precision_floor(dtypes_a: Iterable[str] | None, dtypes_b: Iterable[str] | None) -> str | None:
+def precision_floor(dtypes_a: Iterable[str] | None, dtypes_b: Iterable[str] | None,
+                    autocast_a: Iterable[str] = (), autocast_b: Iterable[str] = ()) -> str | None:
     """The least precise floating dtype the two runs hold their parameters in, where they hold them in different
-    ones (float32 against bfloat16: "bfloat16"); None where both hold the same. Every floating tensor of such a
-    comparison is judged by that dtype's tolerance at best.
+    ones (float32 against bfloat16: "bfloat16"), or compute in under automatic mixed precision (``autocast_*``:
+    ``torch.autocast`` in either run); None where both hold the same and neither autocasts. Every floating tensor
+    of such a comparison is judged by that dtype's tolerance at best.
 
     Why: a value computed from less precise data is no more precise than that data. A run that holds its weights
     in bfloat16 computes its float32 tensors (a loss from its logits, an upcast buffer, a norm's statistics) from
@@ -64,6 +66,9 @@ def precision_floor(dtypes_a: Iterable[str] | None, dtypes_b: Iterable[str] | No
     they compute in float32: a norm one of them takes in bfloat16 by mistake is still found."""
     floats_a = {d for d in dtypes_a or () if d in FLOAT_DTYPES}
     floats_b = {d for d in dtypes_b or () if d in FLOAT_DTYPES}
+    autocast = {d for d in (*autocast_a, *autocast_b) if d in FLOAT_DTYPES}
+    if autocast:  # float32 tensors under autocast (the residual stream) add up its dtype's results: both runs'
+        return min(autocast | floats_a | floats_b, key=lambda d: PRECISION_RANK[d])
     if not floats_a or not floats_b or floats_a == floats_b:
         return None
     return min(floats_a | floats_b, key=lambda d: PRECISION_RANK[d])

@@ -57,7 +57,8 @@ def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[sch
     """The measured rows with every tensor judged under ``policy``: new rows and tensors, the measurements are
     left as they were (the same measurements can be judged again under other tolerances)."""
     run_a, run_b = measurements.get("a"), measurements.get("b")
-    floor = precision_floor(run_a.get("param_dtypes") if run_a else None, run_b.get("param_dtypes") if run_b else None)
+    floor = precision_floor(run_a.get("param_dtypes") if run_a else None, run_b.get("param_dtypes") if run_b else None,
+                            (run_a or {}).get("autocast_dtypes") or (), (run_b or {}).get("autocast_dtypes") or ())
     return [{**row, "tensors": [_judged(row["path"], t, policy, floor) for t in row["tensors"]]}
             for row in measurements["records"]]
 

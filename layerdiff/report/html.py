@@ -189,8 +189,8 @@ def _tree(report: View, phase: str) -> str:
 
 def _settings(report: View) -> str:
     out = ["<table><tr><th></th><th>A</th><th>B</th></tr>"]
-    for key in ("path", "framework", "framework_version", "model_class", "mode", "param_dtypes", "devices",
-                "target", "target_args", "status"):
+    for key in ("path", "framework", "framework_version", "model_class", "mode", "param_dtypes", "autocast_dtypes",
+                "devices", "target", "target_args", "status"):
         a, b = (report.get("a") or {}).get(key), (report.get("b") or {}).get(key)
         cls = " class='bad'" if a != b and key not in ("path",) else ""
         out.append(f"<tr><td>{escape(key)}</td><td{cls}>{escape(str(a))}</td><td{cls}>{escape(str(b))}</td></tr>")

@@ -73,7 +73,7 @@ def _summary(reader) -> dict:
             "record_kinds": {f"{k}/{p}" if p else k: n for (k, p), n in sorted(kinds.items(), key=str)},
             "tensors": sum(len(r.tensors) for r in reader.records),
             "tensor_bytes": sum(t.nbytes or 0 for r in reader.records for t in r.tensors),
-            "steps": end.steps, "warnings": end.warnings,
+            "steps": end.steps, "warnings": end.warnings, "autocast_dtypes": list(end.autocast_dtypes),
             "damage": [d.describe() for d in reader.damage], "unverified": reader.unverified,
             "nonfinite_records": len(holding),
             "ops": {phase: sum(1 for op in reader.ops if op.phase == phase) for phase in ("forward", "backward")},
@@ -125,6 +125,8 @@ def show(path, records: bool = False, nan: bool = False, ops: str | None = None)
                 console.print(f"[red]modules active: {' > '.join(p or '<root>' for p in f['module_stack'])}[/]")
         for key, value in info["meta"].items():
             console.print(f"[dim]{key}:[/] {value}")
+        if info["autocast_dtypes"]:
+            console.print(f"[dim]autocast_dtypes:[/] {info['autocast_dtypes']} (automatic mixed precision was on)")
         data = info["tensor_bytes"]
         console.print(f"records: {info['records']} ("
                       + ", ".join(f"{n} {k}" for k, n in info["record_kinds"].items())

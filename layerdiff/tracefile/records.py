@@ -232,6 +232,7 @@ class EndRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, t
     status: Optional[str] = None
     failure: Optional[dict[str, Any]] = None
     warnings: list[Any] = []
+    autocast_dtypes: list[str] = []  # what automatic mixed precision computed in (torch.autocast), in any call
     steps: Optional[Count] = None
     records: Optional[Count] = None
     tensor_bytes: Optional[Count] = None

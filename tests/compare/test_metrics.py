@@ -198,3 +198,10 @@ def test_one_piece_of_nonfinite_or_overflowing_values_is_summarized_by_the_full_
     assert stats["min"] == finite.min() and stats["max"] == finite.max()
     assert stats["mean"] == pytest.approx(finite.mean(), rel=1e-9)
     assert stats["l2"] == pytest.approx(math.sqrt(float(finite @ finite)), rel=1e-9)
+
+
+def test_a_run_under_autocast_is_judged_at_the_dtype_it_computes_in():
+    assert precision_floor(["float32"], ["float32"], (), ["bfloat16"]) == "bfloat16"  # fp32 against torch.autocast
+    assert precision_floor(["float32"], ["float32"], ["float16"], ["float16"]) == "float16"  # both under it
+    assert precision_floor(["float32"], ["float32"], ["float16"], ["bfloat16"]) == "bfloat16"
+    assert precision_floor(["float32"], ["float32"], (), ()) is None
