@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -171,8 +172,11 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     benchlib.log(f"{name}, torch {torch.__version__}")
     sizes = list(MODELS) if args.device == "cuda" else ["toy"]
-    rows = [row for size in sizes for row in cost(size, work, steps, rounds, args.device)]
-    found = checks(work, args.device)
+    try:
+        rows = [row for size in sizes for row in cost(size, work, steps, rounds, args.device)]
+        found = checks(work, args.device)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the traces were only timed
     for c in found:
         benchlib.log(f"{c['check']}: {c['verdict']}, origin {c['origin']}" +
                      (f" (expected {c['expected']})" if "expected" in c else f"; logits {c['logits']}"))

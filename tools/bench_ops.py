@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,9 +86,16 @@ def _timed(step, n: int) -> list[float]:
 
 def worker(mode: str, steps: int, rounds: int, out: Path) -> None:
     """One mode in this interpreter: untraced and traced blocks alternate; the figures go to ``out`` as JSON."""
+    work = Path(tempfile.mkdtemp(prefix="layerdiff-bench-ops-"))
+    try:
+        out.write_text(json.dumps({"mode": mode, **_measured(mode, steps, rounds, work)}))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # traces and dumps were only timed and counted
+
+
+def _measured(mode: str, steps: int, rounds: int, work: Path) -> dict:
     framework = mode.partition(" ")[0]
     model, step = port_toy(framework) if framework in PORTS else toy()
-    work = Path(tempfile.mkdtemp(prefix="layerdiff-bench-ops-"))
     for _ in range(WARMUP):
         step()
     untraced, traced = [], []
@@ -131,7 +139,7 @@ def worker(mode: str, steps: int, rounds: int, out: Path) -> None:
         dumps = sorted((work / "dump").rglob("dump.json"), key=lambda p: p.stat().st_mtime)
         facts = {"dump_mb": sum(p.stat().st_size for p in (work / "dump").rglob("*") if p.is_file()) / 1e6,
                  "records_per_step": len(json.loads(dumps[-1].read_text()).get("data", {})) if dumps else None}
-    out.write_text(json.dumps({"mode": mode, "untraced": untraced, "traced": traced, **facts}))
+    return {"untraced": untraced, "traced": traced, **facts}
 
 
 def run_mode(mode: str, steps: int, rounds: int) -> dict:
