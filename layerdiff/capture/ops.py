@@ -191,6 +191,11 @@ SAME_VALUES = frozenset({"view", "reshape", "view_as", "reshape_as", "transpose"
                          "alias", "to", "movedim", "swapaxes", "swapdims"})
 
 
+# operations that allocate their output without writing it (``torch.empty_like``): its bytes are whatever the memory
+# held, so their values (and statistics: possibly NaN) are no evidence, until an operation writes them
+UNDEFINED_VALUES = frozenset({"empty", "empty_like", "new_empty", "empty_strided"})
+
+
 @dataclass
 class OpCapture:
     """Records the operations that the own code of selected module calls runs (see the module docstring).
@@ -254,7 +259,7 @@ class OpCapture:
         else:
             walk(out, "out", is_tensor, lambda k, t: outputs.append((k, t)), None)
         same = name.kind in SAME_VALUES
-        session.end_op(op, outputs, same_values=same)
+        session.end_op(op, outputs, same_values=same, undefined=name.kind in UNDEFINED_VALUES)
         self.stats["ops"] += 1
         for key, t in outputs:
             self.producers.register(frame, t, {"kind": "op", "index": op.index, "key": key})

@@ -404,13 +404,17 @@ class TraceSession:
         rec.update(extra)
         return rec
 
-    def end_op(self, op: OpFrame, outputs, same_values: bool = False) -> list[dict]:
-        """``same_values``: the operation only lays out its one input anew (a view, a transpose, a copy)."""
+    def end_op(self, op: OpFrame, outputs, same_values: bool = False, undefined: bool = False) -> list[dict]:
+        """``same_values``: the operation only lays out its one input anew (a view, a transpose, a copy).
+        ``undefined``: it allocates its outputs without writing them (``torch.empty_like``); their entries say so,
+        and so do the entries of the same tensors met again before anything writes them (they are shared)."""
         like = op.inputs[0] if same_values and len(op.inputs) == 1 and len(outputs) == 1 else None
         entries = []
         for key, t in outputs:
             entry = self._tensor_entry(t, self.store_data and op.frame.full, like)
             if entry is not None:
+                if undefined:
+                    entry["undefined"] = True
                 entries.append({**entry, "role": "output", "key": key})
         self._write(self._op_record(op, "forward", op.begin, op.inputs + entries))
         return entries

@@ -9,7 +9,8 @@ from layerdiff.tracefile.records import CallRecord, OpRecord, Record, TensorEntr
 
 
 def _bad(t: TensorEntry) -> int:
-    return t.stats.get("nan", 0) + t.stats.get("inf", 0)
+    """NaN and Inf values in the tensor (none in memory allocated and not yet written: its bytes mean nothing)."""
+    return 0 if t.undefined else t.stats.get("nan", 0) + t.stats.get("inf", 0)
 
 
 def first_nonfinite(records: Iterable[Record], phase: str | None = None, ops: Sequence[OpRecord] = ()

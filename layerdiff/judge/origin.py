@@ -6,6 +6,8 @@ first child whose outputs disagree is descended into. Backward is the same with 
 inputs of backward) and w.r.t. inputs plus the module's own parameter gradients (the outputs of backward)."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from layerdiff import schema
 from layerdiff.judge.tree import Judged, Node
 from layerdiff.match.ops import arguments_diff
@@ -148,8 +150,9 @@ def describe_op(path: str, info: dict, wrong_input: bool, info_b: dict | None = 
     return f"{path or '<root>'}: {info['name']}{_at(info)}{in_b}"
 
 
-def describe_inserted(path: str, info: dict, only_a: list, only_b: list) -> str:
-    """Code one run has and the other does not, making an operation's input."""
+def describe_inserted(path: str, info: dict | None, only_a: list, only_b: list) -> str:
+    """Code one run has and the other does not, making an operation's input (``info``: that operation), or the
+    call's output (``info`` None)."""
     def names(ops: list) -> str:
         return ", ".join(f"{name}{_at({'source': source})}" for _, name, source in ops)
 
@@ -158,7 +161,8 @@ def describe_inserted(path: str, info: dict, only_a: list, only_b: list) -> str:
         runs.append(f"B runs {names(only_b)}, which A does not")
     if only_a:
         runs.append(f"A runs {names(only_a)}, which B does not")
-    return f"{path or '<root>'}: " + "; ".join(runs) + f", making the input of {info['name']}{_at(info)}"
+    made = f"the input of {info['name']}{_at(info)}" if info is not None else "its output"
+    return f"{path or '<root>'}: " + "; ".join(runs) + f", making {made}"
 
 
 def _dtype_change(node: Node, module: Node | None) -> Node:
@@ -261,6 +265,18 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
             "op": op}
 
 
+def _one_sided_op(side: str, index: int, name: str, source: str | None, function: str | None,
+                  metrics: schema.Metrics | None = None) -> schema.OriginOp:
+    """The origin's ``op`` for an operation that only run ``side`` ("a" or "b") has."""
+    in_a = side == "a"
+    return {"name": name, "kind": name.rpartition(".")[0].rpartition(".")[2] or name,
+            "index": index if in_a else None, "source": source if in_a else None,
+            "function": function if in_a else None, "args_diff": {}, "metrics": metrics,
+            "name_b": None if in_a else name, "index_b": None if in_a else index,
+            "source_b": None if in_a else source, "function_b": None if in_a else function, "wrong_input": False,
+            "only_a": [[index, name, source]] if in_a else [], "only_b": [] if in_a else [[index, name, source]]}
+
+
 def _inserted_gradient_origin(node: Node, chain: list, phase: schema.Phase) -> schema.Origin:
     """The module's own code is the origin in backward, and one run inserted an operation there that passes its
     values through unchanged but not its gradient (``OpsSummary.gradient_changed``): that operation, named."""
@@ -273,15 +289,40 @@ def _inserted_gradient_origin(node: Node, chain: list, phase: schema.Phase) -> s
     origin["where"] = "op"
     origin["description"] = (f"{node.row['path']}: {name}{_at(info)}, which only {run} runs, passes its values "
                              f"through unchanged but changes their gradient ({other} has no such step) (backward)")
-    mine = {"index": index, "source": source, "function": function}
-    empty = {"index": None, "source": None, "function": None}
-    a, b = (empty, mine) if side == "b" else (mine, empty)
-    origin["op"] = {"name": name, "kind": name.rpartition(".")[0].rpartition(".")[2] or name,
-                    "index": a["index"], "source": a["source"], "function": a["function"], "args_diff": {},
-                    "metrics": None, "name_b": name if side == "b" else None, "index_b": b["index"],
-                    "source_b": b["source"], "function_b": b["function"], "wrong_input": False,
-                    "only_a": [[index, name, source]] if side == "a" else [],
-                    "only_b": [[index, name, source]] if side == "b" else []}
+    origin["op"] = _one_sided_op(side, index, name, source, function)
+    return origin
+
+
+def _trailing_inserted(node: Node, previous: Node | None) -> tuple[list, list]:
+    """Operations of the call's own code that one run has and the other does not, run after the last child that
+    agrees (``previous``: a paired operation or module call, or None): (A's, B's), each [index, name, source].
+    With every paired operation agreeing and the call's output not, they are what makes the difference."""
+    summary: Mapping[str, Any] = node.row.get("ops") or {}
+    info = previous.row.get("op") if previous is not None and previous.kind == "op" else None
+    info_b = previous.row.get("op_b") if previous is not None and previous.kind == "op" else None
+    if previous is not None and info is None:  # after a child module: its place among the operations is unknown
+        return [], []
+    after_a = info["index"] if info else -1
+    after_b = info_b["index"] if info_b and info_b.get("index") is not None else after_a
+    return ([o for o in summary.get("only_a") or [] if o[0] > after_a],
+            [o for o in summary.get("only_b") or [] if o[0] > after_b])
+
+
+def _inserted_output_origin(node: Node, previous: Node | None, chain: list, phase: schema.Phase,
+                            params: list) -> schema.Origin | None:
+    """The call's output differs after every operation both runs have agrees, and one run ran more operations
+    after them (``_trailing_inserted``): those, named with their lines (a scale only one port applies)."""
+    only_a, only_b = _trailing_inserted(node, previous)
+    if not only_a and not only_b:
+        return None
+    origin = _origin_dict(node, "own_code", previous, None, chain, phase, params)
+    side, (index, name, source) = ("b", only_b[0]) if only_b else ("a", only_a[0])
+    origin["where"] = "op"
+    origin["description"] = describe_inserted(node.row["path"], None, only_a, only_b)
+    tensor = origin.get("tensor")
+    op = _one_sided_op(side, index, name, source, None, tensor["metrics"] if tensor else None)
+    op["only_a"], op["only_b"] = only_a, only_b
+    origin["op"] = op
     return origin
 
 
@@ -359,6 +400,10 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
             if where == "own_code" and node.row.get("ops_gradient_changed"):
                 return _inserted_gradient_origin(node, chain, phase)
             own_params = params.get("param" if phase == "forward" else "param_grad", [])
+            if where == "own_code" and before is None and phase == "forward":
+                inserted = _inserted_output_origin(node, after, chain, phase, own_params)
+                if inserted is not None:
+                    return inserted
             maker = _made_inside(node, chain, own_params)
             if maker is not None:
                 node, where, after, before, chain = maker, "module", None, None, chain[:-1] + [maker]

@@ -387,8 +387,9 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             tensors = [TensorPair("input", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in in_pairs]
             out_pairs = pair_outputs(mt.a, mt.b)
             tensors += [TensorPair("output", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in out_pairs]
-            result.pairs.append(OpPair(mt.a, (mt.b,), tensors, *_unpaired(mt.a, mt.b, tensors, ("input", "output")),
-                                       how=mt.how))
+            compared, undefined = _defined(tensors)
+            result.pairs.append(OpPair(mt.a, (mt.b,), compared, *_unpaired(mt.a, mt.b, tensors, ("input", "output")),
+                                       skipped=undefined, how=mt.how))
             back_a = backward_a.get((ra.path, ra.call, mt.a.index))
             back_b = backward_b.get((rb.path, rb.call, mt.b.index))
             if back_a is None or back_b is None:
@@ -446,6 +447,20 @@ def _by_call(ops: Sequence[OpRecord]) -> tuple[dict, dict]:
     for seq in forward.values():
         seq.sort(key=lambda op: op.index)
     return forward, backward
+
+
+def _defined(tensors: list[TensorPair]) -> tuple[list[TensorPair], list[str]]:
+    """The pairs to compare, and those left out because a side's tensor was allocated and not yet written
+    (``torch.empty_like``'s output, or the tensor an in-place write is about to fill): its bytes are whatever the
+    memory held, and would make the operation that allocates it the origin of any later difference."""
+    compared, undefined = [], []
+    for tp in tensors:
+        if tp.a.entry.undefined or tp.b.entry.undefined:
+            undefined.append(f"{tp.role}:{tp.key} (not compared: allocated and not yet written, its values are "
+                             f"undefined)")
+        else:
+            compared.append(tp)
+    return compared, undefined
 
 
 def _unpaired(a: OpRecord, b: OpRecord, tensors: list, roles: tuple[str, ...]) -> tuple[list[str], list[str]]:

@@ -52,6 +52,9 @@ def module_ops(report: View, origin: View) -> list[View]:
             and r.get("call") == origin.get("call") and r.get("phase") == origin.get("phase")]
     rows.sort(key=lambda r: (r.get("op") or {}).get("index", 0))
     index = next((i for i, r in enumerate(rows) if (r.get("op") or {}).get("index") == op.get("index")), None)
+    if index is None and op.get("index") is None and op.get("index_b") is not None:  # an operation B alone runs:
+        before = [i for i, r in enumerate(rows) if (r.get("op_b") or {}).get("index", -1) < op["index_b"]]
+        index = before[-1] if before else None  # around the last pair B ran before it
     if index is None:
         return rows[:2 * _SHOWN_AROUND + 1]
     return rows[max(0, index - _SHOWN_AROUND):index + _SHOWN_AROUND + 1]

@@ -64,7 +64,8 @@ def summary(path) -> dict:
 def _summary(reader) -> dict:
     meta, end = reader.meta, reader.end or EndRecord(status="interrupted")
     kinds = Counter((r.kind, r.phase) for r in reader.records)  # the end marker is no record
-    holding = {id(r) for r in reader.records for t in r.tensors if t.stats.get("nan") or t.stats.get("inf")}
+    holding = {id(r) for r in reader.records for t in r.tensors
+               if (t.stats.get("nan") or t.stats.get("inf")) and not t.undefined}
     calls, types, order = _forward_calls(reader.records)
     return {"path": str(reader.path), "size_bytes": reader.size_bytes(), "ranks": meta.get("ranks"),
             "status": end.status or "interrupted", "failure": end.failure,

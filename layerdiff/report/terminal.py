@@ -3,6 +3,7 @@ how the error grows block by block, the mapping, the settings that differ; and t
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, Mapping
 
 from rich.console import Console
@@ -44,6 +45,13 @@ def fmt_cos(x) -> str:
     if 0 < 1.0 - x < 1e-5:
         return f"1-{1.0 - x:.1e}"
     return f"{x:.6f}"
+
+
+def _usual_file(rows: list, key: str) -> str | None:
+    """The file most of the shown operations' lines are in (the table gives the others' file with their line)."""
+    files = Counter(short_source(row[key]["source"]).rpartition(":")[0] for row in rows
+                    if (row.get(key) or {}).get("source"))
+    return files.most_common(1)[0][0] if files else None
 
 
 def _render_settings(report: View, console: Console):
@@ -266,8 +274,8 @@ def _render_module_ops(report: View, origin: View, console: Console):
         return
     op = origin.get("op") or {}
     index = op.get("index")
-    files = {"a": short_source(op.get("source")).rpartition(":")[0],
-             "b": short_source(op.get("source_b") or op.get("source")).rpartition(":")[0]}
+    files = {side: _usual_file(rows, key) or short_source(op.get(f"source{suffix}") or op.get("source")).rpartition(":")[0]
+             for side, key, suffix in (("a", "op", ""), ("b", "op_b", "_b"))}
 
     def line(info: View, side: str) -> str:
         file, _, number = short_source(info.get("source")).rpartition(":")

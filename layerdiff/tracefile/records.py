@@ -87,6 +87,7 @@ class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     nbytes: Optional[Count] = None
     checksums: Optional[list[str]] = None
     placement: Optional[dict[str, Any]] = None
+    undefined: bool = False  # allocated and not yet written (``torch.empty_like``): its values are no evidence
     merge: Optional[Merge] = None
     parts: tuple[TensorEntry, ...] = ()
 
