@@ -1,6 +1,7 @@
 """PyTorch adapter: module hooks in, numpy views out. Imports torch; nothing else in layerdiff does."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -351,6 +352,63 @@ def _eager(hook):
     return disable(hook) if disable is not None else hook
 
 
+# torch.distributed's functions that write into a tensor they are given, and which argument that is. Their writes leave
+# the tensor's in-place counter (``_version``) as it was (measured: all_reduce, broadcast), so a tensor met before
+# one would otherwise be taken for unchanged. isend/irecv are not wrapped: ``P2POp`` checks its function by identity;
+# ``batch_isend_irecv`` is, for the tensors its receives write.
+_COLLECTIVE_WRITES = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "recv": "tensor",
+                      "scatter": "tensor", "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
+                      "_all_gather_base": "output_tensor", "reduce_scatter": "output", "reduce_scatter_tensor": "output",
+                      "_reduce_scatter_base": "output", "all_to_all": "output_tensor_list", "all_to_all_single": "output",
+                      "gather": "gather_list", "batch_isend_irecv": "p2p_op_list"}
+
+
+class _CollectiveWatch:
+    """torch.distributed's writing collectives wrapped while the trace is open (public functions, restored by
+    ``remove``): after each call, the tensors it wrote are forgotten by the session (``TraceSession.forget``).
+    Code that bound a collective to a name of its own before the trace opened calls it unseen."""
+
+    def __init__(self, session):
+        import inspect
+
+        import torch.distributed as dist
+
+        self.dist, self.originals = dist, {}
+        for name, argument in _COLLECTIVE_WRITES.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            try:
+                signature = inspect.signature(original)
+            except (TypeError, ValueError):
+                continue
+            self.originals[name] = original
+            setattr(dist, name, _eager(self._wrap(original, signature, argument, session)))
+
+    @staticmethod
+    def _wrap(original, signature, argument: str, session):
+        @functools.wraps(original)
+        def collective(*args, **kwargs):
+            result = original(*args, **kwargs)
+            try:
+                written = signature.bind(*args, **kwargs).arguments.get(argument)
+            except TypeError:
+                return result
+            for t in written if isinstance(written, (list, tuple)) else [written]:
+                if isinstance(t, torch.Tensor):
+                    session.forget(t)
+                elif getattr(getattr(t, "op", None), "__name__", "") in ("irecv", "recv"):  # a P2POp receiving
+                    session.forget(t.tensor)
+            return result
+
+        return collective
+
+    def remove(self):
+        for name, original in self.originals.items():
+            setattr(self.dist, name, original)
+        self.originals = {}
+
+
 class Hooks(ModuleHooks):
     """Registers forward hooks on every module (plus gradient taps and parameter-gradient hooks)."""
 
@@ -367,6 +425,11 @@ class Hooks(ModuleHooks):
         Without it, dynamo traced into the hooks (and failed in them: "NameError: ___tuple_iterator_getitem")."""
         return [module.register_forward_pre_hook(_eager(pre_hook), with_kwargs=True),
                 module.register_forward_hook(_eager(post_hook), with_kwargs=True, always_call=True)]
+
+    def watch_hidden_writes(self) -> list:
+        import torch.distributed as dist
+
+        return [_CollectiveWatch(self.session)] if dist.is_available() else []
 
     def register_param_grad_hooks(self):
         for name, p in self.params:

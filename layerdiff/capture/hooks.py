@@ -211,6 +211,12 @@ class ModuleHooks:
             self.handles.extend(self.register_forward_hooks(module, pre_hook, self._post_hook(path)))
         if self.backward and self.record_params:
             self.register_param_grad_hooks()
+        self.handles.extend(self.watch_hidden_writes())
+
+    def watch_hidden_writes(self) -> list:
+        """Handles (each with ``remove()``) of what tells the session when the framework writes into a tensor without
+        its in-place counter seeing it (``TraceSession.forget``): torch.distributed's collectives do."""
+        return []
 
     def remove(self):
         self.active = False

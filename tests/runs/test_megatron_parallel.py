@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from layerdiff.runs.ranks import open_run  # noqa: E402
+from layerdiff.tracefile.reader import open_trace  # noqa: E402
 
 from conftest import align_files  # noqa: E402
 
@@ -25,13 +26,13 @@ import layerdiff
 from layerdiff.recipes import megatron_moe, megatron_parallel, torch_llama
 
 out = sys.argv[1]
-for name, recipe, kwargs, steps in (("hf", torch_llama, {"layers": 4}, 1),
-                                    ("hf_train", torch_llama, {"layers": 4, "lr": 0.5}, 2),
-                                    ("mg1", megatron_parallel, {}, 1), ("mg1_train", megatron_parallel, {"lr": 0.5}, 2),
-                                    ("mixtral", megatron_moe, {"impl": "hf"}, 1),
-                                    ("hf4", torch_llama, {"layers": 4, "batch": 4}, 1)):
+for name, recipe, kwargs, steps, *options in (
+        ("hf", torch_llama, {"layers": 4}, 1), ("hf_train", torch_llama, {"layers": 4, "lr": 0.5}, 2),
+        ("mg1", megatron_parallel, {}, 1), ("mg1_train", megatron_parallel, {"lr": 0.5}, 2),
+        ("mixtral", megatron_moe, {"impl": "hf"}, 1), ("hf4", torch_llama, {"layers": 4, "batch": 4}, 1),
+        ("mg1_ops", megatron_parallel, {}, 1, {"ops": True})):
     built = recipe.build(**kwargs)
-    with layerdiff.trace(built["model"], f"{out}/{name}.h5"):
+    with layerdiff.trace(built["model"], f"{out}/{name}.h5", **(options[0] if options else {})):
         for _ in range(steps):
             built["step"]()
 """
@@ -42,9 +43,9 @@ import sys
 import layerdiff
 
 out = sys.argv[1]
-for name, recipe, kwargs, steps in RUNS:  # one job: the parallel state is made anew for each
+for name, recipe, kwargs, steps, *options in RUNS:  # one job: the parallel state is made anew for each
     built = importlib.import_module(f"layerdiff.recipes.{recipe}").build(**kwargs)
-    with layerdiff.trace(built["model"], f"{out}/{name}"):
+    with layerdiff.trace(built["model"], f"{out}/{name}", **(options[0] if options else {})):
         for _ in range(steps):
             built["step"]()
 """
@@ -60,6 +61,7 @@ TWO_RANKS = [
     ("moe_dp", "megatron_moe", {"dp": 2}, 1),  # data parallel, every rank all 4 experts
     ("moe_ep", "megatron_moe", {"dp": 2, "ep": 2}, 1),  # expert parallel: 2 experts a rank
     ("moe_ep_expert", "megatron_moe", {"dp": 2, "ep": 2, "defect": "expert_rank"}, 1),
+    ("tp_ops", "megatron_parallel", {"tp": 2}, 1, {"ops": True}),  # operations recorded in every rank
 ]
 FOUR_RANKS = [
     ("tp_pp", "megatron_parallel", {"tp": 2, "pp": 2, "microbatches": 2}, 1),
@@ -250,3 +252,17 @@ def test_ranks_against_their_replicas(runs):
         in out and "rank 2: agrees with rank 0" in out, out + err
     code, out, err = run_cli("align", runs / "pp")
     assert code == 2 and "no two hold the same layers" in err and "Traceback" not in err, err
+
+
+def test_operations_recorded_in_tensor_parallel_ranks_leave_the_module_records_intact(runs):
+    """The embedding's own code makes a partial sum (an operation's output) that ``all_reduce`` then completes in
+    place, without the in-place counter seeing it: the module's output was taken over from the partial sum, and
+    TP=2 with operations recorded was "divergent" at embedding.word_embeddings (a reduction missing)."""
+    with open_trace(runs / "tp_ops" / "rank0.h5") as rank:  # a joined run holds no operations (not joined)
+        assert len(rank.ops) > 100
+    report = align_files(runs / "mg1_ops.h5", runs / "tp_ops")
+    assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
+                                            report["backward"]["first_divergence"])
+    embedding = [t for r in report["records"] if r["path"] == "embedding.word_embeddings" and r["phase"] == "forward"
+                 for t in r["tensors"] if t["role"] == "output"]
+    assert embedding and all(t["passed"] for t in embedding)
