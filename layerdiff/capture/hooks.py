@@ -10,6 +10,7 @@ from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
 from layerdiff.capture.ops import OpCapture, OpGradients, OpWindows, Producers, SourceFinder
 from layerdiff.capture.options import TraceOptions
+from layerdiff.capture.session import settled_stats
 from layerdiff.capture.structure import replace_tensors, walk
 from layerdiff.errors import LayerdiffError
 
@@ -60,6 +61,10 @@ class ModuleHooks:
         self.open_frames: dict[int, list] = {}  # id(module) -> frames of its calls in progress (recursion)
         self.no_input_taps: set[str] = set()  # paths caught modifying a tapped input in place
         self.param_versions: dict[str, object] = {}
+        # the statistics each parameter was last recorded with: after a backward pass, a parameter whose in-place
+        # counter did not move is compared by them (``p.data -= lr * p.grad`` and Megatron's mixed-precision
+        # optimizers, which copy into ``.data``, write without moving torch's ``_version``)
+        self.param_stats: dict[str, Any] = {}
         self.grads_since_recorded: set[str] = set()
         self.params = [(name, p) for name, p in self.named_parameters()
                        if path_filter(name.rpartition(".")[0])]
@@ -190,7 +195,9 @@ class ModuleHooks:
         Without one, a parameter's value is written at the first step and again at the start of each step
         that follows a backward pass which produced its gradient (when an optimizer may have changed it):
         no per-step checksum of every weight. A change made with no backward pass in between (set_value,
-        load_state_dict during one trace) is not seen: start a new trace after loading weights.
+        load_state_dict during one trace) is not seen: start a new trace after loading weights. With one, a
+        parameter whose counter did not move after such a backward pass is compared by its statistics too
+        (``param_stats``): writes through ``.data`` move no counter.
         """
         return None
 
@@ -424,9 +431,13 @@ class ModuleHooks:
                 changed = name not in self.param_versions or name in self.grads_since_recorded
             else:
                 changed = self.param_versions.get(name) != version
+                if not changed and name in self.grads_since_recorded:  # an update the counter may not have seen
+                    changed = self.session.peek_stats(p) != self.param_stats.get(name)
+            self.grads_since_recorded.discard(name)
             if not changed:
                 continue
             self.param_versions[name] = version
-            self.grads_since_recorded.discard(name)
             module = name.rpartition(".")[0]
-            self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name))
+            entries = self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name))
+            if version is not None:
+                self.param_stats[name] = settled_stats(entries[0]["stats"]) if entries else None

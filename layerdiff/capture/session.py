@@ -17,6 +17,7 @@ import numpy as np
 
 from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
+from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writer import TraceWriter
 
 USE_DATA_LIMIT = 1 << 22  # elements: a tied weight's per-use gradient is stored whole up to this size
@@ -118,6 +119,11 @@ class StatsDeferral(Protocol):
 
 
 DEFERRED_RECORDS = 4096  # records held while their statistics are still on the device, at most
+
+
+def settled_stats(stats: Any) -> Any:
+    """Statistics as read back, where they were left on the device (``DeferredStats``) and have been read."""
+    return stats.result if isinstance(stats, DeferredStats) else stats
 
 
 def _settled(record: dict) -> dict:
@@ -252,6 +258,15 @@ class TraceSession:
         version = self.tensors.version(t)
         if version is not None:
             self.seen_objects[id(t)] = (weakref.ref(t), version, entry)
+
+    def peek_stats(self, t) -> dict | None:
+        """``t``'s statistics as a record would hold them, computed now and recorded nowhere (None: it cannot be
+        summarized)."""
+        stats = self.tensors.fast_stats(t)
+        if stats is not None:
+            return dict(stats)
+        stored = self.tensors.to_stored(t)
+        return summarize(*stored) if stored is not None else None
 
     def forget(self, t) -> None:
         """``t``'s bytes were written where the framework's in-place counter does not see it (a collective such as
@@ -478,14 +493,14 @@ class TraceSession:
 
     # -- parameters ----------------------------------------------------------------------------------------
     def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None,
-              tied: list | None = None, placement: dict | None = None, increment: bool = False):
+              tied: list | None = None, placement: dict | None = None, increment: bool = False) -> list[dict]:
         """kind is "param" (value) or "param_grad" (gradient after accumulation). ``tied``: every name of a
         parameter that several modules own (an embedding tied to the LM head); it is recorded under each.
         ``placement``: how the gradient is spread over ranks when its tensor cannot say (a partial sum);
         ``increment``: the gradient is this backward's contribution alone (added up elsewhere), not the total."""
         entries = self._entries(kind, [("value", tensor)])
         if not entries:
-            return
+            return []
         if placement is not None:
             entries = [{**entry, "placement": placement} for entry in entries]
         count = self.param_counts.get((kind, name), 0)
@@ -499,6 +514,7 @@ class TraceSession:
         if increment:
             record["increment"] = True
         self._write(record)
+        return entries
 
     def param_use(self, name: str, frame: CallFrame, grad, tied: list):
         """One call's own contribution to a tied parameter's gradient (before it is summed with the other

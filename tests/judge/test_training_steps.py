@@ -45,3 +45,36 @@ def test_a_defect_of_the_models_code_in_a_later_step_is_named_at_its_module(trac
     origin = report["forward"]["first_divergence"]
     assert origin["where"] != "update" and origin["step"] == 1, origin
     assert origin["module"] == "model.layers.1.post_attention_layernorm", origin["description"]
+
+
+@pytest.fixture(scope="module")
+def through_data(tmp_path_factory):
+    """SGD written by hand through ``.data`` (as tutorials and older training loops do, and as Megatron's
+    mixed-precision optimizers copy into the model's weights): it leaves torch's in-place counter as it was.
+    Before, the parameters were recorded at the first step only, and another learning rate was named at
+    "model.embed_tokens" with "parameters: 0 of N differ"."""
+    root = tmp_path_factory.mktemp("through_data")
+    for name, lr in (("ref", 0.1), ("lr", 0.11), ("still", 0.0)):
+        built = torch_llama.build()
+        with layerdiff.trace(built["model"], root / f"{name}.h5"):
+            for _ in range(2):
+                built["step"]()
+                for p in built["model"].parameters():
+                    if lr:
+                        p.data -= lr * p.grad
+    return root
+
+
+def test_an_update_written_through_data_is_seen(through_data):
+    report = align_files(through_data / "ref.h5", through_data / "lr.h5")
+    origin = report["forward"]["first_divergence"]
+    assert origin["where"] == "update" and origin["step"] == 1, origin["description"]
+    assert report["params"]["compared"] >= 2 * len(report["params"]["differ"]) > 20  # both steps' values compared
+
+
+def test_parameters_a_backward_pass_left_unchanged_are_not_recorded_again(through_data):
+    from layerdiff.tracefile.reader import open_trace
+
+    with open_trace(through_data / "still.h5") as trace:
+        steps = {r.step for r in trace.records if r.kind == "param"}
+    assert steps == {0}
