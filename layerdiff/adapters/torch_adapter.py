@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -373,7 +374,8 @@ class _CollectiveWatch:
 
         import torch.distributed as dist
 
-        self.dist, self.originals = dist, {}
+        self.dist, self.session = dist, session
+        self.wrapped: dict[str, tuple[Any, Any]] = {}  # name -> (original, wrapper)
         for name, argument in _COLLECTIVE_WRITES.items():
             original = getattr(dist, name, None)
             if original is None:
@@ -382,14 +384,18 @@ class _CollectiveWatch:
                 signature = inspect.signature(original)
             except (TypeError, ValueError):
                 continue
-            self.originals[name] = original
-            setattr(dist, name, _eager(self._wrap(original, signature, argument, session)))
+            wrapper = _eager(self._wrap(original, signature, argument))
+            wrapper.layerdiff_watch = self  # what ``remove`` of a trace wrapped on top of this one looks for
+            self.wrapped[name] = (original, wrapper)
+            setattr(dist, name, wrapper)
 
-    @staticmethod
-    def _wrap(original, signature, argument: str, session):
+    def _wrap(self, original, signature, argument: str):
         @functools.wraps(original)
         def collective(*args, **kwargs):
             result = original(*args, **kwargs)
+            session = self.session
+            if session is None:  # removed, while another trace's wrapper still holds this one
+                return result
             try:
                 written = signature.bind(*args, **kwargs).arguments.get(argument)
             except TypeError:
@@ -404,9 +410,14 @@ class _CollectiveWatch:
         return collective
 
     def remove(self):
-        for name, original in self.originals.items():
-            setattr(self.dist, name, original)
-        self.originals = {}
+        """The originals back, where nothing wrapped them again since; else this wrapper only passes calls on, until
+        the trace that wrapped it is closed too (traces closed in another order than opened)."""
+        self.session = None
+        for name, (original, wrapper) in self.wrapped.items():
+            if getattr(self.dist, name, None) is wrapper:
+                while getattr(original, "layerdiff_watch", None) is not None and original.layerdiff_watch.session is None:
+                    original = original.layerdiff_watch.wrapped[name][0]  # a closed trace's wrapper: skipped
+                setattr(self.dist, name, original)
 
 
 class Hooks(ModuleHooks):

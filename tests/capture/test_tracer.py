@@ -301,3 +301,20 @@ def test_trace_memory_does_not_grow_with_trace_length(tmp_path):
     (short, short_bytes), (long, long_bytes) = peak(10, "short.h5"), peak(30, "long.h5")
     assert long_bytes > 2.5 * short_bytes
     assert long - short < 0.1 * (long_bytes - short_bytes), (short, long)
+
+
+def test_collectives_are_wrapped_only_while_a_trace_is_open(tmp_path):
+    """torch.distributed's writing collectives are wrapped while a trace is open (a tensor they write is summarized
+    anew) and restored after, also when two traces close in another order than they opened."""
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+    first = layerdiff.trace(torch.nn.Linear(2, 2), tmp_path / "first.h5")
+    second = layerdiff.trace(torch.nn.Linear(2, 2), tmp_path / "second.h5")
+    first.__enter__()
+    assert dist.all_reduce is not original
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert dist.all_reduce is not original  # the second trace is still open
+    second.__exit__(None, None, None)
+    assert dist.all_reduce is original and dist.broadcast.__module__ == "torch.distributed.distributed_c10d"
