@@ -12,7 +12,7 @@ from html import escape
 
 from rich.text import Text
 
-from layerdiff.report.ops_view import code_at, module_ops, retrace_hint, row_status, short_source
+from layerdiff.report.ops_view import code_at, is_origin_row, module_ops, retrace_hint, row_status, short_source
 from layerdiff.report.terminal import View, fmt_number, origin_lines, row_passed, step_count
 
 _STYLE = """
@@ -124,9 +124,11 @@ def _ops_block(report: View, origin: View) -> str:
     rows = module_ops(report, origin)
     if not rows:
         return ""
-    index = (origin.get("op") or {}).get("index")
+    op = origin.get("op") or {}
 
     def where(info: View) -> str:
+        if not info:
+            return ""
         code = code_at(info.get("source"))
         return (f"<code>{escape(short_source(info.get('source')))}</code>"
                 + (f"<br><code class='dim'>{escape(code)}</code>" if code else ""))
@@ -138,10 +140,11 @@ def _ops_block(report: View, origin: View) -> str:
         rel = max((t["metrics"].get("max_rel") or 0 for t in r.get("tensors", ()) if t.get("metrics")
                    and t["role"] in ("output", "grad_input")), default=None)
         status = row_status(r)
-        here = a.get("index") == index
+        here = is_origin_row(r, op)
         mark = "&larr; origin" if here else ("" if status == "ok" else escape(status))
-        cells.append(f"<tr{' class=is-origin-op' if here else ''}><td class='num'>{a.get('index')}</td>"
-                     f"<td>{escape(str(a.get('name')))}</td><td>{where(a)}</td><td>{escape(str(b.get('name')))}</td>"
+        cells.append(f"<tr{' class=is-origin-op' if here else ''}><td class='num'>{a.get('index', '')}</td>"
+                     f"<td>{escape(str(a.get('name', '')))}</td><td>{where(a)}</td>"
+                     f"<td>{escape(str(b.get('name', '')))}</td>"
                      f"<td>{where(b)}</td><td class='num'>{_number(rel) if rel is not None else '-'}</td>"
                      f"<td class='{'bad' if status != 'ok' else 'ok'}'>{mark}</td></tr>")
     cells.append("</table>")

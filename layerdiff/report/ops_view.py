@@ -46,11 +46,14 @@ def origin_code(op: View) -> list[tuple[str, str, str | None]]:
 
 
 def module_ops(report: View, origin: View) -> list[View]:
-    """The op rows of the origin's module call (its phase), in A's order, around the origin's operation."""
+    """The op rows of the origin's module call (its phase), in A's order, around the origin's operation; in
+    forward, with the operations only one run ran among them (rows with ``unpaired``: "a" or "b")."""
     op = origin.get("op") or {}
     rows = [r for r in report.get("records", ()) if r.get("kind") == "op" and r.get("path") == origin.get("module")
             and r.get("call") == origin.get("call") and r.get("phase") == origin.get("phase")]
     rows.sort(key=lambda r: (r.get("op") or {}).get("index", 0))
+    if origin.get("phase") == "forward":
+        rows = _with_unpaired(report, origin, rows)
     index = next((i for i, r in enumerate(rows) if (r.get("op") or {}).get("index") == op.get("index")), None)
     if index is None and op.get("index") is None and op.get("index_b") is not None:  # an operation B alone runs:
         before = [i for i, r in enumerate(rows) if (r.get("op_b") or {}).get("index", -1) < op["index_b"]]
@@ -60,7 +63,36 @@ def module_ops(report: View, origin: View) -> list[View]:
     return rows[max(0, index - _SHOWN_AROUND):index + _SHOWN_AROUND + 1]
 
 
+def _with_unpaired(report: View, origin: View, rows: list[View]) -> list[View]:
+    """``rows`` with the operations only one run ran (the module call's ``ops.only_a`` / ``only_b``) placed after
+    the last paired operation that ran before them in that run."""
+    call = next((r for r in report.get("records", ()) if r.get("kind") == "call" and r.get("phase") == "forward"
+                 and r.get("path") == origin.get("module") and r.get("call") == origin.get("call")), None)
+    summary = (call or {}).get("ops") or {}
+    out = list(rows)
+    for side, key in (("a", "op"), ("b", "op_b")):
+        for entry in summary.get(f"only_{side}") or []:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], int)):
+                continue  # a report from elsewhere, or edited: shown without it
+            index, name, source = entry
+            row = {"kind": "op", "unpaired": side, "tensors": [], "op": {}, "op_b": {},
+                   key: {"index": index, "name": name, "source": source}}
+            before = [i for i, r in enumerate(out) if isinstance((r.get(key) or {}).get("index"), int)
+                      and r[key]["index"] < index]
+            out.insert(before[-1] + 1 if before else 0, row)
+    return out
+
+
+def is_origin_row(row: View, op: View) -> bool:
+    """Whether ``row`` is the origin's operation (``op``: the origin's), paired or one run's own."""
+    if row.get("unpaired") == "b":
+        return op.get("index") is None and (row.get("op_b") or {}).get("index") == op.get("index_b")
+    return op.get("index") is not None and (row.get("op") or {}).get("index") == op.get("index")
+
+
 def row_status(row: View) -> str:
+    if row.get("unpaired"):
+        return f"{row['unpaired'].upper()} only"
     tensors = row.get("tensors") or []
     if any(not t.get("passed", True) for t in tensors if t.get("role") in ("input", "grad_output")):
         return "inputs differ"

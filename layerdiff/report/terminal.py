@@ -12,7 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from layerdiff.match.mapping import collapse_indices
-from layerdiff.report.ops_view import code_at, module_ops, origin_code, retrace_hint, row_status, short_source
+from layerdiff.report.ops_view import (code_at, is_origin_row, module_ops, origin_code, retrace_hint, row_status,
+                                       short_source)
 
 # A report, or a part of one, as it reads back from JSON: rendered as far as it goes, never trusted to hold every key
 View = Mapping[str, Any]
@@ -273,7 +274,6 @@ def _render_module_ops(report: View, origin: View, console: Console):
     if len(rows) < 2:
         return
     op = origin.get("op") or {}
-    index = op.get("index")
     files = {side: _usual_file(rows, key) or short_source(op.get(f"source{suffix}") or op.get("source")).rpartition(":")[0]
              for side, key, suffix in (("a", "op", ""), ("b", "op_b", "_b"))}
 
@@ -291,11 +291,13 @@ def _render_module_ops(report: View, origin: View, console: Console):
         rel = max((t["metrics"].get("max_rel") or 0 for t in r.get("tensors", ()) if t.get("metrics")
                    and t["role"] in ("output", "grad_input")), default=None)
         status = row_status(r)
-        mark = "<- origin" if a.get("index") == index else ("" if status == "ok" else "x")
+        mark = "<- origin" if is_origin_row(r, op) else ("" if status == "ok" else
+                                                          status if r.get("unpaired") else "x")
         code = code_at(b.get("source")) or code_at(a.get("source")) or ""
-        table.add_row(str(a.get("index")), as_text(a.get("name")), as_text(line(a, "a")),
-                      "=" if b.get("name") == a.get("name") else as_text(b.get("name")), as_text(line(b, "b")),
-                      fmt_number(rel), mark, as_text(code))
+        table.add_row("" if a.get("index") is None else str(a.get("index")), as_text(a.get("name") or ""),
+                      as_text(line(a, "a")) if a else "",
+                      "=" if b.get("name") == a.get("name") else as_text(b.get("name") or ""),
+                      as_text(line(b, "b")) if b else "", fmt_number(rel), mark, as_text(code))
     console.print(table)
 
 

@@ -75,6 +75,24 @@ def test_an_operation_only_one_port_runs_at_the_end_of_a_module_is_named(traces)
     assert op["only_b"] and op["only_b"][0][1] == "Tensor.mul" and op["index"] is None
 
 
+def test_the_operation_only_one_port_runs_is_shown_among_the_modules_operations(traces):
+    import io
+
+    from rich.console import Console
+
+    from layerdiff.report import html, terminal
+
+    report = align_files(traces / "a.h5", traces / "scaled.h5")
+    out = io.StringIO()
+    terminal.render(report, Console(file=out, width=200))
+    shown = [line for line in out.getvalue().splitlines() if "Tensor.mul" in line and "<- origin" in line]
+    assert shown and f"{_line('defect: scaled')}" in shown[0], out.getvalue()
+    assert "B only" not in shown[0] and "experts.forward = lambda" in shown[0]  # B's line of code, read from the file
+    page = html.report_html(report)
+    origin_row = page[page.index("is-origin-op"):].split("</tr>")[0]
+    assert "Tensor.mul" in origin_row and f"{__file__.rpartition('/')[2]}:{_line('defect: scaled')}" in origin_row
+
+
 def _line(marker: str) -> int:
     with open(__file__) as f:
         return next(i for i, text in enumerate(f, 1) if marker in text and "_line(" not in text)
