@@ -273,17 +273,13 @@ class TraceSession:
         ``all_reduce`` writes into the tensor it is given): what was remembered of it, under any of its names, is
         dropped, and it is summarized anew when met again. Before, a Megatron embedding's output, recorded as a
         partial sum by the operation that made it, was taken over by the module's output after the all-reduce."""
-        stale = []
-        found = self.seen_objects.pop(id(t), None)
-        if found is not None:
-            stale.append(found[2])
+        self.seen_objects.pop(id(t), None)
         identity = self.tensors.identify(t)
         hit = self.seen.pop(identity, None) if identity is not None else None
-        if hit is not None:
-            stale.append(hit[1])
-        if stale:
-            for key in [k for k, (_, _, entry) in self.seen_objects.items() if any(entry is e for e in stale)]:
-                del self.seen_objects[key]
+        for ref in hit[0] if hit is not None else ():  # the other tensor objects known to show those bytes
+            other = ref()
+            if other is not None:
+                self.seen_objects.pop(id(other), None)
 
     def _same(self, obj, identity) -> bool:
         """A remembered tensor still alive with the same identity: its bytes cannot have been reused."""
