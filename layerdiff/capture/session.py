@@ -17,6 +17,7 @@ import numpy as np
 
 from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
+from layerdiff.tracefile.checksums import digest
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writer import TraceWriter
 
@@ -267,6 +268,15 @@ class TraceSession:
             return dict(stats)
         stored = self.tensors.to_stored(t)
         return summarize(*stored) if stored is not None else None
+
+    def fingerprint(self, t) -> Any:
+        """What changes when ``t``'s values do, cheaply: a hash of its bytes on the host; on a device, its statistics
+        there (no copy)."""
+        stats = self.tensors.fast_stats(t)
+        if stats is not None:
+            return tuple(sorted(stats.items()))
+        stored = self.tensors.to_stored(t)
+        return (stored[1], stored[0].shape, digest(np.ascontiguousarray(stored[0]))) if stored is not None else None
 
     def forget(self, t) -> None:
         """``t``'s bytes were written where the framework's in-place counter does not see it (a collective such as

@@ -57,7 +57,7 @@ def through_data(tmp_path_factory):
     for name, lr in (("ref", 0.1), ("lr", 0.11), ("still", 0.0)):
         built = torch_llama.build()
         with layerdiff.trace(built["model"], root / f"{name}.h5"):
-            for _ in range(2):
+            for _ in range(3):  # the third step's check reads a fingerprint, the second's the statistics
                 built["step"]()
                 for p in built["model"].parameters():
                     if lr:
@@ -69,12 +69,16 @@ def test_an_update_written_through_data_is_seen(through_data):
     report = align_files(through_data / "ref.h5", through_data / "lr.h5")
     origin = report["forward"]["first_divergence"]
     assert origin["where"] == "update" and origin["step"] == 1, origin["description"]
-    assert report["params"]["compared"] >= 2 * len(report["params"]["differ"]) > 20  # both steps' values compared
+    assert report["params"]["differ"]
+    assert _param_steps(through_data / "ref.h5") == {0, 1, 2}  # recorded again after each update
 
 
 def test_parameters_a_backward_pass_left_unchanged_are_not_recorded_again(through_data):
+    assert _param_steps(through_data / "still.h5") == {0}
+
+
+def _param_steps(path) -> set[int]:
     from layerdiff.tracefile.reader import open_trace
 
-    with open_trace(through_data / "still.h5") as trace:
-        steps = {r.step for r in trace.records if r.kind == "param"}
-    assert steps == {0}
+    with open_trace(path) as trace:
+        return {r.step for r in trace.records if r.kind == "param"}
