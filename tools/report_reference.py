@@ -99,7 +99,9 @@ KEYS = {
         "target": "The `layerdiff trace` TARGET.",
         "target_args": "The TARGET's `--arg`s.",
         "param_dtypes": "From the trace's metadata.",
-        "autocast_dtypes": "The dtypes automatic mixed precision (torch.autocast) computed in during the run; empty when it was off. Where either run has any, every floating tensor is judged at the least precise of them and the parameters' dtypes.",
+        "autocast_dtypes": "The dtypes automatic mixed precision (torch.autocast) computed in during the run; empty "
+                           "when it was off. Where either run has any, every floating tensor is judged at the least "
+                           "precise of them and the parameters' dtypes.",
         "devices": "From the trace's metadata.",
         "damage": "What was written whole and no longer reads as written: index lines (where, what they read as, "
                   "why; skipped, the records after them read), the metadata, and tensors whose bytes do not match "

@@ -353,15 +353,16 @@ def _eager(hook):
     return disable(hook) if disable is not None else hook
 
 
-# torch.distributed's functions that write into a tensor they are given, and which argument that is. Their writes leave
-# the tensor's in-place counter (``_version``) as it was (measured: all_reduce, broadcast), so a tensor met before
-# one would otherwise be taken for unchanged. isend/irecv are not wrapped: ``P2POp`` checks its function by identity;
-# ``batch_isend_irecv`` is, for the tensors its receives write.
-_COLLECTIVE_WRITES = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "recv": "tensor",
-                      "scatter": "tensor", "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
-                      "_all_gather_base": "output_tensor", "reduce_scatter": "output", "reduce_scatter_tensor": "output",
-                      "_reduce_scatter_base": "output", "all_to_all": "output_tensor_list", "all_to_all_single": "output",
-                      "gather": "gather_list", "batch_isend_irecv": "p2p_op_list"}
+# torch.distributed's functions that write into a tensor they are given, and which argument that is. Their writes
+# leave the tensor's in-place counter (``_version``) as it was (measured: all_reduce, broadcast), so a tensor met
+# before one would otherwise be taken for unchanged. isend/irecv are not wrapped (``P2POp`` checks its function by
+# identity); ``batch_isend_irecv`` is, for the tensors its receives write.
+_COLLECTIVE_WRITES = {
+    "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "recv": "tensor", "scatter": "tensor",
+    "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor",
+    "reduce_scatter": "output", "reduce_scatter_tensor": "output", "_reduce_scatter_base": "output",
+    "all_to_all": "output_tensor_list", "all_to_all_single": "output", "gather": "gather_list",
+    "batch_isend_irecv": "p2p_op_list"}
 
 
 class _CollectiveWatch:
@@ -415,8 +416,10 @@ class _CollectiveWatch:
         self.session = None
         for name, (original, wrapper) in self.wrapped.items():
             if getattr(self.dist, name, None) is wrapper:
-                while getattr(original, "layerdiff_watch", None) is not None and original.layerdiff_watch.session is None:
-                    original = original.layerdiff_watch.wrapped[name][0]  # a closed trace's wrapper: skipped
+                watch = getattr(original, "layerdiff_watch", None)
+                while watch is not None and watch.session is None:  # a closed trace's wrapper: skipped
+                    original = watch.wrapped[name][0]
+                    watch = getattr(original, "layerdiff_watch", None)
                 setattr(self.dist, name, original)
 
 

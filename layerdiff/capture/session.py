@@ -270,8 +270,8 @@ class TraceSession:
         return summarize(*stored) if stored is not None else None
 
     def fingerprint(self, t) -> Any:
-        """What changes when ``t``'s values do, cheaply: a hash of its bytes on the host; on a device, its statistics
-        there (no copy)."""
+        """What changes when ``t``'s values do, cheaply: a hash of its bytes; where the framework reduces the tensor
+        itself (on an accelerator: no copy to the host; a large CPU tensor), its statistics."""
         stats = self.tensors.fast_stats(t)
         if stats is not None:
             return tuple(sorted(stats.items()))
@@ -503,7 +503,8 @@ class TraceSession:
         """kind is "param" (value) or "param_grad" (gradient after accumulation). ``tied``: every name of a
         parameter that several modules own (an embedding tied to the LM head); it is recorded under each.
         ``placement``: how the gradient is spread over ranks when its tensor cannot say (a partial sum);
-        ``increment``: the gradient is this backward's contribution alone (added up elsewhere), not the total."""
+        ``increment``: the gradient is this backward's contribution alone (added up elsewhere), not the total.
+        Returns the entries recorded (none for a tensor that cannot be stored)."""
         entries = self._entries(kind, [("value", tensor)])
         if not entries:
             return []

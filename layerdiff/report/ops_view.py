@@ -54,7 +54,7 @@ def module_ops(report: View, origin: View) -> list[View]:
     rows.sort(key=lambda r: (r.get("op") or {}).get("index", 0))
     if origin.get("phase") == "forward":
         rows = _with_unpaired(report, origin, rows)
-    index = next((i for i, r in enumerate(rows) if (r.get("op") or {}).get("index") == op.get("index")), None)
+    index = next((i for i, r in enumerate(rows) if is_origin_row(r, op)), None)
     if index is None and op.get("index") is None and op.get("index_b") is not None:  # an operation B alone runs:
         before = [i for i, r in enumerate(rows) if (r.get("op_b") or {}).get("index", -1) < op["index_b"]]
         index = before[-1] if before else None  # around the last pair B ran before it

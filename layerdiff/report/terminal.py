@@ -274,7 +274,8 @@ def _render_module_ops(report: View, origin: View, console: Console):
     if len(rows) < 2:
         return
     op = origin.get("op") or {}
-    files = {side: _usual_file(rows, key) or short_source(op.get(f"source{suffix}") or op.get("source")).rpartition(":")[0]
+    files = {side: _usual_file(rows, key)
+             or short_source(op.get(f"source{suffix}") or op.get("source")).rpartition(":")[0]
              for side, key, suffix in (("a", "op", ""), ("b", "op_b", "_b"))}
 
     def line(info: View, side: str) -> str:
