@@ -467,7 +467,12 @@ class Hooks(ModuleHooks):
         return any(t._version != v for t, v in frame.versions)
 
     def param_version(self, p):
-        return p._version
+        """``_version``, with the address of the bytes: ``p.data = other`` (weights swapped in between steps, without
+        a backward pass) points the parameter at other bytes and moves no counter."""
+        try:
+            return p._version, p.data_ptr()
+        except RuntimeError:  # a tensor subclass without storage of its own
+            return p._version
 
     def watch_param_uses(self, frame, module, outputs):
         """The autograd node that hands this call's contribution to a tied parameter (the edge into its

@@ -82,3 +82,17 @@ def _param_steps(path) -> set[int]:
 
     with open_trace(path) as trace:
         return {r.step for r in trace.records if r.kind == "param"}
+
+
+def test_weights_swapped_in_through_data_between_inference_steps_are_recorded(tmp_path):
+    built = torch_llama.build(backward=False)
+    model = built["model"]
+    with layerdiff.trace(model, tmp_path / "swapped.h5", backward=False):
+        built["step"]()
+        model.lm_head.weight.data = model.lm_head.weight.data * 2  # no backward pass, no counter moved
+        built["step"]()
+    from layerdiff.tracefile.reader import open_trace
+
+    with open_trace(tmp_path / "swapped.h5") as trace:
+        again = {r.path for r in trace.records if r.kind == "param" and r.step == 1}
+    assert again == {"lm_head.weight"}
