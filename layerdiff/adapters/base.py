@@ -12,12 +12,13 @@ from abc import ABC, abstractmethod
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, TypedDict
 
+import numpy as np
+
 from layerdiff.capture import hparams
 from layerdiff.runs.parallel import ParallelLayout
+from layerdiff.tracefile.checksums import digest
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from layerdiff.capture.filters import PathFilter
     from layerdiff.capture.hooks import ModuleHooks
     from layerdiff.capture.options import TraceOptions
@@ -72,6 +73,17 @@ class FrameworkAdapter(ABC):
         """A trace's own ``capture.session.StatsDeferral``: statistics of tensors on an accelerator left there until
         read back in batches; None where the framework summarizes every tensor at once."""
         return None
+
+    def fingerprints(self, ts: list[Any]) -> list[Any]:
+        """Per tensor, a value that changes when its values do, read cheaply: a hash of its stored bytes (None for
+        a tensor that cannot be stored). What tells a parameter written without the framework's in-place counter
+        moving (``p.data -= ...``) from one left as it was."""
+        out: list[Any] = []
+        for t in ts:
+            stored = self.to_stored(t)
+            out.append(None if stored is None else (stored[1], stored[0].shape,
+                                                    digest(np.ascontiguousarray(stored[0]))))
+        return out
 
     def autocast_dtypes(self) -> list[str]:
         """The dtypes automatic mixed precision computes in right now (``torch.autocast``, ``paddle.amp.auto_cast``),

@@ -283,6 +283,15 @@ def describe(t: torch.Tensor):
     return _DTYPE_NAMES[t.dtype], list(local(t).shape)
 
 
+def device_fingerprints(ts: list) -> list:
+    """Each tensor's sum and L2 norm in float64, reduced where it lives (an accelerator) and read back together:
+    no copy to the host, one synchronization for all."""
+    shards = [local(t).detach() for t in ts]
+    values = torch.stack([torch.stack([s.sum(dtype=torch.float64), torch.linalg.vector_norm(s, dtype=torch.float64)])
+                          for s in shards]).cpu().tolist()
+    return [tuple(v) for v in values]
+
+
 # where torch.autocast can be on: the CPU, and each accelerator this torch build knows by a type of its own
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
@@ -582,6 +591,13 @@ class TorchAdapter(FrameworkAdapter):
     to_framework = staticmethod(to_framework)
     hooks_class = Hooks
     records_ops = True
+
+    def fingerprints(self, ts: list) -> list:
+        """On the host, a hash of the bytes (the base class's); on an accelerator, ``device_fingerprints``."""
+        on_device = {i for i, t in enumerate(ts) if _on_accelerator(t) and local(t) is not None}
+        host = iter(super().fingerprints([t for i, t in enumerate(ts) if i not in on_device]))
+        device = iter(device_fingerprints([t for i, t in enumerate(ts) if i in on_device]) if on_device else [])
+        return [next(device) if i in on_device else next(host) for i in range(len(ts))]
 
     def named_modules(self, model):
         return model.named_modules()

@@ -202,17 +202,22 @@ class ModuleHooks:
         """
         return None
 
-    def _written_unseen(self, name: str, p) -> bool:
-        """Whether ``p`` changed since it was last recorded though its in-place counter did not move: the first time,
-        by the statistics it was recorded with; then by a fingerprint of its bytes taken at that first check (one
-        fast read, not four reductions: measured 0.38 ms against 1.4 ms a step for the 3.7M weights of a small
-        Llama that runs backward without updates)."""
-        fingerprint = self.session.fingerprint(p)
-        known = self.param_fingerprints.get(name)
-        self.param_fingerprints[name] = fingerprint
-        if known is None:
-            return self.session.peek_stats(p) != self.param_stats.get(name)
-        return fingerprint != known
+    def _written_unseen(self, candidates: list) -> list:
+        """The (name, parameter, version) of ``candidates`` that changed since they were last recorded though their
+        in-place counters did not move: the first time, by the statistics they were recorded with; then by a
+        fingerprint of their values taken at that first check (``TensorAccess.fingerprints``: one fast read of
+        each, and on a device one transfer for all, not four reductions and a synchronization each: measured
+        0.38 ms against 1.4 ms a step for the 3.7M weights of a small Llama on the CPU, backward without updates)."""
+        if not candidates:
+            return []
+        fingerprints = self.session.tensors.fingerprints([p for _, p, _ in candidates])
+        changed = []
+        for (name, p, version), fingerprint in zip(candidates, fingerprints):
+            known = self.param_fingerprints.get(name)
+            self.param_fingerprints[name] = fingerprint
+            if (self.session.peek_stats(p) != self.param_stats.get(name)) if known is None else fingerprint != known:
+                changed.append((name, p, version))
+        return changed
 
     def start_step(self):
         """Runs before the outermost call of each step."""
@@ -438,21 +443,26 @@ class ModuleHooks:
 
     def _record_changed_params(self):
         """Parameter values at the start of each step, when they (may have) changed since last recorded."""
+        unseen = []  # (name, parameter, version): a backward pass ran, and its in-place counter did not move
         for name, p in self.params:
             version = self.param_version(p)
             if version is None:
                 changed = name not in self.param_versions or name in self.grads_since_recorded
             else:
                 changed = self.param_versions.get(name) != version
-                if not changed and name in self.grads_since_recorded:  # an update the counter may not have seen
-                    changed = self._written_unseen(name, p)
+                if not changed and name in self.grads_since_recorded:
+                    unseen.append((name, p, version))
                 elif changed:
                     self.param_fingerprints.pop(name, None)
             self.grads_since_recorded.discard(name)
-            if not changed:
-                continue
-            self.param_versions[name] = version
-            module = name.rpartition(".")[0]
-            entries = self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name))
-            if version is not None:
-                self.param_stats[name] = settled_stats(entries[0]["stats"]) if entries else None
+            if changed:
+                self._record_param(name, p, version)
+        for name, p, version in self._written_unseen(unseen):
+            self._record_param(name, p, version)
+
+    def _record_param(self, name: str, p, version) -> None:
+        self.param_versions[name] = version
+        module = name.rpartition(".")[0]
+        entries = self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name))
+        if version is not None:
+            self.param_stats[name] = settled_stats(entries[0]["stats"]) if entries else None

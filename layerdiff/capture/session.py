@@ -17,7 +17,6 @@ import numpy as np
 
 from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
-from layerdiff.tracefile.checksums import digest
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writer import TraceWriter
 
@@ -77,7 +76,9 @@ class TensorAccess(Protocol):
     ``fast_stats(t)`` -> the statistics computed by the framework itself, or None to use numpy;
     ``describe(t)`` -> (dtype name, shape) of what ``fast_stats`` summarized: "stats" mode skips the host copy;
     ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part);
-    ``deferral()`` -> what leaves statistics on a device until read back in batches (``StatsDeferral``), or None.
+    ``deferral()`` -> what leaves statistics on a device until read back in batches (``StatsDeferral``), or None;
+    ``fingerprints(ts)`` -> per tensor, a value that changes when its values do, read cheaply (a hash of its bytes;
+    on a device, a few reductions read back together).
     """
 
     def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None: ...
@@ -93,6 +94,8 @@ class TensorAccess(Protocol):
     def placement(self, t: Any) -> dict | None: ...
 
     def deferral(self) -> StatsDeferral | None: ...
+
+    def fingerprints(self, ts: list) -> list: ...
 
     @property
     def gradients_keep_identity(self) -> bool: ...
@@ -268,15 +271,6 @@ class TraceSession:
             return dict(stats)
         stored = self.tensors.to_stored(t)
         return summarize(*stored) if stored is not None else None
-
-    def fingerprint(self, t) -> Any:
-        """What changes when ``t``'s values do, cheaply: a hash of its bytes; where the framework reduces the tensor
-        itself (on an accelerator: no copy to the host; a large CPU tensor), its statistics."""
-        stats = self.tensors.fast_stats(t)
-        if stats is not None:
-            return tuple(sorted(stats.items()))
-        stored = self.tensors.to_stored(t)
-        return (stored[1], stored[0].shape, digest(np.ascontiguousarray(stored[0]))) if stored is not None else None
 
     def forget(self, t) -> None:
         """``t``'s bytes were written where the framework's in-place counter does not see it (a collective such as
