@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +57,15 @@ def recipe_trace(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+def marked_line(path, marker: str) -> int:
+    """The number of the one line of ``path`` that ends in ``# <marker>``: tests compute a planted defect's line from
+    the source, never write it as a literal."""
+    lines = [i + 1 for i, text in enumerate(Path(path).read_text().splitlines())
+             if re.search(rf"# {re.escape(marker)}\s*$", text)]
+    assert len(lines) == 1, (path, marker, lines)
+    return lines[0]
 
 
 def align_files(a, b, how=None, **kwargs):

@@ -76,9 +76,7 @@ class TensorAccess(Protocol):
     ``fast_stats(t)`` -> the statistics computed by the framework itself, or None to use numpy;
     ``describe(t)`` -> (dtype name, shape) of what ``fast_stats`` summarized: "stats" mode skips the host copy;
     ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part);
-    ``deferral()`` -> what leaves statistics on a device until read back in batches (``StatsDeferral``), or None;
-    ``fingerprints(ts)`` -> per tensor, a value that changes when its values do, read cheaply (a hash of its bytes;
-    on a device, a few reductions read back together).
+    ``deferral()`` -> what leaves statistics on a device until read back in batches (``StatsDeferral``), or None.
     """
 
     def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None: ...
@@ -94,8 +92,6 @@ class TensorAccess(Protocol):
     def placement(self, t: Any) -> dict | None: ...
 
     def deferral(self) -> StatsDeferral | None: ...
-
-    def fingerprints(self, ts: list) -> list: ...
 
     @property
     def gradients_keep_identity(self) -> bool: ...

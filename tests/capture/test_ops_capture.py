@@ -5,8 +5,8 @@ recorded producer, and the windows. Real transformers Llama (built from a config
 from __future__ import annotations
 
 import inspect
-import re
 
+import conftest
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,10 +25,7 @@ RECIPE = inspect.getsourcefile(recipe)
 
 def marked_line(marker: str) -> str:
     """``FILE:LINE`` of the recipe line that carries ``# <marker>`` (never a literal line number)."""
-    lines = [i + 1 for i, text in enumerate(open(RECIPE).read().splitlines())
-             if re.search(rf"# {re.escape(marker)}\s*$", text)]
-    assert len(lines) == 1, (marker, lines)
-    return f"{RECIPE}:{lines[0]}"
+    return f"{RECIPE}:{conftest.marked_line(RECIPE, marker)}"
 
 
 def traced(path, *, ops=True, **build):

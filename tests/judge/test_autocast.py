@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import align_files
+from conftest import align_files, marked_line
 
 torch = pytest.importorskip("torch")
 
@@ -73,9 +73,5 @@ def test_a_defect_under_autocast_is_still_named(traces, ops):
     origin = report["forward"]["first_divergence"]
     assert report["verdict"] == "divergent" and origin["module"] == "model.layers.1", origin
     if ops:
-        assert origin["op"]["source"].endswith(f"torch_llama_ops.py:{_line('defect: residual')}"), origin["op"]
+        assert origin["op"]["source"].endswith(f"torch_llama_ops.py:{marked_line(torch_llama_ops.__file__, 'defect: residual')}"), origin["op"]
 
-
-def _line(marker: str) -> int:
-    with open(torch_llama_ops.__file__) as f:
-        return next(i for i, text in enumerate(f, 1) if marker in text)

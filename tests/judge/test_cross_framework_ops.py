@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 
 def installed(*modules: str) -> bool:
@@ -43,10 +43,7 @@ BOTH_BLOCKS = r"model\.layers\.[01](\.|$)"
 def marked(recipe: str, marker: str) -> str:
     """``FILE:LINE`` of the recipe line ending in ``# <marker>``."""
     path = RECIPES / f"{recipe}.py"
-    lines = [i + 1 for i, text in enumerate(path.read_text().splitlines())
-             if re.search(rf"# {re.escape(marker)}\s*$", text)]
-    assert len(lines) == 1, (marker, lines)
-    return f"{path.name}:{lines[0]}"
+    return f"{path.name}:{conftest.marked_line(path, marker)}"
 
 
 def trace(root: Path, name: str, target: str, *args: str, window: str = BLOCK) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import align_files
+from conftest import align_files, marked_line
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -71,7 +71,7 @@ def test_an_operation_only_one_port_runs_at_the_end_of_a_module_is_named(traces)
     origin = report["forward"]["first_divergence"]
     assert origin["module"] == EXPERTS and origin["where"] == "op", origin["description"]
     op = origin["op"]
-    assert op["name_b"] == "Tensor.mul" and op["source_b"] == f"{__file__}:{_line('defect: scaled')}"
+    assert op["name_b"] == "Tensor.mul" and op["source_b"] == f"{__file__}:{marked_line(__file__, 'defect: scaled')}"
     assert op["only_b"] and op["only_b"][0][1] == "Tensor.mul" and op["index"] is None
 
 
@@ -86,13 +86,9 @@ def test_the_operation_only_one_port_runs_is_shown_among_the_modules_operations(
     out = io.StringIO()
     terminal.render(report, Console(file=out, width=200))
     shown = [line for line in out.getvalue().splitlines() if "Tensor.mul" in line and "<- origin" in line]
-    assert shown and f"{_line('defect: scaled')}" in shown[0], out.getvalue()
+    assert shown and f"{marked_line(__file__, 'defect: scaled')}" in shown[0], out.getvalue()
     assert "B only" not in shown[0] and "experts.forward = lambda" in shown[0]  # B's line of code, read from the file
     page = html.report_html(report)
     origin_row = page[page.index("is-origin-op"):].split("</tr>")[0]
-    assert "Tensor.mul" in origin_row and f"{__file__.rpartition('/')[2]}:{_line('defect: scaled')}" in origin_row
+    assert "Tensor.mul" in origin_row and f"{__file__.rpartition('/')[2]}:{marked_line(__file__, 'defect: scaled')}" in origin_row
 
-
-def _line(marker: str) -> int:
-    with open(__file__) as f:
-        return next(i for i, text in enumerate(f, 1) if marker in text and "_line(" not in text)

@@ -6,8 +6,8 @@ independent operations swapped) align with no false alarm, and still name a defe
 from __future__ import annotations
 
 import inspect
-import re
 
+import conftest
 import pytest
 
 pytest.importorskip("torch")
@@ -24,10 +24,7 @@ RECIPE = inspect.getsourcefile(recipe)
 
 def marked(marker: str) -> str:
     """``FILE:LINE`` of the recipe line ending in ``# <marker>``."""
-    lines = [i + 1 for i, text in enumerate(open(RECIPE).read().splitlines())
-             if re.search(rf"# {re.escape(marker)}\s*$", text)]
-    assert len(lines) == 1, (marker, lines)
-    return f"{RECIPE}:{lines[0]}"
+    return f"{RECIPE}:{conftest.marked_line(RECIPE, marker)}"
 
 
 class Runs:

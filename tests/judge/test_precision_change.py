@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import align_files
+from conftest import align_files, marked_line
 
 torch = pytest.importorskip("torch")
 
@@ -55,10 +55,5 @@ def test_a_defect_of_the_bfloat16_run_is_still_named(traces, ops):
     origin = report["forward"]["first_divergence"]
     assert report["verdict"] == "divergent" and origin["module"] == "model.layers.1", origin
     if ops:
-        assert origin["op"]["source"].endswith(f"torch_llama_ops.py:{_line('defect: residual')}"), origin["op"]
+        assert origin["op"]["source"].endswith(f"torch_llama_ops.py:{marked_line(torch_llama_ops.__file__, 'defect: residual')}"), origin["op"]
 
-
-def _line(marker: str) -> int:
-    source = torch_llama_ops.__file__
-    with open(source) as f:
-        return next(i for i, text in enumerate(f, 1) if marker in text)

@@ -4,8 +4,8 @@ operation-level origin. transformers' Llama with the model code of ``recipes/tor
 from __future__ import annotations
 
 import inspect
-import re
 
+import conftest
 import pytest
 
 pytest.importorskip("torch")
@@ -19,10 +19,8 @@ RECIPE = inspect.getsourcefile(recipe)
 
 
 def marked(marker: str) -> str:
-    lines = [i + 1 for i, text in enumerate(open(RECIPE).read().splitlines())
-             if re.search(rf"# {re.escape(marker)}\s*$", text)]
-    assert len(lines) == 1, (marker, lines)
-    return f"{RECIPE}:{lines[0]}"
+    """``FILE:LINE`` of the recipe line ending in ``# <marker>``."""
+    return f"{RECIPE}:{conftest.marked_line(RECIPE, marker)}"
 
 
 @pytest.fixture(scope="module")
