@@ -44,7 +44,7 @@ def _rmsnorm_by_division(self, hidden_states):
     return self.weight * (hidden_states / torch.sqrt(variance + self.variance_epsilon))
 
 
-def _inject(model, defect: str, layer: int | None = None):
+def inject(model, defect: str, layer: int | None = None):
     """``layer`` moves a defect to another decoder layer (the binary-search tests use 8 layers)."""
     layers = _LayerPicker(model.model.layers, layer)
     if defect == "eps":
@@ -127,7 +127,7 @@ def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads
     model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                              intermediate=intermediate, seed=seed, attn=attn, dtype=dtype)
     if defect_step <= 1:
-        _inject(model, defect, defect_layer)
+        inject(model, defect, defect_layer)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr) if lr > 0 else None
     steps_taken = [0]
@@ -135,7 +135,7 @@ def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads
     def step():
         steps_taken[0] += 1
         if defect_step > 1 and steps_taken[0] == defect_step:
-            _inject(model, defect, defect_layer)
+            inject(model, defect, defect_layer)
         loss = train_step()
         if optimizer is not None:
             optimizer.step()

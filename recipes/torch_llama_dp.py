@@ -1,11 +1,18 @@
-"""Recipe: ``torch_llama`` replicated over ranks with ``DistributedDataParallel`` (gloo, CPU), every rank given
-the same batch, so every replica must compute the same numbers.
+"""Recipe: ``torch_llama`` over data-parallel ranks (gloo, CPU), wrapped in ``DistributedDataParallel`` or in FSDP2
+(``fully_shard`` on each decoder layer and on the model).
 
     torchrun --standalone --nproc-per-node 2 -m layerdiff trace torch_llama_dp -o dp_run --arg defect=weight
     layerdiff align dp_run          # each rank against rank 0: names the first module where a replica differs
+    torchrun --standalone --nproc-per-node 2 -m layerdiff trace torch_llama_dp -o fsdp_run \
+        --arg wrap=fsdp --arg split=true --arg lr=0.1 --steps 2
+    layerdiff trace torch_llama --arg batch=4 --arg lr=0.1 --steps 2 -o ref.h5
+    layerdiff align ref.h5 fsdp_run     # the ranks joined: one process that took the whole batch
 
-``DEFECTS`` are desyncs on one rank: a weight changed after DDP's initial broadcast (a rank that loaded another
-checkpoint shard), or another input batch.
+By default every rank is given the same batch, so every replica must compute the same numbers; ``split=true``
+gives each rank its own share of a batch of ``batch`` x ranks sequences, as data parallelism does. ``DEFECTS``
+are desyncs on one rank: a weight changed after DDP's initial broadcast (a rank that loaded another checkpoint
+shard); ``input`` gives rank 1 another batch (with 3 ranks or more a desync: the others agree; with 2 it reads as
+each rank's own share); any defect of ``torch_llama`` is planted on every rank (a port's bug).
 """
 from __future__ import annotations
 
@@ -23,29 +30,45 @@ except ImportError:  # loaded as a file
 # defect -> (direction, origin in the model's names under DDP's "module." prefix, the ranks that differ)
 DEFECTS = {
     "weight": ("forward", "module.model.layers.1.mlp.up_proj", [1]),  # rank 1's up_proj weight x(1 + 1e-3)
-    "input": ("forward", "", [1]),                                     # rank 1 is given another batch
 }
 
 
-def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, **kwargs):
+def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, wrap: str = "ddp",
+          split: bool = False, lr: float = 0.0, **kwargs):
+    """``wrap``: "ddp" or "fsdp"; ``split``: each rank its own share of the batch; ``lr`` > 0: each step is a
+    training step (plain SGD)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     model, cfg = torch_llama.build_model(seed=seed, **kwargs)
-    replica = DistributedDataParallel(model)  # broadcasts rank 0's parameters to every rank
+    if defect in shared.DEFECTS:
+        torch_llama.inject(model, defect)  # the same bug on every rank
+    elif defect not in (None, "input", *DEFECTS):
+        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, 'input', *shared.DEFECTS])}")
+    if wrap == "ddp":
+        replica = DistributedDataParallel(model)  # broadcasts rank 0's parameters to every rank
+    elif wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        replica = fully_shard(model)
+    else:
+        raise ValueError(f"unknown wrap {wrap!r}; choose ddp or fsdp")
     if defect == "weight" and rank == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.up_proj.weight.mul_(1 + 1e-3)
-    elif defect not in (None, *DEFECTS):
-        raise ValueError(f"unknown defect {defect!r}; choose from {', '.join(DEFECTS)}")
-    batch_seed = seed + 1 if defect == "input" and rank == 1 else seed
-    input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, batch_seed))
+    ids = shared.input_ids(cfg, batch * world if split else batch, seq, seed + (rank == 1 and defect == "input"))
+    input_ids = torch.from_numpy(ids[rank * batch:(rank + 1) * batch] if split else ids)
+    optimizer = torch.optim.SGD(replica.parameters(), lr=lr) if lr > 0 else None
 
     def step():
         replica.zero_grad(set_to_none=True)
         loss = replica(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
+        if optimizer is not None:
+            optimizer.step()
         return loss
 
     return {"model": replica, "step": step,
-            "meta": {"recipe": "torch_llama_dp", "defect": defect, "world_size": dist.get_world_size()}}
+            "meta": {"recipe": "torch_llama_dp", "defect": defect, "world_size": world, "wrap": wrap, "split": split}}

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerdiff.adapters import megatron_facts
+from layerdiff.adapters import megatron_facts, torch_data_parallel
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.session import DeferredStats
@@ -608,15 +608,17 @@ class TorchAdapter(FrameworkAdapter):
     def deferral(self):
         return DeviceDeferral()
 
-    # a Megatron-core model's facts (``megatron_facts``: read from what Megatron has loaded, never imported)
+    # a Megatron-core model's facts (``megatron_facts``: read from what Megatron has loaded, never imported), or
+    # those of torch's own data parallelism (DDP, FSDP2: ``torch_data_parallel``)
     def parallel_layout(self, model):
-        return megatron_facts.parallel_layout(model)
+        return megatron_facts.parallel_layout(model) or torch_data_parallel.parallel_layout(model)
 
     def step_scope(self, frame):
         return megatron_facts.schedule_frame(frame)
 
     def grad_placement(self, model, param):
-        return megatron_facts.grad_placement(getattr(model, "config", None), param)
+        return megatron_facts.grad_placement(getattr(model, "config", None), param) or \
+            torch_data_parallel.grad_placement(model, param)
 
     def grad_increments(self, param):
         return megatron_facts.grad_increments(param)

@@ -293,6 +293,8 @@ def _joined(merge, n: int) -> str:
         return f"{n} microbatches " + {"concat": f"joined on axis {merge.dim}", "sum": "added up",
                                        "replicate": "alike (the first compared)",
                                        "batches": "unresolved"}.get(merge.how, merge.how)
+    if merge.how == "sum" and merge.scale is not None and n > 1 and abs(merge.scale * n - 1) < 1e-12:
+        return f"{n} ranks' mean"  # each rank's own share's (a loss, a gradient under data parallelism)
     return f"{n} ranks' " + {
         "concat": f"shards joined on axis {merge.dim}",
         "concat_parts": f"shards joined part by part on axis {merge.dim}",

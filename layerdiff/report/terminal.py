@@ -396,6 +396,9 @@ def render_ranks(result: View, console: Console):
     with_whom = "rank 0" if against_rank0(result) else "the first rank of its replicas"
     console.print(f"[bold]{as_text(result['path'])}[/]: {result['world_size']} ranks, each compared with {with_whom} on "
                   "what replicas must agree on (shards and partial sums left out)")
+    if result.get("own_shares"):
+        console.print("  each data-parallel rank was given its own share of the batch: their weights are compared, "
+                      "not what they computed")
     for r in result["ranks"]:
         if r["verdict"] == "aligned":
             console.print(f"  rank {r['rank']}: [green]agrees with rank {r.get('against', 0)}[/]")

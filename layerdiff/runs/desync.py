@@ -38,10 +38,11 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
                                  "give a run directory of several ranks to compare its ranks")
         world, order = run.world_size, _execution_order(run)
         exempt = {"replicas": replica_exempt(run), "peers": replica_exempt(run, peers=True)}
+        own_shares = run.own_shares and any((layout.get("dp") or 1) > 1 for layout in run.layouts)
         groups = [(group, "replicas") for group in run.replica_groups()] + \
             [(group, "peers") for group in run.peer_groups()]
     files = [os.path.abspath(f) for f in rank_files(path) or ()]  # workers open them by path: absolute
-    shared = {"exempt": exempt, "policy": policy.describe(),
+    shared = {"exempt": exempt, "own_shares": own_shares, "policy": policy.describe(),
               "rule_files": [os.path.abspath(f) for f in how.rule_files]}  # read where the task runs
     jobs = [{"first": files[group[0]], "against": group[0], "other": files[rank], "rank": rank, "exempt": kind}
             for group, kind in groups for rank in group[1:]]
@@ -65,7 +66,8 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
             ranks = [r["rank"] for p, r in found if p == place]
             first = {**min(found, key=lambda f: f[0])[1][phase], "ranks": ranks, "phase": phase}
             break
-    return {"kind": "ranks", "path": str(path), "world_size": world, "ranks": results, "first_divergence": first,
+    return {"kind": "ranks", "path": str(path), "world_size": world, "own_shares": own_shares,
+            "ranks": results, "first_divergence": first,
             "missing": missing, "tolerances": policy.describe(), "verdict": "divergent" if divergent else "aligned"}
 
 
@@ -100,7 +102,8 @@ def rank_against_rank0(shared: dict[str, Any], job: dict[str, Any]) -> dict:
     if isinstance(exempt, dict):  # by the kind of group: data-parallel replicas, or a replica's TP ranks
         exempt = exempt[job.get("exempt", "replicas")]
     with TraceReader(job["first"]) as first, TraceReader(job["other"]) as other:
-        report = align(RankView(first, exempt), RankView(other, exempt), how)
+        own_shares = shared.get("own_shares", True)
+        report = align(RankView(first, exempt, own_shares), RankView(other, exempt, own_shares), how)
     return {"rank": job["rank"], "against": job["against"], "verdict": report["verdict"],
             "forward": report["forward"]["first_divergence"],
             "backward": report["backward"]["first_divergence"],

@@ -8,7 +8,7 @@ from typing import TypedDict
 
 
 class ParallelLayout(TypedDict, total=False):
-    """A rank's place in Megatron's parallel layout (sizes and this rank's coordinate in each group), whether
+    """A rank's place in a parallel layout (Megatron's, or torch's data parallelism) (sizes and this rank's coordinate in each group), whether
     activations are split over the sequence in the norm regions, and ``global_paths``: this rank's module paths
     that are named differently in the whole model (a later pipeline stage's ``decoder.layers.0`` is global layer
     N/PP; an expert-parallel rank's ``local_experts.0`` is global expert E/EP * rank)."""
@@ -25,6 +25,8 @@ class ParallelLayout(TypedDict, total=False):
     global_paths: dict[str, str]
     own_modules: list[str]  # global paths of the modules this rank holds apart from its stage's other ranks
     grad_mean: bool  # the step's gradients are the mean of the data-parallel ranks' (each rank's loss is its own)
+    sharded_storage: bool  # parameters are sharded only to be stored (FSDP): each rank computes with whole weights,
+    # so no activation is a weight's shard
     split_modules: list[str]  # modules whose work each rank of the stage splits differently (experts' containers):
     # their own records are not joined (their children, each held by one rank, are compared)
 

@@ -28,7 +28,7 @@ from msgspec.structs import replace
 
 from layerdiff.errors import TraceFormatError
 from layerdiff.tracefile.index import Damage
-from layerdiff.match.joins import alike, batch_axis, token_shapes
+from layerdiff.match.joins import alike, batch_axis, root_calls, token_shapes
 from layerdiff.match.operands import combine_stats
 from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
@@ -115,6 +115,7 @@ class RankedRun:
         # (batch, sequence) of each rank's share of its first step
         self._local_tokens = {rank: next(iter(token_shapes(reader.records).values()), None)
                               for rank, reader in enumerate(self.readers)}
+        self.own_shares = own_shares(self.readers, self.layouts)
         self.records = self._merge()
         self.ops: list[OpRecord] = []  # operations are not joined across ranks: align one rank's trace for them
 
@@ -259,7 +260,7 @@ class RankedRun:
             if rec.kind == "param_grad" and self._grad_mean(firsts):
                 how: tuple | None = ("sum", None, 1.0 / len(parts))  # each replica's own batch's: DDP's mean
             else:
-                how = self._mean_of_gradients(entry, self._batch_join(rec, parts, firsts[0]), firsts)
+                how = self._mean_of_gradients(entry, self._batch_join(rec, parts, firsts), firsts)
             tensors.append(self._merged_entry(parts, how, firsts))
         return replace(rec, tensors=tensors)
 
@@ -306,14 +307,21 @@ class RankedRun:
         if len(parts) < 2 or not all((self.layouts[r].get("dp") or 1) > 1 and (self.layouts[r].get("tp") or 1) == 1
                                      for r in ranks):
             return None
-        return self._batch_join(rec, parts, ranks[0])
+        return self._batch_join(rec, parts, ranks)
 
-    def _batch_join(self, rec: Record, parts: list[TensorEntry], first_rank: int) -> tuple | None:
-        """How data-parallel shares of one tensor join: one copy when alike, else along the batch axis of
-        ``first_rank``'s share (None: a parameter that differs, left per rank)."""
+    def _batch_join(self, rec: Record, parts: list[TensorEntry], ranks: list[int]) -> tuple | None:
+        """How data-parallel shares of one tensor join: one copy when alike; a loss (a floating scalar output)
+        as the ranks' mean where each rank's is its own share's mean (``_grad_mean``); else along the batch axis
+        of the first rank's share (None: a parameter that differs, left per rank)."""
         first = parts[0]
-        if alike(parts):
-            return "replicate", None
+        if alike(parts):  # a weight, a mask; one the ranks each had for their own sequences waits for the other run
+            return None if self.own_shares and not isinstance(rec, ParamRecord) and first.shape else ("replicate", None)
+        if not self.own_shares:  # replicas given one batch each: a tensor that differs is a desync, not shares
+            return None
+        if not first.shape and first.role == "output" and first.dtype.startswith(("float", "bfloat")) \
+                and self._grad_mean(ranks):
+            return "sum", None, 1.0 / len(parts)
+        first_rank = ranks[0]
         batch, seq = self._local_tokens.get(first_rank) or (None, None)
         axis = batch_axis(first.shape, batch)
         if axis is None and batch is not None and seq is not None and first.shape and first.shape[0] == batch * seq:
@@ -339,7 +347,8 @@ class RankedRun:
         pipeline stage's parameters; modules whose shards hold a slice of every part of a fused weight
         (Megatron's gated linear_fc1: [gate_r; up_r]) go to ``self.every_part`` with the number of parts."""
         out = {}
-        for rec in (rec for rank in records for rec in rank):
+        stored_only = [bool(layout.get("sharded_storage")) for layout in self.layouts]  # FSDP: whole weights compute
+        for rec in (rec for rank, held in enumerate(records) if not stored_only[rank] for rec in held):
             if rec.kind == "param" and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.tensors \
                     and rec.module_path not in out:
                 entry = rec.tensors[0]
@@ -391,6 +400,11 @@ class RankedRun:
         elif kind == "sum":
             stats = {"numel": math.prod(shape), "min": None, "max": None, "mean": None, "l2": None,
                      "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
+            values = [v for p in parts if p.stats.get("numel") == 1 and isinstance(v := p.stats.get("mean"), float)
+                      and math.isfinite(v)]
+            if len(values) == len(parts):
+                total = math.fsum(values) * (how[2] if how and len(how) > 2 else 1.0)  # scalars: the sum is known
+                stats.update(min=total, max=total, mean=total, l2=abs(total))
         else:
             stats = parts[0].stats
         scale = how[2] if how and kind in ("sum", "concat") and len(how) > 2 else None
@@ -653,7 +667,8 @@ def replica_exempt(run: RankedRun, peers: bool = False) -> list[list]:
         inner = t.parts[0] if peers and t.parts and t.parts[0].merge is not None else t
         return inner.merge.how if inner.merge is not None else None
 
-    kinds = {joined(t) for rec in run.records for t in rec.tensors if t.merge is not None}
+    # a gradient's partial sums say nothing of shards (data-parallel replicas' gradients are partial sums too)
+    kinds = {joined(t) for rec in run.records if rec.kind != "param_grad" for t in rec.tensors if t.merge is not None}
     left_out = {"concat", "concat_parts", "sum"}
     if kinds & left_out:  # tensor parallel: a tensor of unknown placement may be a shard, not a replica
         left_out.add("ranks")
@@ -664,11 +679,33 @@ def replica_exempt(run: RankedRun, peers: bool = False) -> list[list]:
     return [[list(key), role, name] for key, role, name in sorted(spread, key=repr)]
 
 
+def own_shares(readers: list, layouts: list) -> bool:
+    """Whether data-parallel replicas were given their own shares of the batch, as data parallelism does: no two
+    replicas' first root calls (at the same pipeline stage) had the same inputs. Replicas given one batch each,
+    but for one that was given another, are replicas that lost step (a desync), not shares."""
+    firsts: dict[tuple[int, int], Any] = {}
+    for reader, layout in zip(readers, layouts):
+        place = (int(layout.get("pp_rank") or 0), int(layout.get("dp_rank") or 0))
+        if place not in firsts:
+            firsts[place] = next(root_calls(reader.records), None)
+    pairs = [(a, b) for (pa, a), (pb, b) in itertools.combinations(firsts.items(), 2) if pa[0] == pb[0]]
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return False
+    return not any(_same_inputs(a, b) for a, b in pairs)
+
+
+def _same_inputs(a: CallRecord, b: CallRecord) -> bool:
+    inputs_a, inputs_b = ([t for t in rec.tensors if t.role == "input"] for rec in (a, b))
+    return len(inputs_a) == len(inputs_b) and all(alike([x, y]) for x, y in zip(inputs_a, inputs_b))
+
+
 class RankView:
     """One rank's trace as a trace of its own, without the tensors that ranks hold differently by design
-    (``replica_exempt``): comparing two views finds where replicas that should agree stop agreeing."""
+    (``replica_exempt``): comparing two views finds where replicas that should agree stop agreeing.
+    ``own_shares``: the data-parallel ranks were given their own shares of the batch (``own_shares``): their
+    weights alone must agree."""
 
-    def __init__(self, reader: TraceReader, exempt: list[list]):
+    def __init__(self, reader: TraceReader, exempt: list[list], own_shares: bool = True):
         self.reader = reader
         self.path = reader.path
         self.meta, self.crashed, self.end = self.reader.meta, self.reader.crashed, self.reader.end
@@ -676,7 +713,7 @@ class RankView:
         layout = reader.meta.get("parallel") or {}
         renames = layout.get("global_paths") or {}
         split = set(layout.get("split_modules") or ())
-        own_data = (layout.get("dp") or 1) > 1  # Megatron's data-parallel ranks: each its own share of the batch
+        own_data = (layout.get("dp") or 1) > 1 and own_shares  # data-parallel ranks, each its own share of the batch
         spread = {(tuple(key), role, name) for key, role, name in exempt}
         records = [_renamed(rec, renames) if renames else rec for rec in self.reader.records]  # the run's names
         self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread

@@ -40,6 +40,12 @@ for recipe, prefix in ((torch_llama_tp, "tp"), (torch_llama_dp, "dp")):
 built = torch_llama_tp.build(None)
 with layerdiff.trace(built["model"], f"{out}/tp_stats", mode="stats"):
     built["step"]()
+for wrap in ("ddp", "fsdp"):  # each rank its own share of the batch, two SGD steps
+    for defect, mode in ((None, "full"), ("eps", "full"), ("backward", "full"), (None, "stats")):
+        built = torch_llama_dp.build(defect, wrap=wrap, split=True, lr=0.1)
+        with layerdiff.trace(built["model"], f"{out}/{wrap}_split_{defect or 'clean'}_{mode}", mode=mode):
+            built["step"]()
+            built["step"]()
 dist.destroy_process_group()
 os._exit(0)  # every file is written and closed: see _EXIT above the scripts
 """
@@ -188,8 +194,32 @@ def test_data_parallel_desync_is_named_with_its_rank(runs):
     first = result["first_divergence"]
     assert first["module"] == "module.model.layers.1.mlp.up_proj" and first["ranks"] == [1]
     assert "first desync (forward): module.model.layers.1.mlp.up_proj on rank(s) 1" in out
-    code, out, _ = run_cli("align", runs / "dp_input", "-q")
-    assert code == 1 and "<root>: the runs were given different inputs on rank(s) 1" in out
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_data_parallel_ranks_given_their_own_shares_join_as_one_process(runs, recipe_trace, wrap):
+    """DistributedDataParallel and FSDP2 (``fully_shard``), each rank its own share of the batch, two SGD steps,
+    against one process that took the whole batch: activations joined along the batch axis, the loss and the
+    gradients as the ranks' mean, FSDP's weight shards by their placement. Before, FSDP's sharded weights made
+    every activation of their layers a 'shard' (the embedding's output joined on the hidden axis: divergent at
+    ``model.embed_tokens``), and under DDP each rank's own loss and gradients were compared as if they were the
+    step's (divergent in backward)."""
+    from layerdiff.recipes.llama_shared import DEFECTS
+
+    reference = {"batch": 4, "lr": 0.1, "steps": 2}
+    for mode in ("full", "stats"):
+        report = align_files(recipe_trace(mode=mode, **reference), runs / f"{wrap}_split_clean_{mode}")
+        assert report["verdict"] == "aligned", (mode, report["forward"], report["backward"])
+        assert report["params"]["compared"] == 42 and report["params"]["grads_compared"] == 42  # 21 in 2 steps
+    root = next(r for r in report["records"] if r["path"] == "" and r["phase"] == "forward")
+    loss = next(t for t in root["tensors"] if t["key"] == "out.loss")
+    assert loss["metrics"]["note"] == "B: 2 ranks' mean"
+    for defect in ("eps", "backward"):  # a port's bug on every rank, named as in one process
+        direction, module = DEFECTS[defect]
+        origin = align_files(recipe_trace(**reference), runs / f"{wrap}_split_{defect}_full")[direction]
+        assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
+    code, out, err = run_cli("align", runs / f"{wrap}_split_clean_full")  # rank against rank 0: the weights
+    assert code == 0 and "each data-parallel rank was given its own share of the batch" in out, out + err
 
 
 DP3_SCRIPT = """
@@ -197,9 +227,10 @@ import sys
 import layerdiff
 from layerdiff.recipes import torch_llama_dp
 
-built = torch_llama_dp.build("weight")
-with layerdiff.trace(built["model"], f"{sys.argv[1]}/dp3"):
-    built["step"]()
+for defect in ("weight", "input"):
+    built = torch_llama_dp.build(defect)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/dp3_{defect}"):
+        built["step"]()
 """
 
 
@@ -208,15 +239,18 @@ def test_ranks_are_compared_in_parallel_processes(tmp_path, monkeypatch):
     from layerdiff.compare import tasks as compare_tasks
 
     _launch(tmp_path, "dp3", DP3_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "3"])
-    code, out, err = run_cli("align", tmp_path / "dp3", "--json", tmp_path / "r.json")
+    code, out, err = run_cli("align", tmp_path / "dp3_weight", "--json", tmp_path / "r.json")
     assert code == 1, out + err
     assert "rank 1: differs" in out and "rank 2: agrees with rank 0" in out
+    # ranks 0 and 2 were given one batch, rank 1 another: replicas that lost step, not shares of a batch
+    code, out, _ = run_cli("align", tmp_path / "dp3_input", "-q")
+    assert code == 1 and "<root>: the runs were given different inputs on rank(s) 1" in out
     monkeypatch.setattr(compare_tasks, "LOCAL_MIN_BYTES", 0)  # a small run: to worker processes all the same
     sizes = []
     real_map = compare_tasks.LocalPool.map
     monkeypatch.setattr(compare_tasks.LocalPool, "map",
                         lambda self, *args, **kw: sizes.append(self.size) or real_map(self, *args, **kw))
-    parallel = api.align(tmp_path / "dp3", workers=2)
+    parallel = api.align(tmp_path / "dp3_weight", workers=2)
     assert sizes == [2]
     assert (tmp_path / "r.json").read_text() == parallel.to_json()  # two worker processes give what one gives
     assert parallel.data["first_divergence"]["ranks"] == [1]
