@@ -22,10 +22,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 try:
     from layerdiff.recipes import llama_shared as shared
-    from layerdiff.recipes import torch_llama
+    from layerdiff.recipes import torch_llama, torch_llama_tp
 except ImportError:  # loaded as a file
     import llama_shared as shared
     import torch_llama
+    import torch_llama_tp
 
 # defect -> (direction, origin in the model's names under DDP's "module." prefix, the ranks that differ)
 DEFECTS = {
@@ -34,12 +35,17 @@ DEFECTS = {
 
 
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, wrap: str = "ddp",
-          split: bool = False, lr: float = 0.0, **kwargs):
-    """``wrap``: "ddp" or "fsdp"; ``split``: each rank its own share of the batch; ``lr`` > 0: each step is a
-    training step (plain SGD)."""
+          split: bool = False, lr: float = 0.0, tp: int = 1, **kwargs):
+    """``wrap``: "ddp" or "fsdp"; ``split``: each data-parallel replica its own share of the batch; ``lr`` > 0:
+    each step is a training step (plain SGD); ``tp`` > 1 (with ``wrap=fsdp``): each replica is ``tp`` ranks of
+    tensor parallelism (``torch_llama_tp``'s plan) on a 2-D mesh (data parallel x tensor parallel), torchtitan's
+    layout."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    if tp > 1 and (wrap != "fsdp" or world % tp):
+        raise ValueError(f"tp={tp} needs wrap=fsdp and a number of ranks it divides (got {wrap}, {world} ranks)")
+    rank, replicas = dist.get_rank() // tp, world // tp  # this rank's data-parallel replica, and their number
     model, cfg = torch_llama.build_model(seed=seed, **kwargs)
     if defect in shared.DEFECTS:
         torch_llama.inject(model, defect)  # the same bug on every rank
@@ -48,17 +54,23 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
     if wrap == "ddp":
         replica = DistributedDataParallel(model)  # broadcasts rank 0's parameters to every rank
     elif wrap == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (replicas, tp), mesh_dim_names=("dp", "tp"))
+        if tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, mesh["tp"], torch_llama_tp.plan(len(model.model.layers), None))
         for layer in model.model.layers:
-            fully_shard(layer)
-        replica = fully_shard(model)
+            fully_shard(layer, mesh=mesh["dp"])
+        replica = fully_shard(model, mesh=mesh["dp"])
     else:
         raise ValueError(f"unknown wrap {wrap!r}; choose ddp or fsdp")
-    if defect == "weight" and rank == 1:
+    if defect == "weight" and dist.get_rank() == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.up_proj.weight.mul_(1 + 1e-3)
-    ids = shared.input_ids(cfg, batch * world if split else batch, seq, seed + (rank == 1 and defect == "input"))
+    ids = shared.input_ids(cfg, batch * replicas if split else batch, seq, seed + (rank == 1 and defect == "input"))
     input_ids = torch.from_numpy(ids[rank * batch:(rank + 1) * batch] if split else ids)
     optimizer = torch.optim.SGD(replica.parameters(), lr=lr) if lr > 0 else None
 
@@ -71,4 +83,5 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
         return loss
 
     return {"model": replica, "step": step,
-            "meta": {"recipe": "torch_llama_dp", "defect": defect, "world_size": world, "wrap": wrap, "split": split}}
+            "meta": {"recipe": "torch_llama_dp", "defect": defect, "world_size": world, "wrap": wrap, "split": split,
+                     "tp": tp}}

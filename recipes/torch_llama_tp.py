@@ -32,7 +32,8 @@ DEFECTS = {
 }
 
 
-def _plan(layers: int, defect: str | None) -> dict:
+def plan(layers: int, defect: str | None) -> dict:
+    """``parallelize_module``'s plan for the model's layers (``defect``: the plan of one of ``DEFECTS``)."""
     plan = {}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -51,7 +52,7 @@ def build(defect: str | None = None, *, layers: int = 2, **kwargs):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     built = torch_llama.build({"eps": "eps", "backward": "backward"}.get(defect), layers=layers, **kwargs)
     model = built["model"]
-    parallelize_module(model, mesh, _plan(layers, defect))
+    parallelize_module(model, mesh, plan(layers, defect))
     if defect == "shard" and dist.get_rank() == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.up_proj.weight.to_local().mul_(1 + 1e-3)

@@ -7,14 +7,18 @@
   ``S(0)`` on the mesh) and gathers whole weights to compute, so its activations are its own share's, never a
   weight's shards; its gradients are reduce-scattered already averaged into the parameter's shard. HSDP (a 2-D
   mesh, ``Replicate`` then ``Shard``) is the same over both dimensions.
+- FSDP2 with tensor parallelism on one 2-D mesh (torchtitan's layout: FSDP on the first dimension, TP on the
+  last): each data-parallel replica is its tensor-parallel ranks (``tp``, ``tp_rank``), which split its weights
+  as ``parallelize_module`` says; FSDP shards those pieces again for storage (``_StridedShard`` where both split
+  the same axis).
 
-Either way each rank is a data-parallel replica (``ParallelLayout``: ``dp``, ``dp_rank``, ``grad_mean``), and
-the ranks of the run join as one process that took the whole batch: activations along the batch axis, a loss as
-the mean of the ranks' losses, gradients as their mean. A model that also places weights for tensor parallelism
-(FSDP with TP on one mesh) is not described here: its DTensor placements say how its weights join, not how its
-ranks share the batch."""
+Either way each rank is a data-parallel replica, or a tensor-parallel rank of one (``ParallelLayout``: ``dp``,
+``dp_rank``, ``grad_mean``, ``sharded_storage`` for FSDP), and the ranks of the run join as one process that took
+the whole batch: activations along the batch axis, a loss as the mean of the replicas' losses, gradients as
+their mean."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,11 +39,22 @@ def parallel_layout(model: Any) -> ParallelLayout | None:
     mesh = _fsdp_mesh(model)
     if mesh is None:
         return None
-    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+    mesh, tp = mesh
+    coordinate = list(mesh.get_coordinate() or [0] * mesh.ndim)
+    if tp:  # FSDP with tensor parallelism: the mesh's last dimension is the tensor-parallel one (torchtitan's)
+        dp_shape, dp_coord = list(mesh.shape[:-1]), coordinate[:-1]
+    else:
+        dp_shape, dp_coord = list(mesh.shape), coordinate
     rank = 0
-    for size, at in zip(mesh.shape, coordinate):
+    for size, at in zip(dp_shape, dp_coord):
         rank = rank * size + at
-    return _layout(mesh.size(), rank, sharded_storage=True) if mesh.size() > 1 else None
+    dp = math.prod(dp_shape)
+    if dp < 2:
+        return None
+    layout = _layout(dp, rank, sharded_storage=True)
+    if tp:
+        layout["tp"], layout["tp_rank"] = int(mesh.shape[-1]), int(coordinate[-1])
+    return layout
 
 
 def _layout(size: int, rank: int, sharded_storage: bool) -> ParallelLayout:
@@ -56,28 +71,46 @@ def ddp_module(model: Any) -> Any:
     return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
 
-def _fsdp_mesh(model: Any) -> Any:
-    """The device mesh FSDP2 shards every parameter over, when the model is ``fully_shard``-ed and every DTensor
-    parameter is placed only for it (``Shard`` on a 1-D mesh; ``Replicate, Shard`` on HSDP's 2-D one); None
-    otherwise."""
+def _fsdp_mesh(model: Any) -> tuple[Any, bool] | None:
+    """(the device mesh, whether its last dimension is tensor-parallel) of a ``fully_shard``-ed model: FSDP alone
+    (``Shard`` on a 1-D mesh), HSDP (``Replicate, Shard`` on a 2-D one), or FSDP with tensor parallelism (a 2-D
+    mesh whose first dimension FSDP shards, ``Shard``/``_StridedShard``, and whose last is the tensor-parallel
+    one; the weights that are not split for it are FSDP's alone, on the first dimension's mesh). None otherwise."""
     try:
         from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without FSDP2
         return None
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         return None
-    meshes = set()
+    one_d, two_d, hybrid = set(), set(), False
     for p in model.parameters():
         if not isinstance(p, DTensor):
             continue
         placements = tuple(p.placements)
-        shard_only = len(placements) == 1 and isinstance(placements[0], Shard)
-        hybrid = len(placements) == 2 and isinstance(placements[0], Replicate) and isinstance(placements[1], Shard)
-        if not (shard_only or hybrid):
-            return None  # a placement for tensor parallelism too
-        meshes.add(p.device_mesh)
-    return meshes.pop() if len(meshes) == 1 else None
+        if len(placements) == 1 and _fsdp_shard(placements[0]):
+            one_d.add(p.device_mesh)
+        elif len(placements) == 2 and _fsdp_shard(placements[0]):
+            two_d.add(p.device_mesh)
+        elif len(placements) == 2 and placements[0].is_replicate() and _fsdp_shard(placements[1]):
+            two_d.add(p.device_mesh)
+            hybrid = True
+        else:
+            return None
+    if len(two_d) > 1 or len(one_d) > 1 or (hybrid and one_d):
+        return None
+    if two_d:
+        mesh = two_d.pop()
+        if not hybrid and one_d and one_d.pop().size() != math.prod(mesh.shape[:-1]):
+            return None  # the weights FSDP alone shards lie on another mesh than the first dimension's
+        return mesh, not hybrid
+    return (one_d.pop(), False) if one_d else None
+
+
+def _fsdp_shard(placement: Any) -> bool:
+    """A placement FSDP shards a parameter by: ``Shard(d)``, or ``_StridedShard(d, k)`` where tensor parallelism
+    split the same axis first (not a ``Shard`` to ``is_shard``: known by the name it prints, ``_S(d, k)``)."""
+    return placement.is_shard() or str(placement).startswith("_S(")
 
 
 def grad_placement(model: Any, param: Any) -> dict[str, Any] | None:

@@ -4,13 +4,13 @@ microbatches of a tensor-parallel run's logits). Pairing tries them to find a te
 ``compare.per_rank.resolve`` picks the one that lines up with the counterpart."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence, cast
 
 from msgspec.structs import replace
 
 from layerdiff.match.layouts import relate_shapes
-from layerdiff.match.operands import combine_stats
-from layerdiff.tracefile.records import CallRecord, Merge, Record, TensorEntry
+from layerdiff.match.operands import combine_stats, scaled_stats
+from layerdiff.tracefile.records import CallRecord, Merge, Record, Stats, TensorEntry
 
 # one way to join a tensor: its own join (("keep",): decided already; ("replicate",); ("concat", axis)) and the
 # way its parts are joined, when they wait too
@@ -57,9 +57,13 @@ def resolved_as(entry: TensorEntry, way: Way) -> TensorEntry:
     if inner is not None:
         parts = tuple(resolved_as(part, inner) for part in entry.parts)
         shape = list(parts[0].shape)
-        if own == _KEEP and merge.how == "concat":
+        stats = entry.stats
+        if own == _KEEP and merge.how == "concat":  # its statistics were its parts' before they were joined
             shape[merge.axis] = sum(p.shape[merge.axis] for p in parts)
-        entry = replace(entry, parts=parts, shape=shape)
+            stats = cast(Stats, scaled_stats(combine_stats([p.stats for p in parts]), merge.scale) or stats)
+        elif own == _KEEP and merge.how == "replicate":
+            stats = parts[0].stats
+        entry = replace(entry, parts=parts, shape=shape, stats=stats)
     if own == _KEEP:
         return entry
     if own[0] == "replicate":
@@ -107,8 +111,10 @@ def best_way(entry: TensorEntry, fits: list[Way]) -> Way | None:
 
 def alike(parts: list[TensorEntry]) -> bool:
     """Parts that are copies of one tensor (a weight, a mask every rank or microbatch had): the same shape, dtype
-    and statistics."""
+    and statistics. Parts whose statistics are unknown (partial sums joined already) are never shown alike."""
     first = parts[0]
+    if first.stats.get("numel") and first.stats.get("l2") is None and not first.stats.get("nan"):
+        return False
     return all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:])
 
 

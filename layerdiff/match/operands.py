@@ -156,6 +156,13 @@ def masked_flags(values: np.ndarray, dtype: str, bool_masked: bool) -> np.ndarra
     return np.asarray(hidden, dtype=np.float32)
 
 
+def scaled_stats(stats: Mapping[str, Any] | None, scale: float | None) -> dict[str, Any] | None:
+    """Statistics of a tensor multiplied by a positive ``scale`` (a data-parallel mean's 1 / ranks)."""
+    if stats is None or scale is None:
+        return None if stats is None else dict(stats)
+    return {**stats, **{k: stats[k] * scale for k in ("min", "max", "mean", "l2") if stats.get(k) is not None}}
+
+
 def combine_stats(stats: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """Statistics of the concatenation of tensors, from theirs."""
     known = [s for s in stats if s is not None and s.get("min") is not None]

@@ -29,7 +29,7 @@ from msgspec.structs import replace
 from layerdiff.errors import TraceFormatError
 from layerdiff.tracefile.index import Damage
 from layerdiff.match.joins import alike, batch_axis, root_calls, token_shapes
-from layerdiff.match.operands import combine_stats
+from layerdiff.match.operands import combine_stats, scaled_stats
 from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
 from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
@@ -82,6 +82,37 @@ def _placement_kind(entry: TensorEntry):
     if text.startswith("P("):
         return "sum", None, place.get("scale")
     return None
+
+
+_STRIDED = re.compile(r"^_S\((-?\d+), *(\d+)\)$")  # FSDP's _StridedShard(dim, split_factor)
+
+
+def _storage_split(entry: TensorEntry, layout: Mapping[str, Any]) -> tuple[tuple | None, tuple | None] | None:
+    """A weight's (or its gradient's: never an activation's, whose DTensor placements are tensor parallelism's
+    alone) placement under FSDP with tensor parallelism (``sharded_storage``, tp > 1), split into (how the
+    tensor-parallel ranks of one replica join, how the replicas then join); None elsewhere.
+
+    Its placements are [data-parallel, tensor-parallel] on the 2-D mesh, or FSDP's alone on the first dimension's
+    mesh (a norm's weight: one copy per tensor-parallel rank). Where both split the same axis, FSDP's
+    ``_StridedShard(d, k)`` cut each of the k tensor-parallel pieces: each replica's join holds a slice of every
+    piece, and the replicas join piece by piece (``concat_parts``)."""
+    place = entry.placement
+    if not place or not layout.get("sharded_storage") or (layout.get("tp") or 1) < 2:
+        return None
+    placements = list(place.get("placements") or ())
+    if len(placements) == 1:
+        placements.append("R")
+    if len(placements) != 2:
+        return None
+    dp_text, tp_text = placements
+    tp_shard = _SHARD.match(tp_text)
+    tp_how = ("concat", int(tp_shard.group(1))) if tp_shard else ("replicate", None) if tp_text == "R" else None
+    strided, dp_shard = _STRIDED.match(dp_text), _SHARD.match(dp_text)
+    if strided:
+        dp_how: tuple | None = ("concat_parts", int(strided.group(1)), int(strided.group(2)))
+    else:
+        dp_how = ("concat", int(dp_shard.group(1))) if dp_shard else ("replicate", None) if dp_text == "R" else None
+    return tp_how, dp_how
 
 
 class RankedRun:
@@ -257,8 +288,12 @@ class RankedRun:
             if parts is None:
                 tensors.append(entry)  # the first replica's, as joined: the others lack it
                 continue
-            if rec.kind == "param_grad" and self._grad_mean(firsts):
-                how: tuple | None = ("sum", None, 1.0 / len(parts))  # each replica's own batch's: DDP's mean
+            placed = entry.parts[0] if entry.parts else entry  # the replica's join keeps its ranks' placements
+            split = _storage_split(placed, self.layouts[firsts[0]]) if isinstance(rec, ParamRecord) else None
+            if split is not None:
+                how: tuple | None = split[1]  # FSDP's storage shards (its gradients come averaged)
+            elif rec.kind == "param_grad" and self._grad_mean(firsts):
+                how = ("sum", None, 1.0 / len(parts))  # each replica's own batch's: DDP's mean
             else:
                 how = self._mean_of_gradients(entry, self._batch_join(rec, parts, firsts), firsts)
             tensors.append(self._merged_entry(parts, how, firsts))
@@ -279,7 +314,8 @@ class RankedRun:
                 tensors.append(self._per_rank_entry([entry], ranks[:1]))
                 continue
             region = (ranks[0], *_region(entry))
-            how = _placement_kind(entry) or self._inferred(rec, entry, sharded_weights, state.shards_by_region,
+            split = _storage_split(entry, self.layouts[ranks[0]]) if replica and isinstance(rec, ParamRecord) else None
+            how = (split[0] if split is not None else _placement_kind(entry)) or self._inferred(rec, entry, sharded_weights, state.shards_by_region,
                                                            region) \
                 or state.forward_how.get((stage, _forward_key(rec, entry))) or state.param_how.get(_param_of(rec)) \
                 or (None if rec.path in sharded_weights else _like_input(entry, known))
@@ -346,23 +382,34 @@ class RankedRun:
         """module path -> (placement dim of its weight, the weight's local shape) for sharded weights, over every
         pipeline stage's parameters; modules whose shards hold a slice of every part of a fused weight
         (Megatron's gated linear_fc1: [gate_r; up_r]) go to ``self.every_part`` with the number of parts."""
-        out = {}
-        stored_only = [bool(layout.get("sharded_storage")) for layout in self.layouts]  # FSDP: whole weights compute
-        for rec in (rec for rank, held in enumerate(records) if not stored_only[rank] for rec in held):
-            if rec.kind == "param" and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.tensors \
-                    and rec.module_path not in out:
-                entry = rec.tensors[0]
-                how = _placement_kind(entry)
-                if how and how[0] == "concat":
-                    module = rec.module_path
-                    dim, local = how[1], list(entry.shape)
-                    if len(local) == 2 and self.rules.is_transposed(self.meta_framework, rec.module_type, rec.path):
-                        dim, local = 1 - dim % 2, local[::-1]  # Paddle's [in, out]: as PyTorch's [out, in]
-                    out[module] = (dim, local)
-                    rule = self.rules.fused_rule(module.rpartition(".")[2])
-                    if rule is not None and rule.tp_every_part and (entry.placement or {}).get("source") == "megatron":
-                        self.every_part[module] = len(rule.parts)
+        out: dict[str, tuple[int, list[int]]] = {}
+        for rank, held in enumerate(records):
+            layout = self.layouts[rank]
+            for rec in held:
+                if isinstance(rec, ParamRecord) and rec.kind == "param" and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.tensors \
+                        and rec.module_path not in out:
+                    self._sharded_weight(rec, layout, out)
         return out
+
+    def _sharded_weight(self, rec: ParamRecord, layout: Mapping[str, Any], out: dict) -> None:
+        """``_sharded_weights``' entry for one weight, if it is split for tensor parallelism. FSDP's storage shards
+        are not: every rank computes with whole weights (with tensor parallelism too, whole for its piece)."""
+        entry = rec.tensors[0]
+        if layout.get("sharded_storage"):
+            split = _storage_split(entry, layout)
+            how = split[0] if split is not None else None
+            local = _tensor_parallel_piece(entry, how, int(layout.get("tp") or 1)) if how else None
+        else:
+            how, local = _placement_kind(entry), list(entry.shape)
+        if not how or how[0] != "concat" or local is None:
+            return
+        module, dim = rec.module_path, how[1]
+        if len(local) == 2 and self.rules.is_transposed(self.meta_framework, rec.module_type, rec.path):
+            dim, local = 1 - dim % 2, local[::-1]  # Paddle's [in, out]: as PyTorch's [out, in]
+        out[module] = (dim, local)
+        rule = self.rules.fused_rule(module.rpartition(".")[2])
+        if rule is not None and rule.tp_every_part and (entry.placement or {}).get("source") == "megatron":
+            self.every_part[module] = len(rule.parts)
 
     def _every_part(self, rec: Record, how):
         """A shard of a fused tensor that holds a slice of every part is joined part by part."""
@@ -395,11 +442,10 @@ class RankedRun:
         if how and kind in ("concat", "concat_parts"):
             dim = how[1] % max(len(shape), 1)
             shape[dim] = sum(p.shape[dim] for p in parts)
-            stats = _scaled(combine_stats([p.stats for p in parts]), how[2] if kind == "concat" and len(how) > 2
-                            else None)
+            stats = scaled_stats(combine_stats([p.stats for p in parts]), how[2] if kind == "concat" and len(how) > 2
+                            else None) or _unknown_stats(shape, parts)  # parts of unknown statistics (partial sums)
         elif kind == "sum":
-            stats = {"numel": math.prod(shape), "min": None, "max": None, "mean": None, "l2": None,
-                     "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
+            stats = _unknown_stats(shape, parts)
             values = [v for p in parts if p.stats.get("numel") == 1 and isinstance(v := p.stats.get("mean"), float)
                       and math.isfinite(v)]
             if len(values) == len(parts):
@@ -509,11 +555,10 @@ class RankedRun:
         self.close()
 
 
-def _scaled(stats: dict[str, Any] | None, scale: float | None) -> dict[str, Any] | None:
-    """Statistics of a tensor multiplied by a positive ``scale``."""
-    if stats is None or scale is None:
-        return stats
-    return {**stats, **{k: stats[k] * scale for k in ("min", "max", "mean", "l2") if stats.get(k) is not None}}
+def _unknown_stats(shape: list[int], parts: list[TensorEntry]) -> dict[str, Any]:
+    """The statistics of a join that its parts' do not give (a sum of partial sums): its size and NaN/Inf counts."""
+    return {"numel": math.prod(shape), "min": None, "max": None, "mean": None, "l2": None,
+            "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
 
 
 class _MergeState:
@@ -542,14 +587,30 @@ def _counterparts(records: list[Record], i: int, entry: TensorEntry) -> list[Ten
     return parts if len(parts) == len(found) else None
 
 
+def _tensor_parallel_piece(entry: TensorEntry, how: tuple, tp: int) -> list[int] | None:
+    """The shape of a tensor-parallel rank's piece of a weight (before FSDP shards it for storage): its global
+    shape with the split axis cut in ``tp`` (the first, larger chunks of an uneven split)."""
+    shape = list((entry.placement or {}).get("global_shape") or ())
+    if how[0] != "concat" or not shape:
+        return None
+    dim = how[1] % len(shape)
+    shape[dim] = -(-shape[dim] // tp)
+    return shape
+
+
 def _within_replica(entry: TensorEntry, how: tuple | None) -> tuple | None:
     """A partial sum's join among the tensor-parallel ranks of one data-parallel replica: a sum over the
     data-parallel ranks alone (a gradient DDP adds up) is the same on each of them, one copy; one over both (a
-    sequence-parallel norm's) adds up the tensor-parallel ranks', its scale left to the replicas' join."""
+    sequence-parallel norm's) adds up the tensor-parallel ranks', its scale left to the replicas' join; one over
+    the tensor-parallel ranks (a DTensor's) adds them up."""
     if not how or how[0] != "sum":
         return how
-    mesh = (entry.placement or {}).get("mesh") or ()
-    return ("replicate", None) if len(mesh) < 2 else ("sum", None)
+    place = entry.placement or {}
+    if len(place.get("mesh") or ()) >= 2:
+        return "sum", None
+    # a 1-D sum is the data-parallel group's where the framework's reduction placed it (Megatron's, DDP's); a
+    # DTensor's own partial sum (a column-parallel layer's input gradient) is the tensor-parallel ranks'
+    return ("replicate", None) if place.get("source") in ("megatron", "ddp") else how
 
 
 def _ranks(ranks: list[int]) -> tuple[int, ...] | None:

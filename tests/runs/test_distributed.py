@@ -222,6 +222,52 @@ def test_data_parallel_ranks_given_their_own_shares_join_as_one_process(runs, re
     assert code == 0 and "each data-parallel rank was given its own share of the batch" in out, out + err
 
 
+FSDP_TP_SCRIPT = """
+import os
+import sys
+import torch.distributed as dist
+import layerdiff
+from layerdiff.recipes import torch_llama_dp
+
+dist.init_process_group("gloo")
+for defect, mode in ((None, "full"), ("eps", "full"), ("backward", "full"), (None, "stats")):
+    built = torch_llama_dp.build(defect, wrap="fsdp", tp=2, split=True, lr=0.1)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/fsdp_tp_{defect or 'clean'}_{mode}", mode=mode):
+        built["step"]()
+        built["step"]()
+dist.destroy_process_group()
+os._exit(0)  # every file is written and closed: see _EXIT above the scripts
+"""
+
+
+def test_fsdp_with_tensor_parallelism_joins_as_one_process(tmp_path, recipe_trace):
+    """torchtitan's layout on 4 ranks: a 2-D mesh, tensor parallelism (q/k/v, gate/up column-parallel, o/down
+    row-parallel) inside each of 2 data-parallel replicas, FSDP2 sharding every piece again for storage
+    (``_StridedShard`` where both split one axis), each replica its own share of the batch, two SGD steps. The
+    weights join piece by piece, the activations by their layer's tensor-parallel piece and then along the
+    batch, the gradients as the replicas' mean. Before, the run was 'given different inputs' (its 4 ranks read as
+    4 tensor-parallel shards)."""
+    from layerdiff.recipes.llama_shared import DEFECTS
+
+    _launch(tmp_path, "fsdp_tp", FSDP_TP_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "4"])
+    with open_trace(tmp_path / "fsdp_tp_clean_full" / "rank3.h5") as reader:
+        layout = reader.meta["parallel"]
+        assert (layout["dp"], layout["dp_rank"], layout["tp"], layout["tp_rank"]) == (2, 1, 2, 1)
+        q = next(r for r in reader.records if r.kind == "param" and r.path == "model.layers.0.self_attn.q_proj.weight")
+        assert q.tensors[0].placement["placements"] == ["_S(0, 2)", "S(0)"] and q.tensors[0].shape == [16, 64]
+    reference = {"batch": 4, "lr": 0.1, "steps": 2}
+    for mode in ("full", "stats"):
+        report = align_files(recipe_trace(mode=mode, **reference), tmp_path / f"fsdp_tp_clean_{mode}")
+        assert report["verdict"] == "aligned", (mode, report["forward"], report["backward"])
+        assert report["params"]["compared"] == 42 and not report["params"]["differ"]
+    for defect in ("eps", "backward"):
+        direction, module = DEFECTS[defect]
+        origin = align_files(recipe_trace(**reference), tmp_path / f"fsdp_tp_{defect}_full")[direction]
+        assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
+    code, out, err = run_cli("align", tmp_path / "fsdp_tp_clean_full", "-q")
+    assert code == 0 and out.startswith("aligned: all 4 ranks agree"), out + err
+
+
 DP3_SCRIPT = """
 import sys
 import layerdiff
