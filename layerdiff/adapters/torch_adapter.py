@@ -544,6 +544,19 @@ class Hooks(ModuleHooks):
         return framework_dirs()
 
 
+def rng_state() -> str:
+    """A fingerprint of torch's random generators' state now (the CPU's, and each GPU's where CUDA is already
+    initialized: never initialized for this): two runs with the same seed that consumed it differently (another
+    order of initialization) draw other dropout masks."""
+    import xxhash
+
+    digest = xxhash.xxh3_64(torch.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for state in torch.cuda.get_rng_state_all():
+            digest.update(state.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def metadata(model) -> dict:
     """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
     params = list(model.parameters())
@@ -565,6 +578,7 @@ def metadata(model) -> dict:
         "cuda": torch.version.cuda,
         "cpu": platform.processor() or platform.machine(),
         "training": bool(model.training),
+        "rng_state": rng_state(),
     }
     if torch.cuda.is_available():
         meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -31,6 +31,8 @@ WHY = {
     "devices": "another device runs other kernels",
     "num_threads": "CPU reductions are split by thread count",
     "training": "dropout and batch-norm statistics act only in training mode",
+    "rng_state": "the random generator's state when the trace began: in training mode, other dropout masks (the "
+                 "same seed consumed differently, as by another order of initialization)",
     "mode": "a stats trace compares statistics only",
 }
 _ENV_WHY = "an environment variable that changes kernels or their determinism"
@@ -49,7 +51,7 @@ def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[S
     """Settings both runs recorded with different values, plus environment variables and framework flags set
     differently (set on one side only counts)."""
     out = [SettingDiff(key, meta_a[key], meta_b[key], why) for key, why in WHY.items()
-           if key in meta_a and key in meta_b and meta_a[key] != meta_b[key]]
+           if key in meta_a and key in meta_b and meta_a[key] != meta_b[key] and _matters(key, meta_a, meta_b)]
     if meta_a.get("framework") == meta_b.get("framework"):
         for group, why in (("env", _ENV_WHY), ("flags", _FLAG_WHY)):
             a, b = meta_a.get(group) or {}, meta_b.get(group) or {}
@@ -57,6 +59,14 @@ def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[S
                 out += [SettingDiff(key, a.get(key), b.get(key), why) for key in sorted(set(a) | set(b))
                         if a.get(key) != b.get(key)]
     return out
+
+
+def _matters(key: str, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> bool:
+    """The random state matters only where a run trains (dropout draws from it) and the seeds do not already
+    differ (which says it)."""
+    if key != "rng_state":
+        return True
+    return bool(meta_a.get("training") or meta_b.get("training")) and meta_a.get("seed") == meta_b.get("seed")
 
 
 def settings_report(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> dict[str, Any]:

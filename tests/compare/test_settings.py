@@ -31,6 +31,34 @@ def test_keys_of_one_framework_only_are_not_compared_across_frameworks():
     assert keys == ["framework_version"]  # seeds agree; torch's switches have no Paddle counterpart
 
 
+def test_the_random_state_is_listed_where_a_run_trains_with_the_same_seed():
+    a, b = _meta(rng_state="95d8", training=True), _meta(rng_state="9168", training=True)
+    assert [d.key for d in differing_settings(a, b)] == ["rng_state"]
+    assert differing_settings({**a, "training": False}, {**b, "training": False}) == []  # no dropout draws from it
+    assert [d.key for d in differing_settings(a, {**b, "seed": 1})] == ["seed"]  # the seeds say it already
+
+
+@pytest.mark.torch
+def test_dropout_drawn_from_another_random_state_is_explained(tmp_path):
+    """Two traces of GPT-2 in training mode (dropout 0.1) in one process, the second after the first consumed the
+    generator: the same seed, other masks. Before, nothing in the report said why its first dropout differed."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import layerdiff
+    from conftest import align_files
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2,
+                                                                 n_positions=32))
+    ids = torch.arange(16).reshape(2, 8)
+    for name in ("a", "b"):
+        with layerdiff.trace(model, tmp_path / f"{name}.h5"):
+            model(input_ids=ids, labels=ids).loss.backward()
+    report = align_files(tmp_path / "a.h5", tmp_path / "b.h5")
+    assert report["verdict"] == "divergent"
+    assert [d["key"] for d in report["settings"]["differ"]] == ["rng_state"]
+
+
 def test_notes_are_carried():
     report = settings_report(_meta(user={"run": "baseline"}), _meta(user={"run": "port"}))
     assert report["notes"] == {"a": {"run": "baseline"}, "b": {"run": "port"}} and report["differ"] == []
