@@ -189,6 +189,16 @@ def framework_dirs() -> list[str]:
     return [os.path.dirname(torch.__file__)]
 
 
+# torch's machinery around a model: FSDP (its weights' all-gather before each layer), DDP, tensor parallelism's
+# input and output hooks (redistributing DTensors), their communication hooks
+_MACHINERY = ("distributed/fsdp", "distributed/_composable", "nn/parallel", "distributed/tensor/parallel",
+              "distributed/algorithms")
+
+
+def machinery_dirs() -> list[str]:
+    return [os.path.join(os.path.dirname(torch.__file__), *sub.split("/")) for sub in _MACHINERY]
+
+
 def framework_leaf(module: Any) -> bool:
     """torch's own modules (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``): their operations are torch's."""
     return type(module).__module__.startswith("torch.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterable
 
 from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
@@ -166,6 +166,15 @@ class ModuleHooks:
         """The framework's own source folders: a call made from there is not model code."""
         return []
 
+    def module_parameters(self, module) -> Iterable[tuple[str, Any]]:
+        """(name, parameter) of the parameters ``module`` holds itself now, not its children's."""
+        return ()
+
+    def op_machinery_dirs(self) -> list[str]:
+        """Folders of the framework's machinery around a model (data-parallel wrappers, tensor-parallel hooks): the
+        operations it runs on the model's way (FSDP gathering weights before a layer) are none of the model's."""
+        return []
+
     def capture_ops(self, windows: OpWindows) -> ContextManager[Any]:
         """Start recording the operations inside the module calls ``windows`` selects: producers and the
         framework's interceptor. Called by the tracer after ``install``; the context it returns is open while
@@ -174,7 +183,8 @@ class ModuleHooks:
         params = {id(p): name for name, p in self.named_parameters()}
         buffers = {id(b): name for name, b in self.named_buffers()}
         self.ops = OpCapture(self.session, self, self.adapter.is_tensor, self.op_scalar,
-                             SourceFinder(self.op_framework_dirs()), Producers(params, buffers),
+                             SourceFinder(self.op_framework_dirs(), self.op_machinery_dirs()),
+                             Producers(params, buffers),
                              self.op_gradients() if self.backward else None)
         self.no_ops = {id(m) for _, m in self.named_modules() if self.framework_leaf(m)}
         return self.intercept_ops(self.ops)
@@ -319,6 +329,9 @@ class ModuleHooks:
             frame.producers = {key: ops.producers.lookup(caller, t, stack[:-1]) for key, t in tensors}
         if self.op_windows is not None and self.op_windows(path) and id(module) not in self.no_ops:
             frame.ops = 0
+            for name, p in self.module_parameters(module):  # one swapped in for this call (FSDP's gathered weight)
+                if id(p) not in ops.producers.params:
+                    ops.producers.register(frame, p, {"kind": "param", "name": f"{path}.{name}" if path else name})
 
     def _post_hook(self, path):
         session = self.session

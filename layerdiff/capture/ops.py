@@ -75,9 +75,11 @@ class OpFrame:
 class SourceFinder:
     """The line of model code that made a call: the first frame, walking out from the interceptor, that belongs
     neither to the framework (``framework_dirs``), nor to Python's standard library, nor to layerdiff itself.
-    Model code is everything else: transformers, Megatron, PaddleFormers, mindformers and the user's files."""
+    Model code is everything else: transformers, Megatron, PaddleFormers, mindformers and the user's files. A call
+    made on the way through the framework's machinery around the model (``machinery_dirs``: FSDP gathering a
+    layer's weights in its forward hook) is, like one of layerdiff's own, none of the model's."""
 
-    def __init__(self, framework_dirs: Iterable[str]):
+    def __init__(self, framework_dirs: Iterable[str], machinery_dirs: Iterable[str] = ()):
         paths = sysconfig.get_paths()
         # every site-packages: a venv made with --system-site-packages imports from the base Python's too, which
         # sits under the base's stdlib directory (PaddleFormers there was skipped as standard library)
@@ -85,7 +87,9 @@ class SourceFinder:
         self.site = tuple(dict.fromkeys(os.path.abspath(p) + os.sep for p in sites))
         self.stdlib = tuple(os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib"))
         self.framework = tuple(os.path.abspath(d) + os.sep for d in framework_dirs)
-        self.verdicts: dict[CodeType, str] = {}  # code object -> "skip" (framework, stdlib), "own", "model"
+        self.machinery = tuple(os.path.abspath(d) + os.sep for d in machinery_dirs)
+        # code object -> "skip" (framework, stdlib), "own" (layerdiff; the framework's machinery), "model"
+        self.verdicts: dict[CodeType, str] = {}
 
     def _verdict(self, code: CodeType) -> str:
         verdict = self.verdicts.get(code)
@@ -95,7 +99,9 @@ class SourceFinder:
                 verdict = "skip"  # frozen importlib, string-compiled framework glue
             else:
                 path = os.path.abspath(path)
-                if path.startswith(self.framework):
+                if self.machinery and path.startswith(self.machinery):
+                    verdict = "own"  # the framework's machinery around the model: not the model's operations
+                elif path.startswith(self.framework):
                     verdict = "skip"
                 elif path.startswith(_OWN_DIR) and not path[len(_OWN_DIR):].startswith(_RECIPES):
                     verdict = "own"

@@ -46,6 +46,9 @@ for wrap in ("ddp", "fsdp"):  # each rank its own share of the batch, two SGD st
         with layerdiff.trace(built["model"], f"{out}/{wrap}_split_{defect or 'clean'}_{mode}", mode=mode):
             built["step"]()
             built["step"]()
+built = torch_llama_dp.build(None, wrap="fsdp", split=True)  # operations recorded under FSDP2
+with layerdiff.trace(built["model"], f"{out}/fsdp_ops", ops=True):
+    built["step"]()
 dist.destroy_process_group()
 os._exit(0)  # every file is written and closed: see _EXIT above the scripts
 """
@@ -266,6 +269,21 @@ def test_fsdp_with_tensor_parallelism_joins_as_one_process(tmp_path, recipe_trac
         assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
     code, out, err = run_cli("align", tmp_path / "fsdp_tp_clean_full", "-q")
     assert code == 0 and out.startswith("aligned: all 4 ranks agree"), out + err
+
+
+def test_operations_recorded_under_fsdp(runs):
+    """FSDP2 frees each layer's gathered weights by resizing their storage to nothing: ``Tensor.numpy()`` on them
+    (a weight that model code multiplies, RMSNorm's) forbade it, and the traced step crashed ("Trying to resize
+    storage that is not resizable"). The operations FSDP runs in its hooks (its all-gather) are none of the
+    model's, and a gathered weight is known as the parameter it stands for."""
+    with open_trace(runs / "fsdp_ops" / "rank0.h5") as reader:
+        forward = [op for op in reader.ops if op.phase == "forward"]
+        producers = [p for op in forward for p in (op.producers or {}).values()]
+        norm = next(op for op in forward if op.path == "model.layers.0.input_layernorm" and op.name == "Tensor.mul"
+                    and any(p.kind == "param" for p in op.producers.values()))
+    assert len(forward) > 100 and not [op.name for op in forward if "fsdp" in op.name]
+    assert not [p for p in producers if p.kind == "unknown"]
+    assert [p.name for p in norm.producers.values() if p.kind == "param"] == ["model.layers.0.input_layernorm.weight"]
 
 
 DP3_SCRIPT = """
