@@ -1,6 +1,7 @@
 """The public tracing entry point: ``with layerdiff.trace(model, "run.h5"): ...``."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -8,12 +9,12 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 from layerdiff.adapters import detect_framework, load_adapter
 from layerdiff.adapters.base import RankPlace
 from layerdiff.capture.filters import PathFilter
-from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.capture.hooks import DeclaredStep, ModuleHooks
 from layerdiff.capture.hparams import model_config
 from layerdiff.capture.ops import OpWindows
 from layerdiff.capture.options import TraceOptions
@@ -124,6 +125,24 @@ class Tracer:
     def failure(self) -> dict | None:
         """Where the traced run raised, once it has (the innermost module and the error)."""
         return self.session.failure if self.session is not None else None
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """The model's calls made inside are one step, each root call a microbatch of it: gradient accumulation.
+        Compared with a run that took the whole batch in one call, a step's microbatches are joined along the batch
+        axis, a loss (a floating scalar the model returns) is their mean and its gradient their sum, and a
+        parameter's gradient is the step's running total after the last microbatch. Megatron's pipeline schedules
+        are found without it."""
+        hooks = self._hooks
+        if hooks is None:
+            raise LayerdiffError("the trace is not open: call step() inside `with layerdiff.trace(...) as t:`")
+        if hooks.declared_step is not None:
+            raise LayerdiffError("steps do not nest: one `with t.step():` at a time")
+        hooks.declared_step = DeclaredStep()
+        try:
+            yield
+        finally:
+            hooks.declared_step = None
 
     def flush(self):
         if self.session is not None:

@@ -35,6 +35,14 @@ class ForcePlan:
         return tuple(self.grad(i, g) for i, g in enumerate(grads))
 
 
+class DeclaredStep:
+    """One step that the user declared (``Tracer.step()``): the root calls made while it lasts are its
+    microbatches, as a pipeline schedule's call makes them (``TraceSession.starts_step``)."""
+
+    def clear(self) -> None:
+        """Nothing held: a schedule's frame is cleared once its step is over, this has nothing to let go."""
+
+
 class ModuleHooks:
     """The framework-independent half of an adapter's ``Hooks``: what a traced module call records, and when.
 
@@ -82,6 +90,7 @@ class ModuleHooks:
         self.ops: OpCapture | None = None  # ``ops`` tracing: made by ``capture_ops`` (see ``capture.ops``)
         self.op_windows: OpWindows | None = None
         self.no_ops: set[int] = set()  # id() of the framework's own leaf modules: no operations inside them
+        self.declared_step: DeclaredStep | None = None  # ``Tracer.step()`` in progress: its root calls are one step
 
     def named_modules(self):
         """(path, module) for the model and all its submodules; the model itself has path ''."""
@@ -280,7 +289,7 @@ class ModuleHooks:
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             scope = None
             if not session.stack:
-                scope = self.adapter.step_scope(sys._getframe())
+                scope = self.declared_step or self.adapter.step_scope(sys._getframe())
                 if session.starts_step(scope):
                     self.start_step()
             step = session.step + (0 if session.stack or not session.starts_step(scope) else 1)

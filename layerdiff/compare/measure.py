@@ -290,6 +290,8 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, measured: _Measured, lay
 def _joined(merge, n: int) -> str:
     """How a tensor of several ranks or microbatches was joined, in words."""
     if merge.over == MICROBATCHES:
+        if merge.how == "sum" and merge.scale is not None:  # a loss: each weighted by its backward's gradient
+            return f"{n} microbatches added up, x{merge.scale:.6g}"
         return f"{n} microbatches " + {"concat": f"joined on axis {merge.dim}", "sum": "added up",
                                        "replicate": "alike (the first compared)",
                                        "batches": "unresolved"}.get(merge.how, merge.how)

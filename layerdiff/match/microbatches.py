@@ -18,7 +18,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from layerdiff.match.joins import alike, batch_axis, token_shapes
-from layerdiff.match.operands import combine_stats
+from layerdiff.match.operands import combine_stats, summed_stats
 from layerdiff.tracefile.records import MICROBATCHES, CallRecord, Merge, ParamRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
 
@@ -70,6 +70,7 @@ class Joined:
                 order.append(key)
             groups[key].append(rec)
         self._tokens = token_shapes(records)
+        self._loss_grads = _loss_gradients(records)
         calls: dict[tuple, int] = {}  # (kind, phase, path) -> joined calls so far
         renumbered: dict[tuple, int] = {}  # (phase, path, original call) -> joined call
         joined: list[Record] = []
@@ -113,8 +114,27 @@ class Joined:
                      for p in parts]
             if any(t is None for t in found):
                 continue  # a tensor not every microbatch had: left out, as a record only one rank holds
-            tensors.append(self._joined_entry([t for t in found if t is not None], self._batch_join(first, found)))
+            parts_found = [t for t in found if t is not None]
+            objective = self._objective(first, entry, parts_found)
+            tensors.append(self._joined_entry(parts_found, "sum", objective) if objective is not None
+                           else self._joined_entry(parts_found, self._batch_join(first, found)))
         return replace(first, call=call, tensors=tensors)
+
+    def _objective(self, rec: Record, entry: TensorEntry, parts: list[TensorEntry]) -> float | None:
+        """The scale of a loss's join (a floating scalar the model returns, and its gradient), None for any other
+        tensor. Each microbatch's backward started from its loss with gradient g_i (1/M where the training code
+        divides each microbatch's loss by their number M; 1 where each is its share of the whole batch's mean
+        already): the step's loss is the sum of g_i x loss_i, and the gradient of that sum is 1, as the whole
+        batch's is. With no backward (inference), the mean of the microbatches' losses."""
+        if not isinstance(rec, CallRecord) or rec.parent is not None or entry.shape or \
+                not entry.dtype.startswith(("float", "bfloat")) or entry.role not in ("output", "grad_output"):
+            return None
+        grads = self._loss_grads.get((rec.step, rec.path, entry.key))
+        uniform = grads is not None and len(grads) == len(parts) and all(g == grads[0] for g in grads) and grads[0]
+        if entry.role == "output":
+            return grads[0] if uniform and grads else 1.0 / len(parts)
+        return 1.0 / sum(grads) if uniform and grads else None
+
 
     def _batch_join(self, rec: Record, parts: list) -> str | int:
         """How a tensor's microbatches join: "replicate" when each had it alike (a mask, rotary angles), else
@@ -160,15 +180,16 @@ class Joined:
         return replace(parts[0], shape=shape, stats=stats, merge=merge, parts=tuple(parts), offset=offset,
                        nbytes=nbytes, placement=None)
 
-    def _joined_entry(self, parts: list[TensorEntry], how: str | int) -> TensorEntry:
-        """``how``: "sum" (gradients), "replicate", "batches" (undecided), or the axis to join on."""
+    def _joined_entry(self, parts: list[TensorEntry], how: str | int, scale: float | None = None) -> TensorEntry:
+        """``how``: "sum" (gradients; scaled by ``scale``, a loss), "replicate", "batches" (undecided), or the axis
+        to join on."""
         if isinstance(how, int):
             return self._rank_major(parts, how) or \
                 self._concat(parts, how, Merge("concat", how, over=MICROBATCHES))
         stats: Mapping[str, Any]
         if how == "sum":
-            stats = {"numel": parts[0].stats.get("numel", 0), "min": None, "max": None, "mean": None, "l2": None,
-                     "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
+            stats = summed_stats([p.stats for p in parts], parts[0].stats.get("numel", 0), scale)
+            return self._joined(parts, list(parts[0].shape), stats, Merge(how, over=MICROBATCHES, scale=scale))
         elif how == "replicate":
             stats = parts[0].stats
         else:
@@ -196,7 +217,7 @@ class Joined:
         values = self.part_values(entry)
         if merge.how == "sum":
             total = np.sum([as_float(v, entry.dtype).astype(np.float64) for v in values], axis=0)
-            return encode_float(total, entry.dtype)
+            return encode_float(total if merge.scale is None else total * merge.scale, entry.dtype)
         if merge.how == "concat":
             return np.concatenate(values, axis=merge.axis)
         return values[0]  # a copy each microbatch had alike (a mask), or not resolved yet
@@ -221,6 +242,19 @@ class Joined:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _loss_gradients(records: list[Record]) -> dict[tuple, list[float]]:
+    """{(step, root path, key): the gradient each microbatch's backward gave that floating scalar output (its
+    loss), in order}: what the training code scaled each microbatch's loss by."""
+    out: dict[tuple, list[float]] = {}
+    for rec in records:
+        if isinstance(rec, CallRecord) and rec.parent is None and rec.phase == "backward" and rec.micro is not None:
+            for t in rec.tensors:
+                mean = t.stats.get("mean")
+                if t.role == "grad_output" and not t.shape and isinstance(mean, float):
+                    out.setdefault((rec.step, rec.path, t.key), []).append(mean)
+    return out
 
 
 def _joined_here(entry: TensorEntry) -> bool:

@@ -156,6 +156,24 @@ def masked_flags(values: np.ndarray, dtype: str, bool_masked: bool) -> np.ndarra
     return np.asarray(hidden, dtype=np.float32)
 
 
+def unknown_stats(parts: Sequence[Mapping[str, Any]], numel: int) -> dict[str, Any]:
+    """Statistics of a join that its parts' do not give (their own are unknown: sums): its size and NaN/Inf
+    counts."""
+    return {"numel": numel, "min": None, "max": None, "mean": None, "l2": None,
+            "nan": sum(p.get("nan", 0) for p in parts), "inf": sum(p.get("inf", 0) for p in parts)}
+
+
+def summed_stats(parts: Sequence[Mapping[str, Any]], numel: int, scale: float | None = None) -> dict[str, Any]:
+    """Statistics of the sum of tensors (partial sums over ranks, a step's microbatches), times ``scale``: its
+    size and NaN/Inf counts; the values too where every part is one finite number (a loss)."""
+    stats = unknown_stats(parts, numel)
+    values = [v for p in parts if p.get("numel") == 1 and isinstance(v := p.get("mean"), float) and math.isfinite(v)]
+    if parts and len(values) == len(parts):
+        total = math.fsum(values) * (1.0 if scale is None else scale)
+        stats.update(min=total, max=total, mean=total, l2=abs(total))
+    return stats
+
+
 def scaled_stats(stats: Mapping[str, Any] | None, scale: float | None) -> dict[str, Any] | None:
     """Statistics of a tensor multiplied by a positive ``scale`` (a data-parallel mean's 1 / ranks)."""
     if stats is None or scale is None:

@@ -29,7 +29,7 @@ from msgspec.structs import replace
 from layerdiff.errors import TraceFormatError
 from layerdiff.tracefile.index import Damage
 from layerdiff.match.joins import alike, batch_axis, root_calls, token_shapes
-from layerdiff.match.operands import combine_stats, scaled_stats
+from layerdiff.match.operands import combine_stats, scaled_stats, summed_stats, unknown_stats
 from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
 from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
@@ -443,14 +443,9 @@ class RankedRun:
             dim = how[1] % max(len(shape), 1)
             shape[dim] = sum(p.shape[dim] for p in parts)
             stats = scaled_stats(combine_stats([p.stats for p in parts]), how[2] if kind == "concat" and len(how) > 2
-                            else None) or _unknown_stats(shape, parts)  # parts of unknown statistics (partial sums)
+                            else None) or unknown_stats([p.stats for p in parts], math.prod(shape))  # parts' unknown (sums)
         elif kind == "sum":
-            stats = _unknown_stats(shape, parts)
-            values = [v for p in parts if p.stats.get("numel") == 1 and isinstance(v := p.stats.get("mean"), float)
-                      and math.isfinite(v)]
-            if len(values) == len(parts):
-                total = math.fsum(values) * (how[2] if how and len(how) > 2 else 1.0)  # scalars: the sum is known
-                stats.update(min=total, max=total, mean=total, l2=abs(total))
+            stats = summed_stats([p.stats for p in parts], math.prod(shape), how[2] if how and len(how) > 2 else None)
         else:
             stats = parts[0].stats
         scale = how[2] if how and kind in ("sum", "concat") and len(how) > 2 else None
@@ -553,12 +548,6 @@ class RankedRun:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _unknown_stats(shape: list[int], parts: list[TensorEntry]) -> dict[str, Any]:
-    """The statistics of a join that its parts' do not give (a sum of partial sums): its size and NaN/Inf counts."""
-    return {"numel": math.prod(shape), "min": None, "max": None, "mean": None, "l2": None,
-            "nan": sum(p.stats.get("nan", 0) for p in parts), "inf": sum(p.stats.get("inf", 0) for p in parts)}
 
 
 class _MergeState:
