@@ -108,7 +108,8 @@ def show(path, records: bool = False, nan: bool = False, ops: str | None = None)
         info = _summary(reader)
         console.print(f"[bold]{reader.path}[/]  {_mb(info['size_bytes'])} on disk")
         if info["ranks"]:
-            console.print(f"a run of {info['ranks']} ranks, shown merged (shards joined by placement, data-parallel shares along the batch)")
+            console.print(f"a run of {info['ranks']} ranks, shown merged (shards joined by placement, data-parallel "
+                          "shares along the batch)")
         status = info["status"] if info["status"] != "interrupted" else \
             "interrupted (the writing process died; records up to its last flush)"
         console.print(f"status: {status}")

@@ -8,10 +8,11 @@ from typing import TypedDict
 
 
 class ParallelLayout(TypedDict, total=False):
-    """A rank's place in a parallel layout (Megatron's, or torch's data parallelism) (sizes and this rank's coordinate in each group), whether
-    activations are split over the sequence in the norm regions, and ``global_paths``: this rank's module paths
-    that are named differently in the whole model (a later pipeline stage's ``decoder.layers.0`` is global layer
-    N/PP; an expert-parallel rank's ``local_experts.0`` is global expert E/EP * rank)."""
+    """A rank's place in a parallel layout, Megatron's or torch's data parallelism's (sizes and this rank's
+    coordinate in each group), whether activations are split over the sequence in the norm regions, and
+    ``global_paths``: this rank's module paths that are named differently in the whole model (a later pipeline
+    stage's ``decoder.layers.0`` is global layer N/PP; an expert-parallel rank's ``local_experts.0`` is global
+    expert E/EP * rank)."""
     tp: int
     tp_rank: int
     pp: int

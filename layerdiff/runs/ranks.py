@@ -315,8 +315,8 @@ class RankedRun:
                 continue
             region = (ranks[0], *_region(entry))
             split = _storage_split(entry, self.layouts[ranks[0]]) if replica and isinstance(rec, ParamRecord) else None
-            how = (split[0] if split is not None else _placement_kind(entry)) or self._inferred(rec, entry, sharded_weights, state.shards_by_region,
-                                                           region) \
+            placed = split[0] if split is not None else _placement_kind(entry)
+            how = placed or self._inferred(rec, entry, sharded_weights, state.shards_by_region, region) \
                 or state.forward_how.get((stage, _forward_key(rec, entry))) or state.param_how.get(_param_of(rec)) \
                 or (None if rec.path in sharded_weights else _like_input(entry, known))
             how = self._every_part(rec, how) or self._data_parallel(rec, parts, ranks)
@@ -386,8 +386,8 @@ class RankedRun:
         for rank, held in enumerate(records):
             layout = self.layouts[rank]
             for rec in held:
-                if isinstance(rec, ParamRecord) and rec.kind == "param" and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.tensors \
-                        and rec.module_path not in out:
+                if isinstance(rec, ParamRecord) and rec.kind == "param" and rec.tensors \
+                        and rec.path.rpartition(".")[2] in ("weight", "gamma") and rec.module_path not in out:
                     self._sharded_weight(rec, layout, out)
         return out
 
@@ -442,8 +442,9 @@ class RankedRun:
         if how and kind in ("concat", "concat_parts"):
             dim = how[1] % max(len(shape), 1)
             shape[dim] = sum(p.shape[dim] for p in parts)
-            stats = scaled_stats(combine_stats([p.stats for p in parts]), how[2] if kind == "concat" and len(how) > 2
-                            else None) or unknown_stats([p.stats for p in parts], math.prod(shape))  # parts' unknown (sums)
+            scale = how[2] if kind == "concat" and len(how) > 2 else None
+            stats = scaled_stats(combine_stats([p.stats for p in parts]), scale) \
+                or unknown_stats([p.stats for p in parts], math.prod(shape))  # parts of unknown statistics: sums
         elif kind == "sum":
             stats = summed_stats([p.stats for p in parts], math.prod(shape), how[2] if how and len(how) > 2 else None)
         else:
