@@ -28,9 +28,9 @@ except ImportError:  # loaded as a file
     import torch_llama
     import torch_llama_tp
 
-# defect -> (direction, origin in the model's names under DDP's "module." prefix, the ranks that differ)
+# defect -> (direction, origin in the model's names (DDP's wrapper left out), the ranks that differ)
 DEFECTS = {
-    "weight": ("forward", "module.model.layers.1.mlp.up_proj", [1]),  # rank 1's up_proj weight x(1 + 1e-3)
+    "weight": ("forward", "model.layers.1.mlp.up_proj", [1]),  # rank 1's up_proj weight x(1 + 1e-3)
 }
 
 

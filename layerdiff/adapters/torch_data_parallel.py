@@ -35,7 +35,11 @@ def parallel_layout(model: Any) -> ParallelLayout | None:
     ddp = ddp_module(model)
     if ddp is not None:
         size, rank = dist.get_world_size(ddp.process_group), dist.get_rank(ddp.process_group)
-        return _layout(size, rank, sharded_storage=False) if size > 1 else None
+        if size < 2:
+            return None
+        layout = _layout(size, rank, sharded_storage=False)
+        layout["wrapped"] = "module"  # DDP holds the model as its child ``module``: the wrapper is left out
+        return layout
     mesh = _fsdp_mesh(model)
     if mesh is None:
         return None

@@ -26,6 +26,7 @@ class ParallelLayout(TypedDict, total=False):
     global_paths: dict[str, str]
     own_modules: list[str]  # global paths of the modules this rank holds apart from its stage's other ranks
     grad_mean: bool  # the step's gradients are the mean of the data-parallel ranks' (each rank's loss is its own)
+    wrapped: str  # the child that a data-parallel wrapper holds the model as (DDP's "module"): read as the root
     sharded_storage: bool  # parameters are sharded only to be stored (FSDP): each rank computes with whole weights,
     # so no activation is a weight's shard
     split_modules: list[str]  # modules whose work each rank of the stage splits differently (experts' containers):

@@ -238,7 +238,8 @@ class RankedRun:
             split = set(self.layouts[rank].get("split_modules") or ())
             stage = self.stages[rank]
             out.append([_placed(_renamed(rec, renames) if renames else rec, stage, last, span)
-                        for rec in reader.records if not (isinstance(rec, CallRecord) and rec.path in split)])
+                        for rec in unwrapped(reader.records, self.layouts[rank])
+                        if not (isinstance(rec, CallRecord) and rec.path in split)])
         return out
 
     def _expected_holders(self, path: str, holders: list[int]) -> list[int]:
@@ -613,6 +614,38 @@ def _owns(layout: Mapping[str, Any], path: str) -> bool:
     return any(path == own or path.startswith(own + ".") for own in layout.get("own_modules") or ())
 
 
+def unwrapped(records: list[Record], layout: Mapping[str, Any]) -> list[Record]:
+    """A rank's records without its data-parallel wrapper (``ParallelLayout.wrapped``: DDP's ``module``): the
+    wrapper's own calls (which hand its inputs and outputs through) are left out, and the model it wraps is the
+    root, under its own names (``module.model.layers.0`` is ``model.layers.0``), as one process names it."""
+    child = layout.get("wrapped")
+    if not child:
+        return records
+    out: list[Record] = []
+    for rec in records:
+        if isinstance(rec, CallRecord):
+            if rec.path == "" or not _inside(rec.path, child):
+                continue
+            parent = None if rec.parent is None or rec.parent[0] == "" else (_unwrap(rec.parent[0], child),
+                                                                            rec.parent[1])
+            out.append(replace(rec, path=_unwrap(rec.path, child), parent=parent))
+        elif isinstance(rec, ParamRecord):
+            out.append(replace(rec, path=_unwrap(rec.path, child),
+                               module=None if rec.module is None else _unwrap(rec.module, child),
+                               tied=None if rec.tied is None else [_unwrap(t, child) for t in rec.tied]))
+        else:
+            out.append(rec)
+    return out
+
+
+def _inside(path: str, child: str) -> bool:
+    return path == child or path.startswith(child + ".")
+
+
+def _unwrap(path: str, child: str) -> str:
+    return path[len(child) + 1:] if path.startswith(child + ".") else "" if path == child else path
+
+
 def _renamed(rec: Record, renames: dict[str, str]) -> Record:
     """A rank's record under the whole model's names."""
     if isinstance(rec, CallRecord):
@@ -766,7 +799,8 @@ class RankView:
         split = set(layout.get("split_modules") or ())
         own_data = (layout.get("dp") or 1) > 1 and own_shares  # data-parallel ranks, each its own share of the batch
         spread = {(tuple(key), role, name) for key, role, name in exempt}
-        records = [_renamed(rec, renames) if renames else rec for rec in self.reader.records]  # the run's names
+        records = [_renamed(rec, renames) if renames else rec  # the run's names
+                   for rec in unwrapped(self.reader.records, layout)]
         self.records = [replace(rec, tensors=[t for t in rec.tensors if (_key(rec), t.role, t.key) not in spread
                                               and (not own_data or rec.kind == "param")])
                         for rec in records if not _owns(layout, rec.path)
