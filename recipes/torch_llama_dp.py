@@ -35,11 +35,12 @@ DEFECTS = {
 
 
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, wrap: str = "ddp",
-          split: bool = False, lr: float = 0.0, tp: int = 1, **kwargs):
+          split: bool = False, lr: float = 0.0, tp: int = 1, param_dtype: str | None = None, **kwargs):
     """``wrap``: "ddp" or "fsdp"; ``split``: each data-parallel replica its own share of the batch; ``lr`` > 0:
     each step is a training step (plain SGD); ``tp`` > 1 (with ``wrap=fsdp``): each replica is ``tp`` ranks of
     tensor parallelism (``torch_llama_tp``'s plan) on a 2-D mesh (data parallel x tensor parallel), torchtitan's
-    layout."""
+    layout; ``param_dtype`` (with ``wrap=fsdp``): FSDP's ``MixedPrecisionPolicy`` casts the gathered weights to it
+    for computing ("bfloat16"), the weights held and the gradients reduced in float32."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -62,9 +63,13 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
             from torch.distributed.tensor.parallel import parallelize_module
 
             parallelize_module(model, mesh["tp"], torch_llama_tp.plan(len(model.model.layers), None))
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mixed = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype) if param_dtype else None,
+                                     reduce_dtype=torch.float32 if param_dtype else None)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        replica = fully_shard(model, mesh=mesh["dp"])
+            fully_shard(layer, mesh=mesh["dp"], mp_policy=mixed)
+        replica = fully_shard(model, mesh=mesh["dp"], mp_policy=mixed)
     else:
         raise ValueError(f"unknown wrap {wrap!r}; choose ddp or fsdp")
     if defect == "weight" and dist.get_rank() == 1:

@@ -450,6 +450,22 @@ class Hooks(ModuleHooks):
     def named_parameters(self):
         return self.model.named_parameters(remove_duplicate=False)  # a tied weight under each owner
 
+    def compute_dtypes(self, module) -> set[str]:
+        """Only for a model FSDP shards (``held_dtypes``, set at install): it may cast each layer's gathered weights
+        for computing (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``) while holding them in float32."""
+        held = self.held_dtypes
+        if held is None:
+            return set()
+        return {name for p in module.parameters(recurse=False)
+                if (name := _DTYPE_NAMES.get(p.dtype)) is not None and name not in held}
+
+    def install(self):
+        held = None
+        if torch_data_parallel.fsdp_model(self.model):
+            held = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
+        self.held_dtypes: set[str] | None = held
+        super().install()
+
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
         """The hooks run as Python even inside a ``torch.compile``d model (``torch.compiler.disable``): compiled
         code breaks its graph at every traced module's boundary, and each module's own code is still compiled.

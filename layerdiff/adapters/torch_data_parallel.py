@@ -80,12 +80,9 @@ def _fsdp_mesh(model: Any) -> tuple[Any, bool] | None:
     (``Shard`` on a 1-D mesh), HSDP (``Replicate, Shard`` on a 2-D one), or FSDP with tensor parallelism (a 2-D
     mesh whose first dimension FSDP shards, ``Shard``/``_StridedShard``, and whose last is the tensor-parallel
     one; the weights that are not split for it are FSDP's alone, on the first dimension's mesh). None otherwise."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without FSDP2
-        return None
-    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+    from torch.distributed.tensor import DTensor
+
+    if not fsdp_model(model):
         return None
     one_d, two_d, hybrid = set(), set(), False
     for p in model.parameters():
@@ -109,6 +106,15 @@ def _fsdp_mesh(model: Any) -> tuple[Any, bool] | None:
             return None  # the weights FSDP alone shards lie on another mesh than the first dimension's
         return mesh, not hybrid
     return (one_d.pop(), False) if one_d else None
+
+
+def fsdp_model(model: Any) -> bool:
+    """Whether FSDP2 (``fully_shard``) shards any of ``model``'s modules."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _fsdp_shard(placement: Any) -> bool:

@@ -175,6 +175,11 @@ class ModuleHooks:
         """The framework's own source folders: a call made from there is not model code."""
         return []
 
+    def compute_dtypes(self, module) -> set[str]:
+        """The dtypes ``module``'s own parameters have at this call where the model holds them in others: a wrapper
+        that casts them for computing (FSDP's ``MixedPrecisionPolicy``) is mixed precision, as autocast is."""
+        return set()
+
     def module_parameters(self, module) -> Iterable[tuple[str, Any]]:
         """(name, parameter) of the parameters ``module`` holds itself now, not its children's."""
         return ()
@@ -296,6 +301,9 @@ class ModuleHooks:
             autocast = self.adapter.autocast_dtypes()
             if autocast:
                 session.autocast.update(autocast)
+            cast = self.compute_dtypes(module)
+            if cast:
+                session.autocast.update(cast)
             if read["step"] != step:
                 text = safe_extra_repr(module)
                 if text != read["repr"]:

@@ -26,8 +26,8 @@ WHY = {
     "execution_mode": "graph mode compiles and fuses operations",
     "default_dtype": "tensors created without a dtype",
     "param_dtypes": "parameters held in another precision (every tensor is judged at the less precise one's tolerance)",
-    "autocast_dtypes": "automatic mixed precision (torch.autocast) computes in another precision (every tensor is "
-                       "judged at the less precise one's tolerance)",
+    "autocast_dtypes": "mixed precision (torch.autocast, or FSDP's MixedPrecisionPolicy casting the weights) computes "
+                       "in another precision (every tensor is judged at the less precise one's tolerance)",
     "devices": "another device runs other kernels",
     "num_threads": "CPU reductions are split by thread count",
     "training": "dropout and batch-norm statistics act only in training mode",

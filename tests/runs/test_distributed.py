@@ -46,6 +46,11 @@ for wrap in ("ddp", "fsdp"):  # each rank its own share of the batch, two SGD st
         with layerdiff.trace(built["model"], f"{out}/{wrap}_split_{defect or 'clean'}_{mode}", mode=mode):
             built["step"]()
             built["step"]()
+for defect in (None, "act"):  # FSDP's mixed precision: weights gathered in bfloat16 for computing
+    built = torch_llama_dp.build(defect, wrap="fsdp", split=True, lr=0.1, param_dtype="bfloat16")
+    with layerdiff.trace(built["model"], f"{out}/fsdp_bf16_{defect or 'clean'}"):
+        built["step"]()
+        built["step"]()
 built = torch_llama_dp.build(None, wrap="fsdp", split=True)  # operations recorded under FSDP2
 with layerdiff.trace(built["model"], f"{out}/fsdp_ops", ops=True):
     built["step"]()
@@ -271,6 +276,23 @@ def test_fsdp_with_tensor_parallelism_joins_as_one_process(tmp_path, recipe_trac
         assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
     code, out, err = run_cli("align", tmp_path / "fsdp_tp_clean_full", "-q")
     assert code == 0 and out.startswith("aligned: all 4 ranks agree"), out + err
+
+
+def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, recipe_trace):
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)`` holds float32 weights and computes with bfloat16
+    copies: against one float32 process, the float32 tensors computed from bfloat16 ones (the loss, the weights'
+    gradients reduced in float32) were judged at float32's tolerance, 'divergent' at the loss and lm_head. The
+    dtypes the layers' weights have when they compute are recorded as mixed precision, as autocast's are; a
+    defect that bfloat16 can show is still named."""
+    from layerdiff.recipes.llama_shared import DEFECTS
+
+    reference = recipe_trace(batch=4, lr=0.1, steps=2)
+    report = align_files(reference, runs / "fsdp_bf16_clean")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    differ = {d["key"]: d for d in report["settings"]["differ"]}
+    assert differ["autocast_dtypes"]["b"] == ["bfloat16"] and differ["autocast_dtypes"]["a"] == []
+    origin = align_files(reference, runs / "fsdp_bf16_act")["forward"]["first_divergence"]
+    assert origin["module"] == DEFECTS["act"][1], origin
 
 
 def test_operations_recorded_under_fsdp(runs):
