@@ -87,6 +87,6 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
             optimizer.step()
         return loss
 
-    return {"model": replica, "step": step,
+    return {"model": replica, "step": step, "input_ids": input_ids,
             "meta": {"recipe": "torch_llama_dp", "defect": defect, "world_size": world, "wrap": wrap, "split": split,
                      "tp": tp}}

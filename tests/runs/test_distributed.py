@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 # 22 launches alone or two at a time). Each script ends with os._exit(0), after its last statement: an error of the
 # script itself still raises before it and fails the launch; torch's own exit is not what these tests are about.
 TORCH_SCRIPT = """
+import contextlib
 import os
 import sys
+import torch
 import torch.distributed as dist
 import layerdiff
 from layerdiff.recipes import torch_llama_tp, torch_llama_dp
@@ -51,6 +53,20 @@ for defect in (None, "act"):  # FSDP's mixed precision: weights gathered in bflo
     with layerdiff.trace(built["model"], f"{out}/fsdp_bf16_{defect or 'clean'}"):
         built["step"]()
         built["step"]()
+for wrap in ("ddp", "fsdp"):  # each rank its share of 8 sequences, in 2 microbatches of 2 (gradient accumulation)
+    built = torch_llama_dp.build(None, wrap=wrap, split=True, batch=4, lr=0.1)
+    replica, ids = built["model"], built["input_ids"]
+    optimizer = torch.optim.SGD(replica.parameters(), lr=0.1)
+    with layerdiff.trace(replica, f"{out}/{wrap}_accumulated") as tracer:
+        for _ in range(2):
+            optimizer.zero_grad()
+            with tracer.step():
+                for i in range(2):
+                    if wrap == "fsdp":
+                        replica.set_requires_gradient_sync(i == 1)
+                    with replica.no_sync() if wrap == "ddp" and i == 0 else contextlib.nullcontext():
+                        (replica(input_ids=ids[2 * i:2 * i + 2], labels=ids[2 * i:2 * i + 2]).loss / 2).backward()
+            optimizer.step()
 built = torch_llama_dp.build(None, wrap="fsdp", split=True)  # operations recorded under FSDP2
 with layerdiff.trace(built["model"], f"{out}/fsdp_ops", ops=True):
     built["step"]()
@@ -293,6 +309,16 @@ def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, re
     assert differ["autocast_dtypes"]["b"] == ["bfloat16"] and differ["autocast_dtypes"]["a"] == []
     origin = align_files(reference, runs / "fsdp_bf16_act")["forward"]["first_divergence"]
     assert origin["module"] == DEFECTS["act"][1], origin
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_data_parallel_ranks_accumulating_microbatches_join_as_one_process(runs, recipe_trace, wrap):
+    """Each rank its share of the batch, in two microbatches declared one step (``tracer.step()``; DDP's
+    ``no_sync``, FSDP's ``set_requires_gradient_sync`` until the last), against one process on the whole batch:
+    each rank's microbatches joined first, then the ranks."""
+    report = align_files(recipe_trace(batch=8, lr=0.1, steps=2), runs / f"{wrap}_accumulated")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["params"]["grads_compared"] == 42
 
 
 def test_operations_recorded_under_fsdp(runs):
