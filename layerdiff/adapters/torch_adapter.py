@@ -459,6 +459,16 @@ class Hooks(ModuleHooks):
         return {name for p in module.parameters(recurse=False)
                 if (name := _DTYPE_NAMES.get(p.dtype)) is not None and name not in held}
 
+    def first_call(self, frame) -> None:
+        """A model traced inside the ``DistributedDataParallel`` that runs it: its gradients, as their hooks see
+        them, are each rank's own, before DDP averages them, and the trace cannot say so (the wrapper records the
+        layout): said once, in the trace's warnings."""
+        wrapper = torch_data_parallel.wrapping_ddp(frame, self.model)
+        if wrapper is not None:
+            self.session.warn("traced inside DistributedDataParallel: trace the wrapper (layerdiff.trace(ddp_model, "
+                              "...)) for its ranks to join as one process; here each rank's gradients are its own, "
+                              "before DDP averages them")
+
     def install(self):
         held = None
         if torch_data_parallel.fsdp_model(self.model):

@@ -108,6 +108,18 @@ def _fsdp_mesh(model: Any) -> tuple[Any, bool] | None:
     return (one_d.pop(), False) if one_d else None
 
 
+def wrapping_ddp(frame: Any, model: Any) -> Any:
+    """The ``DistributedDataParallel`` whose forward is calling ``model`` now (found from ``frame`` outwards), when
+    ``model`` is the module it wraps; None otherwise."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("forward", "_run_ddp_forward") else None
+        if isinstance(owner, ddp):
+            return owner if owner.module is model else None
+        frame = frame.f_back
+    return None
+
+
 def fsdp_model(model: Any) -> bool:
     """Whether FSDP2 (``fully_shard``) shards any of ``model``'s modules."""
     try:

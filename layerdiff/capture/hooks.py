@@ -175,6 +175,9 @@ class ModuleHooks:
         """The framework's own source folders: a call made from there is not model code."""
         return []
 
+    def first_call(self, frame) -> None:
+        """Runs at the trace's first call of the model (``frame``: this hook's): what the calls around it say."""
+
     def compute_dtypes(self, module) -> set[str]:
         """The dtypes ``module``'s own parameters have at this call where the model holds them in others: a wrapper
         that casts them for computing (FSDP's ``MixedPrecisionPolicy``) is mixed precision, as autocast is."""
@@ -294,6 +297,8 @@ class ModuleHooks:
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             scope = None
             if not session.stack:
+                if session.step < 0:
+                    self.first_call(sys._getframe())
                 scope = self.declared_step or self.adapter.step_scope(sys._getframe())
                 if session.starts_step(scope):
                     self.start_step()

@@ -67,6 +67,9 @@ for wrap in ("ddp", "fsdp"):  # each rank its share of 8 sequences, in 2 microba
                     with replica.no_sync() if wrap == "ddp" and i == 0 else contextlib.nullcontext():
                         (replica(input_ids=ids[2 * i:2 * i + 2], labels=ids[2 * i:2 * i + 2]).loss / 2).backward()
             optimizer.step()
+built = torch_llama_dp.build(None)
+with layerdiff.trace(built["model"].module, f"{out}/inside_ddp"):  # the model inside the wrapper that runs it
+    built["step"]()
 built = torch_llama_dp.build(None, wrap="fsdp", split=True)  # operations recorded under FSDP2
 with layerdiff.trace(built["model"], f"{out}/fsdp_ops", ops=True):
     built["step"]()
@@ -319,6 +322,16 @@ def test_data_parallel_ranks_accumulating_microbatches_join_as_one_process(runs,
     report = align_files(recipe_trace(batch=8, lr=0.1, steps=2), runs / f"{wrap}_accumulated")
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
     assert report["params"]["grads_compared"] == 42
+
+
+def test_a_model_traced_inside_its_ddp_wrapper_is_warned_of(runs):
+    """Its gradients are each rank's own, before DDP averages them, and only the wrapper can record the layout
+    that joins them: the trace says to trace the wrapper."""
+    for rank in (0, 1):
+        with open_trace(runs / "inside_ddp" / f"rank{rank}.h5") as reader:
+            assert any("traced inside DistributedDataParallel: trace the wrapper" in w for w in reader.end.warnings)
+    with open_trace(runs / "dp_clean" / "rank0.h5") as reader:  # the wrapper traced: no such warning
+        assert not any("DistributedDataParallel" in w for w in reader.end.warnings)
 
 
 def test_operations_recorded_under_fsdp(runs):
