@@ -36,7 +36,8 @@ DEFECTS = {
 
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, wrap: str = "ddp",
           split: bool = False, lr: float = 0.0, tp: int = 1, param_dtype: str | None = None, **kwargs):
-    """``wrap``: "ddp" or "fsdp"; ``split``: each data-parallel replica its own share of the batch; ``lr`` > 0:
+    """``wrap``: "ddp", "fsdp", or "hsdp" (FSDP2 on a 2-D mesh: 2 replicas, each sharding over half the ranks);
+    ``split``: each data-parallel replica its own share of the batch; ``lr`` > 0:
     each step is a training step (plain SGD); ``tp`` > 1 (with ``wrap=fsdp``): each replica is ``tp`` ranks of
     tensor parallelism (``torch_llama_tp``'s plan) on a 2-D mesh (data parallel x tensor parallel), torchtitan's
     layout; ``param_dtype`` (with ``wrap=fsdp``): FSDP's ``MixedPrecisionPolicy`` casts the gathered weights to it
@@ -54,11 +55,12 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
         raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, 'input', *shared.DEFECTS])}")
     if wrap == "ddp":
         replica = DistributedDataParallel(model)  # broadcasts rank 0's parameters to every rank
-    elif wrap == "fsdp":
+    elif wrap in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (replicas, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (replicas, tp), mesh_dim_names=("dp", "tp")) if wrap == "fsdp" else {
+            "dp": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))}
         if tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
@@ -71,7 +73,7 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
             fully_shard(layer, mesh=mesh["dp"], mp_policy=mixed)
         replica = fully_shard(model, mesh=mesh["dp"], mp_policy=mixed)
     else:
-        raise ValueError(f"unknown wrap {wrap!r}; choose ddp or fsdp")
+        raise ValueError(f"unknown wrap {wrap!r}; choose ddp, fsdp or hsdp")
     if defect == "weight" and dist.get_rank() == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.up_proj.weight.mul_(1 + 1e-3)

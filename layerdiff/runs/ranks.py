@@ -314,6 +314,10 @@ class RankedRun:
             if parts is None:
                 tensors.append(self._per_rank_entry([entry], ranks[:1]))
                 continue
+            hybrid = _hybrid_shards(parts, ranks) if isinstance(rec, ParamRecord) else None
+            if hybrid is not None:  # HSDP: the first replica's shards, joined
+                tensors.append(self._merged_entry(hybrid[0], ("concat", hybrid[2]), hybrid[1]))
+                continue
             region = (ranks[0], *_region(entry))
             split = _storage_split(entry, self.layouts[ranks[0]]) if replica and isinstance(rec, ParamRecord) else None
             placed = split[0] if split is not None else _placement_kind(entry)
@@ -576,6 +580,23 @@ def _counterparts(records: list[Record], i: int, entry: TensorEntry) -> list[Ten
              for r in records]
     parts = [p for p in found if p is not None]
     return parts if len(parts) == len(found) else None
+
+
+def _hybrid_shards(parts: list[TensorEntry], ranks: list[int]) -> tuple[list[TensorEntry], list[int], int] | None:
+    """A weight (or its gradient) that HSDP holds (``R, S(d)`` on a 2-D mesh: copies over the replicas, shards
+    within each): (the first replica's shards, their ranks, d); None for any other placement. The other replicas
+    hold copies of those shards (compared rank against rank by ``layerdiff align RUN``)."""
+    places = [p.placement or {} for p in parts]
+    if not all(len(place.get("placements") or ()) == 2 and place["placements"][0] == "R"
+               and _SHARD.match(place["placements"][1]) and len(place.get("coord") or ()) == 2 for place in places):
+        return None
+    first = [(place["coord"][1], part, rank) for place, part, rank in zip(places, parts, ranks)
+             if place["coord"][0] == 0]
+    if len(first) < 2:
+        return None
+    first.sort(key=lambda held: held[0])
+    dim = _SHARD.match(places[0]["placements"][1])
+    return [part for _, part, _ in first], [rank for _, _, rank in first], int(dim.group(1)) if dim else 0
 
 
 def _tensor_parallel_piece(entry: TensorEntry, how: tuple, tp: int) -> list[int] | None:

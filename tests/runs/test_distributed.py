@@ -264,12 +264,17 @@ for defect, mode in ((None, "full"), ("eps", "full"), ("backward", "full"), (Non
     with layerdiff.trace(built["model"], f"{sys.argv[1]}/fsdp_tp_{defect or 'clean'}_{mode}", mode=mode):
         built["step"]()
         built["step"]()
+for mode in ("full", "stats"):  # HSDP: 2 replicas, each sharding over 2 ranks; each rank its share of 8 sequences
+    built = torch_llama_dp.build(None, wrap="hsdp", split=True, lr=0.1)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/hsdp_{mode}", mode=mode):
+        built["step"]()
+        built["step"]()
 dist.destroy_process_group()
 os._exit(0)  # every file is written and closed: see _EXIT above the scripts
 """
 
 
-def test_fsdp_with_tensor_parallelism_joins_as_one_process(tmp_path, recipe_trace):
+def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(tmp_path, recipe_trace):
     """torchtitan's layout on 4 ranks: a 2-D mesh, tensor parallelism (q/k/v, gate/up column-parallel, o/down
     row-parallel) inside each of 2 data-parallel replicas, FSDP2 sharding every piece again for storage
     (``_StridedShard`` where both split one axis), each replica its own share of the batch, two SGD steps. The
@@ -295,6 +300,11 @@ def test_fsdp_with_tensor_parallelism_joins_as_one_process(tmp_path, recipe_trac
         assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
     code, out, err = run_cli("align", tmp_path / "fsdp_tp_clean_full", "-q")
     assert code == 0 and out.startswith("aligned: all 4 ranks agree"), out + err
+    # HSDP (the same launch): weights placed R, S(0) on a 2 x 2 mesh, the first replica's shards joined
+    for mode in ("full", "stats"):
+        report = align_files(recipe_trace(mode=mode, batch=8, lr=0.1, steps=2), tmp_path / f"hsdp_{mode}")
+        assert report["verdict"] == "aligned", (mode, report["forward"], report["backward"])
+        assert report["params"]["compared"] == 42 and not report["params"]["differ"]
 
 
 def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, recipe_trace):
