@@ -37,10 +37,11 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
             raise LayerdiffError(f"{path}: a single trace; align it with another one (layerdiff align A B), or "
                                  "give a run directory of several ranks to compare its ranks")
         world, order = run.world_size, _execution_order(run)
-        exempt = {"replicas": replica_exempt(run), "peers": replica_exempt(run, peers=True)}
+        # HSDP's copies of one shard (``copies``) hold the same bytes of every weight: nothing is left out
+        exempt = {"replicas": replica_exempt(run), "peers": replica_exempt(run, peers=True), "copies": []}
         own_shares = run.own_shares and any((layout.get("dp") or 1) > 1 for layout in run.layouts)
         groups = [(group, "replicas") for group in run.replica_groups()] + \
-            [(group, "peers") for group in run.peer_groups()]
+            [(group, "peers") for group in run.peer_groups()] + [(group, "copies") for group in run.copy_groups()]
     files = [os.path.abspath(f) for f in rank_files(path) or ()]  # workers open them by path: absolute
     shared = {"exempt": exempt, "own_shares": own_shares, "policy": policy.describe(),
               "rule_files": [os.path.abspath(f) for f in how.rule_files]}  # read where the task runs

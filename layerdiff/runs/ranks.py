@@ -218,6 +218,20 @@ class RankedRun:
         otherwise (``replica_groups`` already holds them)."""
         return self._by_stage("dp_rank") if _tensor_and_data(self.layouts) else []
 
+    def copy_groups(self) -> list[list[int]]:
+        """Under HSDP (weights placed ``R, S(d)``): the ranks that hold the same shard of every weight, one per
+        replica, which must agree on it; none otherwise (the other groups leave shards out)."""
+        groups: dict[int, list[int]] = {}
+        for rank, reader in enumerate(self.readers):
+            place = next((rec.tensors[0].placement for rec in reader.records
+                          if rec.kind == "param" and rec.tensors and rec.tensors[0].placement), None) or {}
+            coord: list = list(place.get("coord") or [])
+            if not self.layouts[rank].get("sharded_storage") or (place.get("placements") or [None])[0] != "R" \
+                    or len(coord) != 2:
+                return []
+            groups.setdefault(int(coord[1]), []).append(rank)
+        return [group for _, group in sorted(groups.items()) if len(group) > 1]
+
     def _by_stage(self, coordinate: str | None) -> list[list[int]]:
         """The ranks of each pipeline stage, split by their ``coordinate`` in the layout (None: not split)."""
         groups: dict[tuple, list[int]] = {}

@@ -264,9 +264,9 @@ for defect, mode in ((None, "full"), ("eps", "full"), ("backward", "full"), (Non
     with layerdiff.trace(built["model"], f"{sys.argv[1]}/fsdp_tp_{defect or 'clean'}_{mode}", mode=mode):
         built["step"]()
         built["step"]()
-for mode in ("full", "stats"):  # HSDP: 2 replicas, each sharding over 2 ranks; each rank its share of 8 sequences
-    built = torch_llama_dp.build(None, wrap="hsdp", split=True, lr=0.1)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/hsdp_{mode}", mode=mode):
+for defect, mode in ((None, "full"), (None, "stats"), ("weight", "full")):  # HSDP: 2 replicas, each sharding
+    built = torch_llama_dp.build(defect, wrap="hsdp", split=True, lr=0.1)  # over 2 ranks; each rank its share
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/hsdp_{defect or mode}", mode=mode):
         built["step"]()
         built["step"]()
 dist.destroy_process_group()
@@ -305,6 +305,11 @@ def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(tmp_path, rec
         report = align_files(recipe_trace(mode=mode, batch=8, lr=0.1, steps=2), tmp_path / f"hsdp_{mode}")
         assert report["verdict"] == "aligned", (mode, report["forward"], report["backward"])
         assert report["params"]["compared"] == 42 and not report["params"]["differ"]
+    # rank against rank: each shard's copies (ranks 1 and 3 hold the same one) must agree; rank 1's was changed
+    code, out, err = run_cli("align", tmp_path / "hsdp_full", "-q")
+    assert code == 0, out + err
+    code, out, err = run_cli("align", tmp_path / "hsdp_weight")
+    assert code == 1 and "rank 3: differs" in out and "model.layers.1.mlp.up_proj.weight" in out, out + err
 
 
 def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, recipe_trace):
