@@ -130,7 +130,8 @@ class Tracer:
     def step(self) -> Iterator[None]:
         """The model's calls made inside are one step, each root call a microbatch of it: gradient accumulation.
         Compared with a run that took the whole batch in one call, a step's microbatches are joined along the batch
-        axis, a loss (a floating scalar the model returns) is their mean and its gradient their sum, and a
+        axis, a loss (a floating scalar the model returns) is the microbatches' losses each weighted by the
+        gradient its backward started from (their mean without a backward), whose gradient is then 1, and a
         parameter's gradient is the step's running total after the last microbatch. Megatron's pipeline schedules
         are found without it."""
         hooks = self._hooks

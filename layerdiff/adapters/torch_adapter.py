@@ -446,6 +446,7 @@ class Hooks(ModuleHooks):
     in_place_consequence = ("input gradients of its first call may be misattributed; its later calls record no "
                             "grad_input")
     differentiable = staticmethod(_differentiable)
+    held_dtypes: set[str] | None = None  # set at install for a model FSDP shards: the dtypes it holds weights in
 
     def named_parameters(self):
         return self.model.named_parameters(remove_duplicate=False)  # a tied weight under each owner
@@ -470,10 +471,8 @@ class Hooks(ModuleHooks):
                               "before DDP averages them")
 
     def install(self):
-        held = None
         if torch_data_parallel.fsdp_model(self.model):
-            held = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
-        self.held_dtypes: set[str] | None = held
+            self.held_dtypes = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
         super().install()
 
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:

@@ -34,10 +34,10 @@ def parallel_layout(model: Any) -> ParallelLayout | None:
         return None
     ddp = ddp_module(model)
     if ddp is not None:
-        size, rank = dist.get_world_size(ddp.process_group), dist.get_rank(ddp.process_group)
-        if size < 2:
+        place = _ddp_place(ddp)
+        if place is None:
             return None
-        layout = _layout(size, rank, sharded_storage=False)
+        layout = _layout(*place, sharded_storage=False)
         layout["wrapped"] = "module"  # DDP holds the model as its child ``module``: the wrapper is left out
         return layout
     mesh = _fsdp_mesh(model)
@@ -140,10 +140,15 @@ def grad_placement(model: Any, param: Any) -> dict[str, Any] | None:
     DDP then averages over the ranks: a ``P(sum)`` placement with scale 1 / ranks. None otherwise (FSDP2 hands
     the hook the averaged shard, placed by its DTensor)."""
     ddp = ddp_module(model) if dist.is_available() and dist.is_initialized() else None
-    if ddp is None or not getattr(param, "requires_grad", False):
+    place = _ddp_place(ddp) if ddp is not None and getattr(param, "requires_grad", False) else None
+    if place is None:
         return None
-    size, rank = dist.get_world_size(ddp.process_group), dist.get_rank(ddp.process_group)
-    if size < 2:
-        return None
+    size, rank = place
     return {"placements": ["P(sum)"], "mesh": [size], "coord": [rank], "global_shape": list(param.shape),
             "scale": 1.0 / size, "source": "ddp"}
+
+
+def _ddp_place(ddp: Any) -> tuple[int, int] | None:
+    """(ranks, this rank) of the group a ``DistributedDataParallel`` averages over; None for a group of one."""
+    size = dist.get_world_size(ddp.process_group)
+    return (size, dist.get_rank(ddp.process_group)) if size > 1 else None

@@ -11,6 +11,7 @@ from msgspec.structs import replace
 from layerdiff.match.layouts import relate_shapes
 from layerdiff.match.operands import combine_stats, scaled_stats
 from layerdiff.tracefile.records import CallRecord, Merge, Record, Stats, TensorEntry
+from layerdiff.tracefile.tensors import FLOAT_DTYPES
 
 # one way to join a tensor: its own join (("keep",): decided already; ("replicate",); ("concat", axis)) and the
 # way its parts are joined, when they wait too
@@ -116,6 +117,12 @@ def alike(parts: list[TensorEntry]) -> bool:
     if first.stats.get("numel") and first.stats.get("l2") is None and not first.stats.get("nan"):
         return False
     return all(p.shape == first.shape and p.dtype == first.dtype and p.stats == first.stats for p in parts[1:])
+
+
+def scalar_loss(entry: TensorEntry) -> bool:
+    """A floating scalar (a loss the model returns, or its gradient): joined over a step's shares as their
+    weighted sum, never along a batch axis."""
+    return not entry.shape and entry.dtype in FLOAT_DTYPES
 
 
 def batch_axis(shape: list[int], batch: int | None) -> int | None:

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 from msgspec.structs import replace
 
-from layerdiff.match.joins import alike, batch_axis, token_shapes
+from layerdiff.match.joins import alike, batch_axis, scalar_loss, token_shapes
 from layerdiff.match.operands import combine_stats, summed_stats
 from layerdiff.tracefile.records import MICROBATCHES, CallRecord, Merge, ParamRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
@@ -126,15 +126,13 @@ class Joined:
         divides each microbatch's loss by their number M; 1 where each is its share of the whole batch's mean
         already): the step's loss is the sum of g_i x loss_i, and the gradient of that sum is 1, as the whole
         batch's is. With no backward (inference), the mean of the microbatches' losses."""
-        if not isinstance(rec, CallRecord) or rec.parent is not None or entry.shape or \
-                not entry.dtype.startswith(("float", "bfloat")) or entry.role not in ("output", "grad_output"):
+        if not isinstance(rec, CallRecord) or rec.parent is not None or not scalar_loss(entry) or \
+                entry.role not in ("output", "grad_output"):
             return None
         grads = self._loss_grads.get((rec.step, rec.path, entry.key))
-        uniform = grads is not None and len(grads) == len(parts) and all(g == grads[0] for g in grads) and grads[0]
-        if entry.role == "output":
-            return grads[0] if uniform and grads else 1.0 / len(parts)
-        return 1.0 / sum(grads) if uniform and grads else None
-
+        if not grads or len(grads) != len(parts) or any(g != grads[0] for g in grads) or not grads[0]:
+            return 1.0 / len(parts) if entry.role == "output" else None  # no (uniform) backward: the mean
+        return grads[0] if entry.role == "output" else 1.0 / sum(grads)
 
     def _batch_join(self, rec: Record, parts: list) -> str | int:
         """How a tensor's microbatches join: "replicate" when each had it alike (a mask, rotary angles), else

@@ -28,7 +28,7 @@ from msgspec.structs import replace
 
 from layerdiff.errors import TraceFormatError
 from layerdiff.tracefile.index import Damage
-from layerdiff.match.joins import alike, batch_axis, root_calls, token_shapes
+from layerdiff.match.joins import alike, batch_axis, root_calls, scalar_loss, token_shapes
 from layerdiff.match.operands import combine_stats, scaled_stats, summed_stats, unknown_stats
 from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
@@ -373,8 +373,7 @@ class RankedRun:
             return None if self.own_shares and not isinstance(rec, ParamRecord) and first.shape else ("replicate", None)
         if not self.own_shares:  # replicas given one batch each: a tensor that differs is a desync, not shares
             return None
-        if not first.shape and first.role == "output" and first.dtype.startswith(("float", "bfloat")) \
-                and self._grad_mean(ranks):
+        if scalar_loss(first) and first.role == "output" and self._grad_mean(ranks):
             return "sum", None, 1.0 / len(parts)
         first_rank = ranks[0]
         batch, seq = self._local_tokens.get(first_rank) or (None, None)
