@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerdiff.adapters import megatron_facts, torch_data_parallel
+from layerdiff.adapters import megatron_facts, torch_data_parallel, torch_pipelining
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.session import DeferredStats
@@ -469,6 +469,18 @@ class Hooks(ModuleHooks):
             self.session.warn("traced inside DistributedDataParallel: trace the wrapper (layerdiff.trace(ddp_model, "
                               "...)) for its ranks to join as one process; here each rank's gradients are its own, "
                               "before DDP averages them")
+        schedule = torch_pipelining.schedule_frame(frame)
+        if schedule is not None:
+            layout = torch_pipelining.stage_layout(self.model, schedule)
+            if layout is not None:
+                self.session.learn_layout(layout)
+            else:
+                self.session.warn("run by a pipeline schedule that holds several stages on this rank, or whose stage "
+                                  "is not the traced module: its ranks are not joined as one model (trace each "
+                                  "rank's PipelineStage.submod under a schedule of one stage per rank)")
+
+    def machinery_call(self, frame) -> bool:
+        return torch_pipelining.inferring(frame)
 
     def install(self):
         if torch_data_parallel.fsdp_model(self.model):
@@ -669,7 +681,7 @@ class TorchAdapter(FrameworkAdapter):
         return megatron_facts.parallel_layout(model) or torch_data_parallel.parallel_layout(model)
 
     def step_scope(self, frame):
-        return megatron_facts.schedule_frame(frame)
+        return megatron_facts.schedule_frame(frame) or torch_pipelining.schedule_frame(frame)
 
     def grad_placement(self, model, param):
         return megatron_facts.grad_placement(getattr(model, "config", None), param) or \

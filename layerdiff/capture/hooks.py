@@ -178,6 +178,12 @@ class ModuleHooks:
     def first_call(self, frame) -> None:
         """Runs at the trace's first call of the model (``frame``: this hook's): what the calls around it say."""
 
+    def machinery_call(self, frame) -> bool:
+        """Whether a call of the model made now (``frame``: this hook's, with no call of it open) is the framework's
+        machinery running the model for its own purposes (a pipeline stage learning its tensors' shapes on
+        placeholder values): not recorded, nor anything it calls."""
+        return False
+
     def compute_dtypes(self, module) -> set[str]:
         """The dtypes ``module``'s own parameters have at this call where the model holds them in others: a wrapper
         that casts them for computing (FSDP's ``MixedPrecisionPolicy``) is mixed precision, as autocast is."""
@@ -297,6 +303,8 @@ class ModuleHooks:
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             scope = None
             if not session.stack:
+                if self.machinery_call(sys._getframe()):
+                    return None  # not the model's work: neither it nor what it calls is recorded
                 if session.step < 0:
                     self.first_call(sys._getframe())
                 scope = self.declared_step or self.adapter.step_scope(sys._getframe())

@@ -296,6 +296,11 @@ class TraceSession:
         if message not in self.warnings:
             self.warnings.append(message)
 
+    def learn_layout(self, layout: dict) -> None:
+        """A parallel layout found only once the model runs (a pipeline schedule knows the stage it runs), kept in
+        the trace's metadata as one found at its start is: its keys over those."""
+        self.writer.amend_meta(lambda meta: {**meta, "parallel": {**(meta.get("parallel") or {}), **layout}})
+
     # -- forward -------------------------------------------------------------------------------------------
     def starts_step(self, scope: Any = None) -> bool:
         """Whether a root call made now within ``scope`` opens a new step: every root call does, but those made

@@ -292,6 +292,8 @@ def _joined(merge, n: int) -> str:
     if merge.over == MICROBATCHES:
         if merge.how == "sum" and merge.scale is not None:  # a loss: each weighted by its backward's gradient
             return f"{n} microbatches added up, x{merge.scale:.6g}"
+        if merge.how == "concat" and merge.scale is not None:  # gradients of microbatches' own mean losses
+            return f"{n} microbatches joined on axis {merge.dim}, x{merge.scale:.6g}"
         return f"{n} microbatches " + {"concat": f"joined on axis {merge.dim}", "sum": "added up",
                                        "replicate": "alike (the first compared)",
                                        "batches": "unresolved"}.get(merge.how, merge.how)

@@ -72,8 +72,9 @@ def resolved_as(entry: TensorEntry, way: Way) -> TensorEntry:
     dim = own[1]
     shape = list(entry.shape)
     shape[dim] = sum(p.shape[dim] for p in entry.parts)
-    return replace(entry, shape=shape, merge=Merge("concat", dim, ranks=merge.ranks, over=merge.over),
-                   stats=combine_stats([p.stats for p in entry.parts]) or entry.stats)
+    scale = merge.scale if merge.how == "batches" else None  # a join waiting for its axis keeps its scale
+    return replace(entry, shape=shape, merge=Merge("concat", dim, ranks=merge.ranks, over=merge.over, scale=scale),
+                   stats=scaled_stats(combine_stats([p.stats for p in entry.parts]), scale) or entry.stats)
 
 
 def candidate_shapes(entry: TensorEntry) -> list[tuple[int, ...]]:

@@ -18,7 +18,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from layerdiff.match.joins import alike, batch_axis, scalar_loss, token_shapes
-from layerdiff.match.operands import combine_stats, summed_stats
+from layerdiff.match.operands import combine_stats, scaled_stats, summed_stats
 from layerdiff.tracefile.records import MICROBATCHES, CallRecord, Merge, ParamRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
 
@@ -53,6 +53,8 @@ class Joined:
         self.crashed, self.end = inner.crashed, inner.end
         self.damage, self.unverified = inner.damage, inner.unverified  # checksums: what reading it found
         self.ops: list = []  # operations are not joined over microbatches: compare them between alike runs
+        # each microbatch's gradients times this are its share of the step's (``ParallelLayout``; None: as they are)
+        self._grad_scale: float | None = (inner.meta.get("parallel") or {}).get("microbatch_grad_scale")
         self._next_offset = min([0, *(t.offset for rec in inner.records for t in rec.tensors
                                       if t.offset is not None)]) - 1
         self.records = self._join(inner.records)
@@ -104,9 +106,12 @@ class Joined:
         if len(parts) == 1:
             return replace(first, call=call)
         if isinstance(first, ParamRecord):
+            scale = self._grad_scale
             if not first.increment:  # each record is the running total: the last is the step's gradient
-                return replace(parts[-1], call=call)
-            tensors = [self._joined_entry([p.tensors[0] for p in parts], "sum")] if first.tensors else []
+                if scale is None or not parts[-1].tensors:
+                    return replace(parts[-1], call=call)
+                return replace(parts[-1], call=call, tensors=[self._joined_entry([parts[-1].tensors[0]], "sum", scale)])
+            tensors = [self._joined_entry([p.tensors[0] for p in parts], "sum", scale)] if first.tensors else []
             return replace(first, call=call, tensors=tensors, increment=False)
         tensors = []
         for entry in first.tensors:
@@ -116,8 +121,9 @@ class Joined:
                 continue  # a tensor not every microbatch had: left out, as a record only one rank holds
             parts_found = [t for t in found if t is not None]
             objective = self._objective(first, entry, parts_found)
+            scale = self._grad_scale if entry.role in ("grad_output", "grad_input") else None
             tensors.append(self._joined_entry(parts_found, "sum", objective) if objective is not None
-                           else self._joined_entry(parts_found, self._batch_join(first, found)))
+                           else self._joined_entry(parts_found, self._batch_join(first, found), scale))
         return replace(first, call=call, tensors=tensors)
 
     def _objective(self, rec: Record, entry: TensorEntry, parts: list[TensorEntry]) -> float | None:
@@ -163,10 +169,13 @@ class Joined:
 
     def _concat(self, parts: list[TensorEntry], axis: int, merge: Merge,
                 stats: Mapping[str, Any] | None = None) -> TensorEntry:
-        """``parts`` joined along ``axis`` (their statistics combined unless given)."""
+        """``parts`` joined along ``axis`` (their statistics combined, and scaled as the join is, unless given)."""
         shape = list(parts[0].shape)
         shape[axis] = sum(p.shape[axis] for p in parts)
-        return self._joined(parts, shape, stats or combine_stats([p.stats for p in parts]) or parts[0].stats, merge)
+        if stats is None:
+            stats = scaled_stats(combine_stats([p.stats for p in parts]), merge.scale if merge.over == MICROBATCHES
+                                 else None)
+        return self._joined(parts, shape, stats or parts[0].stats, merge)
 
     def _joined(self, parts: list[TensorEntry], shape: list[int], stats: Mapping[str, Any],
                 merge: Merge) -> TensorEntry:
@@ -180,19 +189,20 @@ class Joined:
 
     def _joined_entry(self, parts: list[TensorEntry], how: str | int, scale: float | None = None) -> TensorEntry:
         """``how``: "sum" (gradients; scaled by ``scale``, a loss), "replicate", "batches" (undecided), or the axis
-        to join on."""
+        to join on; ``scale`` also multiplies a join along an axis (gradients under ``microbatch_grad_scale``)."""
         if isinstance(how, int):
-            return self._rank_major(parts, how) or \
-                self._concat(parts, how, Merge("concat", how, over=MICROBATCHES))
+            return (self._rank_major(parts, how) if scale is None else None) or \
+                self._concat(parts, how, Merge("concat", how, over=MICROBATCHES, scale=scale))
         stats: Mapping[str, Any]
         if how == "sum":
             stats = summed_stats([p.stats for p in parts], parts[0].stats.get("numel", 0), scale)
             return self._joined(parts, list(parts[0].shape), stats, Merge(how, over=MICROBATCHES, scale=scale))
         elif how == "replicate":
             stats = parts[0].stats
+            scale = None  # each microbatch had it alike: one copy, as it was
         else:
-            stats = combine_stats([p.stats for p in parts]) or parts[0].stats
-        return self._joined(parts, list(parts[0].shape), stats, Merge(how, over=MICROBATCHES))
+            stats = scaled_stats(combine_stats([p.stats for p in parts]), scale) or parts[0].stats
+        return self._joined(parts, list(parts[0].shape), stats, Merge(how, over=MICROBATCHES, scale=scale))
 
     @staticmethod
     def _reparented(rec: Record, renumbered: dict[tuple, int]) -> Record:
@@ -217,7 +227,10 @@ class Joined:
             total = np.sum([as_float(v, entry.dtype).astype(np.float64) for v in values], axis=0)
             return encode_float(total if merge.scale is None else total * merge.scale, entry.dtype)
         if merge.how == "concat":
-            return np.concatenate(values, axis=merge.axis)
+            joined = np.concatenate(values, axis=merge.axis)
+            if merge.scale is None:
+                return joined
+            return encode_float(as_float(joined, entry.dtype).astype(np.float64) * merge.scale, entry.dtype)
         return values[0]  # a copy each microbatch had alike (a mask), or not resolved yet
 
     def tensor_chunks(self, entry: TensorEntry, chunk_elems: int) -> Iterator[np.ndarray]:

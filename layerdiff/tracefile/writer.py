@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -351,6 +351,16 @@ class TraceWriter:
                     self._index.append(pending)
                 self._file.flush()
             self._last_flush = time.perf_counter()
+
+    def amend_meta(self, change: Callable[[dict], dict]) -> None:
+        """The run's metadata replaced by ``change(metadata)``: facts learned while the run goes on."""
+        with self._lock:
+            if self.closed:
+                return
+            meta = change(json.loads(self._file.attrs["meta"]))
+            meta_text = json.dumps(meta, default=str)
+            self._file.attrs["meta"] = meta_text
+            self._file.attrs["meta_checksum"] = meta_digest(meta_text)
 
     def close(self, end_record: dict):
         with self._lock:

@@ -312,6 +312,59 @@ def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(tmp_path, rec
     assert code == 1 and "rank 3: differs" in out and "model.layers.1.mlp.up_proj.weight" in out, out + err
 
 
+PIPELINE_SCRIPT = """
+import os
+import sys
+import layerdiff
+from layerdiff.recipes import torch_llama_pp
+
+for defect, schedule, mode in ((None, "gpipe", "full"), (None, "1f1b", "stats"), ("eps", "1f1b", "full"),
+                               ("backward", "gpipe", "full")):
+    built = torch_llama_pp.build(defect, batch=4, microbatches=4 if schedule == "1f1b" else 2, schedule=schedule,
+                                 lr=0.1)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/pp_{defect or 'clean'}_{schedule}_{mode}", mode=mode):
+        for _ in range(2):
+            built["step"]()
+with layerdiff.trace(built["model"].model, f"{sys.argv[1]}/pp_body"):  # a module inside the stage's
+    built["step"]()
+os._exit(0)
+"""
+
+
+def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
+    """``torch.distributed.pipelining`` (torchtitan's pipeline parallelism), 2 stages on 2 ranks, GPipe over 2
+    microbatches and 1F1B over 4, two SGD steps, against one process on the whole batch. Before, each
+    microbatch read as a step of its own, the stages' shape inference on uninitialized placeholder tensors was
+    recorded as the first, and no layout said the ranks were stages: 'the runs were given different inputs'.
+    The gradients of each microbatch's own mean loss are 1/M of the step's once the schedule divides them
+    (``scale_grads``): joined with that scale."""
+    from layerdiff.recipes.llama_shared import DEFECTS
+
+    _launch(tmp_path, "pipeline", PIPELINE_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    with open_trace(tmp_path / "pp_clean_gpipe_full" / "rank1.h5") as reader:
+        layout = reader.meta["parallel"]
+        assert (layout["pp"], layout["pp_rank"], layout["microbatch_grad_scale"]) == (2, 1, 0.5)
+        roots = [(r.step, r.micro) for r in reader.records if r.kind == "call" and r.path == "" and
+                 r.phase == "forward"]
+        assert roots == [(0, 0), (0, 1), (1, 0), (1, 1)]  # no call of the shape inference
+    reference = {"batch": 4, "lr": 0.1, "steps": 2}
+    for name, mode in (("pp_clean_gpipe_full", "full"), ("pp_clean_1f1b_stats", "stats")):
+        report = align_files(recipe_trace(mode=mode, **reference), tmp_path / name)
+        assert report["verdict"] == "aligned", (name, report["forward"], report["backward"])
+        assert report["params"]["compared"] == 42 and report["params"]["grads_compared"] == 42
+    head = next(r for r in report["records"] if r["path"] == "lm_head" and r["phase"] == "backward")
+    grad = next(t for t in head["tensors"] if t["role"] == "grad_output")
+    assert grad["metrics"]["note"] == "B: 4 microbatches joined on axis 0, x0.25", grad["metrics"]
+    for defect, name in (("eps", "pp_eps_1f1b_full"), ("backward", "pp_backward_gpipe_full")):
+        direction, module = DEFECTS[defect]
+        origin = align_files(recipe_trace(**reference), tmp_path / name)[direction]["first_divergence"]
+        assert (origin["module"], origin["step"]) == (module, 0), (defect, origin)
+        assert align_files(recipe_trace(defect, **reference), tmp_path / name)["verdict"] == "aligned", defect
+    with open_trace(tmp_path / "pp_body" / "rank0.h5") as reader:  # not the stage's module: no layout, a warning
+        assert "parallel" not in reader.meta
+        assert any("trace each rank's PipelineStage.submod" in w for w in reader.end.warnings), reader.end.warnings
+
+
 def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, recipe_trace):
     """FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)`` holds float32 weights and computes with bfloat16
     copies: against one float32 process, the float32 tensors computed from bfloat16 ones (the loss, the weights'

@@ -1,0 +1,78 @@
+"""What a run under torch's own pipeline parallelism (``torch.distributed.pipelining``, torchtitan's) says about
+itself, read by the torch adapter. Pipelining is never imported here: its facts are read from the frames of the
+schedule that is running, only when the process has loaded it.
+
+- One call of a schedule's ``step`` runs every microbatch of a step: each stage's module is called once per
+  microbatch, forward and backward (``schedule_frame``: the step's scope, as Megatron's schedule calls are).
+- The stage a rank runs (``PipelineStage``: ``stage_index`` of ``num_stages``, its ``submod`` the traced model)
+  is known only once a schedule runs it: the layout is learned at the first step (``stage_layout``).
+- With ``scale_grads`` (the default) each microbatch's loss is its own mean, so every gradient of a microbatch
+  (an activation's, a parameter's increment) is the number of microbatches M times the whole batch's share; the
+  schedule divides the parameters' accumulated gradients by M after the last backward, where no hook sees it
+  (``ParallelLayout.microbatch_grad_scale``: 1/M).
+- Before the first step a stage infers its tensors' shapes by running its module once on placeholder tensors
+  (``PipelineStage``'s metadata inference: uninitialized values) and once backward: none of the model's work
+  (``inferring``: those calls are not recorded).
+
+A schedule that runs several stages on one rank (interleaved, looped, zero-bubble schedules) is not read: its
+stages' modules are several models to one trace."""
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+from layerdiff.runs.parallel import ParallelLayout
+
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_STAGE = "torch.distributed.pipelining.stage"
+_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"})
+
+
+def schedule_frame(frame: FrameType | None) -> FrameType | None:
+    """The frame of the outermost running ``step`` of a pipeline schedule, if any (None when pipelining is not
+    loaded)."""
+    if _SCHEDULES not in sys.modules:
+        return None
+    found = None
+    while frame is not None:
+        if frame.f_code.co_name == "step" and frame.f_globals.get("__name__") == _SCHEDULES:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def inferring(frame: FrameType | None) -> bool:
+    """Whether a module call made from ``frame`` is a pipeline stage's metadata inference (its module run on
+    placeholder tensors to learn their shapes), not the model's work."""
+    if _STAGE not in sys.modules:
+        return False
+    while frame is not None:
+        if frame.f_code.co_name in _INFERENCE and frame.f_globals.get("__name__") == _STAGE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def stage_layout(model: Any, schedule: FrameType | None) -> ParallelLayout | None:
+    """The pipeline layout of ``model`` as the running ``schedule`` (its ``step`` frame) runs it: the stage whose
+    module it is; None when no schedule runs, it runs several stages on this rank, or none of them is ``model``."""
+    if schedule is None:
+        return None
+    runner = schedule.f_locals.get("self")
+    stages = [getattr(runner, "_stage", None)] if hasattr(runner, "_stage") else \
+        list(getattr(runner, "_stages", None) or [])
+    if len(stages) != 1 or stages[0] is None:
+        return None
+    stage = stages[0]
+    if getattr(stage, "submod", None) is not model:
+        return None
+    index, count = getattr(stage, "stage_index", None), getattr(stage, "num_stages", None)
+    if not isinstance(index, int) or not isinstance(count, int) or count < 2:
+        return None
+    layout = ParallelLayout(tp=1, tp_rank=0, pp=count, pp_rank=index, ep=1, ep_rank=0, dp=1, dp_rank=0, cp=1,
+                            sequence_parallel=False)
+    microbatches = getattr(runner, "_n_microbatches", None)
+    if getattr(runner, "scale_grads", False) and isinstance(microbatches, int) and microbatches > 1:
+        layout["microbatch_grad_scale"] = 1.0 / microbatches
+    return layout

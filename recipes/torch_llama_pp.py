@@ -1,0 +1,106 @@
+"""Recipe: ``torch_llama`` split into pipeline stages, one per rank (``torch.distributed.pipelining``, gloo, CPU),
+the way torchtitan splits its models: each stage keeps the whole model's module names.
+
+    torchrun --standalone --nproc-per-node 2 -m layerdiff trace torch_llama_pp -o pp_run --arg batch=4
+    layerdiff trace torch_llama --arg batch=4 -o ref.h5
+    layerdiff align ref.h5 pp_run      # the stages and their microbatches joined: one process, the whole batch
+
+Each step is one ``schedule.step`` (``schedule=gpipe`` or ``1f1b``) over ``microbatches`` slices of a batch of
+``batch`` sequences; the loss is the model's (next-token cross entropy, each microbatch's mean), computed by the
+schedule on the last stage. Any defect of ``torch_llama`` is planted before the split (it lands on the stage
+that holds its layer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from layerdiff.recipes import llama_shared as shared
+    from layerdiff.recipes import torch_llama
+except ImportError:  # loaded as a file
+    import llama_shared as shared
+    import torch_llama
+
+DEFECTS = shared.DEFECTS
+
+
+class LlamaStage(nn.Module):
+    """One pipeline stage of transformers' LlamaForCausalLM: ``model`` (embeddings on the first stage, its share
+    of the decoder layers, the final norm on the last) and ``lm_head`` on the last; a module another stage holds
+    is None. Stage 0 takes token ids, the others the hidden states the stage before sent."""
+
+    def __init__(self, full: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.model = _StageBody(full.model, layers, first, last)
+        self.lm_head = full.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(x)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+
+class _StageBody(nn.Module):
+    """LlamaModel's forward over the layers of one stage (a ModuleDict keyed by their global index, so that every
+    module keeps its name in the whole model); causal attention through SDPA's ``is_causal`` (no mask)."""
+
+    def __init__(self, decoder: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
+        self.norm = decoder.norm if last else None
+        self.rotary_emb = decoder.rotary_emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        rotary = self.rotary_emb(hidden, position_ids=positions)
+        for layer in self.layers.values():
+            hidden = layer(hidden, position_embeddings=rotary, position_ids=positions)
+        return self.norm(hidden) if self.norm is not None else hidden
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss: each position predicts the next token, the mean over the positions."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, microbatches: int = 2,
+          schedule: str = "gpipe", lr: float = 0.0, **kwargs):
+    """``microbatches``: slices of the batch each step runs through the pipeline (they must divide ``batch``);
+    ``schedule``: "gpipe" or "1f1b"; ``lr`` > 0: each step is a training step (plain SGD on each stage)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if schedule not in schedules or batch % microbatches:
+        raise ValueError(f"schedule must be gpipe or 1f1b (got {schedule!r}) and microbatches ({microbatches}) "
+                         f"must divide batch ({batch})")
+    full, cfg = torch_llama.build_model(seed=seed, **kwargs)
+    if cfg["layers"] < stages:
+        raise ValueError(f"{cfg['layers']} layers cannot make {stages} pipeline stages")
+    if defect is not None:
+        torch_llama.inject(full, defect)  # before the split: it lands on the stage that holds its layer
+    bounds = [cfg["layers"] * s // stages for s in range(stages + 1)]
+    model = LlamaStage(full, range(bounds[rank], bounds[rank + 1]), rank == 0, rank == stages - 1)
+    stage = PipelineStage(model, rank, stages, torch.device("cpu"))
+    runner = schedules[schedule](stage, microbatches, loss_fn=next_token_loss)
+    ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr) if lr > 0 else None
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        losses: list = []
+        last = rank == stages - 1
+        runner.step(*([ids] if rank == 0 else []), target=ids if last else None, losses=losses if last else None)
+        if optimizer is not None:
+            optimizer.step()
+        return torch.stack(losses).mean() if losses else None
+
+    return {"model": model, "step": step, "input_ids": ids,
+            "meta": {"recipe": "torch_llama_pp", "defect": defect, "stages": stages, "schedule": schedule,
+                     "microbatches": microbatches}}
