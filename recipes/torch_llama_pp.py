@@ -68,14 +68,25 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, microbatches: int = 2,
-          schedule: str = "gpipe", lr: float = 0.0, **kwargs):
+          schedule: str = "gpipe", lr: float = 0.0, dp: int = 1, **kwargs):
     """``microbatches``: slices of the batch each step runs through the pipeline (they must divide ``batch``);
-    ``schedule``: "gpipe" or "1f1b"; ``lr`` > 0: each step is a training step (plain SGD on each stage)."""
+    ``schedule``: "gpipe" or "1f1b"; ``lr`` > 0: each step is a training step (plain SGD on each stage); ``dp`` > 1:
+    that many data-parallel replicas of the pipeline, each stage sharded over them by FSDP2 on a 2-D mesh
+    (pipeline x data parallel, torchtitan's layout), each replica its own ``batch`` sequences."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    rank, stages = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    if world % dp:
+        raise ValueError(f"dp={dp} does not divide the {world} ranks")
+    stages, group, replica = world // dp, None, 0
+    rank = dist.get_rank() // dp
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))
+        group, replica = mesh["pp"].get_group(), mesh["dp"].get_local_rank()
     schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if schedule not in schedules or batch % microbatches:
         raise ValueError(f"schedule must be gpipe or 1f1b (got {schedule!r}) and microbatches ({microbatches}) "
@@ -87,9 +98,15 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
         torch_llama.inject(full, defect)  # before the split: it lands on the stage that holds its layer
     bounds = [cfg["layers"] * s // stages for s in range(stages + 1)]
     model = LlamaStage(full, range(bounds[rank], bounds[rank + 1]), rank == 0, rank == stages - 1)
-    stage = PipelineStage(model, rank, stages, torch.device("cpu"))
+    if dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    stage = PipelineStage(model, rank, stages, torch.device("cpu"), group=group)
     runner = schedules[schedule](stage, microbatches, loss_fn=next_token_loss)
-    ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
+    ids = torch.from_numpy(shared.input_ids(cfg, batch * dp, seq, seed)[replica * batch:(replica + 1) * batch])
     optimizer = torch.optim.SGD(model.parameters(), lr=lr) if lr > 0 else None
 
     def step():
@@ -103,4 +120,4 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
 
     return {"model": model, "step": step, "input_ids": ids,
             "meta": {"recipe": "torch_llama_pp", "defect": defect, "stages": stages, "schedule": schedule,
-                     "microbatches": microbatches}}
+                     "microbatches": microbatches, "dp": dp}}

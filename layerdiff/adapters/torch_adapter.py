@@ -447,6 +447,7 @@ class Hooks(ModuleHooks):
                             "grad_input")
     differentiable = staticmethod(_differentiable)
     held_dtypes: set[str] | None = None  # set at install for a model FSDP shards: the dtypes it holds weights in
+    pipeline_read = False  # whether a pipeline schedule running the model was read (``scheduled_step``)
 
     def named_parameters(self):
         return self.model.named_parameters(remove_duplicate=False)  # a tied weight under each owner
@@ -469,15 +470,19 @@ class Hooks(ModuleHooks):
             self.session.warn("traced inside DistributedDataParallel: trace the wrapper (layerdiff.trace(ddp_model, "
                               "...)) for its ranks to join as one process; here each rank's gradients are its own, "
                               "before DDP averages them")
-        schedule = torch_pipelining.schedule_frame(frame)
-        if schedule is not None:
-            layout = torch_pipelining.stage_layout(self.model, schedule)
-            if layout is not None:
-                self.session.learn_layout(layout)
-            else:
-                self.session.warn("run by a pipeline schedule that holds several stages on this rank, or whose stage "
-                                  "is not the traced module: its ranks are not joined as one model (trace each "
-                                  "rank's PipelineStage.submod under a schedule of one stage per rank)")
+
+    def scheduled_step(self, scope) -> None:
+        """A ``torch.distributed.pipelining`` schedule says which stage the model is, once, at its first step."""
+        if self.pipeline_read or not torch_pipelining.is_schedule(scope):
+            return
+        self.pipeline_read = True
+        layout = torch_pipelining.stage_layout(self.model, scope, torch_data_parallel.parallel_layout(self.model))
+        if layout is not None:
+            self.session.learn_layout(layout)
+        else:
+            self.session.warn("run by a pipeline schedule that holds several stages on this rank, or whose stage is "
+                              "not the traced module: its ranks are not joined as one model (trace each rank's "
+                              "PipelineStage.submod under a schedule of one stage per rank)")
 
     def machinery_call(self, frame) -> bool:
         return torch_pipelining.inferring(frame)

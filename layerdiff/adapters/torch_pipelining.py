@@ -42,6 +42,12 @@ def schedule_frame(frame: FrameType | None) -> FrameType | None:
     return found
 
 
+def is_schedule(scope: Any) -> bool:
+    """Whether a step's scope (``schedule_frame``'s, or Megatron's) is a pipelining schedule's ``step``."""
+    return isinstance(scope, FrameType) and scope.f_code.co_name == "step" and \
+        scope.f_globals.get("__name__") == _SCHEDULES
+
+
 def inferring(frame: FrameType | None) -> bool:
     """Whether a module call made from ``frame`` is a pipeline stage's metadata inference (its module run on
     placeholder tensors to learn their shapes), not the model's work."""
@@ -54,11 +60,10 @@ def inferring(frame: FrameType | None) -> bool:
     return False
 
 
-def stage_layout(model: Any, schedule: FrameType | None) -> ParallelLayout | None:
-    """The pipeline layout of ``model`` as the running ``schedule`` (its ``step`` frame) runs it: the stage whose
-    module it is; None when no schedule runs, it runs several stages on this rank, or none of them is ``model``."""
-    if schedule is None:
-        return None
+def stage_layout(model: Any, schedule: FrameType, known: ParallelLayout | None = None) -> ParallelLayout | None:
+    """The layout of ``model`` as the running ``schedule`` (its ``step`` frame) runs it: the stage whose module it
+    is, over what was ``known`` before (a data-parallel layout); None when the schedule runs several stages on
+    this rank, or none of them is ``model``."""
     runner = schedule.f_locals.get("self")
     stages = [getattr(runner, "_stage", None)] if hasattr(runner, "_stage") else \
         list(getattr(runner, "_stages", None) or [])
@@ -72,6 +77,8 @@ def stage_layout(model: Any, schedule: FrameType | None) -> ParallelLayout | Non
         return None
     layout = ParallelLayout(tp=1, tp_rank=0, pp=count, pp_rank=index, ep=1, ep_rank=0, dp=1, dp_rank=0, cp=1,
                             sequence_parallel=False)
+    layout.update(known or {})
+    layout["pp"], layout["pp_rank"] = count, index
     microbatches = getattr(runner, "_n_microbatches", None)
     if getattr(runner, "scale_grads", False) and isinstance(microbatches, int) and microbatches > 1:
         layout["microbatch_grad_scale"] = 1.0 / microbatches

@@ -178,6 +178,10 @@ class ModuleHooks:
     def first_call(self, frame) -> None:
         """Runs at the trace's first call of the model (``frame``: this hook's): what the calls around it say."""
 
+    def scheduled_step(self, scope) -> None:
+        """Runs as a step that a schedule runs as microbatches begins (``scope``: ``FrameworkAdapter.step_scope``'s):
+        what the schedule says about the model."""
+
     def machinery_call(self, frame) -> bool:
         """Whether a call of the model made now (``frame``: this hook's, with no call of it open) is the framework's
         machinery running the model for its own purposes (a pipeline stage learning its tensors' shapes on
@@ -310,6 +314,8 @@ class ModuleHooks:
                 scope = self.declared_step or self.adapter.step_scope(sys._getframe())
                 if session.starts_step(scope):
                     self.start_step()
+                    if scope is not None:
+                        self.scheduled_step(scope)
             step = session.step + (0 if session.stack or not session.starts_step(scope) else 1)
             autocast = self.adapter.autocast_dtypes()
             if autocast:

@@ -103,7 +103,8 @@ class Joined:
 
     def _joined_record(self, parts: list[Record], call: int) -> Record:
         first = parts[0]
-        if len(parts) == 1:
+        if len(parts) == 1 and not (self._grad_scale is not None and isinstance(first, ParamRecord)
+                                    and first.kind == "param_grad"):
             return replace(first, call=call)
         if isinstance(first, ParamRecord):
             scale = self._grad_scale
@@ -149,7 +150,7 @@ class Joined:
         axis = batch_axis(parts[0].shape, (self._tokens.get(rec.step) or (None,))[0])
         return "batches" if axis is None else axis
 
-    def _rank_major(self, parts: list[TensorEntry], axis: int) -> TensorEntry | None:
+    def _rank_major(self, parts: list[TensorEntry], axis: int, scale: float | None = None) -> TensorEntry | None:
         """A microbatched run of data-parallel ranks: each microbatch's call joined its ranks' shares along the
         batch axis (rank 0's, rank 1's), but the ranks split the batch first (rank 0 the first share, its
         microbatches one after the other). Joined that way round: each rank's microbatches in turn, then the
@@ -164,8 +165,9 @@ class Joined:
         shares = [self._concat([p.parts[j] for p in parts], axis,
                                Merge("concat", axis, ranks=(first.rank_of(j),) * len(parts)))
                   for j in range(count)]
-        return self._concat(shares, axis, Merge("concat", axis, ranks=first.ranks, scale=first.scale),
-                            stats=combine_stats([p.stats for p in parts]) or parts[0].stats)  # as scaled
+        outer = first.scale if scale is None else (first.scale or 1.0) * scale  # the ranks', then the microbatches'
+        return self._concat(shares, axis, Merge("concat", axis, ranks=first.ranks, scale=outer),
+                            stats=scaled_stats(combine_stats([p.stats for p in parts]), scale) or parts[0].stats)
 
     def _concat(self, parts: list[TensorEntry], axis: int, merge: Merge,
                 stats: Mapping[str, Any] | None = None) -> TensorEntry:
@@ -191,7 +193,7 @@ class Joined:
         """``how``: "sum" (gradients; scaled by ``scale``, a loss), "replicate", "batches" (undecided), or the axis
         to join on; ``scale`` also multiplies a join along an axis (gradients under ``microbatch_grad_scale``)."""
         if isinstance(how, int):
-            return (self._rank_major(parts, how) if scale is None else None) or \
+            return self._rank_major(parts, how, scale) or \
                 self._concat(parts, how, Merge("concat", how, over=MICROBATCHES, scale=scale))
         stats: Mapping[str, Any]
         if how == "sum":

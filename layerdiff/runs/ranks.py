@@ -144,11 +144,23 @@ class RankedRun:
         self.layouts = [reader.meta.get("parallel") or {} for reader in self.readers]
         self.stages = [int(layout.get("pp_rank") or 0) for layout in self.layouts]
         # (batch, sequence) of each rank's share of its first step
-        self._local_tokens = {rank: next(iter(token_shapes(reader.records).values()), None)
-                              for rank, reader in enumerate(self.readers)}
+        self._local_tokens = self._token_shares()
         self.own_shares = own_shares(self.readers, self.layouts)
         self.records = self._merge()
         self.ops: list[OpRecord] = []  # operations are not joined across ranks: align one rank's trace for them
+
+    def _token_shares(self) -> dict[int, tuple | None]:
+        """Each rank's (batch, sequence) of its first step: its token ids' shape, or, on a later pipeline stage
+        (which receives hidden states), that of the first stage's rank of its data-parallel replica."""
+        tokens = {rank: next(iter(token_shapes(reader.records).values()), None)
+                  for rank, reader in enumerate(self.readers)}
+        replica = [int(layout.get("dp_rank") or 0) for layout in self.layouts]
+        by_replica: dict[int, tuple] = {}
+        for rank in sorted(tokens, key=lambda r: self.stages[r]):
+            found = tokens[rank]
+            if found is not None:
+                by_replica.setdefault(replica[rank], found)
+        return {rank: found if found is not None else by_replica.get(replica[rank]) for rank, found in tokens.items()}
 
     @property
     def world_size(self) -> int:

@@ -269,12 +269,26 @@ for defect, mode in ((None, "full"), (None, "stats"), ("weight", "full")):  # HS
     with layerdiff.trace(built["model"], f"{sys.argv[1]}/hsdp_{defect or mode}", mode=mode):
         built["step"]()
         built["step"]()
+from layerdiff.recipes import torch_llama_pp  # pipelining x FSDP2 (2 stages x 2 replicas), torchtitan's 2-D layout
+
+for defect, mode in ((None, "stats"), ("eps", "full")):
+    built = torch_llama_pp.build(defect, dp=2, batch=4, microbatches=2, schedule="1f1b", lr=0.1)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/pp_dp_{defect or 'clean'}_{mode}", mode=mode):
+        built["step"]()
+        built["step"]()
 dist.destroy_process_group()
 os._exit(0)  # every file is written and closed: see _EXIT above the scripts
 """
 
 
-def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(tmp_path, recipe_trace):
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("four_ranks")
+    _launch(root, "fsdp_tp", FSDP_TP_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "4"])
+    return root
+
+
+def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(four_ranks, recipe_trace):
     """torchtitan's layout on 4 ranks: a 2-D mesh, tensor parallelism (q/k/v, gate/up column-parallel, o/down
     row-parallel) inside each of 2 data-parallel replicas, FSDP2 sharding every piece again for storage
     (``_StridedShard`` where both split one axis), each replica its own share of the batch, two SGD steps. The
@@ -283,7 +297,7 @@ def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(tmp_path, rec
     4 tensor-parallel shards)."""
     from layerdiff.recipes.llama_shared import DEFECTS
 
-    _launch(tmp_path, "fsdp_tp", FSDP_TP_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "4"])
+    tmp_path = four_ranks
     with open_trace(tmp_path / "fsdp_tp_clean_full" / "rank3.h5") as reader:
         layout = reader.meta["parallel"]
         assert (layout["dp"], layout["dp_rank"], layout["tp"], layout["tp_rank"]) == (2, 1, 2, 1)
@@ -363,6 +377,26 @@ def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
     with open_trace(tmp_path / "pp_body" / "rank0.h5") as reader:  # not the stage's module: no layout, a warning
         assert "parallel" not in reader.meta
         assert any("trace each rank's PipelineStage.submod" in w for w in reader.end.warnings), reader.end.warnings
+
+
+
+def test_torch_pipeline_stages_with_fsdp_replicas_join_as_one_process(four_ranks, recipe_trace):
+    """Pipelining x FSDP2 on a 2-D mesh (2 stages x 2 data-parallel replicas), 1F1B over 2 microbatches, each
+    replica its own share: the stage's layout learned from its schedule keeps the data-parallel one FSDP gave; a
+    later stage, which receives hidden states, takes its replica's share of the batch from the first stage's ranks
+    (before, its activations were joined in the wrong order); FSDP's gradient of the step, reduced once after the
+    last microbatch, is scaled as the schedule scales it."""
+    from layerdiff.recipes.llama_shared import DEFECTS
+
+    with open_trace(four_ranks / "pp_dp_clean_stats" / "rank3.h5") as reader:
+        layout = reader.meta["parallel"]
+        assert (layout["pp"], layout["pp_rank"], layout["dp"], layout["dp_rank"]) == (2, 1, 2, 1)
+    reference = {"batch": 8, "lr": 0.1, "steps": 2}
+    report = align_files(recipe_trace(mode="stats", **reference), four_ranks / "pp_dp_clean_stats")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["params"]["compared"] == 42 and report["params"]["grads_compared"] == 42
+    origin = align_files(recipe_trace(**reference), four_ranks / "pp_dp_eps_full")["forward"]["first_divergence"]
+    assert (origin["module"], origin["step"]) == (DEFECTS["eps"][1], 0), origin
 
 
 def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, recipe_trace):
