@@ -46,6 +46,7 @@ class Metrics(TypedDict, total=False):
     mean_abs: Optional[Number]
     max_rel: Optional[Number]
     cosine: Optional[Number]
+    rel_l2: Number  # values: |A - B| / |A| (L2 norms), the error's size relative to the reference's, in any direction
     ref_max_abs: Optional[Number]
     numel: Int64
     mismatch: Any  # why the pair could not be compared (shape, dtype, one side absent)
@@ -72,6 +73,13 @@ class _TensorResultKeys(TypedDict):
     metrics: Metrics
 
 
+class Inherited(TypedDict):
+    """Under a change of precision, a tensor over its tolerance judged agreeing: its relative error is ``growth``
+    times the largest among what it was computed from (``judge.inherited``); ``over``: how it was over."""
+    growth: Number
+    over: str
+
+
 class TensorResult(_TensorResultKeys, total=False):
     """A tensor pair of a row: measured (``metrics``), then judged (``passed``, ``reason``, ``tolerance``)."""
     shape_a: List[Int64]
@@ -87,6 +95,8 @@ class TensorResult(_TensorResultKeys, total=False):
     ranks: Optional[List[Int64]]  # the ranks whose shard or copy is off, or the only ranks that ran the module
     hint: str
     one_sided: bool
+    inherited: Inherited  # over its tolerance, with no more error than it was computed from (a precision change)
+    accumulated: Inherited  # the model's own output over its tolerance, with no more error than it was computed from
 
 
 class _RowKeys(TypedDict):
@@ -327,6 +337,7 @@ class PhaseResult(TypedDict, total=False):
     failing_tensors: Int64
     first_divergence: Optional[Origin]
     first_over_tolerance: Optional[Dict[str, Any]]
+    inherited_tensors: Int64  # over tolerance but judged agreeing: error inherited through a change of precision
     failure: Optional[Failure]
     failure_a: Optional[Failure]
 

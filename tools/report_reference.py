@@ -171,6 +171,11 @@ KEYS = {
         "ranks": "Multi-rank runs: the ranks whose shard or copy is off.",
         "hint": "A likely cause (the ranks' copies differ but add up to the reference's: a missing all-reduce).",
         "one_sided": "An input given to one run only; it fails.",
+        "inherited": "Against a run in another precision: over its tolerance, but judged agreeing, its error no more "
+                     "than 4x the largest among what it was computed from ([Inherited](#inherited)).",
+        "accumulated": "Against a run in another precision: the model's own output, over its tolerance (it fails), "
+                       "with no more error than 4x the largest among what it was computed from: rounding grown "
+                       "through the model ([Inherited](#inherited)).",
     },
     "Metrics": {
         "basis": "`data` (values), `stats` (statistics only), `shape` (not comparable) or `declared`.",
@@ -179,6 +184,8 @@ KEYS = {
         "mean_abs": "Mean abs difference.",
         "max_rel": "Max relative difference.",
         "cosine": "Cosine similarity (null when computed from statistics).",
+        "rel_l2": "Values compared: `|A - B| / |A|` (L2 norms), the error's size relative to the reference's, "
+                  "whether it turns the tensor or scales it.",
         "ref_max_abs": "The reference's largest magnitude, which scales `rtol`.",
         "numel": "Elements compared.",
         "mismatch": "Why the pair could not be compared (shape, dtype, one side absent).",
@@ -322,10 +329,18 @@ KEYS = {
         "call": "`call`, `outer`: the call index.",
         "name": "`param`, `buffer`: its name.",
     },
+    "Inherited": {
+        "growth": "Its relative error (`rel_l2`) over the largest among its inputs, its parameters and "
+                  "what its children computed.",
+        "over": "How it was over its tolerance (the reason it would have failed).",
+    },
     "PhaseResult": {
         "present": "The direction was recorded.",
         "status": "`aligned`, `divergent`, `failed` (a run raised) or `absent`.",
         "failing_tensors": "How many tensors are over tolerance.",
+        "inherited_tensors": "Against a run in another precision: how many tensors over their tolerance were judged "
+                             "agreeing, their error inherited from what they were computed from (not counted in "
+                             "`failing_tensors`).",
         "first_divergence": "The origin; null when the direction is aligned.",
         "first_over_tolerance": "`{\"module\", \"call\"}` of the first call, in completion order, with a tensor over "
                                 "tolerance: often downstream of the origin.",

@@ -124,9 +124,10 @@ class DataAccumulator:
         else:
             cosine = 1.0 if na == nb else 0.0  # both all-zero agree; one all-zero does not
         identical = self.max_abs == 0.0 and self.nonfinite_mismatch == 0
+        rel_l2 = 0.0 if identical or self.dd == 0 else (math.sqrt(self.dd) / na if na > 0 else math.inf)
         return {"basis": "data", "identical": identical, "max_abs": self.max_abs,
                 "mean_abs": self.sum_abs / max(self.n - self.nonfinite, 1), "max_rel": self.max_rel,
-                "cosine": 1.0 if identical else cosine, "ref_max_abs": self.ref_max,
+                "cosine": 1.0 if identical else cosine, "rel_l2": rel_l2, "ref_max_abs": self.ref_max,
                 "nonfinite_mismatch": self.nonfinite_mismatch, "numel": self.n}
 
 

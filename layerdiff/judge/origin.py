@@ -361,6 +361,10 @@ def phase_result(rows: list[schema.Row], phase: schema.Phase, roots: list[Node],
         "present": present, "status": "aligned" if present and not failing else ("divergent" if failing else "absent"),
         "failing_tensors": len(failing), "first_divergence": None,
         "first_over_tolerance": _first_over_tolerance(rows, phase)}
+    carried = sum(1 for r in rows if r["phase"] == phase or (phase == "backward" and r["kind"].startswith(
+        "param_grad")) for t in r["tensors"] if t.get("inherited"))
+    if carried:
+        result["inherited_tensors"] = carried
     if failing:
         origin = _origin(roots, phase, params)
         if phase == "backward" and forward_origin is not None and \
@@ -389,6 +393,8 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
         found = _locate(root, [])
         if found:
             node, where, after, before, chain = found
+            if node is root and _accumulated(root):
+                return _accumulated_origin(root, phase)
             if node.kind == "op":  # its inputs agree with their counterparts, its output does not
                 module = chain[-2] if len(chain) > 1 else None
                 row = node.row
@@ -417,6 +423,21 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
         return {"module": bad_param["module"], "where": "param_grad", "description": description,
                 "tensor": bad_param, "hparam_diff": {}, "param_diffs": [bad_param], "chain": [], "phase": phase}
     return None
+
+
+def _accumulated(node: Node) -> bool:
+    """Every output of the model over tolerance carries no more error than it was computed from
+    (``judge.inherited``), and every call inside agrees."""
+    failing = [t for t in node.outs if not t["passed"]]
+    return bool(failing) and all(t.get("accumulated") for t in failing) and all(c.subtree_ok() for c in node.children)
+
+
+def _accumulated_origin(root: Node, phase: schema.Phase) -> schema.Origin:
+    origin = _origin_dict(root, "accumulated", None, None, [root], phase, [])
+    origin["description"] = (f"{root.row['path'] or '<root>'}: its output is over tolerance, but no call adds more "
+                              "error than it was computed from: rounding grown through the model (a change of "
+                              "precision), no call's fault")
+    return origin
 
 
 def update_origin(rows: list[schema.Row], params: dict, origin: schema.Origin | None) -> schema.Origin | None:

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Literal, Mapping
 
 from layerdiff import schema
 from layerdiff.compare.tolerance import TolerancePolicy, judge, precision_floor
+from layerdiff.judge.inherited import inherit
 from layerdiff.match.mapping import collapse_indices
 from layerdiff.schema import IN_ROLES, OUT_ROLES
 
@@ -59,8 +60,9 @@ def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[sch
     run_a, run_b = measurements.get("a"), measurements.get("b")
     floor = precision_floor(run_a.get("param_dtypes") if run_a else None, run_b.get("param_dtypes") if run_b else None,
                             (run_a or {}).get("autocast_dtypes") or (), (run_b or {}).get("autocast_dtypes") or ())
-    return [{**row, "tensors": [_judged(row["path"], t, policy, floor) for t in row["tensors"]]}
-            for row in measurements["records"]]
+    rows: list[schema.Row] = [{**row, "tensors": [_judged(row["path"], t, policy, floor) for t in row["tensors"]]}
+                              for row in measurements["records"]]
+    return inherit(rows) if floor is not None else rows  # a change of precision: error carried is no fault
 
 
 def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
@@ -70,6 +72,7 @@ def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
     t: schema.TensorResult = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
     t.pop("ranks", None)  # from an earlier judgement under other tolerances
     t.pop("hint", None)
+    t.pop("inherited", None)
     per_rank = tensor["metrics"].get("ranks")
     if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
         t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]

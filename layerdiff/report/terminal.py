@@ -102,6 +102,11 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
         lines.append("the run stopped with this exception; modules active when it was raised are the chain below")
     elif where == "forward":
         lines.append("backward differs because forward already does; fix the forward origin first")
+    elif where == "accumulated":
+        lines.append("judge the output at the precision it has (--rtol/--cos), or compare with a reference in that "
+                     "precision")
+        if tensor:
+            lines.append(f"{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/]: {as_text(tensor['reason'])}")
     elif where == "update":
         lines.append("compare the optimizers' settings, and what runs between backward and optimizer.step() "
                      "(gradient clipping, scaling, accumulation)")
@@ -230,6 +235,10 @@ def _render_body(report: View, console: Console):
         else:
             mark = "[bold green]aligned[/]" if ok else f"[bold red]divergent[/] ({res['failing_tensors']} tensors over tolerance)"
         console.print(f"[bold]{phase.upper():9}[/]{mark}")
+        if res.get("inherited_tensors"):
+            count = res["inherited_tensors"]
+            console.print(f"  [dim]{count} tensor{'s' if count > 1 else ''} over tolerance judged agreeing: no more "
+                          "error than what they were computed from carries (a change of precision)[/]")
         origin = res.get("first_divergence")
         if origin:
             lines = origin_lines(origin, step_count(report))

@@ -18,7 +18,7 @@ from conftest import align_files, marked_line
 torch = pytest.importorskip("torch")
 
 import layerdiff  # noqa: E402
-from layerdiff.compare.tolerance import DEFAULTS, judge  # noqa: E402
+from layerdiff.compare.tolerance import DEFAULTS, Tolerance, judge  # noqa: E402
 from layerdiff.recipes import torch_llama_ops  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]  # real models traced
@@ -57,3 +57,94 @@ def test_a_defect_of_the_bfloat16_run_is_still_named(traces, ops):
     if ops:
         assert origin["op"]["source"].endswith(f"torch_llama_ops.py:{marked_line(torch_llama_ops.__file__, 'defect: residual')}"), origin["op"]
 
+
+
+def _small(arch: str):
+    """A transformers model of ``arch`` from a small config (eager attention), in evaluation mode."""
+    import transformers
+
+    common = dict(vocab_size=256, num_hidden_layers=2, num_attention_heads=4)
+    config = {
+        "opt": lambda: transformers.OPTConfig(hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, **common),
+        "gemma2": lambda: transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_key_value_heads=2,
+                                                    head_dim=16, **common),
+        "olmo2": lambda: transformers.Olmo2Config(hidden_size=64, intermediate_size=128, num_key_value_heads=2,
+                                                  **common),
+    }[arch]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def architectures(tmp_path_factory):
+    """OPT, Gemma2 and OLMo2, each in float32 and cast to bfloat16: forward and backward on one batch."""
+    root = tmp_path_factory.mktemp("precision_architectures")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    for arch in ("opt", "gemma2", "olmo2"):
+        model = _small(arch)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            model.to(dtype)
+            model.zero_grad(set_to_none=True)
+            with layerdiff.trace(model, root / f"{arch}_{name}.h5"):
+                model(input_ids=ids, labels=ids).loss.backward()
+    model = _small("olmo2")  # float32 weights, against autocast bfloat16, operations recorded
+    for name, autocast in (("fp32", False), ("bf16", True)):
+        model.zero_grad(set_to_none=True)
+        with layerdiff.trace(model, root / f"olmo2_autocast_ops_{name}.h5", ops=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    return root
+
+
+@pytest.mark.parametrize("arch", ["opt", "gemma2", "olmo2", "olmo2_autocast_ops"])
+def test_error_inherited_through_the_change_of_precision_names_no_origin(architectures, arch):
+    """Before, each was 'divergent' where no module adds an error of its own: Gemma2's post-feedforward norm at 1.17x
+    bfloat16's allowance (its input at 0.9x), OLMo2's k_norm input gradient (cosine 0.999874, from an output
+    gradient at 0.999887), OPT's fc1 bias gradient (the sum of an output gradient at the same angle, which passed
+    within the absolute tolerance of zero); under autocast with operations recorded, OLMo2's ``rsqrt`` input
+    gradient (3.8x what it was computed from). Each tensor over its tolerance that carries no more than 4x the
+    error of what it was computed from is judged agreeing, and says so."""
+    report = align_files(architectures / f"{arch}_fp32.h5", architectures / f"{arch}_bf16.h5")
+    assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
+                                            report["backward"]["first_divergence"])
+    inherited = [t for r in report["records"] for t in r["tensors"] if t.get("inherited")]
+    assert inherited, "nothing over tolerance: the comparison no longer shows the case"
+    for t in inherited:
+        assert t["passed"] and 0 < t["inherited"]["growth"] <= 4, t
+        assert not judge(t["metrics"], Tolerance(**t["tolerance"]))[0], t  # over its own tolerance
+        assert t["reason"].startswith(t["inherited"]["over"]) and "inherited" in t["reason"]
+    counted = sum(report[phase].get("inherited_tensors", 0) for phase in ("forward", "backward"))
+    assert counted == len(inherited)
+
+
+def test_a_models_output_over_tolerance_with_no_call_at_fault_is_rounding_accumulated(traces):
+    """Judged at a tighter cosine than bfloat16's, the logits of the bfloat16 Llama are over it, and every call
+    inside carries no more error than it was given: no call is named, the origin says the rounding accumulated.
+    A defect (the residual scaled in layer 1) is still named at its module under the same tolerance."""
+    from layerdiff.compare.spec import Comparison
+    from layerdiff.compare.tolerance import TolerancePolicy
+
+    tight = Comparison(policy=TolerancePolicy(cos=0.99999))
+    report = align_files(traces / "fp32.h5", traces / "bf16.h5", tight)
+    origin = report["forward"]["first_divergence"]
+    assert origin["where"] == "accumulated" and origin["module"] == "", origin
+    assert report["forward"]["inherited_tensors"] > 0
+    failing = [t for r in report["records"] for t in r["tensors"] if not t["passed"]]
+    assert failing and all(t.get("accumulated") for t in failing)  # only the model's own outputs fail
+    origin = align_files(traces / "fp32.h5", traces / "bf16_residual.h5", tight)["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.1" and origin["where"] != "accumulated", origin
+
+
+def test_runs_in_one_precision_inherit_nothing(recipe_trace):
+    """The rule is for a change of precision: eager against SDPA attention in float32, judged at a cosine tight
+    enough that some tensors fail, keeps every failure."""
+    from layerdiff.compare.spec import Comparison
+    from layerdiff.compare.tolerance import TolerancePolicy
+
+    report = align_files(recipe_trace(), recipe_trace(attn="eager"),
+                         Comparison(policy=TolerancePolicy(atol=0.0, rtol=0.0, cos=1 - 1e-14)))
+    tensors = [t for r in report["records"] for t in r["tensors"]]
+    assert any(not t["passed"] for t in tensors) and not any(t.get("inherited") for t in tensors)
+    assert report["verdict"] == "divergent"
