@@ -462,14 +462,16 @@ class Hooks(ModuleHooks):
                 if (name := _DTYPE_NAMES.get(p.dtype)) is not None and name not in held}
 
     def first_call(self, frame) -> None:
-        """A model traced inside the ``DistributedDataParallel`` that runs it: its gradients, as their hooks see
-        them, are each rank's own, before DDP averages them, and the trace cannot say so (the wrapper records the
-        layout): said once, in the trace's warnings."""
+        """A model traced inside the ``DistributedDataParallel`` that runs it: the wrapper's layout is learned from it
+        as if the wrapper were traced (its gradients, as their hooks see them, are each rank's own, before DDP
+        averages them: placed by the wrapper)."""
         wrapper = torch_data_parallel.wrapping_ddp(frame, self.model)
         if wrapper is not None:
-            self.session.warn("traced inside DistributedDataParallel: trace the wrapper (layerdiff.trace(ddp_model, "
-                              "...)) for its ranks to join as one process; here each rank's gradients are its own, "
-                              "before DDP averages them")
+            layout = torch_data_parallel.parallel_layout(wrapper)
+            if layout is not None:
+                layout.pop("wrapped", None)  # the model traced is the one it wraps
+                self.runner = wrapper
+                self.session.learn_layout(layout)
 
     def scheduled_step(self, scope) -> None:
         """A ``torch.distributed.pipelining`` schedule says which stage the model is, once, at its first step."""

@@ -71,7 +71,7 @@ def _layout(size: int, rank: int, sharded_storage: bool) -> ParallelLayout:
 
 def ddp_module(model: Any) -> Any:
     """``model`` when it is a ``DistributedDataParallel`` wrapper (the module traced), else None: a model traced
-    inside its wrapper shows nothing of it here (its first call finds the wrapper: ``wrapping_ddp``, a warning)."""
+    inside its wrapper shows nothing of it here (its first call finds the wrapper: ``wrapping_ddp``)."""
     return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
 

@@ -175,6 +175,8 @@ class ModuleHooks:
         """The framework's own source folders: a call made from there is not model code."""
         return []
 
+    runner: Any = None  # a wrapper found running the model (DDP's), whose facts (its gradients' placement) hold
+
     def first_call(self, frame) -> None:
         """Runs at the trace's first call of the model (``frame``: this hook's): what the calls around it say."""
 
@@ -485,7 +487,8 @@ class ModuleHooks:
         if grad is not None:
             self.grads_since_recorded.add(name)
             module = name.rpartition(".")[0]
-            placement = self.adapter.grad_placement(self.model, param) if param is not None else None
+            runner = self.runner if self.runner is not None else self.model
+            placement = self.adapter.grad_placement(runner, param) if param is not None else None
             increment = param is not None and self.adapter.grad_increments(param)
             self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name),
                                placement, increment)

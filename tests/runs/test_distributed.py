@@ -67,8 +67,9 @@ for wrap in ("ddp", "fsdp"):  # each rank its share of 8 sequences, in 2 microba
                     with replica.no_sync() if wrap == "ddp" and i == 0 else contextlib.nullcontext():
                         (replica(input_ids=ids[2 * i:2 * i + 2], labels=ids[2 * i:2 * i + 2]).loss / 2).backward()
             optimizer.step()
-built = torch_llama_dp.build(None)
+built = torch_llama_dp.build(None, split=True, lr=0.1)
 with layerdiff.trace(built["model"].module, f"{out}/inside_ddp"):  # the model inside the wrapper that runs it
+    built["step"]()
     built["step"]()
 built = torch_llama_dp.build(None, wrap="fsdp", split=True)  # operations recorded under FSDP2
 with layerdiff.trace(built["model"], f"{out}/fsdp_ops", ops=True):
@@ -426,14 +427,18 @@ def test_data_parallel_ranks_accumulating_microbatches_join_as_one_process(runs,
     assert report["params"]["grads_compared"] == 42
 
 
-def test_a_model_traced_inside_its_ddp_wrapper_is_warned_of(runs):
-    """Its gradients are each rank's own, before DDP averages them, and only the wrapper can record the layout
-    that joins them: the trace says to trace the wrapper."""
-    for rank in (0, 1):
-        with open_trace(runs / "inside_ddp" / f"rank{rank}.h5") as reader:
-            assert any("traced inside DistributedDataParallel: trace the wrapper" in w for w in reader.end.warnings)
-    with open_trace(runs / "dp_clean" / "rank0.h5") as reader:  # the wrapper traced: no such warning
+def test_a_model_traced_inside_its_ddp_wrapper_joins_as_the_wrapper_does(runs, recipe_trace):
+    """The model traced, not the ``DistributedDataParallel`` that runs it (each rank its share, two SGD steps):
+    its first call finds the wrapper, whose layout and gradients' placement hold for it. Before, the trace only
+    warned, and the ranks' losses were joined as if each were the whole batch's ('divergent' at the loss, and all
+    of backward)."""
+    with open_trace(runs / "inside_ddp" / "rank1.h5") as reader:
+        layout = reader.meta["parallel"]
+        assert (layout["dp"], layout["dp_rank"], layout["grad_mean"]) == (2, 1, True) and "wrapped" not in layout
         assert not any("DistributedDataParallel" in w for w in reader.end.warnings)
+    report = align_files(recipe_trace(batch=4, lr=0.1, steps=2), runs / "inside_ddp")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["params"]["grads_compared"] == 42
 
 
 def test_operations_recorded_under_fsdp(runs):
