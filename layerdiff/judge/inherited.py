@@ -34,6 +34,11 @@ from layerdiff import schema
 from layerdiff.schema import IN_ROLES
 
 GROWTH = 4.0  # how many times the relative error of what it was computed from a tensor may carry
+# a tensor within its tolerance passes on its error to what is computed from it where that error is at most this
+# many times what it was computed from: a tensor near zero passes by the absolute tolerance whatever its relative
+# error; the gradient through a ReLU, whose mask flips where its input rounds across zero, measured 10x that (OPT's,
+# in bfloat16), while a tiny MLP output scaled by 1.25, a defect that passes its tolerance, is 30x
+PASSED_GROWTH = 16.0
 _GRADIENTS = ("grad_output", "grad_input", "param_grad")
 
 
@@ -46,45 +51,58 @@ def relative_error(tensor: Mapping[str, Any]) -> float | None:
     return float(value)
 
 
-def _largest(tensors: Iterable[Mapping[str, Any]]) -> float:
-    """The largest relative error among the tensors that agree: an error that is a defect's (a tensor over
-    tolerance that did not inherit it) is no rounding for others to inherit."""
-    return max((e for t in tensors if t["passed"] and (e := relative_error(t)) is not None), default=0.0)
+# a dtype's unit roundoff: the relative error one rounding gives, what a value computed from exact inputs carries
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
+                 "float8": 2.0 ** -3}
 
 
-def _inherited(tensor: schema.TensorResult, carried: float) -> schema.TensorResult:
-    """``tensor`` judged again: agreeing, with why, when over its tolerance by no more error than it carries."""
-    if tensor["passed"] or tensor["metrics"].get("mismatch") or tensor["metrics"].get("nonfinite_mismatch"):
-        return tensor
-    own = relative_error(tensor)
-    if own is None or carried <= 0.0 or own > GROWTH * carried:
-        return tensor
-    growth = own / carried
-    return {**tensor, "passed": True, "inherited": {"growth": growth, "over": tensor["reason"]},
-            "reason": f"{tensor['reason']}, but {growth:.2g}x the error of what it was computed from (inherited "
-                      "through the change of precision)"}
+class _Carried:
+    """Each judged tensor's error as others may inherit it (``effective``, by the identity of its judged dict): its
+    relative error where that is explained by rounding, none where it is a defect's. A tensor over tolerance is
+    explained when it is inherited; one within tolerance when its error is within ``PASSED_GROWTH`` of what it was
+    computed from (a tiny MLP output scaled by 1.25 passes by the absolute tolerance, and its 25% is no rounding to
+    inherit)."""
+
+    def __init__(self, floor: float):
+        self.floor = floor  # one rounding of the lower precision: what any computed value may carry
+        self.effective: dict[int, float] = {}
+
+    def largest(self, tensors: Iterable[Mapping[str, Any]]) -> float:
+        return max((self.effective.get(id(t), 0.0) for t in tensors), default=0.0)
+
+    def judge(self, tensor: schema.TensorResult, carried: float, may_inherit: bool = True) -> schema.TensorResult:
+        """``tensor`` judged again against the error ``carried`` by what it was computed from (``may_inherit``:
+        False for the model's own outputs, marked ``accumulated`` instead)."""
+        own = relative_error(tensor)
+        base = max(carried, self.floor)
+        explained = own is not None and own <= GROWTH * base and not (
+            tensor["metrics"].get("mismatch") or tensor["metrics"].get("nonfinite_mismatch"))
+        out = tensor
+        if not tensor["passed"] and explained and own is not None:
+            marked: schema.Inherited = {"growth": own / base, "over": tensor["reason"]}
+            out = {**tensor, "accumulated": marked} if not may_inherit else {
+                **tensor, "passed": True, "inherited": marked,
+                "reason": f"{tensor['reason']}, but {own / base:.2g}x the error of what it was computed from "
+                          "(inherited through the change of precision)"}
+        if own is not None and out["passed"] and own <= PASSED_GROWTH * base:
+            self.effective[id(out)] = own
+        return out
 
 
-def _accumulated(tensor: schema.TensorResult, carried: float) -> schema.TensorResult:
-    """The model's own output, over its tolerance: still failing, but marked where its error is no more than it was
-    computed from carries (``accumulated``: rounding grown through the whole model, no call's fault)."""
-    again = _inherited(tensor, carried)
-    if again is tensor:
-        return tensor
-    return {**tensor, "accumulated": again["inherited"]}
-
-
-def inherit(rows: list[schema.Row]) -> list[schema.Row]:
-    """``rows`` (judged, under a change of precision) with each tensor over tolerance that inherited its error
-    judged agreeing (see the module docstring); parameter values are left as judged."""
-    params: dict[tuple, float] = {}  # (module, step) -> the largest relative error among its weights' values
-    for row in rows:
-        if row["kind"] == "param":
-            key = (row.get("module"), row.get("step"))
-            params[key] = max(params.get(key, 0.0), _largest(row["tensors"]))
+def inherit(rows: list[schema.Row], dtype: str) -> list[schema.Row]:
+    """``rows`` (judged, under a change of precision to ``dtype``) with each tensor over tolerance that inherited
+    its error judged agreeing (see the module docstring); parameter values are left as judged."""
+    carry = _Carried(UNIT_ROUNDOFF.get(dtype, 0.0))
+    params: dict[tuple, float] = {}  # (module, step) -> the largest error among its weights' values
     judged: dict[int, schema.Row] = {}
+    for row in rows:
+        if row["kind"] == "param":  # a weight: rounded once, or a defect where it fails
+            tensors = [carry.judge(t, 0.0) if t["passed"] else t for t in row["tensors"]]
+            judged[id(row)] = {**row, "tensors": tensors}
+            key = (row.get("module"), row.get("step"))
+            params[key] = max(params.get(key, 0.0), carry.largest(tensors))
     defect_at: float | None = None  # where (the end counter) the first tensor failed on its own, in forward
-    forward: dict[tuple, float] = {}  # a call or operation -> the largest relative error among its forward tensors
+    forward: dict[tuple, float] = {}  # a call or operation -> the largest error among its forward tensors
     backward: dict[tuple, float] = {}  # (module, step) -> what its backward calls' outputs were computed from
     for phase in ("forward", "backward"):
         calls = [r for r in rows if r["kind"] in ("call", "op") and r["phase"] == phase]
@@ -93,54 +111,55 @@ def inherit(rows: list[schema.Row]) -> list[schema.Row]:
         if phase == "backward":
             floor = max(floor, max(forward.values(), default=0.0))
         ends: list[float] = []
-        carried_by: list[float] = []  # the largest relative error among the rows that ended so far, in the order they ended
+        carried_by: list[float] = []  # the largest error among the rows that ended so far, in the order they ended
         # in the order they ended: a call's children are judged before it, and so is all that ended before it began
         for row in sorted(calls, key=lambda r: r.get("end", 0)):
             if defect_at is not None:  # after a defect: its consequences, judged by their tolerance
-                judged[id(row)] = row
-                continue
+                break
             done = bisect.bisect_left(ends, row.get("begin", 0))
             before = max(floor, carried_by[done - 1] if done else 0.0)
-            ins = [t for t in row["tensors"] if t["role"] in IN_ROLES[phase]]
-            inputs = [_inherited(t, before) for t in ins]
-            carried = max(_largest(inputs), params.get((row["path"], row.get("step")), 0.0),
-                          max((_largest(judged[id(c)]["tensors"]) for c in inside.get(id(row), ())
+            inputs = {id(t): carry.judge(t, before) for t in row["tensors"] if t["role"] in IN_ROLES[phase]}
+            carried = max(carry.largest(inputs.values()), params.get((row["path"], row.get("step")), 0.0),
+                          max((carry.largest(judged[id(c)]["tensors"]) for c in inside.get(id(row), ())
                                if id(c) in judged), default=0.0))
             if phase == "backward":
                 carried = max(carried, forward.get(_call(row), 0.0))
                 key = (row["path"], row.get("step"))
                 backward[key] = max(backward.get(key, 0.0), carried)
             root_output = row.get("parent") is None and row["kind"] == "call" and phase == "forward"
-            given = iter(inputs)
-            tensors = [next(given) if t["role"] in IN_ROLES[phase] else _accumulated(t, carried) if root_output
-                       else _inherited(t, carried) for t in row["tensors"]]
-            done_row: schema.Row = {**row, "tensors": tensors}
-            judged[id(row)] = done_row
+            tensors = [inputs[id(t)] if id(t) in inputs else carry.judge(t, carried, may_inherit=not root_output)
+                       for t in row["tensors"]]
+            judged[id(row)] = {**row, "tensors": tensors}
             if any(not t["passed"] and not t.get("accumulated") for t in tensors):
                 defect_at = row.get("end", 0)
             if phase == "forward":
-                forward[_call(row)] = _largest(tensors)
+                forward[_call(row)] = carry.largest(tensors)
             ends.append(row.get("end", 0))
-            carried_by.append(max(carried_by[-1] if carried_by else 0.0, _largest(done_row["tensors"])))
-    if defect_at is not None:
-        return [judged.get(id(row), row) for row in rows]
-    for row in rows:  # a weight's gradient in each use, from what that use's backward was computed from
-        if row["kind"] == "param_grad_use":
-            carried = backward.get((row.get("module"), row.get("step")), 0.0)
-            judged[id(row)] = {**row, "tensors": [_inherited(t, carried) for t in row["tensors"]]}
-    uses: dict[tuple, float] = {}  # (a tied weight's name, step) -> the largest relative error among its uses' gradients
+            carried_by.append(max(carried_by[-1] if carried_by else 0.0, carry.largest(tensors)))
+    if defect_at is None:
+        _inherit_parameter_gradients(rows, carry, backward, judged)
+    return [judged.get(id(row), row) for row in rows]
+
+
+def _inherit_parameter_gradients(rows: list[schema.Row], carry: _Carried, backward: dict[tuple, float],
+                                 judged: dict[int, schema.Row]) -> None:
+    """A weight's gradient in each use, from what that use's backward was computed from; its whole gradient from its
+    module's backward, or, tied, from each of its users' and their uses' gradients."""
+    uses: dict[tuple, float] = {}  # (a tied weight's name, step) -> the largest error among its uses' gradients
     for row in rows:
         if row["kind"] == "param_grad_use":
+            carried = backward.get((row.get("module"), row.get("step")), 0.0)
+            tensors = [carry.judge(t, carried) for t in row["tensors"]]
+            judged[id(row)] = {**row, "tensors": tensors}
             key = (row["path"], row.get("step"))
-            uses[key] = max(uses.get(key, 0.0), _largest(judged[id(row)]["tensors"]))
-    for row in rows:  # a weight's whole gradient, from its module's backward, or, tied, from each of its users'
+            uses[key] = max(uses.get(key, 0.0), carry.largest(tensors))
+    for row in rows:
         if row["kind"] == "param_grad":
             names = row.get("tied") or [row["path"]]
             carried = max([backward.get((row.get("module"), row.get("step")), 0.0),
                            *(backward.get((name.rpartition(".")[0], row.get("step")), 0.0) for name in names),
                            *(uses.get((name, row.get("step")), 0.0) for name in names)])
-            judged[id(row)] = {**row, "tensors": [_inherited(t, carried) for t in row["tensors"]]}
-    return [judged.get(id(row), row) for row in rows]
+            judged[id(row)] = {**row, "tensors": [carry.judge(t, carried) for t in row["tensors"]]}
 
 
 def _call(row: schema.Row) -> tuple:

@@ -6,7 +6,7 @@ first child whose outputs disagree is descended into. Backward is the same with 
 inputs of backward) and w.r.t. inputs plus the module's own parameter gradients (the outputs of backward)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from layerdiff import schema
 from layerdiff.judge.tree import Judged, Node
@@ -433,11 +433,24 @@ def _accumulated(node: Node) -> bool:
 
 
 def _accumulated_origin(root: Node, phase: schema.Phase) -> schema.Origin:
-    origin = _origin_dict(root, "accumulated", None, None, [root], phase, [])
-    origin["description"] = (f"{root.row['path'] or '<root>'}: its output is over tolerance, but no call adds more "
-                              "error than it was computed from: rounding grown through the model (a change of "
-                              "precision), no call's fault")
+    """The model's output over tolerance while every call inside carries no more than 4x the error it was given
+    (``judge.inherited``): named at the call whose error grew the most, which is where rounding grows fastest, or
+    where a defect too small to tell from it (in this precision) lies."""
+    grown, node = max(((max(t["inherited"]["growth"] for t in n.outs if t.get("inherited")), n)
+                       for n in _descendants(root) if any(t.get("inherited") for t in n.outs)),
+                      key=lambda pair: pair[0], default=(None, root))
+    origin = _origin_dict(node, "accumulated", None, None, [root] if node is root else [root, node], phase, [])
+    where = f"{node.row['path']} ({grown:.2g}x what it was given)" if grown is not None else "no call"
+    origin["description"] = (f"{root.row['path'] or '<root>'}'s output is over tolerance, and no call inside adds "
+                             f"more than 4x the error it was given; the most: {where}. A change of precision grows "
+                             "its rounding so, and so would a defect too small to tell from it in this precision")
     return origin
+
+
+def _descendants(node: Node) -> Iterator[Node]:
+    for child in node.children:
+        yield child
+        yield from _descendants(child)
 
 
 def update_origin(rows: list[schema.Row], params: dict, origin: schema.Origin | None) -> schema.Origin | None:

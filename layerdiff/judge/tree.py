@@ -62,7 +62,7 @@ def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[sch
                             (run_a or {}).get("autocast_dtypes") or (), (run_b or {}).get("autocast_dtypes") or ())
     rows: list[schema.Row] = [{**row, "tensors": [_judged(row["path"], t, policy, floor) for t in row["tensors"]]}
                               for row in measurements["records"]]
-    return inherit(rows) if floor is not None else rows  # a change of precision: error carried is no fault
+    return inherit(rows, floor) if floor is not None else rows  # a change of precision: error carried is no fault
 
 
 def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
