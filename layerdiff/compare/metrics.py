@@ -35,6 +35,7 @@ class DataAccumulator:
     """
 
     def __init__(self):
+        self._lowest = (-math.inf, -math.inf)  # each side's "lowest" values: half its dtype's most negative or less
         self.n = 0
         self.max_abs = 0.0
         self.sum_abs = 0.0
@@ -69,6 +70,7 @@ class DataAccumulator:
     def add(self, a_raw, b_raw, dtype_a, dtype_b):
         """Feed one pair of equally long chunks (stored bits). Call inside ``np.errstate(all="ignore")``:
         overflow and NaN are counted, not warned about (``compare_data`` does)."""
+        self._lowest = (_lowest(dtype_a), _lowest(dtype_b))
         a, b = as_float(a_raw, dtype_a).reshape(-1), as_float(b_raw, dtype_b).reshape(-1)
         if a.dtype != b.dtype:
             a, b = a.astype(np.float64), b.astype(np.float64)
@@ -108,6 +110,12 @@ class DataAccumulator:
         self.max_rel = max(self.max_rel, float(np.fmax.reduce(s)))
 
     def _block_nonfinite(self, a, b):
+        """A block whose values overflow float32's squares, or are NaN/Inf: in float64, NaN/Inf counted, and a
+        dtype's lowest value read as -inf (an additive attention mask's "never": float16's -65504 against float32's
+        -3.4e38 is one mask, not a difference of 3.4e38)."""
+        low_a, low_b = self._lowest
+        a = np.where(a <= low_a, -np.inf, a)
+        b = np.where(b <= low_b, -np.inf, b)
         finite = np.isfinite(a) & np.isfinite(b)
         same = (a == b) | (np.isnan(a) & np.isnan(b))
         self.nonfinite_mismatch += int(np.count_nonzero(~finite & ~same))
@@ -129,6 +137,15 @@ class DataAccumulator:
                 "mean_abs": self.sum_abs / max(self.n - self.nonfinite, 1), "max_rel": self.max_rel,
                 "cosine": 1.0 if identical else cosine, "rel_l2": rel_l2, "ref_max_abs": self.ref_max,
                 "nonfinite_mismatch": self.nonfinite_mismatch, "numel": self.n}
+
+
+_LOWEST = {"float16": -65504.0 / 2, "bfloat16": -3.3895e38 / 2, "float32": -3.4028e38 / 2, "float64": -1.7976e308 / 2}
+
+
+def _lowest(dtype: str) -> float:
+    """At or below this a value of ``dtype`` stands for minus infinity: half its most negative number (where masks
+    put ``torch.finfo(dtype).min``); -inf for dtypes that hold no masks (float8's range is all in use)."""
+    return _LOWEST.get(dtype, -math.inf)
 
 
 def _off_page(dtype, page_offset: int) -> np.ndarray:

@@ -205,3 +205,22 @@ def test_a_run_under_autocast_is_judged_at_the_dtype_it_computes_in():
     assert precision_floor(["float32"], ["float32"], ["float16"], ["float16"]) == "float16"  # both under it
     assert precision_floor(["float32"], ["float32"], ["float16"], ["bfloat16"]) == "bfloat16"
     assert precision_floor(["float32"], ["float32"], (), ()) is None
+
+
+def test_an_additive_masks_lowest_value_is_one_never_in_every_dtype():
+    """A causal mask filled with ``torch.finfo(dtype).min``: -65504 in float16, -3.4e38 in float32. Before, float16
+    against float32 differed by 3.4e38 at every masked position (every Hugging Face model with eager attention,
+    'divergent' at its first decoder layer's inputs). Each side's lowest values now read as -inf, and agree; a
+    mask that hides other positions still differs."""
+    causal = np.triu(np.ones((8, 8), dtype=bool), k=1)
+    a = np.where(causal, np.float32(-3.4028235e38), np.float32(0.0))
+    b = np.where(causal, np.float16(-65504.0), np.float16(0.0))
+    m = compare_arrays(a, b, "float32", "float16")
+    assert m["max_abs"] == 0.0 and m["nonfinite_mismatch"] == 0 and m["cosine"] == 1.0, m
+    assert judge(m, DEFAULTS["float16"])[0]
+    shifted = np.where(np.triu(np.ones((8, 8), dtype=bool), k=2), np.float16(-65504.0), np.float16(0.0))
+    m = compare_arrays(a, shifted, "float32", "float16")
+    assert m["nonfinite_mismatch"] == 7 and not judge(m, DEFAULTS["float16"])[0], m
+    big = np.array([-3.0e4, 1.0], dtype=np.float32)  # a large value that is no mask's: compared as it is
+    m = compare_arrays(big, np.array([-2.9e4, 1.0], dtype=np.float16), "float32", "float16")
+    assert m["max_abs"] > 900, m

@@ -93,7 +93,12 @@ def architectures(tmp_path_factory):
     model = _small("llama")  # a defect that passes its own tolerance: layer 1's tiny MLP output scaled by 1.25
     with layerdiff.trace(model, root / "llama_fp32.h5"):
         model(input_ids=ids, labels=ids).loss.backward()
+    model.to(torch.float16)
+    model.zero_grad(set_to_none=True)
+    with layerdiff.trace(model, root / "llama_fp16.h5"):
+        model(input_ids=ids, labels=ids).loss.backward()
     model.to(torch.bfloat16)
+    model.zero_grad(set_to_none=True)
     mlp = model.model.layers[1].mlp
     forward = mlp.forward
     mlp.forward = lambda *args, **kwargs: forward(*args, **kwargs) * 1.25
@@ -171,3 +176,15 @@ def test_a_defect_that_passes_its_own_tolerance_is_where_the_error_grew_most(arc
     origin = report["forward"]["first_divergence"]
     assert report["verdict"] == "divergent" and origin["where"] == "accumulated", origin
     assert origin["module"] == "model.layers.1", origin
+
+
+def test_float16_against_float32_with_an_additive_causal_mask(architectures):
+    """Eager attention's mask holds ``torch.finfo(dtype).min`` where it masks: -65504 in float16, -3.4e38 in float32.
+    Before, every float16 against float32 comparison of such a model was 'divergent' at its first decoder layer's
+    inputs (the mask differing by 3.4e38): one "never" in both dtypes now."""
+    report = align_files(architectures / "llama_fp32.h5", architectures / "llama_fp16.h5")
+    assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
+                                            report["backward"]["first_divergence"])
+    mask = next(t for r in report["records"] if r["path"] == "model.layers.0" for t in r["tensors"]
+                if t["key"] == "kwargs.attention_mask")
+    assert mask["metrics"]["max_abs"] == 0 and mask["passed"], mask
