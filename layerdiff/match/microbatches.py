@@ -12,14 +12,15 @@ into its own buffer). Two runs with the same microbatches are compared call by c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 from msgspec.structs import replace
 
 from layerdiff.match.joins import alike, batch_axis, scalar_loss, token_shapes
 from layerdiff.match.operands import combine_stats, scaled_stats, summed_stats
-from layerdiff.tracefile.records import MICROBATCHES, CallRecord, Merge, ParamRecord, Record, TensorEntry
+from layerdiff.tracefile.records import (MICROBATCHES, CallRecord, Merge, OpRecord, ParamRecord, Producer, Record,
+                                        TensorEntry)
 from layerdiff.tracefile.tensors import as_float, encode_float
 
 
@@ -52,12 +53,13 @@ class Joined:
         self.meta = {**inner.meta, "microbatches_joined": True}
         self.crashed, self.end = inner.crashed, inner.end
         self.damage, self.unverified = inner.damage, inner.unverified  # checksums: what reading it found
-        self.ops: list = []  # operations are not joined over microbatches: compare them between alike runs
         # each microbatch's gradients times this are its share of the step's (``ParallelLayout``; None: as they are)
         self._grad_scale: float | None = (inner.meta.get("parallel") or {}).get("microbatch_grad_scale")
         self._next_offset = min([0, *(t.offset for rec in inner.records for t in rec.tensors
                                       if t.offset is not None)]) - 1
+        self._renumbered: dict[tuple, int] = {}  # (phase, path, original call) -> joined call
         self.records = self._join(inner.records)
+        self.ops = self._join_ops(inner.ops)  # each operation of a module's k-th call, over the microbatches
 
     # -- joining ------------------------------------------------------------------------------------------
     def _join(self, records: list[Record]) -> list[Record]:
@@ -74,7 +76,7 @@ class Joined:
         self._tokens = token_shapes(records)
         self._loss_grads = _loss_gradients(records)
         calls: dict[tuple, int] = {}  # (kind, phase, path) -> joined calls so far
-        renumbered: dict[tuple, int] = {}  # (phase, path, original call) -> joined call
+        renumbered = self._renumbered
         joined: list[Record] = []
         for key in order:
             parts = groups[key]
@@ -85,8 +87,35 @@ class Joined:
             for part in parts:
                 if isinstance(part, CallRecord):
                     renumbered[(part.phase, part.path, part.call)] = call
-            joined.append(self._joined_record(parts, call))
+            made = self._joined_record(parts, call)
+            assert not isinstance(made, OpRecord)
+            joined.append(made)
         return [self._reparented(rec, renumbered) for rec in joined]
+
+    def _join_ops(self, ops: list[OpRecord]) -> list[OpRecord]:
+        """The operations of the joined calls: the ``index``-th operation of a module's k-th call in each microbatch,
+        joined as that call's tensors are (its producers pointing at the joined calls)."""
+        counts = microbatch_counts(self.inner.records)
+        groups: dict[tuple, tuple[int, list[OpRecord]]] = {}  # -> (the joined call, the parts)
+        for op in ops:
+            call = self._renumbered.get(("forward", op.path, op.call)) \
+                if op.micro is not None and counts.get(op.step, 1) > 1 else None
+            key: tuple = ("own", id(op)) if call is None else (op.step, op.phase, op.path, call, op.index)
+            groups.setdefault(key, (op.call if call is None else call, []))[1].append(op)
+        out: list[OpRecord] = []
+        for call, parts in groups.values():
+            joined = self._joined_record(parts, call)
+            assert isinstance(joined, OpRecord)
+            producers = joined.producers and {name: self._renumbered_producer(producer)
+                                              for name, producer in joined.producers.items()}
+            out.append(replace(joined, micro=None, producers=producers))
+        return out
+
+    def _renumbered_producer(self, producer: Producer) -> Producer:
+        """A producer that names a module call (a child's, an enclosing one's) under the joined call's number."""
+        if producer.kind not in ("call", "outer") or producer.call is None:
+            return producer
+        return replace(producer, call=self._renumbered.get(("forward", producer.path, producer.call), producer.call))
 
     @staticmethod
     def _group_key(rec: Record, counts: dict[int, int], seen: dict[tuple, int]) -> tuple:
@@ -101,7 +130,7 @@ class Joined:
             return ("grad", rec.step, rec.path)
         return ("own", id(rec))
 
-    def _joined_record(self, parts: list[Record], call: int) -> Record:
+    def _joined_record(self, parts: Sequence[Record | OpRecord], call: int) -> Record | OpRecord:
         first = parts[0]
         if len(parts) == 1 and not (self._grad_scale is not None and isinstance(first, ParamRecord)
                                     and first.kind == "param_grad"):
@@ -127,7 +156,7 @@ class Joined:
                            else self._joined_entry(parts_found, self._batch_join(first, found), scale))
         return replace(first, call=call, tensors=tensors)
 
-    def _objective(self, rec: Record, entry: TensorEntry, parts: list[TensorEntry]) -> float | None:
+    def _objective(self, rec: Record | OpRecord, entry: TensorEntry, parts: list[TensorEntry]) -> float | None:
         """The scale of a loss's join (a floating scalar the model returns, and its gradient), None for any other
         tensor. Each microbatch's backward started from its loss with gradient g_i (1/M where the training code
         divides each microbatch's loss by their number M; 1 where each is its share of the whole batch's mean
@@ -141,7 +170,7 @@ class Joined:
             return 1.0 / len(parts) if entry.role == "output" else None  # no (uniform) backward: the mean
         return grads[0] if entry.role == "output" else 1.0 / sum(grads)
 
-    def _batch_join(self, rec: Record, parts: list) -> str | int:
+    def _batch_join(self, rec: Record | OpRecord, parts: list) -> str | int:
         """How a tensor's microbatches join: "replicate" when each had it alike (a mask, rotary angles), else
         along the batch axis of the microbatch's batch size (``joins.batch_axis``). A tensor with no such axis
         is left for the other run's shape to decide ("batches")."""

@@ -147,7 +147,7 @@ class RankedRun:
         self._local_tokens = self._token_shares()
         self.own_shares = own_shares(self.readers, self.layouts)
         self.records = self._merge()
-        self.ops: list[OpRecord] = []  # operations are not joined across ranks: align one rank's trace for them
+        self.ops: list[OpRecord] = self._pipeline_ops()
 
     def _token_shares(self) -> dict[int, tuple | None]:
         """Each rank's (batch, sequence) of its first step: its token ids' shape, or, on a later pipeline stage
@@ -267,6 +267,31 @@ class RankedRun:
                         for rec in unwrapped(reader.records, self.layouts[rank])
                         if not (isinstance(rec, CallRecord) and rec.path in split)])
         return out
+
+    def _pipeline_ops(self) -> list[OpRecord]:
+        """Under pipeline parallelism alone (one rank per stage) each module's operations were recorded by the one
+        rank that runs it: all of them, under the whole model's names, in one run's order; a module that several
+        stages each run part of (the model) has its stages' operations one after another. None otherwise:
+        operations are not joined across ranks that split a module's work (align one rank's trace for them)."""
+        if len(self.readers) < 2 or len(set(self.stages)) != len(self.readers):
+            return []
+        last = max(self.stages)
+        span = 1 + max((_last_position(rec) for reader in self.readers for rec in reader.records), default=0)
+        earlier: dict[tuple, int] = {}  # (step, path, call) -> that call's forward operations on earlier stages
+        out: list[OpRecord] = []
+        for rank in sorted(range(len(self.readers)), key=lambda r: self.stages[r]):
+            renames = self.layouts[rank].get("global_paths") or {}
+            here: dict[tuple, int] = {}
+            for op in self.readers[rank].ops:
+                op = _renamed_op(op, renames)
+                op = replace(op, tensors=[self._one_rank_entry(t, rank) for t in op.tensors])
+                key = (op.step, op.path, op.call)
+                out.append(_placed(_shifted(op, earlier.get(key, 0)), self.stages[rank], last, span))
+                if op.phase == "forward":
+                    here[key] = max(here.get(key, 0), op.index + 1)
+            for key, count in here.items():
+                earlier[key] = earlier.get(key, 0) + count
+        return sorted(out, key=_position)
 
     def _expected_holders(self, path: str, holders: list[int]) -> list[int]:
         """The ranks that should hold a record of ``path`` found on ``holders``: every rank of the pipeline stages
@@ -483,6 +508,10 @@ class RankedRun:
         merge = Merge(kind, dim, how[2] if how and kind == "concat_parts" else None, _ranks(ranks), scale=scale)
         return self._register(replace(parts[0], shape=shape, stats=stats or parts[0].stats, merge=merge,
                                       parts=tuple(parts), placement=None), parts)
+
+    def _one_rank_entry(self, entry: TensorEntry, rank: int) -> TensorEntry:
+        """A tensor only ``rank`` holds, read from its trace."""
+        return self._register(replace(entry, merge=Merge("replicate", ranks=(rank,)), parts=(entry,)), [entry])
 
     def _per_rank_entry(self, parts: list[TensorEntry], ranks: list[int]) -> TensorEntry:
         return self._register(replace(parts[0], merge=Merge("ranks", ranks=_ranks(ranks)), parts=tuple(parts)),
@@ -704,28 +733,49 @@ def _renamed(rec: Record, renames: dict[str, str]) -> Record:
     return rec
 
 
-def _last_position(rec: Record) -> int:
-    return rec.end if isinstance(rec, CallRecord) else getattr(rec, "seq", 0)
+def _renamed_op(op: OpRecord, renames: dict[str, str]) -> OpRecord:
+    """A rank's operation under the whole model's names (its module's, and those its producers name)."""
+    if not renames:
+        return op
+    producers = op.producers and {key: replace(p, path=global_path(renames, p.path)) if p.path is not None else p
+                                  for key, p in op.producers.items()}
+    return replace(op, path=global_path(renames, op.path), producers=producers)
 
 
-def _backward(rec: Record) -> bool:
-    return rec.phase == "backward" if isinstance(rec, CallRecord) else rec.kind in ("param_grad", "param_grad_use")
+def _shifted(op: OpRecord, by: int) -> OpRecord:
+    """An operation numbered after ``by`` operations of its call that an earlier stage ran (and the operations
+    it names as producers with it)."""
+    if not by:
+        return op
+    producers = op.producers and {key: replace(p, index=p.index + by) if p.kind == "op" and p.index is not None
+                                  else p for key, p in op.producers.items()}
+    return replace(op, index=op.index + by, producers=producers)
 
 
-def _placed(rec: Record, stage: int, last: int, span: int) -> Record:
+def _last_position(rec: Record | OpRecord) -> int:
+    return rec.end if isinstance(rec, (CallRecord, OpRecord)) else getattr(rec, "seq", 0)
+
+
+def _backward(rec: Record | OpRecord) -> bool:
+    if isinstance(rec, (CallRecord, OpRecord)):
+        return rec.phase == "backward"
+    return rec.kind in ("param_grad", "param_grad_use")
+
+
+def _placed(rec: Any, stage: int, last: int, span: int) -> Any:
     """A record's place in time among every stage's: a pipeline runs forward from stage 0 to the last and
     backward the other way, so each stage's positions are shifted by ``span`` times its place in that order."""
     shift = span * ((last - stage) if _backward(rec) else stage)
     if not shift:
         return rec
-    if isinstance(rec, CallRecord):
+    if isinstance(rec, (CallRecord, OpRecord)):
         return replace(rec, begin=rec.begin + shift, end=rec.end + shift)
     if isinstance(rec, ParamRecord):
         return replace(rec, seq=rec.seq + shift)
     return rec
 
 
-def _position(rec: Record) -> tuple:
+def _position(rec: Record | OpRecord) -> tuple:
     """Records in the order one process writes them: by step, then as they were completed."""
     return rec.step, _last_position(rec)
 

@@ -342,6 +342,10 @@ for defect, schedule, mode in ((None, "gpipe", "full"), (None, "1f1b", "stats"),
             built["step"]()
 with layerdiff.trace(built["model"].model, f"{sys.argv[1]}/pp_body"):  # a module inside the stage's
     built["step"]()
+for defect in (None, "owncode"):  # operations recorded, joined over the stages and the microbatches
+    built = torch_llama_pp.build(defect, batch=4, microbatches=2)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/pp_ops_{defect or 'clean'}", ops=True):
+        built["step"]()
 os._exit(0)
 """
 
@@ -352,7 +356,10 @@ def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
     microbatch read as a step of its own, the stages' shape inference on uninitialized placeholder tensors was
     recorded as the first, and no layout said the ranks were stages: 'the runs were given different inputs'.
     The gradients of each microbatch's own mean loss are 1/M of the step's once the schedule divides them
-    (``scale_grads``): joined with that scale."""
+    (``scale_grads``): joined with that scale. With operations recorded, each stage's operations join over the
+    microbatches, and an attention scaling planted on stage 1 is named at its operation and argument."""
+    import layerdiff
+    from layerdiff.recipes import torch_llama
     from layerdiff.recipes.llama_shared import DEFECTS
 
     _launch(tmp_path, "pipeline", PIPELINE_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
@@ -375,6 +382,16 @@ def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
         origin = align_files(recipe_trace(**reference), tmp_path / name)[direction]["first_divergence"]
         assert (origin["module"], origin["step"]) == (module, 0), (defect, origin)
         assert align_files(recipe_trace(defect, **reference), tmp_path / name)["verdict"] == "aligned", defect
+    # operations: each stage's, under the whole model's names, each joined over the microbatches
+    built = torch_llama.build(None, batch=4)
+    with layerdiff.trace(built["model"], tmp_path / "ops_reference.h5", ops=True):
+        built["step"]()
+    report = align_files(tmp_path / "ops_reference.h5", tmp_path / "pp_ops_clean")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert len([r for r in report["records"] if r["kind"] == "op"]) > 100
+    origin = align_files(tmp_path / "ops_reference.h5", tmp_path / "pp_ops_owncode")["forward"]["first_divergence"]
+    assert origin["module"] == DEFECTS["owncode"][1] and origin["op"]["name"].endswith("scaled_dot_product_attention")
+    assert origin["op"]["args_diff"] == {"kwargs.scale": [0.25, 0.3125]}, origin["op"]
     with open_trace(tmp_path / "pp_body" / "rank0.h5") as reader:  # not the stage's module: no layout, a warning
         assert "parallel" not in reader.meta
         assert any("trace each rank's PipelineStage.submod" in w for w in reader.end.warnings), reader.end.warnings
