@@ -82,6 +82,18 @@ def align_paths():
     return align_files
 
 
+def launch(root, name: str, code: str, launcher: list[str]) -> None:
+    """Write ``code`` to ``root/NAME.py`` and run it under ``python -m LAUNCHER`` (torchrun, paddle's launch, msrun)
+    with ``root`` as its argument; the launch must succeed."""
+    import textwrap
+
+    script = root / f"{name}.py"
+    script.write_text(textwrap.dedent(code))
+    proc = subprocess.run([sys.executable, "-m", *launcher, str(script), str(root)], capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
 def run_scripts(root, scripts: dict, timeout=300):
     """Run {name: python source} side by side, each in its own interpreter with ``root`` as argv[1]
     (one framework per process: imports are slow, and some frameworks must not share a process)."""

@@ -1,13 +1,11 @@
 """Runs spread over ranks, really run on 2 CPU ranks (gloo): PyTorch tensor parallelism (DTensor,
-``parallelize_module``) and data parallelism (DDP), PaddlePaddle auto-parallel tensor parallelism; each against a
-single-process torch run of the same model, and data-parallel ranks against each other."""
+``parallelize_module``) and data parallelism (DDP, FSDP2); each against a single-process torch run of the same model,
+and data-parallel ranks against each other. More ranks and dimensions: ``test_torch_parallel.py``; other stacks'
+launchers: ``test_ranks_other_stacks.py``."""
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -15,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from layerdiff.tracefile.reader import open_trace  # noqa: E402
 
-from conftest import align_files, run_cli  # noqa: E402
+from conftest import align_files, launch, run_cli  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -100,42 +98,16 @@ dist.destroy_process_group()
 os._exit(0)  # every file is written and closed: see _EXIT above the scripts
 """
 
-PADDLE_SCRIPT = """
-import sys
-import layerdiff
-from layerdiff.recipes import paddle_llama_tp
-
-out = sys.argv[1]
-for defect in [None, *paddle_llama_tp.DEFECTS]:
-    built = paddle_llama_tp.build(defect)
-    with layerdiff.trace(built["model"], f"{out}/pd_{defect or 'clean'}"):
-        built["step"]()
-"""
-
-
-def _launch(root, name, code, launcher):
-    script = root / f"{name}.py"
-    script.write_text(textwrap.dedent(code))
-    proc = subprocess.run([sys.executable, "-m", *launcher, str(script), str(root)], capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, recipe_trace):
     root = tmp_path_factory.mktemp("ranks")
     for name, script in (("torch_ranks", TORCH_SCRIPT), ("dtensor_stats", DTENSOR_SCRIPT)):
-        _launch(root, name, script, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+        launch(root, name, script, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
     return root
 
 
-@pytest.fixture(scope="module")
-def paddle_runs(tmp_path_factory):
-    pytest.importorskip("paddle")
-    root = tmp_path_factory.mktemp("paddle_ranks")
-    _launch(root, "paddle_ranks", PADDLE_SCRIPT,
-            ["paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(root / "logs")])
-    return root
 
 
 def test_every_rank_writes_its_own_trace_with_placements(runs):
@@ -252,171 +224,6 @@ def test_data_parallel_ranks_given_their_own_shares_join_as_one_process(runs, re
     assert code == 0 and "each data-parallel rank was given its own share of the batch" in out, out + err
 
 
-FSDP_TP_SCRIPT = """
-import os
-import sys
-import torch.distributed as dist
-import layerdiff
-from layerdiff.recipes import torch_llama_dp
-
-dist.init_process_group("gloo")
-for defect, mode in ((None, "full"), ("eps", "full"), ("backward", "full"), (None, "stats")):
-    built = torch_llama_dp.build(defect, wrap="fsdp", tp=2, split=True, lr=0.1)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/fsdp_tp_{defect or 'clean'}_{mode}", mode=mode):
-        built["step"]()
-        built["step"]()
-for defect, mode in ((None, "full"), (None, "stats"), ("weight", "full")):  # HSDP: 2 replicas, each sharding
-    built = torch_llama_dp.build(defect, wrap="hsdp", split=True, lr=0.1)  # over 2 ranks; each rank its share
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/hsdp_{defect or mode}", mode=mode):
-        built["step"]()
-        built["step"]()
-from layerdiff.recipes import torch_llama_pp  # pipelining x FSDP2 (2 stages x 2 replicas), torchtitan's 2-D layout
-
-for defect, mode in ((None, "stats"), ("eps", "full")):
-    built = torch_llama_pp.build(defect, dp=2, batch=4, microbatches=2, schedule="1f1b", lr=0.1)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/pp_dp_{defect or 'clean'}_{mode}", mode=mode):
-        built["step"]()
-        built["step"]()
-dist.destroy_process_group()
-os._exit(0)  # every file is written and closed: see _EXIT above the scripts
-"""
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("four_ranks")
-    _launch(root, "fsdp_tp", FSDP_TP_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "4"])
-    return root
-
-
-def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(four_ranks, recipe_trace):
-    """torchtitan's layout on 4 ranks: a 2-D mesh, tensor parallelism (q/k/v, gate/up column-parallel, o/down
-    row-parallel) inside each of 2 data-parallel replicas, FSDP2 sharding every piece again for storage
-    (``_StridedShard`` where both split one axis), each replica its own share of the batch, two SGD steps. The
-    weights join piece by piece, the activations by their layer's tensor-parallel piece and then along the
-    batch, the gradients as the replicas' mean. Before, the run was 'given different inputs' (its 4 ranks read as
-    4 tensor-parallel shards)."""
-    from layerdiff.recipes.llama_shared import DEFECTS
-
-    tmp_path = four_ranks
-    with open_trace(tmp_path / "fsdp_tp_clean_full" / "rank3.h5") as reader:
-        layout = reader.meta["parallel"]
-        assert (layout["dp"], layout["dp_rank"], layout["tp"], layout["tp_rank"]) == (2, 1, 2, 1)
-        q = next(r for r in reader.records if r.kind == "param" and r.path == "model.layers.0.self_attn.q_proj.weight")
-        assert q.tensors[0].placement["placements"] == ["_S(0, 2)", "S(0)"] and q.tensors[0].shape == [16, 64]
-    reference = {"batch": 4, "lr": 0.1, "steps": 2}
-    for mode in ("full", "stats"):
-        report = align_files(recipe_trace(mode=mode, **reference), tmp_path / f"fsdp_tp_clean_{mode}")
-        assert report["verdict"] == "aligned", (mode, report["forward"], report["backward"])
-        assert report["params"]["compared"] == 42 and not report["params"]["differ"]
-    for defect in ("eps", "backward"):
-        direction, module = DEFECTS[defect]
-        origin = align_files(recipe_trace(**reference), tmp_path / f"fsdp_tp_{defect}_full")[direction]
-        assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
-    code, out, err = run_cli("align", tmp_path / "fsdp_tp_clean_full", "-q")
-    assert code == 0 and out.startswith("aligned: all 4 ranks agree"), out + err
-    # HSDP (the same launch): weights placed R, S(0) on a 2 x 2 mesh, the first replica's shards joined
-    for mode in ("full", "stats"):
-        report = align_files(recipe_trace(mode=mode, batch=8, lr=0.1, steps=2), tmp_path / f"hsdp_{mode}")
-        assert report["verdict"] == "aligned", (mode, report["forward"], report["backward"])
-        assert report["params"]["compared"] == 42 and not report["params"]["differ"]
-    # rank against rank: each shard's copies (ranks 1 and 3 hold the same one) must agree; rank 1's was changed
-    code, out, err = run_cli("align", tmp_path / "hsdp_full", "-q")
-    assert code == 0, out + err
-    code, out, err = run_cli("align", tmp_path / "hsdp_weight")
-    assert code == 1 and "rank 3: differs" in out and "model.layers.1.mlp.up_proj.weight" in out, out + err
-
-
-PIPELINE_SCRIPT = """
-import os
-import sys
-import layerdiff
-from layerdiff.recipes import torch_llama_pp
-
-for defect, schedule, mode in ((None, "gpipe", "full"), (None, "1f1b", "stats"), ("eps", "1f1b", "full"),
-                               ("backward", "gpipe", "full")):
-    built = torch_llama_pp.build(defect, batch=4, microbatches=4 if schedule == "1f1b" else 2, schedule=schedule,
-                                 lr=0.1)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/pp_{defect or 'clean'}_{schedule}_{mode}", mode=mode):
-        for _ in range(2):
-            built["step"]()
-with layerdiff.trace(built["model"].model, f"{sys.argv[1]}/pp_body"):  # a module inside the stage's
-    built["step"]()
-for defect in (None, "owncode"):  # operations recorded, joined over the stages and the microbatches
-    built = torch_llama_pp.build(defect, batch=4, microbatches=2)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/pp_ops_{defect or 'clean'}", ops=True):
-        built["step"]()
-os._exit(0)
-"""
-
-
-def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
-    """``torch.distributed.pipelining`` (torchtitan's pipeline parallelism), 2 stages on 2 ranks, GPipe over 2
-    microbatches and 1F1B over 4, two SGD steps, against one process on the whole batch. Before, each
-    microbatch read as a step of its own, the stages' shape inference on uninitialized placeholder tensors was
-    recorded as the first, and no layout said the ranks were stages: 'the runs were given different inputs'.
-    The gradients of each microbatch's own mean loss are 1/M of the step's once the schedule divides them
-    (``scale_grads``): joined with that scale. With operations recorded, each stage's operations join over the
-    microbatches, and an attention scaling planted on stage 1 is named at its operation and argument."""
-    import layerdiff
-    from layerdiff.recipes import torch_llama
-    from layerdiff.recipes.llama_shared import DEFECTS
-
-    _launch(tmp_path, "pipeline", PIPELINE_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
-    with open_trace(tmp_path / "pp_clean_gpipe_full" / "rank1.h5") as reader:
-        layout = reader.meta["parallel"]
-        assert (layout["pp"], layout["pp_rank"], layout["microbatch_grad_scale"]) == (2, 1, 0.5)
-        roots = [(r.step, r.micro) for r in reader.records if r.kind == "call" and r.path == "" and
-                 r.phase == "forward"]
-        assert roots == [(0, 0), (0, 1), (1, 0), (1, 1)]  # no call of the shape inference
-    reference = {"batch": 4, "lr": 0.1, "steps": 2}
-    for name, mode in (("pp_clean_gpipe_full", "full"), ("pp_clean_1f1b_stats", "stats")):
-        report = align_files(recipe_trace(mode=mode, **reference), tmp_path / name)
-        assert report["verdict"] == "aligned", (name, report["forward"], report["backward"])
-        assert report["params"]["compared"] == 42 and report["params"]["grads_compared"] == 42
-    head = next(r for r in report["records"] if r["path"] == "lm_head" and r["phase"] == "backward")
-    grad = next(t for t in head["tensors"] if t["role"] == "grad_output")
-    assert grad["metrics"]["note"] == "B: 4 microbatches joined on axis 0, x0.25", grad["metrics"]
-    for defect, name in (("eps", "pp_eps_1f1b_full"), ("backward", "pp_backward_gpipe_full")):
-        direction, module = DEFECTS[defect]
-        origin = align_files(recipe_trace(**reference), tmp_path / name)[direction]["first_divergence"]
-        assert (origin["module"], origin["step"]) == (module, 0), (defect, origin)
-        assert align_files(recipe_trace(defect, **reference), tmp_path / name)["verdict"] == "aligned", defect
-    # operations: each stage's, under the whole model's names, each joined over the microbatches
-    built = torch_llama.build(None, batch=4)
-    with layerdiff.trace(built["model"], tmp_path / "ops_reference.h5", ops=True):
-        built["step"]()
-    report = align_files(tmp_path / "ops_reference.h5", tmp_path / "pp_ops_clean")
-    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
-    assert len([r for r in report["records"] if r["kind"] == "op"]) > 100
-    origin = align_files(tmp_path / "ops_reference.h5", tmp_path / "pp_ops_owncode")["forward"]["first_divergence"]
-    assert origin["module"] == DEFECTS["owncode"][1] and origin["op"]["name"].endswith("scaled_dot_product_attention")
-    assert origin["op"]["args_diff"] == {"kwargs.scale": [0.25, 0.3125]}, origin["op"]
-    with open_trace(tmp_path / "pp_body" / "rank0.h5") as reader:  # not the stage's module: no layout, a warning
-        assert "parallel" not in reader.meta
-        assert any("trace each rank's PipelineStage.submod" in w for w in reader.end.warnings), reader.end.warnings
-
-
-
-def test_torch_pipeline_stages_with_fsdp_replicas_join_as_one_process(four_ranks, recipe_trace):
-    """Pipelining x FSDP2 on a 2-D mesh (2 stages x 2 data-parallel replicas), 1F1B over 2 microbatches, each
-    replica its own share: the stage's layout learned from its schedule keeps the data-parallel one FSDP gave; a
-    later stage, which receives hidden states, takes its replica's share of the batch from the first stage's ranks
-    (before, its activations were joined in the wrong order); FSDP's gradient of the step, reduced once after the
-    last microbatch, is scaled as the schedule scales it."""
-    from layerdiff.recipes.llama_shared import DEFECTS
-
-    with open_trace(four_ranks / "pp_dp_clean_stats" / "rank3.h5") as reader:
-        layout = reader.meta["parallel"]
-        assert (layout["pp"], layout["pp_rank"], layout["dp"], layout["dp_rank"]) == (2, 1, 2, 1)
-    reference = {"batch": 8, "lr": 0.1, "steps": 2}
-    report = align_files(recipe_trace(mode="stats", **reference), four_ranks / "pp_dp_clean_stats")
-    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
-    assert report["params"]["compared"] == 42 and report["params"]["grads_compared"] == 42
-    origin = align_files(recipe_trace(**reference), four_ranks / "pp_dp_eps_full")["forward"]["first_divergence"]
-    assert (origin["module"], origin["step"]) == (DEFECTS["eps"][1], 0), origin
-
-
 def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, recipe_trace):
     """FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)`` holds float32 weights and computes with bfloat16
     copies: against one float32 process, the float32 tensors computed from bfloat16 ones (the loss, the weights'
@@ -489,7 +296,7 @@ def test_ranks_are_compared_in_parallel_processes(tmp_path, monkeypatch):
     from layerdiff import api
     from layerdiff.compare import tasks as compare_tasks
 
-    _launch(tmp_path, "dp3", DP3_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "3"])
+    launch(tmp_path, "dp3", DP3_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "3"])
     code, out, err = run_cli("align", tmp_path / "dp3_weight", "--json", tmp_path / "r.json")
     assert code == 1, out + err
     assert "rank 1: differs" in out and "rank 2: agrees with rank 0" in out
@@ -545,81 +352,3 @@ def test_bisect_uses_a_multi_rank_reference(runs, tmp_path):
     code, out, err = run_cli("bisect", runs / "tp_clean", "torch_llama", "--arg", "defect=eps", "-q",
                              "--workdir", tmp_path / "w")
     assert code == 1 and out.startswith("own_error: forward model.layers.1.post_attention_layernorm"), out + err
-
-
-MEGATRON_SCRIPT = """
-import sys
-import layerdiff
-from layerdiff.recipes import megatron_llama
-
-for defect in (None, "eps", "qkv_part", "fc1_part", "backward"):
-    built = megatron_llama.build(defect, tp=2)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/mg_{defect or 'clean'}"):
-        built["step"]()
-"""
-
-
-@pytest.mark.megatron
-def test_megatron_tensor_parallel_2_against_hf_and_against_itself_at_1(tmp_path, recipe_trace):
-    pytest.importorskip("megatron.core")
-    from layerdiff.recipes.megatron_llama import DEFECTS
-
-    _launch(tmp_path, "mg_tp", MEGATRON_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
-    code, _, err = run_cli("trace", "megatron_llama", "-o", tmp_path / "mg1.h5", "-q")
-    assert code == 0, err
-    hf = recipe_trace()
-    for reference in (hf, tmp_path / "mg1.h5"):  # linear_fc1's shards hold [gate_r; up_r]: joined part by part
-        report = align_files(reference, tmp_path / "mg_clean")
-        assert report["verdict"] == "aligned", (reference, report["forward"], report["backward"])
-    for defect in ("eps", "qkv_part", "fc1_part", "backward"):
-        direction, origin = DEFECTS[defect]
-        assert align_files(hf, tmp_path / f"mg_{defect}")[direction]["first_divergence"]["module"] == origin, defect
-    code, out, err = run_cli("align", tmp_path / "mg_clean", "-q")
-    assert code == 0 and "all 2 ranks agree" in out, out + err
-
-
-@pytest.mark.paddle
-def test_paddle_tensor_parallel_against_one_torch_process(paddle_runs, recipe_trace):
-    from layerdiff.recipes.paddle_llama_tp import DEFECTS
-
-    report = align_files(recipe_trace(), paddle_runs / "pd_clean")
-    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
-    for defect, (direction, module, ranks) in DEFECTS.items():
-        origin = align_files(recipe_trace(), paddle_runs / f"pd_{defect}")[direction]["first_divergence"]
-        assert (origin["module"], origin["ranks"]) == (module, ranks), defect
-
-
-MINDSPORE_SCRIPT = """
-import sys
-import layerdiff
-from layerdiff.recipes import mindspore_llama_dp
-
-for defect in (None, "weight"):
-    built = mindspore_llama_dp.build(defect)
-    with layerdiff.trace(built["model"], f"{sys.argv[1]}/ms_{defect or 'clean'}"):
-        built["step"]()
-"""
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.mark.mindspore
-def test_mindspore_data_parallel_ranks_under_msrun(tmp_path):
-    pytest.importorskip("mindspore")
-    _launch(tmp_path, "ms_dp", MINDSPORE_SCRIPT,
-            ["mindspore.parallel.cluster.run", "--worker_num=2", "--local_worker_num=2", "--join=True",
-             f"--master_port={_free_port()}", f"--log_dir={tmp_path / 'logs'}"])
-    for rank in (0, 1):
-        with open_trace(tmp_path / "ms_clean" / f"rank{rank}.h5") as reader:
-            assert reader.meta["distributed"] == {**reader.meta["distributed"], "rank": rank, "world_size": 2}
-    code, out, err = run_cli("align", tmp_path / "ms_clean", "-q")
-    assert code == 0 and out.startswith("aligned: all 2 ranks agree with rank 0"), out + err
-    code, out, err = run_cli("align", tmp_path / "ms_weight", "--json", tmp_path / "ms.json")
-    first = json.loads((tmp_path / "ms.json").read_text())["first_divergence"]
-    assert code == 1 and (first["module"], first["ranks"]) == ("model.layers.1.mlp.up_proj", [1]), out + err
