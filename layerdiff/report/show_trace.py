@@ -21,6 +21,15 @@ _META_KEYS = ("framework", "framework_version", "model_class", "mode", "distribu
               "layerdiff_version", "python", "started", "argv")
 
 
+def _layout(meta: dict) -> dict:
+    """The run's parallel layout (``parallel``: sizes and this rank's coordinates, its flags), without the
+    per-module lists it may hold (a pipeline stage's renamed layers)."""
+    layout = meta.get("parallel")
+    if not isinstance(layout, dict):
+        return {}
+    return {"parallel": {k: v for k, v in layout.items() if not isinstance(v, (dict, list))}}
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -69,7 +78,7 @@ def _summary(reader) -> dict:
     calls, types, order = _forward_calls(reader.records)
     return {"path": str(reader.path), "size_bytes": reader.size_bytes(), "ranks": meta.get("ranks"),
             "status": end.status or "interrupted", "failure": end.failure,
-            "meta": {key: meta[key] for key in _META_KEYS if key in meta},
+            "meta": {**{key: meta[key] for key in _META_KEYS if key in meta}, **_layout(meta)},
             "records": len(reader.records),
             "record_kinds": {f"{k}/{p}" if p else k: n for (k, p), n in sorted(kinds.items(), key=str)},
             "tensors": sum(len(r.tensors) for r in reader.records),

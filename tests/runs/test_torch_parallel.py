@@ -133,6 +133,8 @@ def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
         roots = [(r.step, r.micro) for r in reader.records if r.kind == "call" and r.path == "" and
                  r.phase == "forward"]
         assert roots == [(0, 0), (0, 1), (1, 0), (1, 1)]  # no call of the shape inference
+    code, out, err = run_cli("show", tmp_path / "pp_clean_gpipe_full" / "rank1.h5")
+    assert code == 0 and "'pp': 2, 'pp_rank': 1" in out, out + err  # the layout learned at the first step
     reference = {"batch": 4, "lr": 0.1, "steps": 2}
     for name, mode in (("pp_clean_gpipe_full", "full"), ("pp_clean_1f1b_stats", "stats")):
         report = align_files(recipe_trace(mode=mode, **reference), tmp_path / name)
