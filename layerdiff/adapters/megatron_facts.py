@@ -13,6 +13,7 @@ import sys
 from types import FrameType
 from typing import Any, Iterable
 
+from layerdiff.adapters.frames import running_frame
 from layerdiff.runs.parallel import ParallelLayout, global_path
 
 _STATE = "megatron.core.parallel_state"
@@ -141,10 +142,4 @@ def grad_increments(param: Any) -> bool:
 def schedule_frame(frame: FrameType | None) -> FrameType | None:
     """The frame of the Megatron pipeline schedule call that is running, if any: every model call made inside
     one such call (one per microbatch, on every pipeline stage) belongs to one step."""
-    if _SCHEDULES not in sys.modules:
-        return None
-    while frame is not None:
-        if frame.f_code.co_name in _SCHEDULE_FUNCTIONS and frame.f_globals.get("__name__") == _SCHEDULES:
-            return frame
-        frame = frame.f_back
-    return None
+    return running_frame(frame, _SCHEDULES, _SCHEDULE_FUNCTIONS)

@@ -18,10 +18,10 @@ A schedule that runs several stages on one rank (interleaved, looped, zero-bubbl
 stages' modules are several models to one trace."""
 from __future__ import annotations
 
-import sys
 from types import FrameType
 from typing import Any
 
+from layerdiff.adapters.frames import running_frame
 from layerdiff.runs.parallel import ParallelLayout
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -32,14 +32,7 @@ _INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_infer
 def schedule_frame(frame: FrameType | None) -> FrameType | None:
     """The frame of the outermost running ``step`` of a pipeline schedule, if any (None when pipelining is not
     loaded)."""
-    if _SCHEDULES not in sys.modules:
-        return None
-    found = None
-    while frame is not None:
-        if frame.f_code.co_name == "step" and frame.f_globals.get("__name__") == _SCHEDULES:
-            found = frame
-        frame = frame.f_back
-    return found
+    return running_frame(frame, _SCHEDULES, ("step",), outermost=True)
 
 
 def is_schedule(scope: Any) -> bool:
@@ -51,13 +44,7 @@ def is_schedule(scope: Any) -> bool:
 def inferring(frame: FrameType | None) -> bool:
     """Whether a module call made from ``frame`` is a pipeline stage's metadata inference (its module run on
     placeholder tensors to learn their shapes), not the model's work."""
-    if _STAGE not in sys.modules:
-        return False
-    while frame is not None:
-        if frame.f_code.co_name in _INFERENCE and frame.f_globals.get("__name__") == _STAGE:
-            return True
-        frame = frame.f_back
-    return False
+    return running_frame(frame, _STAGE, _INFERENCE) is not None
 
 
 def stage_layout(model: Any, schedule: FrameType, known: ParallelLayout | None = None) -> ParallelLayout | None:
