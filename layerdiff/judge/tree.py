@@ -72,7 +72,8 @@ def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
     t: schema.TensorResult = {**tensor, "passed": passed, "reason": reason, "tolerance": tol.as_dict()}
     t.pop("ranks", None)  # from an earlier judgement under other tolerances
     t.pop("hint", None)
-    t.pop("inherited", None)
+    t.pop("inherited", None)  # judged again below, under these tolerances
+    t.pop("accumulated", None)
     per_rank = tensor["metrics"].get("ranks")
     if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
         t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]
