@@ -309,11 +309,12 @@ class ModuleHooks:
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             scope = None
             if not session.stack:
-                if self.machinery_call(sys._getframe()):
+                here = sys._getframe()
+                if self.machinery_call(here):
                     return None  # not the model's work: neither it nor what it calls is recorded
                 if session.step < 0:
-                    self.first_call(sys._getframe())
-                scope = self.declared_step or self.adapter.step_scope(sys._getframe())
+                    self.first_call(here)
+                scope = self.declared_step or self.adapter.step_scope(here)
                 if session.starts_step(scope):
                     self.start_step()
                     if scope is not None:

@@ -39,10 +39,9 @@ GROWTH = 4.0  # how many times the relative error of what it was computed from a
 # error; the gradient through a ReLU, whose mask flips where its input rounds across zero, measured 10x that (OPT's,
 # in bfloat16), while a tiny MLP output scaled by 1.25, a defect that passes its tolerance, is 30x
 PASSED_GROWTH = 16.0
-_GRADIENTS = ("grad_output", "grad_input", "param_grad")
 
 
-def relative_error(tensor: Mapping[str, Any]) -> float | None:
+def relative_l2(tensor: Mapping[str, Any]) -> float | None:
     """|A - B| / |A| of a compared tensor, L2 norms (``rel_l2``; None where its values were not compared): the
     error's size relative to the reference's, whether it turns the tensor or scales it."""
     value = (tensor.get("metrics") or {}).get("rel_l2")
@@ -73,7 +72,7 @@ class _Carried:
     def judge(self, tensor: schema.TensorResult, carried: float, may_inherit: bool = True) -> schema.TensorResult:
         """``tensor`` judged again against the error ``carried`` by what it was computed from (``may_inherit``:
         False for the model's own outputs, marked ``accumulated`` instead)."""
-        own = relative_error(tensor)
+        own = relative_l2(tensor)
         base = max(carried, self.floor)
         explained = own is not None and own <= GROWTH * base and not (
             tensor["metrics"].get("mismatch") or tensor["metrics"].get("nonfinite_mismatch"))
@@ -101,7 +100,7 @@ def inherit(rows: list[schema.Row], dtype: str) -> list[schema.Row]:
             judged[id(row)] = {**row, "tensors": tensors}
             key = (row.get("module"), row.get("step"))
             params[key] = max(params.get(key, 0.0), carry.largest(tensors))
-    defect_at: float | None = None  # where (the end counter) the first tensor failed on its own, in forward
+    defect = False  # whether a tensor failed on its own: what follows is judged by its tolerance
     forward: dict[tuple, float] = {}  # a call or operation -> the largest error among its forward tensors
     backward: dict[tuple, float] = {}  # (module, step) -> what its backward calls' outputs were computed from
     for phase in ("forward", "backward"):
@@ -114,7 +113,7 @@ def inherit(rows: list[schema.Row], dtype: str) -> list[schema.Row]:
         carried_by: list[float] = []  # the largest error among the rows that ended so far, in the order they ended
         # in the order they ended: a call's children are judged before it, and so is all that ended before it began
         for row in sorted(calls, key=lambda r: r.get("end", 0)):
-            if defect_at is not None:  # after a defect: its consequences, judged by their tolerance
+            if defect:  # after a defect: its consequences, judged by their tolerance
                 break
             done = bisect.bisect_left(ends, row.get("begin", 0))
             before = max(floor, carried_by[done - 1] if done else 0.0)
@@ -131,12 +130,12 @@ def inherit(rows: list[schema.Row], dtype: str) -> list[schema.Row]:
                        for t in row["tensors"]]
             judged[id(row)] = {**row, "tensors": tensors}
             if any(not t["passed"] and not t.get("accumulated") for t in tensors):
-                defect_at = row.get("end", 0)
+                defect = True
             if phase == "forward":
                 forward[_call(row)] = carry.largest(tensors)
             ends.append(row.get("end", 0))
             carried_by.append(max(carried_by[-1] if carried_by else 0.0, carry.largest(tensors)))
-    if defect_at is None:
+    if not defect:
         _inherit_parameter_gradients(rows, carry, backward, judged)
     return [judged.get(id(row), row) for row in rows]
 

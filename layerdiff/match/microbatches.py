@@ -18,7 +18,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from layerdiff.match.joins import alike, batch_axis, scalar_loss, token_shapes
-from layerdiff.match.operands import combine_stats, scaled_stats, summed_stats
+from layerdiff.match.operands import combine_stats, scaled_stats, scaled_values, summed_stats
 from layerdiff.tracefile.records import (MICROBATCHES, CallRecord, Merge, OpRecord, ParamRecord, Producer, Record,
                                         TensorEntry)
 from layerdiff.tracefile.tensors import as_float, encode_float
@@ -58,12 +58,13 @@ class Joined:
         self._next_offset = min([0, *(t.offset for rec in inner.records for t in rec.tensors
                                       if t.offset is not None)]) - 1
         self._renumbered: dict[tuple, int] = {}  # (phase, path, original call) -> joined call
+        self._counts: dict[int, int] = {}  # step -> its microbatches (``microbatch_counts``)
         self.records = self._join(inner.records)
         self.ops = self._join_ops(inner.ops)  # each operation of a module's k-th call, over the microbatches
 
     # -- joining ------------------------------------------------------------------------------------------
     def _join(self, records: list[Record]) -> list[Record]:
-        counts = microbatch_counts(records)
+        counts = self._counts = microbatch_counts(records)
         groups: dict[tuple, list[Record]] = {}
         order: list[tuple] = []
         seen_in_micro: dict[tuple, int] = {}
@@ -95,11 +96,10 @@ class Joined:
     def _join_ops(self, ops: list[OpRecord]) -> list[OpRecord]:
         """The operations of the joined calls: the ``index``-th operation of a module's k-th call in each microbatch,
         joined as that call's tensors are (its producers pointing at the joined calls)."""
-        counts = microbatch_counts(self.inner.records)
         groups: dict[tuple, tuple[int, list[OpRecord]]] = {}  # -> (the joined call, the parts)
         for op in ops:
             call = self._renumbered.get(("forward", op.path, op.call)) \
-                if op.micro is not None and counts.get(op.step, 1) > 1 else None
+                if op.micro is not None and self._counts.get(op.step, 1) > 1 else None
             key: tuple = ("own", id(op)) if call is None else (op.step, op.phase, op.path, call, op.index)
             groups.setdefault(key, (op.call if call is None else call, []))[1].append(op)
         out: list[OpRecord] = []
@@ -204,8 +204,7 @@ class Joined:
         shape = list(parts[0].shape)
         shape[axis] = sum(p.shape[axis] for p in parts)
         if stats is None:
-            stats = scaled_stats(combine_stats([p.stats for p in parts]), merge.scale if merge.over == MICROBATCHES
-                                 else None)
+            stats = scaled_stats(combine_stats([p.stats for p in parts]), merge.scale)
         return self._joined(parts, shape, stats or parts[0].stats, merge)
 
     def _joined(self, parts: list[TensorEntry], shape: list[int], stats: Mapping[str, Any],
@@ -258,10 +257,7 @@ class Joined:
             total = np.sum([as_float(v, entry.dtype).astype(np.float64) for v in values], axis=0)
             return encode_float(total if merge.scale is None else total * merge.scale, entry.dtype)
         if merge.how == "concat":
-            joined = np.concatenate(values, axis=merge.axis)
-            if merge.scale is None:
-                return joined
-            return encode_float(as_float(joined, entry.dtype).astype(np.float64) * merge.scale, entry.dtype)
+            return scaled_values(np.concatenate(values, axis=merge.axis), entry.dtype, merge.scale)
         return values[0]  # a copy each microbatch had alike (a mask), or not resolved yet
 
     def tensor_chunks(self, entry: TensorEntry, chunk_elems: int) -> Iterator[np.ndarray]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from layerdiff.match import fusion
 from layerdiff.tracefile.records import TensorEntry
-from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float
+from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float, encode_float
 
 _FLOAT_KINDS = ("float", "bfloat", "complex")
 
@@ -172,6 +172,13 @@ def summed_stats(parts: Sequence[Mapping[str, Any]], numel: int, scale: float | 
         total = math.fsum(values) * (1.0 if scale is None else scale)
         stats.update(min=total, max=total, mean=total, l2=abs(total))
     return stats
+
+
+def scaled_values(stored: np.ndarray, dtype: str, scale: float | None) -> np.ndarray:
+    """Stored bits of a joined tensor multiplied by ``scale`` (in float64; None: as they are)."""
+    if scale is None:
+        return stored
+    return encode_float(as_float(stored, dtype).astype(np.float64) * scale, dtype)
 
 
 def scaled_stats(stats: Mapping[str, Any] | None, scale: float | None) -> dict[str, Any] | None:

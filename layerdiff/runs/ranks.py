@@ -21,7 +21,7 @@ import itertools
 import math
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar, Union
 
 import numpy as np
 from msgspec.structs import replace
@@ -29,7 +29,7 @@ from msgspec.structs import replace
 from layerdiff.errors import TraceFormatError
 from layerdiff.tracefile.index import Damage
 from layerdiff.match.joins import alike, batch_axis, root_calls, scalar_loss, token_shapes
-from layerdiff.match.operands import combine_stats, scaled_stats, summed_stats, unknown_stats
+from layerdiff.match.operands import combine_stats, scaled_stats, scaled_values, summed_stats, unknown_stats
 from layerdiff.runs.parallel import global_path
 from layerdiff.tracefile.reader import TraceReader
 from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
@@ -146,6 +146,8 @@ class RankedRun:
         # (batch, sequence) of each rank's share of its first step
         self._local_tokens = self._token_shares()
         self.own_shares = own_shares(self.readers, self.layouts)
+        # positions of one stage's records span less than this: each stage's are shifted by it (``_placed``)
+        self._span = 1 + max((_last_position(rec) for reader in self.readers for rec in reader.records), default=0)
         self.records = self._merge()
         self.ops: list[OpRecord] = self._pipeline_ops()
 
@@ -257,13 +259,12 @@ class RankedRun:
         stage's layers, an expert-parallel rank's experts), their positions in time made comparable across the
         stages of a pipeline: forward runs stage by stage, backward the other way."""
         last = max((s for s in self.stages), default=0)
-        span = 1 + max((_last_position(rec) for reader in self.readers for rec in reader.records), default=0)
         out = []
         for rank, reader in enumerate(self.readers):
             renames = self.layouts[rank].get("global_paths") or {}
             split = set(self.layouts[rank].get("split_modules") or ())
             stage = self.stages[rank]
-            out.append([_placed(_renamed(rec, renames) if renames else rec, stage, last, span)
+            out.append([_placed(_renamed(rec, renames) if renames else rec, stage, last, self._span)
                         for rec in unwrapped(reader.records, self.layouts[rank])
                         if not (isinstance(rec, CallRecord) and rec.path in split)])
         return out
@@ -276,7 +277,6 @@ class RankedRun:
         if len(self.readers) < 2 or len(set(self.stages)) != len(self.readers):
             return []
         last = max(self.stages)
-        span = 1 + max((_last_position(rec) for reader in self.readers for rec in reader.records), default=0)
         earlier: dict[tuple, int] = {}  # (step, path, call) -> that call's forward operations on earlier stages
         out: list[OpRecord] = []
         for rank in sorted(range(len(self.readers)), key=lambda r: self.stages[r]):
@@ -286,7 +286,7 @@ class RankedRun:
                 op = _renamed_op(op, renames)
                 op = replace(op, tensors=[self._one_rank_entry(t, rank) for t in op.tensors])
                 key = (op.step, op.path, op.call)
-                out.append(_placed(_shifted(op, earlier.get(key, 0)), self.stages[rank], last, span))
+                out.append(_placed(_shifted(op, earlier.get(key, 0)), self.stages[rank], last, self._span))
                 if op.phase == "forward":
                     here[key] = max(here.get(key, 0), op.index + 1)
             for key, count in here.items():
@@ -547,10 +547,7 @@ class RankedRun:
             return self._part_readers(entry)[0].tensor(entry.parts[0])
         values = self.part_values(entry)
         if merge.how == "concat":
-            joined = np.concatenate(values, axis=merge.axis)
-            if merge.scale is None:
-                return joined
-            return encode_float(as_float(joined, entry.dtype).astype(np.float64) * merge.scale, entry.dtype)
+            return scaled_values(np.concatenate(values, axis=merge.axis), entry.dtype, merge.scale)
         if merge.how == "concat_parts":  # [g0; u0], [g1; u1] -> [g0; g1; u0; u1]
             pieces = [np.split(v, merge.part_count, axis=merge.axis) for v in values]
             return np.concatenate([np.concatenate([p[i] for p in pieces], axis=merge.axis)
@@ -752,6 +749,9 @@ def _shifted(op: OpRecord, by: int) -> OpRecord:
     return replace(op, index=op.index + by, producers=producers)
 
 
+_Timed = TypeVar("_Timed", bound=Union[Record, OpRecord])  # a record with a place in time
+
+
 def _last_position(rec: Record | OpRecord) -> int:
     return rec.end if isinstance(rec, (CallRecord, OpRecord)) else getattr(rec, "seq", 0)
 
@@ -762,7 +762,7 @@ def _backward(rec: Record | OpRecord) -> bool:
     return rec.kind in ("param_grad", "param_grad_use")
 
 
-def _placed(rec: Any, stage: int, last: int, span: int) -> Any:
+def _placed(rec: _Timed, stage: int, last: int, span: int) -> _Timed:
     """A record's place in time among every stage's: a pipeline runs forward from stage 0 to the last and
     backward the other way, so each stage's positions are shifted by ``span`` times its place in that order."""
     shift = span * ((last - stage) if _backward(rec) else stage)
