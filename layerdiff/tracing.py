@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import platform
 import socket
@@ -18,6 +19,7 @@ from layerdiff.capture.hooks import DeclaredStep, ModuleHooks
 from layerdiff.capture.hparams import model_config
 from layerdiff.capture.ops import OpWindows
 from layerdiff.capture.options import TraceOptions
+from layerdiff.capture.parts import ModelParts, model_parts, parts_of
 from layerdiff.capture.session import TraceSession
 from layerdiff.errors import LayerdiffError
 from layerdiff.tracefile.writer import TraceWriter
@@ -32,10 +34,19 @@ class Tracer:
     """
 
     def __init__(self, model, path, options: TraceOptions | None = None, *, forcer=None):
-        self.model = model
+        try:
+            self.model = model_parts(model)  # a list of modules: the pipeline stages one rank runs
+        except ValueError as exc:
+            raise LayerdiffError(str(exc)) from None
         self.path = os.fspath(path)
         self.options = options or TraceOptions()
-        self.adapter = load_adapter(detect_framework(model))
+        frameworks = {detect_framework(part) for part in parts_of(self.model)}
+        if len(frameworks) > 1:
+            raise LayerdiffError(f"the model parts traced together belong to several frameworks: "
+                                 f"{', '.join(sorted(frameworks))}")
+        if forcer is not None and isinstance(self.model, ModelParts):
+            raise LayerdiffError("replay drives one module: give the model, not a list of its parts")
+        self.adapter = load_adapter(frameworks.pop())
         self.forcer = forcer  # replay (layerdiff bisect): swaps in a reference run's values
         self.session: TraceSession | None = None
         self._hooks: ModuleHooks | None = None
@@ -44,13 +55,19 @@ class Tracer:
 
     def __enter__(self):
         adapter, options = self.adapter, self.options
+        parts = parts_of(self.model)
         meta = run_metadata()
-        meta.update(adapter.metadata(self.model))
-        config = model_config(self.model)
+        meta.update(adapter.metadata(parts[0]))
+        if len(parts) > 1:
+            meta["model_parts"] = len(parts)
+            if "num_parameters" in meta:  # each parameter once, also one that several parts share
+                unique = {id(p): p for part in parts for _, p in adapter.named_parameters(part)}
+                meta["num_parameters"] = sum(math.prod(p.shape) for p in unique.values())
+        config = next((found for found in map(model_config, parts) if found is not None), None)
         if config is not None:
             meta["model_config"] = config
         meta.update(mode=options.mode, options=options.recorded(), user=options.meta)
-        paths = adapter.module_paths(self.model)
+        paths = list(dict.fromkeys(path for part in parts for path in adapter.module_paths(part)))
         try:  # resolves filters, a --layers window and --ops-in against the model's modules, before any file exists
             path_filter = PathFilter.of(options, paths)
             windows = OpWindows(options.ops, paths) if options.ops else None
@@ -66,7 +83,7 @@ class Tracer:
                                  f"of {ranks['world_size']}: replay a single-process build of it against the "
                                  "reference, or align the multi-rank run (layerdiff align REF RUN)")
         meta["distributed"] = ranks
-        layout = adapter.parallel_layout(self.model)
+        layout = adapter.parallel_layout(parts[0])
         if layout is not None:
             meta["parallel"] = layout
         writer = TraceWriter(self._file_path(ranks), meta, overwrite=options.overwrite,
@@ -168,6 +185,8 @@ class Tracer:
 
 def trace(model, path, *, forcer=None, **options) -> Tracer:
     """Trace every module call of ``model`` (forward and, by default, backward) into the HDF5 file ``path``.
+    ``model`` may be a list of modules traced together: the pipeline stages a schedule runs on one rank
+    (interleaved 1F1B: torchtitan's ``model_parts``), each keeping the whole model's module names.
 
     Options: mode="full"|"stats", backward=True, include/exclude (module-path regexes), layers=(start, end)
     (only blocks start..end-1 of the model's main module list: the second pass of two-pass tracing), overwrite=False,

@@ -1,12 +1,14 @@
-"""Recipe: ``torch_llama`` split into pipeline stages, one per rank (``torch.distributed.pipelining``, gloo, CPU),
-the way torchtitan splits its models: each stage keeps the whole model's module names.
+"""Recipe: ``torch_llama`` split into pipeline stages (``torch.distributed.pipelining``, gloo, CPU), one per rank or
+several (an interleaved schedule), the way torchtitan splits its models: each stage keeps the whole model's module
+names.
 
     torchrun --standalone --nproc-per-node 2 -m layerdiff trace torch_llama_pp -o pp_run --arg batch=4
     layerdiff trace torch_llama --arg batch=4 -o ref.h5
     layerdiff align ref.h5 pp_run      # the stages and their microbatches joined: one process, the whole batch
 
-Each step is one ``schedule.step`` (``schedule=gpipe`` or ``1f1b``) over ``microbatches`` slices of a batch of
-``batch`` sequences; the loss is the model's (next-token cross entropy, each microbatch's mean), computed by the
+Each step is one ``schedule.step`` (``schedule=gpipe`` or ``1f1b``; with ``stages_per_rank=2`` or more,
+``interleaved1f1b`` or ``loopedbfs``: rank r runs stages r, r + ranks, ... and the model traced is the list of
+their modules, torchtitan's ``model_parts``) over ``microbatches`` slices of a batch of ``batch`` sequences; the loss is the model's (next-token cross entropy, each microbatch's mean), computed by the
 schedule on the last stage. Any defect of ``torch_llama`` is planted before the split (it lands on the stage
 that holds its layer).
 """
@@ -68,56 +70,67 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, microbatches: int = 2,
-          schedule: str = "gpipe", lr: float = 0.0, dp: int = 1, **kwargs):
+          schedule: str = "gpipe", lr: float = 0.0, dp: int = 1, stages_per_rank: int = 1,
+          defect_layer: int | None = None, **kwargs):
     """``microbatches``: slices of the batch each step runs through the pipeline (they must divide ``batch``);
     ``schedule``: "gpipe" or "1f1b"; ``lr`` > 0: each step is a training step (plain SGD on each stage); ``dp`` > 1:
     that many data-parallel replicas of the pipeline, each stage sharded over them by FSDP2 on a 2-D mesh
-    (pipeline x data parallel, torchtitan's layout), each replica its own ``batch`` sequences."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    (pipeline x data parallel, torchtitan's layout), each replica its own ``batch`` sequences; ``stages_per_rank``:
+    pipeline stages each rank runs (more than one: an interleaved schedule); ``defect_layer``: the decoder layer
+    a defect is planted in (as ``torch_llama``'s)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     world = dist.get_world_size()
     if world % dp:
         raise ValueError(f"dp={dp} does not divide the {world} ranks")
-    stages, group, replica = world // dp, None, 0
+    ranks, group, replica = world // dp, None, 0
+    stages = ranks * stages_per_rank
     rank = dist.get_rank() // dp
     if dp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))
+        mesh = init_device_mesh("cpu", (ranks, dp), mesh_dim_names=("pp", "dp"))
         group, replica = mesh["pp"].get_group(), mesh["dp"].get_local_rank()
-    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B} if stages_per_rank == 1 else \
+        {"interleaved1f1b": ScheduleInterleaved1F1B, "loopedbfs": ScheduleLoopedBFS}
     if schedule not in schedules or batch % microbatches:
-        raise ValueError(f"schedule must be gpipe or 1f1b (got {schedule!r}) and microbatches ({microbatches}) "
-                         f"must divide batch ({batch})")
+        raise ValueError(f"schedule must be {' or '.join(schedules)} with {stages_per_rank} stage(s) per rank (got "
+                         f"{schedule!r}) and microbatches ({microbatches}) must divide batch ({batch})")
     full, cfg = torch_llama.build_model(seed=seed, **kwargs)
     if cfg["layers"] < stages:
         raise ValueError(f"{cfg['layers']} layers cannot make {stages} pipeline stages")
     if defect is not None:
-        torch_llama.inject(full, defect)  # before the split: it lands on the stage that holds its layer
+        torch_llama.inject(full, defect, defect_layer)  # before the split: it lands on the stage that holds its layer
     bounds = [cfg["layers"] * s // stages for s in range(stages + 1)]
-    model = LlamaStage(full, range(bounds[rank], bounds[rank + 1]), rank == 0, rank == stages - 1)
+    mine = [rank + v * ranks for v in range(stages_per_rank)]  # rank r runs stages r, r + ranks, ...
+    parts = [LlamaStage(full, range(bounds[s], bounds[s + 1]), s == 0, s == stages - 1) for s in mine]
     if dp > 1:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers.values():
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    stage = PipelineStage(model, rank, stages, torch.device("cpu"), group=group)
-    runner = schedules[schedule](stage, microbatches, loss_fn=next_token_loss)
+        for part in parts:
+            for layer in part.model.layers.values():
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
+    pipeline = [PipelineStage(part, s, stages, torch.device("cpu"), group=group) for part, s in zip(parts, mine)]
+    runner = schedules[schedule](pipeline[0] if stages_per_rank == 1 else pipeline, microbatches,
+                                 loss_fn=next_token_loss)
     ids = torch.from_numpy(shared.input_ids(cfg, batch * dp, seq, seed)[replica * batch:(replica + 1) * batch])
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr) if lr > 0 else None
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.SGD(params, lr=lr) if lr > 0 else None
+    first, last = 0 in mine, stages - 1 in mine
 
     def step():
-        model.zero_grad(set_to_none=True)
+        for part in parts:
+            part.zero_grad(set_to_none=True)
         losses: list = []
-        last = rank == stages - 1
-        runner.step(*([ids] if rank == 0 else []), target=ids if last else None, losses=losses if last else None)
+        runner.step(*([ids] if first else []), target=ids if last else None, losses=losses if last else None)
         if optimizer is not None:
             optimizer.step()
         return torch.stack(losses).mean() if losses else None
 
-    return {"model": model, "step": step, "input_ids": ids,
+    return {"model": parts[0] if stages_per_rank == 1 else parts, "step": step, "input_ids": ids,
             "meta": {"recipe": "torch_llama_pp", "defect": defect, "stages": stages, "schedule": schedule,
-                     "microbatches": microbatches, "dp": dp}}
+                     "microbatches": microbatches, "dp": dp, "stages_per_rank": stages_per_rank}}

@@ -15,6 +15,7 @@ import torch
 from layerdiff.adapters import megatron_facts, torch_data_parallel, torch_pipelining
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
 
 _DTYPE_NAMES = {
@@ -450,7 +451,8 @@ class Hooks(ModuleHooks):
     pipeline_read = False  # whether a pipeline schedule running the model was read (``scheduled_step``)
 
     def named_parameters(self):
-        return self.model.named_parameters(remove_duplicate=False)  # a tied weight under each owner
+        return each_named(self.model, lambda part: part.named_parameters(remove_duplicate=False))  # a tied weight
+        # under each owner
 
     def compute_dtypes(self, module) -> set[str]:
         """Only for a model FSDP shards (``held_dtypes``, set at install): it may cast each layer's gathered weights
@@ -465,6 +467,8 @@ class Hooks(ModuleHooks):
         """A model traced inside the ``DistributedDataParallel`` that runs it: the wrapper's layout is learned from it
         as if the wrapper were traced (its gradients, as their hooks see them, are each rank's own, before DDP
         averages them: placed by the wrapper)."""
+        if isinstance(self.model, ModelParts):
+            return  # a wrapper runs one module
         wrapper = torch_data_parallel.wrapping_ddp(frame, self.model)
         if wrapper is not None:
             layout = torch_data_parallel.parallel_layout(wrapper)
@@ -478,19 +482,23 @@ class Hooks(ModuleHooks):
         if self.pipeline_read or not torch_pipelining.is_schedule(scope):
             return
         self.pipeline_read = True
-        layout = torch_pipelining.stage_layout(self.model, scope, torch_data_parallel.parallel_layout(self.model))
-        if layout is not None:
-            self.session.learn_layout(layout)
-        else:
-            self.session.warn("run by a pipeline schedule that holds several stages on this rank, or whose stage is "
-                              "not the traced module: its ranks are not joined as one model (trace each rank's "
-                              "PipelineStage.submod under a schedule of one stage per rank)")
+        parts = parts_of(self.model)
+        found = torch_pipelining.stage_layout(parts, scope, torch_data_parallel.parallel_layout(parts[0]))
+        if found is None:
+            self.session.warn("run by a pipeline schedule whose stages on this rank are not the modules traced: its "
+                              "ranks are not joined as one model (trace each rank's PipelineStage.submod, or the list "
+                              "of them where the schedule runs several stages on a rank)")
+            return
+        layout, stages = found
+        if len(parts) > 1:
+            self.learn_stages(stages)
+        self.session.learn_layout(layout)
 
     def machinery_call(self, frame) -> bool:
         return torch_pipelining.inferring(frame)
 
     def install(self):
-        if torch_data_parallel.fsdp_model(self.model):
+        if any(torch_data_parallel.fsdp_model(part) for part in parts_of(self.model)):
             self.held_dtypes = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
         super().install()
 
@@ -578,7 +586,7 @@ class Hooks(ModuleHooks):
         return framework_leaf(module)
 
     def named_buffers(self):
-        return self.model.named_buffers()
+        return each_named(self.model, lambda part: part.named_buffers())
 
     def op_gradients(self):
         from layerdiff.adapters.torch_ops import gradients

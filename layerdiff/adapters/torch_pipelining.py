@@ -13,13 +13,12 @@ schedule that is running, only when the process has loaded it.
 - Before the first step a stage infers its tensors' shapes by running its module once on placeholder tensors
   (``PipelineStage``'s metadata inference: uninitialized values) and once backward: none of the model's work
   (``inferring``: those calls are not recorded).
-
-A schedule that runs several stages on one rank (interleaved, looped, zero-bubble schedules) is not read: its
-stages' modules are several models to one trace."""
+- A schedule that runs several stages on one rank (interleaved 1F1B, looped BFS) is read when the list of its
+  stages' modules is traced (``ModelParts``): each record then says its stage."""
 from __future__ import annotations
 
 from types import FrameType
-from typing import Any
+from typing import Any, Sequence
 
 from layerdiff.adapters.frames import running_frame
 from layerdiff.runs.parallel import ParallelLayout
@@ -47,26 +46,31 @@ def inferring(frame: FrameType | None) -> bool:
     return running_frame(frame, _STAGE, _INFERENCE) is not None
 
 
-def stage_layout(model: Any, schedule: FrameType, known: ParallelLayout | None = None) -> ParallelLayout | None:
-    """The layout of ``model`` as the running ``schedule`` (its ``step`` frame) runs it: the stage whose module it
-    is, over what was ``known`` before (a data-parallel layout); None when the schedule runs several stages on
-    this rank, or none of them is ``model``."""
+def stage_layout(parts: Sequence[Any], schedule: FrameType,
+                 known: ParallelLayout | None = None) -> tuple[ParallelLayout, dict[int, int]] | None:
+    """The layout of the modules traced (``parts``: one, or the stages a schedule runs on this rank) as the running
+    ``schedule`` (its ``step`` frame) runs them, over what was ``known`` before (a data-parallel layout), and the
+    stage index of each (id(module) -> index); None when the schedule's stages on this rank are not those modules.
+    A rank that runs several stages (an interleaved schedule: stages r, r + PP, ...) has ``pp_rank`` its first and
+    ``pp_stages`` all of them."""
     runner = schedule.f_locals.get("self")
     stages = [getattr(runner, "_stage", None)] if hasattr(runner, "_stage") else \
         list(getattr(runner, "_stages", None) or [])
-    if len(stages) != 1 or stages[0] is None:
+    indices = {id(getattr(stage, "submod", None)): getattr(stage, "stage_index", None) for stage in stages}
+    counts = {getattr(stage, "num_stages", None) for stage in stages}
+    mine = {id(part): indices.get(id(part)) for part in parts}
+    count = counts.pop() if len(counts) == 1 else None
+    if len(stages) != len(parts) or not isinstance(count, int) or count < 2 or \
+            not all(isinstance(index, int) for index in mine.values()):
         return None
-    stage = stages[0]
-    if getattr(stage, "submod", None) is not model:
-        return None
-    index, count = getattr(stage, "stage_index", None), getattr(stage, "num_stages", None)
-    if not isinstance(index, int) or not isinstance(count, int) or count < 2:
-        return None
-    layout = ParallelLayout(tp=1, tp_rank=0, pp=count, pp_rank=index, ep=1, ep_rank=0, dp=1, dp_rank=0, cp=1,
+    held = sorted(int(index) for index in mine.values() if index is not None)
+    layout = ParallelLayout(tp=1, tp_rank=0, pp=count, pp_rank=held[0], ep=1, ep_rank=0, dp=1, dp_rank=0, cp=1,
                             sequence_parallel=False)
     layout.update(known or {})
-    layout["pp"], layout["pp_rank"] = count, index
+    layout["pp"], layout["pp_rank"] = count, held[0]
+    if len(held) > 1:
+        layout["pp_stages"] = held
     microbatches = getattr(runner, "_n_microbatches", None)
     if getattr(runner, "scale_grads", False) and isinstance(microbatches, int) and microbatches > 1:
         layout["microbatch_grad_scale"] = 1.0 / microbatches
-    return layout
+    return layout, {key: int(index) for key, index in mine.items() if index is not None}

@@ -10,6 +10,7 @@ from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
 from layerdiff.capture.ops import OpCapture, OpGradients, OpWindows, Producers, SourceFinder
 from layerdiff.capture.options import TraceOptions
+from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import settled_stats
 from layerdiff.capture.structure import replace_tensors, walk
 from layerdiff.errors import LayerdiffError
@@ -91,15 +92,28 @@ class ModuleHooks:
         self.op_windows: OpWindows | None = None
         self.no_ops: set[int] = set()  # id() of the framework's own leaf modules: no operations inside them
         self.declared_step: DeclaredStep | None = None  # ``Tracer.step()`` in progress: its root calls are one step
+        # several model parts (``ModelParts``: the pipeline stages a schedule runs on this rank): each part and each
+        # of its parameters' names -> the stage that part is, once the schedule says (``learn_stages``)
+        self.root_stages: dict[int, int] = {}
+        self.param_stages: dict[str, int] = {}
+        self.param_part = {name: part for part in parts_of(model) for name, _ in self.adapter.named_parameters(part)} \
+            if isinstance(model, ModelParts) else {}
 
     def named_modules(self):
-        """(path, module) for the model and all its submodules; the model itself has path ''."""
-        return self.adapter.named_modules(self.model)
+        """(path, module) for the model and all its submodules; the model itself has path '' (each part of
+        ``ModelParts`` does)."""
+        return each_named(self.model, self.adapter.named_modules, once_per_object=True)
 
     def named_parameters(self):
         """(name, parameter) of every parameter to record (a tied weight under each owner where the framework
         lists it so)."""
-        return self.adapter.named_parameters(self.model)
+        return each_named(self.model, self.adapter.named_parameters)
+
+    def learn_stages(self, stages: dict[int, int]) -> None:
+        """Which pipeline stage each part of ``ModelParts`` is (``stages``: id(part) -> stage index): their calls
+        and parameters are recorded with it from now on."""
+        self.root_stages = dict(stages)
+        self.param_stages = {name: stages[id(part)] for name, part in self.param_part.items() if id(part) in stages}
 
     # -- framework-specific: subclasses override these -------------------------------------------------------
     @staticmethod
@@ -266,9 +280,10 @@ class ModuleHooks:
     # -- installation --------------------------------------------------------------------------------------
     def install(self):
         self.active = True
+        roots = {id(part) for part in parts_of(self.model)}
         for path, module in self.named_modules():
             selected = self.path_filter(path)
-            if module is not self.model and not selected:
+            if id(module) not in roots and not selected:
                 continue
             # the model itself is always hooked (it delimits steps), with statistics only when not selected
             pre_hook = self._pre_hook(path, type(module).__name__, selected, self.positional_names(module))
@@ -315,10 +330,13 @@ class ModuleHooks:
                 if session.step < 0:
                     self.first_call(here)
                 scope = self.declared_step or self.adapter.step_scope(here)
+                if scope is None and isinstance(self.model, ModelParts):
+                    session.warn("several modules traced together, called outside a pipeline schedule: their calls "
+                                 "are not told apart by stage (trace the stage modules a schedule runs on a rank)")
                 if session.starts_step(scope):
-                    self.start_step()
-                    if scope is not None:
+                    if scope is not None:  # first: the stage it says each part is tags the parameters' records
                         self.scheduled_step(scope)
+                    self.start_step()
             step = session.step + (0 if session.stack or not session.starts_step(scope) else 1)
             autocast = self.adapter.autocast_dtypes()
             if autocast:
@@ -335,7 +353,8 @@ class ModuleHooks:
             scalars: dict[str, Any] = {}
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
-            frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names, scope)
+            frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names, scope,
+                                       self.root_stages.get(id(module)) if not session.stack else None)
             self.open_frames.setdefault(id(module), []).append(frame)
             ops = self.ops
             if ops is not None:
@@ -488,11 +507,11 @@ class ModuleHooks:
         if grad is not None:
             self.grads_since_recorded.add(name)
             module = name.rpartition(".")[0]
-            runner = self.runner if self.runner is not None else self.model
+            runner = self.runner if self.runner is not None else self.param_part.get(name, self.model)
             placement = self.adapter.grad_placement(runner, param) if param is not None else None
             increment = param is not None and self.adapter.grad_increments(param)
             self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name),
-                               placement, increment)
+                               placement, increment, self.param_stages.get(name))
 
     def _record_changed_params(self):
         """Parameter values at the start of each step, when they (may have) changed since last recorded."""
@@ -516,6 +535,7 @@ class ModuleHooks:
     def _record_param(self, name: str, p, version) -> None:
         self.param_versions[name] = version
         module = name.rpartition(".")[0]
-        entries = self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name))
+        entries = self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name),
+                                     stage=self.param_stages.get(name))
         if version is not None:
             self.param_stats[name] = settled_stats(entries[0]["stats"]) if entries else None

@@ -57,6 +57,7 @@ class CallFrame:
     ops: int | None = None  # operations its own code ran so far (``ops`` tracing); None: not recorded here
     producers: dict = field(default_factory=dict)  # tensor key -> where it came from (``capture.ops.Producers``)
     micro: int | None = None  # its step's microbatch (a step of a pipeline schedule); None: a step of one root call
+    stage: int | None = None  # the pipeline stage it runs in, on a rank that runs several (``ModelParts``)
 
 
 @dataclass
@@ -162,6 +163,7 @@ class TraceSession:
         self.step = -1
         self.scope: Any = None  # what makes one step of several root calls (a pipeline schedule's call), while it lasts
         self.micro: int | None = None  # the microbatch of the step in progress (None: not a scheduled step)
+        self.stage_micros: dict[int, int] = {}  # a rank that runs several pipeline stages: each stage's microbatch
         self.failure: dict | None = None
         self.warnings: list[str] = []
         self.autocast: set[str] = set()  # dtypes automatic mixed precision computed in, in any call
@@ -308,9 +310,14 @@ class TraceSession:
         that step's microbatches."""
         return scope is None or scope is not self.scope
 
-    def _open_step(self, scope: Any) -> None:
+    def _open_step(self, scope: Any, stage: int | None = None) -> None:
+        """``stage``: the pipeline stage the root call runs, on a rank that runs several: its microbatches are
+        counted on their own (an interleaved schedule runs stage 0's microbatch 1 before stage 2's 0)."""
         if not self.starts_step(scope):
-            self.micro = (self.micro or 0) + 1
+            if stage is not None:
+                self.micro = self.stage_micros[stage] = self.stage_micros.get(stage, -1) + 1
+            else:
+                self.micro = (self.micro or 0) + 1
             return
         self.flush_deferred()  # a step's records are in the file before the next step begins
         previous, self.scope = self.scope, scope  # held, so that no later call can reuse its identity
@@ -320,21 +327,26 @@ class TraceSession:
             except RuntimeError:  # still running: it lets them go itself
                 pass
         self.micro = 0 if scope is not None else None
+        self.stage_micros = {stage: 0} if stage is not None and scope is not None else {}
         self.step += 1
         self.seen.clear()
         self.seen_objects.clear()
 
     def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict,
-                   full: bool = True, arg_names: tuple = (), scope: Any = None) -> CallFrame:
+                   full: bool = True, arg_names: tuple = (), scope: Any = None,
+                   stage: int | None = None) -> CallFrame:
         """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them.
-        ``scope``: for a root call, what says which step it belongs to (``starts_step``)."""
+        ``scope``: for a root call, what says which step it belongs to (``starts_step``); ``stage``: for a root
+        call, the pipeline stage it runs on a rank that runs several (every call inside it runs in it too)."""
         if not self.stack:
-            self._open_step(scope)
+            self._open_step(scope, stage)
+        else:
+            stage = self.stack[-1].stage
         call = self.call_counts.get(path, 0)
         self.call_counts[path] = call + 1
         parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
         frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
-                          scalars=scalars, full=full, arg_names=tuple(arg_names), micro=self.micro)
+                          scalars=scalars, full=full, arg_names=tuple(arg_names), micro=self.micro, stage=stage)
         frame.inputs = self._entries("input", inputs, full)
         self.stack.append(frame)
         return frame
@@ -354,6 +366,8 @@ class TraceSession:
             rec["arg_names"] = list(frame.arg_names)
         if frame.micro is not None:
             rec["micro"] = frame.micro
+        if frame.stage is not None:
+            rec["stage"] = frame.stage
         if phase == "forward":
             if frame.ops is not None:
                 rec["ops"] = frame.ops
@@ -425,6 +439,8 @@ class TraceSession:
                "tensors": tensors}
         if frame.micro is not None:
             rec["micro"] = frame.micro
+        if frame.stage is not None:
+            rec["stage"] = frame.stage
         if phase == "forward":
             if op.args:
                 rec["args"] = op.args
@@ -494,12 +510,14 @@ class TraceSession:
 
     # -- parameters ----------------------------------------------------------------------------------------
     def param(self, kind: str, name: str, module_path: str, tensor, module_type: str | None = None,
-              tied: list | None = None, placement: dict | None = None, increment: bool = False) -> list[dict]:
+              tied: list | None = None, placement: dict | None = None, increment: bool = False,
+              stage: int | None = None) -> list[dict]:
         """kind is "param" (value) or "param_grad" (gradient after accumulation). ``tied``: every name of a
         parameter that several modules own (an embedding tied to the LM head); it is recorded under each.
         ``placement``: how the gradient is spread over ranks when its tensor cannot say (a partial sum);
-        ``increment``: the gradient is this backward's contribution alone (added up elsewhere), not the total.
-        Returns the entries recorded (none for a tensor that cannot be stored)."""
+        ``increment``: the gradient is this backward's contribution alone (added up elsewhere), not the total;
+        ``stage``: the pipeline stage that holds it, on a rank that runs several. Returns the entries recorded
+        (none for a tensor that cannot be stored)."""
         entries = self._entries(kind, [("value", tensor)])
         if not entries:
             return []
@@ -515,6 +533,8 @@ class TraceSession:
             record["tied"] = list(tied)
         if increment:
             record["increment"] = True
+        if stage is not None:
+            record["stage"] = stage
         self._write(record)
         return entries
 
@@ -524,9 +544,12 @@ class TraceSession:
         small = _numel(grad) <= USE_DATA_LIMIT  # a vocabulary-sized tied embedding: its statistics suffice
         entries = self._entries("param_grad", [("value", grad)], frame.full and small)
         if entries:
-            self._write({"kind": "param_grad_use", "path": name, "module": frame.path,
-                                      "module_type": frame.type, "call": frame.call, "step": frame.step,
-                                      "seq": self._next_seq(), "tensors": entries, "tied": list(tied)})
+            record = {"kind": "param_grad_use", "path": name, "module": frame.path, "module_type": frame.type,
+                      "call": frame.call, "step": frame.step, "seq": self._next_seq(), "tensors": entries,
+                      "tied": list(tied)}
+            if frame.stage is not None:
+                record["stage"] = frame.stage
+            self._write(record)
 
     # -- end -----------------------------------------------------------------------------------------------
     def close(self, exc: BaseException | None = None):

@@ -42,6 +42,9 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
         own_shares = run.own_shares and any((layout.get("dp") or 1) > 1 for layout in run.layouts)
         groups = [(group, "replicas") for group in run.replica_groups()] + \
             [(group, "peers") for group in run.peer_groups()] + [(group, "copies") for group in run.copy_groups()]
+        # a rank that ran several pipeline stages is one reader per stage: its file is compared once
+        files_of = {tuple(dict.fromkeys(run.file_of[r] for r in group)): kind for group, kind in groups}
+        groups = [(list(group), kind) for group, kind in files_of.items()]
     files = [os.path.abspath(f) for f in rank_files(path) or ()]  # workers open them by path: absolute
     shared = {"exempt": exempt, "own_shares": own_shares, "policy": policy.describe(),
               "rule_files": [os.path.abspath(f) for f in how.rule_files]}  # read where the task runs

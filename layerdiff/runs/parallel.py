@@ -31,6 +31,8 @@ class ParallelLayout(TypedDict, total=False):
     # so no activation is a weight's shard
     split_modules: list[str]  # modules whose work each rank of the stage splits differently (experts' containers):
     # their own records are not joined (their children, each held by one rank, are compared)
+    pp_stages: list[int]  # the pipeline stages this rank runs, where it runs several (an interleaved schedule): its
+    # records carry their stage; ``pp_rank`` is the first
     microbatch_grad_scale: float  # each microbatch's gradients times this are its share of the step's (torch
     # pipelining's ``scale_grads``: 1/M, the schedule divides the parameters' gradients by M where no hook sees it)
 

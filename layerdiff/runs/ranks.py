@@ -31,6 +31,7 @@ from layerdiff.tracefile.index import Damage
 from layerdiff.match.joins import alike, batch_axis, root_calls, scalar_loss, token_shapes
 from layerdiff.match.operands import combine_stats, scaled_stats, scaled_values, summed_stats, unknown_stats
 from layerdiff.runs.parallel import global_path
+from layerdiff.runs.stages import stage_views
 from layerdiff.tracefile.reader import TraceReader
 from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
@@ -140,6 +141,10 @@ class RankedRun:
                        for d in r.damage]
         self.unverified = sum(r.unverified for r in self.readers)
         self.end = self._end()
+        self.files = self.readers  # one reader per rank's file; ``readers``: one per pipeline stage a rank ran
+        views = [(i, view) for i, reader in enumerate(self.files) for view in stage_views(reader)]
+        self.readers = [view for _, view in views]
+        self.file_of = [i for i, _ in views]  # each reader's rank (its file)
         self._joined = 0  # joined entries made so far (each gets its own negative offset)
         self.layouts = [reader.meta.get("parallel") or {} for reader in self.readers]
         self.stages = [int(layout.get("pp_rank") or 0) for layout in self.layouts]
@@ -166,7 +171,7 @@ class RankedRun:
 
     @property
     def world_size(self) -> int:
-        return len(self.readers)
+        return len(self.files)
 
     def _check_complete(self, files):
         sizes = {(r.meta.get("distributed") or {}).get("world_size") for r in self.readers}
@@ -594,10 +599,10 @@ class RankedRun:
         return joined
 
     def size_bytes(self) -> int:
-        return sum(r.size_bytes() for r in self.readers)
+        return sum(r.size_bytes() for r in self.files)
 
     def close(self):
-        for reader in self.readers:
+        for reader in getattr(self, "files", self.readers):
             reader.close()
 
     def __enter__(self):

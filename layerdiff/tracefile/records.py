@@ -136,6 +136,7 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     ops: Optional[Count] = None  # operations recorded inside this call (``ops`` tracing); None: not recorded
     producers: Optional[dict[str, Producer]] = None  # inputs: in the caller's call; outputs: in this call
     micro: Optional[Count] = None  # the microbatch of a step run by a pipeline schedule (None: a step of one call)
+    stage: Optional[Count] = None  # its pipeline stage, on a rank that runs several (``meta.parallel.pp_stages``)
     absorbed: Optional[str] = None  # never in a file: a module of B read with a child it runs inside itself
     ranks_missing: Optional[list[int]] = None  # never in a file: ranks of a run that lack this record
     ranks_held: Optional[list[int]] = None  # never in a file: the only ranks of a run that ran it (a pipeline stage)
@@ -175,6 +176,7 @@ class OpRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ta
     in_place: bool = False
     error: Optional[str] = None
     micro: Optional[Count] = None  # as its module call's
+    stage: Optional[Count] = None  # as its module call's
 
     @property
     def parent(self) -> tuple[str, int]:
@@ -207,6 +209,7 @@ class ParamRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     module_type: Optional[str] = None
     tied: Optional[list[str]] = None
     increment: bool = False  # a gradient that is one backward's contribution (a step's microbatches add up)
+    stage: Optional[Count] = None  # the pipeline stage that holds it, on a rank that runs several
     ranks_missing: Optional[list[int]] = None
     ranks_held: Optional[list[int]] = None
 

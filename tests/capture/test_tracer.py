@@ -318,3 +318,25 @@ def test_collectives_are_wrapped_only_while_a_trace_is_open(tmp_path):
     assert dist.all_reduce is not original  # the second trace is still open
     second.__exit__(None, None, None)
     assert dist.all_reduce is original and dist.broadcast.__module__ == "torch.distributed.distributed_c10d"
+
+
+def test_a_list_of_modules_is_traced_into_one_trace(tmp_path):
+    """``layerdiff.trace([a, b], path)``: the parts' modules and parameters under their own names, a module they
+    share hooked once; outside a pipeline schedule (which says each part's stage) the trace warns that the parts'
+    calls are not told apart. An empty list is one clear error, and replay refuses a list."""
+    shared = nn.Linear(4, 4)
+    first, second = nn.Sequential(shared, nn.ReLU()), nn.Sequential(nn.Linear(4, 4), shared)
+    x = torch.randn(2, 4)
+    with layerdiff.trace([first, second], tmp_path / "parts.h5"):
+        second(first(x)).sum().backward()
+    with open_trace(tmp_path / "parts.h5") as reader:
+        assert reader.meta["model_parts"] == 2 and reader.meta["num_parameters"] == 2 * (4 * 4 + 4)
+        forward = sorted((r.begin, r.path) for r in reader.records if r.kind == "call" and r.phase == "forward")
+        # the shared Linear is hooked once, under the first part's name: in the second part it is called as "0" too
+        assert [path for _, path in forward] == ["", "0", "1", "", "0", "0"], forward
+        assert {r.path for r in reader.records if r.kind == "param"} == {"0.weight", "0.bias", "1.weight", "1.bias"}
+        assert any("not told apart by stage" in w for w in reader.end.warnings), reader.end.warnings
+    with pytest.raises(LayerdiffError, match="list of model parts is empty"):
+        layerdiff.trace([], tmp_path / "none.h5")
+    with pytest.raises(LayerdiffError, match="replay drives one module"):
+        layerdiff.trace([first, second], tmp_path / "replayed.h5", forcer=object())

@@ -46,11 +46,16 @@ os._exit(0)  # every file is written and closed: see _EXIT above the scripts
 """
 
 
+def torchrun(tmp_path_factory, name: str, script: str, ranks: int):
+    """A folder where ``script`` ran on ``ranks`` gloo ranks (torchrun) and wrote its traces."""
+    root = tmp_path_factory.mktemp(name)
+    launch(root, name, script, ["torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)])
+    return root
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("four_ranks")
-    launch(root, "fsdp_tp", FSDP_TP_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "4"])
-    return root
+    return torchrun(tmp_path_factory, "fsdp_tp", FSDP_TP_SCRIPT, 4)
 
 
 def test_fsdp_with_tensor_parallelism_and_hsdp_join_as_one_process(four_ranks, recipe_trace):
@@ -110,11 +115,25 @@ for defect in (None, "owncode"):  # operations recorded, joined over the stages 
     built = torch_llama_pp.build(defect, batch=4, microbatches=2)
     with layerdiff.trace(built["model"], f"{sys.argv[1]}/pp_ops_{defect or 'clean'}", ops=True):
         built["step"]()
+# two stages on each rank (4 layers, 4 stages): rank r runs stages r and r + 2, the model traced is their list
+for defect, schedule, mode, ops in ((None, "interleaved1f1b", "stats", False), ("eps", "loopedbfs", "full", False),
+                                    ("owncode", "interleaved1f1b", "full", True)):
+    built = torch_llama_pp.build(defect, batch=4, layers=4, stages_per_rank=2, schedule=schedule, lr=0.1,
+                                 defect_layer=2 if defect == "eps" else 3)
+    with layerdiff.trace(built["model"], f"{sys.argv[1]}/vpp_{defect or 'clean'}_{schedule}_{mode}", mode=mode,
+                         ops=ops):
+        for _ in range(1 if ops else 2):
+            built["step"]()
 os._exit(0)
 """
 
 
-def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
+@pytest.fixture(scope="module")
+def pipeline_ranks(tmp_path_factory):
+    return torchrun(tmp_path_factory, "pipeline", PIPELINE_SCRIPT, 2)
+
+
+def test_torch_pipeline_stages_join_as_one_process(pipeline_ranks, recipe_trace):
     """``torch.distributed.pipelining`` (torchtitan's pipeline parallelism), 2 stages on 2 ranks, GPipe over 2
     microbatches and 1F1B over 4, two SGD steps, against one process on the whole batch. Before, each
     microbatch read as a step of its own, the stages' shape inference on uninitialized placeholder tensors was
@@ -126,7 +145,7 @@ def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
     from layerdiff.recipes import torch_llama
     from layerdiff.recipes.llama_shared import DEFECTS
 
-    launch(tmp_path, "pipeline", PIPELINE_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    tmp_path = pipeline_ranks
     with open_trace(tmp_path / "pp_clean_gpipe_full" / "rank1.h5") as reader:
         layout = reader.meta["parallel"]
         assert (layout["pp"], layout["pp_rank"], layout["microbatch_grad_scale"]) == (2, 1, 0.5)
@@ -150,7 +169,7 @@ def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
         assert align_files(recipe_trace(defect, **reference), tmp_path / name)["verdict"] == "aligned", defect
     # operations: each stage's, under the whole model's names, each joined over the microbatches
     built = torch_llama.build(None, batch=4)
-    with layerdiff.trace(built["model"], tmp_path / "ops_reference.h5", ops=True):
+    with layerdiff.trace(built["model"], tmp_path / "ops_reference.h5", ops=True, overwrite=True):
         built["step"]()
     report = align_files(tmp_path / "ops_reference.h5", tmp_path / "pp_ops_clean")
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
@@ -161,6 +180,41 @@ def test_torch_pipeline_stages_join_as_one_process(tmp_path, recipe_trace):
     with open_trace(tmp_path / "pp_body" / "rank0.h5") as reader:  # not the stage's module: no layout, a warning
         assert "parallel" not in reader.meta
         assert any("trace each rank's PipelineStage.submod" in w for w in reader.end.warnings), reader.end.warnings
+
+
+def test_interleaved_pipeline_stages_join_as_one_process(pipeline_ranks, recipe_trace, tmp_path):
+    """Schedules that run several stages on one rank (interleaved 1F1B, looped BFS: torchtitan's ``model_parts``),
+    4 stages on 2 ranks, the list of each rank's stage modules traced into one trace. Each record says its stage,
+    each stage's microbatches are counted on their own, and the run reads as 4 stages: aligned with one process
+    over two SGD steps; a defect in layer 2 (rank 0's second stage) is named there, and one planted in layer 3's
+    attention scaling at its operation. Before, the trace warned and the ranks were not joined."""
+    import layerdiff
+    from layerdiff.recipes import torch_llama
+    from layerdiff.recipes.llama_shared import DEFECTS
+
+    root = pipeline_ranks
+    with open_trace(root / "vpp_clean_interleaved1f1b_stats" / "rank0.h5") as reader:
+        layout = reader.meta["parallel"]
+        assert (layout["pp"], layout["pp_rank"], layout["pp_stages"]) == (4, 0, [0, 2]), layout
+        roots = [(r.stage, r.step, r.micro) for r in reader.records if r.kind == "call" and r.path == ""
+                 and r.phase == "forward"]
+        assert sorted(roots) == [(s, step, m) for s in (0, 2) for step in (0, 1) for m in (0, 1)], roots
+        owners = {r.path: r.stage for r in reader.records if r.kind == "param"}
+        assert owners["model.embed_tokens.weight"] == 0 and owners["model.layers.2.mlp.up_proj.weight"] == 2
+    reference = {"batch": 4, "layers": 4, "lr": 0.1, "steps": 2}
+    report = align_files(recipe_trace(mode="stats", **reference), root / "vpp_clean_interleaved1f1b_stats")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["params"]["compared"] == 78 and report["params"]["grads_compared"] == 78
+    origin = align_files(recipe_trace(**reference), root / "vpp_eps_loopedbfs_full")["forward"]["first_divergence"]
+    assert (origin["module"], origin["step"]) == (DEFECTS["eps"][1].replace("layers.1", "layers.2"), 0), origin
+    built = torch_llama.build(None, batch=4, layers=4)
+    with layerdiff.trace(built["model"], tmp_path / "ops_reference.h5", ops=True):
+        built["step"]()
+    report = align_files(tmp_path / "ops_reference.h5", root / "vpp_owncode_interleaved1f1b_full")
+    origin = report["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.3.self_attn", origin
+    assert origin["op"]["name"].endswith("scaled_dot_product_attention"), origin["op"]
+    assert origin["op"]["args_diff"] == {"kwargs.scale": [0.25, 0.3125]}, origin["op"]
 
 
 
