@@ -17,6 +17,7 @@ from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
+from layerdiff.runs.parallel import ParallelLayout
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -449,6 +450,7 @@ class Hooks(ModuleHooks):
     differentiable = staticmethod(_differentiable)
     held_dtypes: set[str] | None = None  # set at install for a model FSDP shards: the dtypes it holds weights in
     pipeline_read = False  # whether a pipeline schedule running the model was read (``scheduled_step``)
+    data_parallel: ParallelLayout | None = None  # the model's data-parallel layout, read at install
 
     def named_parameters(self):
         return each_named(self.model, lambda part: part.named_parameters(remove_duplicate=False))  # a tied weight
@@ -483,7 +485,7 @@ class Hooks(ModuleHooks):
             return
         self.pipeline_read = True
         parts = parts_of(self.model)
-        found = torch_pipelining.stage_layout(parts, scope, torch_data_parallel.parallel_layout(parts[0]))
+        found = torch_pipelining.stage_layout(parts, scope, self.data_parallel)
         if found is None:
             self.session.warn("run by a pipeline schedule whose stages on this rank are not the modules traced: its "
                               "ranks are not joined as one model (trace each rank's PipelineStage.submod, or the list "
@@ -498,6 +500,8 @@ class Hooks(ModuleHooks):
         return torch_pipelining.inferring(frame)
 
     def install(self):
+        # read now, while FSDP holds its weights sharded (a step's first call may already have gathered them)
+        self.data_parallel = torch_data_parallel.parallel_layout(parts_of(self.model)[0])
         if any(torch_data_parallel.fsdp_model(part) for part in parts_of(self.model)):
             self.held_dtypes = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
         super().install()
