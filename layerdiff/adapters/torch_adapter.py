@@ -451,6 +451,7 @@ class Hooks(ModuleHooks):
     held_dtypes: set[str] | None = None  # set at install for a model FSDP shards: the dtypes it holds weights in
     pipeline_read = False  # whether a pipeline schedule running the model was read (``scheduled_step``)
     data_parallel: ParallelLayout | None = None  # the model's data-parallel layout, read at install
+    grad_handles: list | tuple = ()  # the hooks that record the parameters' gradients
 
     def named_parameters(self):
         return each_named(self.model, lambda part: part.named_parameters(remove_duplicate=False))  # a tied weight
@@ -495,6 +496,8 @@ class Hooks(ModuleHooks):
         if len(parts) > 1:
             self.learn_stages(stages)
         self.session.learn_layout(layout)
+        if self.backward and self.record_params and torch_pipelining.splits_weight_gradients(scope):
+            self.record_weight_gradients_apart()
 
     def machinery_call(self, frame) -> bool:
         return torch_pipelining.inferring(frame)
@@ -519,12 +522,29 @@ class Hooks(ModuleHooks):
         return [_CollectiveWatch(self.session)] if dist.is_available() else []
 
     def register_param_grad_hooks(self):
-        for name, p in self.params:
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(name)))
+        self.grad_handles = [p.register_post_accumulate_grad_hook(self._param_grad_hook(name))
+                             for name, p in self.params if p.requires_grad]
+        self.handles.extend(self.grad_handles)
 
     def _param_grad_hook(self, name):
         return lambda p: self.record_param_grad(name, p.grad, p)
+
+    def record_weight_gradients_apart(self) -> None:
+        """A zero-bubble pipeline schedule computes each weight's gradient apart from the input's
+        (``torch.autograd.grad`` into the weight's accumulator, then ``weight.grad = dw`` or ``+=``): no accumulation
+        hook sees it. Each contribution is recorded instead as it reaches the weight (its tensor hook, which also
+        runs where a stage's backward is whole), as an increment: a step's contributions add up."""
+        for handle in self.grad_handles:
+            handle.remove()
+        self.grad_handles = [p.register_hook(self._weight_increment_hook(name, p))
+                             for name, p in self.params if p.requires_grad]
+        self.handles.extend(self.grad_handles)
+
+    def _weight_increment_hook(self, name, p):
+        def hook(grad):
+            self.record_param_grad(name, grad, p, increment=True)
+
+        return hook
 
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()

@@ -14,7 +14,9 @@ schedule that is running, only when the process has loaded it.
   (``PipelineStage``'s metadata inference: uninitialized values) and once backward: none of the model's work
   (``inferring``: those calls are not recorded).
 - A schedule that runs several stages on one rank (interleaved 1F1B, looped BFS) is read when the list of its
-  stages' modules is traced (``ModelParts``): each record then says its stage."""
+  stages' modules is traced (``ModelParts``): each record then says its stage.
+- A zero-bubble schedule computes a weight's gradient apart from its input's and writes it into ``weight.grad``
+  itself (``splits_weight_gradients``): each contribution is recorded as it reaches the weight."""
 from __future__ import annotations
 
 from types import FrameType
@@ -44,6 +46,18 @@ def inferring(frame: FrameType | None) -> bool:
     """Whether a module call made from ``frame`` is a pipeline stage's metadata inference (its module run on
     placeholder tensors to learn their shapes), not the model's work."""
     return running_frame(frame, _STAGE, _INFERENCE) is not None
+
+
+def splits_weight_gradients(schedule: FrameType) -> bool:
+    """Whether the running ``schedule`` (its ``step`` frame) computes weights' gradients apart from the inputs'
+    (zero-bubble schedules: a ``BACKWARD_WEIGHT`` action in its order of work), writing them into ``weight.grad``
+    where no accumulation hook sees them."""
+    runner = schedule.f_locals.get("self")
+    order = getattr(runner, "pipeline_order", None)
+    if not isinstance(order, dict):
+        return False
+    return any(getattr(getattr(action, "computation_type", None), "name", None) == "BACKWARD_WEIGHT"
+               for actions in order.values() for action in actions or ())
 
 
 def stage_layout(parts: Sequence[Any], schedule: FrameType,

@@ -501,15 +501,16 @@ class ModuleHooks:
             if key in forced and id(t) not in swap:
                 swap[id(t)] = forced[key]
 
-    def record_param_grad(self, name, grad, param=None):
+    def record_param_grad(self, name, grad, param=None, increment: bool = False):
         """``param``: the parameter itself, where the framework's hook hands it (what its gradient is: a partial
-        sum over ranks, one backward's contribution)."""
+        sum over ranks, one backward's contribution); ``increment``: ``grad`` is one backward's contribution,
+        before it is added to the parameter's gradient."""
         if grad is not None:
             self.grads_since_recorded.add(name)
             module = name.rpartition(".")[0]
             runner = self.runner if self.runner is not None else self.param_part.get(name, self.model)
             placement = self.adapter.grad_placement(runner, param) if param is not None else None
-            increment = param is not None and self.adapter.grad_increments(param)
+            increment = increment or (param is not None and self.adapter.grad_increments(param))
             self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name),
                                placement, increment, self.param_stages.get(name))
 

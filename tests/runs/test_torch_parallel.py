@@ -121,7 +121,7 @@ for defect in (None, "owncode"):  # operations recorded, joined over the stages 
         built["step"]()
 # two stages on each rank (4 layers, 4 stages): rank r runs stages r and r + 2, the model traced is their list
 for defect, schedule, mode, ops in ((None, "interleaved1f1b", "stats", False), ("eps", "loopedbfs", "full", False),
-                                    ("owncode", "interleaved1f1b", "full", True)):
+                                    ("owncode", "interleaved1f1b", "full", True), (None, "zbv", "stats", False)):
     built = torch_llama_pp.build(defect, batch=4, layers=4, stages_per_rank=2, schedule=schedule, lr=0.1,
                                  defect_layer=2 if defect == "eps" else 3)
     with layerdiff.trace(built["model"], f"{sys.argv[1]}/vpp_{defect or 'clean'}_{schedule}_{mode}", mode=mode,
@@ -191,7 +191,8 @@ def test_interleaved_pipeline_stages_join_as_one_process(pipeline_ranks, recipe_
     4 stages on 2 ranks, the list of each rank's stage modules traced into one trace. Each record says its stage,
     each stage's microbatches are counted on their own, and the run reads as 4 stages: aligned with one process
     over two SGD steps; a defect in layer 2 (rank 0's second stage) is named there, and one planted in layer 3's
-    attention scaling at its operation. Before, the trace warned and the ranks were not joined."""
+    attention scaling at its operation; a zero-bubble schedule's weight gradients, computed apart, are all compared.
+    Before, the trace warned and the ranks were not joined."""
     import layerdiff
     from layerdiff.recipes import torch_llama
     from layerdiff.recipes.llama_shared import DEFECTS
@@ -209,6 +210,11 @@ def test_interleaved_pipeline_stages_join_as_one_process(pipeline_ranks, recipe_
     report = align_files(recipe_trace(mode="stats", **reference), root / "vpp_clean_interleaved1f1b_stats")
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
     assert report["params"]["compared"] == 78 and report["params"]["grads_compared"] == 78
+    # zero bubble (the V: rank 0 runs stages 0 and 3): each weight's gradient is computed apart from its input's and
+    # written into weight.grad where no accumulation hook sees it; each contribution is recorded as it arrives
+    report = align_files(recipe_trace(mode="stats", **reference), root / "vpp_clean_zbv_stats")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["params"]["grads_compared"] == 78 and not report["only_a"], report["params"]
     origin = align_files(recipe_trace(**reference), root / "vpp_eps_loopedbfs_full")["forward"]["first_divergence"]
     assert (origin["module"], origin["step"]) == (DEFECTS["eps"][1].replace("layers.1", "layers.2"), 0), origin
     built = torch_llama.build(None, batch=4, layers=4)
