@@ -84,6 +84,11 @@ class Tracer:
                                  "reference, or align the multi-rank run (layerdiff align REF RUN)")
         meta["distributed"] = ranks
         layout = adapter.parallel_layout(parts[0])
+        stages = None
+        if len(parts) > 1:  # Megatron's model chunks say their stages now; a pipeline schedule, at its first step
+            found = adapter.parts_layout(parts)
+            if found is not None:
+                layout, stages = found
         if layout is not None:
             meta["parallel"] = layout
         writer = TraceWriter(self._file_path(ranks), meta, overwrite=options.overwrite,
@@ -98,6 +103,8 @@ class Tracer:
         if self._froze:
             gc.freeze()
         hooks = adapter.hooks(self.model, self.session, options, path_filter, self.forcer)
+        if stages is not None:
+            hooks.learn_stages(stages)
         hooks.install()
         self._hooks = hooks
         if windows is not None:

@@ -11,6 +11,8 @@ through megatron-core's own schedule and its DistributedDataParallel, on CPU ran
         --arg layers=4 --arg tp=2 --arg pp=2 -o tp_pp                                     # TP=2 x PP=2 on 4 ranks
     torchrun --standalone --nproc-per-node 4 -m layerdiff trace megatron_parallel \
         --arg layers=4 --arg tp=2 --arg dp=2 -o tp_dp                                     # TP=2 x DP=2 on 4 ranks
+    torchrun --standalone --nproc-per-node 2 -m layerdiff trace megatron_parallel \\
+        --arg pp=2 --arg vpp=2 --arg microbatches=2 --arg batch=4 -o vpp                  # 4 virtual stages
     layerdiff align hf.h5 pp
 
 One ``step()`` is one training iteration as Megatron runs it: ``get_forward_backward_func()`` runs every
@@ -91,10 +93,11 @@ class CPUDevices(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def init_parallel(tp: int, pp: int, ep: int = 1, dp: int = 1):
+def init_parallel(tp: int, pp: int, ep: int = 1, dp: int = 1, vpp: int = 1):
     """Gloo process group of the launcher (one in-memory group without one), Megatron's parallel state at
     tensor-parallel size ``tp``, pipeline size ``pp`` and expert-parallel size ``ep`` over ``tp * pp * dp``
-    ranks (expert parallelism is carved out of data parallelism), the no-op RNG tracker (dropout is 0)."""
+    ranks (expert parallelism is carved out of data parallelism), ``vpp`` virtual stages on each pipeline rank, the
+    no-op RNG tracker (dropout is 0)."""
     dist = torch.distributed
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")  # what Megatron allocates its buffers on
@@ -109,7 +112,8 @@ def init_parallel(tp: int, pp: int, ep: int = 1, dp: int = 1):
                          f"--nproc-per-node {world}); this job has {dist.get_world_size()}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
@@ -135,34 +139,41 @@ def _has(model, path: str) -> bool:
 
 
 def build_model(*, layers: int, tp: int, pp: int, sp: bool, first_stage_layers: int | None, seed: int,
-                defect: str | None, dp: int = 1):
-    init_parallel(tp, pp, dp=dp)
+                defect: str | None, dp: int = 1, vpp: int = 1):
+    """This rank's GPTModel, or with ``vpp`` > 1 its list of model chunks (virtual pipeline stages: chunk v holds
+    the layers of stage v x pp + this rank), each loaded with the layers it holds; and the shared config."""
+    init_parallel(tp, pp, dp=dp, vpp=vpp)
     torch.manual_seed(seed)
     cfg = shared.config(layers=layers)
     uneven = first_stage_layers is not None and pp == 2
     config = base.transformer_config(
         cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
         pipeline_dtype=torch.float32, batch_p2p_sync=False,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         num_layers_in_first_pipeline_stage=first_stage_layers if uneven else None,
         num_layers_in_last_pipeline_stage=layers - first_stage_layers if uneven else None)
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = SequenceParallelRMSNorm
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
-    stage_layers = [layer] * get_num_layers_to_build(config)  # a block spec lists this stage's layers only
-    model = GPTModel(config, TransformerBlockSubmodules(layer_specs=stage_layers, layer_norm=norm),
-                     vocab_size=cfg["vocab"], max_sequence_length=4096, position_embedding_type="rope",
-                     rotary_base=cfg["rope_theta"], share_embeddings_and_output_weights=False,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
-    model.rotary_pos_emb.__class__ = base.CPURotaryEmbedding
-    model.rotary_pos_emb.rotary_base = cfg["rope_theta"]
     full = base.hf_to_megatron(shared.weights(cfg, seed), cfg)
     offset = parallel_state.get_pipeline_model_parallel_rank() * (layers // pp) if defect == "offset" else None
-    state = stage_state(full, model, offset)
-    state = base.megatron_shard(state, tp, parallel_state.get_tensor_model_parallel_rank())
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
-    assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
-    return model, cfg
+    chunks = []
+    for vp_stage in range(vpp) if vpp > 1 else [None]:
+        stage_layers = [layer] * get_num_layers_to_build(config, vp_stage=vp_stage)  # this stage's layers only
+        model = GPTModel(config, TransformerBlockSubmodules(layer_specs=stage_layers, layer_norm=norm),
+                         vocab_size=cfg["vocab"], max_sequence_length=4096, position_embedding_type="rope",
+                         rotary_base=cfg["rope_theta"], share_embeddings_and_output_weights=False,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         vp_stage=vp_stage)
+        model.rotary_pos_emb.__class__ = base.CPURotaryEmbedding
+        model.rotary_pos_emb.rotary_base = cfg["rope_theta"]
+        state = stage_state(full, model, offset)
+        state = base.megatron_shard(state, tp, parallel_state.get_tensor_model_parallel_rank())
+        missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+        assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
+        chunks.append(model)
+    return (chunks if vpp > 1 else chunks[0]), cfg
 
 
 def _inject(model: GPTModel, defect: str | None, first_stage_layers: int | None):
@@ -201,24 +212,30 @@ def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def trainer(model: GPTModel, forward_step, batches, *, microbatches: int, seq: int, micro: int, lr: float):
-    """One training iteration as Megatron runs one: the model wrapped in its DistributedDataParallel, every
-    microbatch (``batches()``: an iterator over them) through ``get_forward_backward_func()``, its
-    ``finalize_model_grads``, and with ``lr`` > 0 plain SGD from ``main_grad``. Returns the mean loss."""
+def trainer(model: GPTModel | list[GPTModel], forward_step, batches, *, microbatches: int, seq: int, micro: int,
+            lr: float):
+    """One training iteration as Megatron runs one: the model (each of its chunks) wrapped in its
+    DistributedDataParallel, every microbatch (``batches()``: an iterator over them, one per chunk) through
+    ``get_forward_backward_func()``, its ``finalize_model_grads``, and with ``lr`` > 0 plain SGD from ``main_grad``.
+    Returns the mean loss."""
+    chunks = model if isinstance(model, list) else [model]
     with CPUDevices():
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
+        ddps = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in chunks]
+    chunks[0].config.finalize_model_grads_func = finalize_model_grads
 
     def step():
-        ddp.zero_grad_buffer()
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
         with CPUDevices():
-            losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches(),
-                                                 model=[ddp], num_microbatches=microbatches, seq_length=seq,
-                                                 micro_batch_size=micro, forward_only=False)
+            losses = get_forward_backward_func()(forward_step_func=forward_step,
+                                                 data_iterator=[batches() for _ in ddps] if len(ddps) > 1
+                                                 else batches(), model=ddps, num_microbatches=microbatches,
+                                                 seq_length=seq, micro_batch_size=micro, forward_only=False)
         if lr > 0:
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(p.main_grad, alpha=-lr)
+                for chunk in chunks:
+                    for p in chunk.parameters():
+                        p.add_(p.main_grad, alpha=-lr)
         return sum(float(x["lm loss"]) for x in losses) / microbatches if losses else None
 
     return step
@@ -226,15 +243,18 @@ def trainer(model: GPTModel, forward_step, batches, *, microbatches: int, seq: i
 
 def build(defect: str | None = None, *, layers: int = 4, tp: int = 1, pp: int = 1, sp: bool = False,
           microbatches: int = 1, first_stage_layers: int | None = None, lr: float = 0.0, batch: int = 2,
-          seq: int = 16, seed: int = 0, dp: int = 1):
+          seq: int = 16, seed: int = 0, dp: int = 1, vpp: int = 1):
+    """``vpp`` > 1: that many virtual pipeline stages on each pipeline rank (Megatron's interleaved schedule); the
+    model traced is the rank's list of model chunks."""
     if sp and tp < 2:
         raise ValueError("sp=true splits activations over tensor-parallel ranks: it needs tp >= 2")
     if batch % (microbatches * dp):
         raise ValueError(f"batch {batch} does not split into {dp} data-parallel shares of {microbatches} "
                          "microbatches")
     model, cfg = build_model(layers=layers, tp=tp, pp=pp, sp=sp, first_stage_layers=first_stage_layers, seed=seed,
-                             defect=defect, dp=dp)
-    _inject(model, defect, first_stage_layers)
+                             defect=defect, dp=dp, vpp=vpp)
+    for chunk in model if isinstance(model, list) else [model]:
+        _inject(chunk, defect, first_stage_layers)
     base.reserve_attention_buffer(batch * cfg["heads"] * seq * seq)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
     share = batch // dp  # each data-parallel rank runs its share of the batch, in order of its rank
@@ -251,5 +271,5 @@ def build(defect: str | None = None, *, layers: int = 4, tp: int = 1, pp: int = 
     step = trainer(model, forward_step, lambda: iter(input_ids.split(micro)), microbatches=microbatches, seq=seq,
                    micro=micro, lr=lr)
     meta = {"recipe": "megatron_parallel", "defect": defect, "tp": tp, "pp": pp, "sp": sp, "dp": dp,
-            "microbatches": microbatches}
+            "microbatches": microbatches, "vpp": vpp}
     return {"model": model, "step": step, "meta": meta}

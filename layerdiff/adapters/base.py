@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import FrameType
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence, TypedDict
 
 import numpy as np
 
@@ -145,6 +145,12 @@ class FrameworkAdapter(ABC):
     def parallel_layout(self, model: Any) -> ParallelLayout | None:
         """The model's place in a model-parallel layout (Megatron's tensor, pipeline, expert, data parallel groups,
         and the global names of its locally named modules), from the framework's own facts; None without one."""
+        return None
+
+    def parts_layout(self, parts: Sequence[Any]) -> tuple[ParallelLayout, dict[int, int]] | None:
+        """The layout of several modules traced together (``ModelParts``) as far as the framework's facts say it
+        before they run, with each one's pipeline stage (id(module) -> index): Megatron's model chunks (virtual
+        pipeline stages). None: not known (a pipeline schedule may say it at its first step)."""
         return None
 
     def step_scope(self, frame: FrameType | None) -> Any:

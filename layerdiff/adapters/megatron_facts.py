@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from types import FrameType
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from layerdiff.adapters.frames import running_frame
 from layerdiff.runs.parallel import ParallelLayout, global_path
@@ -63,6 +63,29 @@ def parallel_layout(model: Any) -> ParallelLayout | None:
             any(getattr(p, "main_grad", None) is not None for p in model.parameters()):
         layout["grad_mean"] = True  # Megatron's DDP averages the ranks' gradients: each rank's loss is its own
     return layout
+
+
+def parts_layout(parts: Sequence[Any]) -> tuple[ParallelLayout, dict[int, int]] | None:
+    """The layout of a rank's Megatron model chunks (virtual pipeline stages: Megatron's interleaved schedule), and
+    each chunk's stage (id(chunk) -> index): chunk ``vp_stage`` v of pipeline rank r is stage v x PP + r of the
+    PP x VPP stages, its layers named locally from 0 (``stage_paths``: each stage's global names). None when a
+    chunk says no ``vp_stage`` or Megatron's parallel state is not initialized."""
+    state, first = _state(), parallel_layout(parts[0])
+    if state is None or first is None:
+        return None
+    pp, rank = _size_and_rank(state, "pipeline_model_parallel")
+    stages: dict[int, int] = {}
+    paths: dict[str, dict[str, str]] = {}
+    for part in parts:
+        vp_stage = getattr(part, "vp_stage", None)
+        if not isinstance(vp_stage, int) or isinstance(vp_stage, bool):
+            return None
+        stage = stages[id(part)] = vp_stage * pp + rank
+        paths[str(stage)] = global_paths(part.named_modules())[0]
+    first.pop("global_paths", None)
+    held = sorted(stages.values())
+    first["pp"], first["pp_rank"], first["pp_stages"], first["stage_paths"] = pp * len(parts), held[0], held, paths
+    return first, stages
 
 
 def global_paths(named_modules: Iterable[tuple[str, Any]]) -> tuple[dict[str, str], list[str]]:

@@ -719,6 +719,9 @@ class TorchAdapter(FrameworkAdapter):
     def parallel_layout(self, model):
         return megatron_facts.parallel_layout(model) or torch_data_parallel.parallel_layout(model)
 
+    def parts_layout(self, parts):
+        return megatron_facts.parts_layout(parts)
+
     def step_scope(self, frame):
         return megatron_facts.schedule_frame(frame) or torch_pipelining.schedule_frame(frame)
 

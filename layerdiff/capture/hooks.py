@@ -78,6 +78,16 @@ class ModuleHooks:
         self.grads_since_recorded: set[str] = set()
         self.params = [(name, p) for name, p in self.named_parameters()
                        if path_filter(name.rpartition(".")[0])]
+        # the key of each parameter in the books above (id -> key): its name, made unique where several model parts
+        # each name one of theirs alike (Megatron's model chunks name their layers from 0)
+        self.book: dict[int, str] = {}
+        for name, p in self.params:
+            if id(p) not in self.book:
+                taken = set(self.book.values())
+                key, n = name, 1
+                while key in taken:
+                    key, n = f"{name}#{n}", n + 1
+                self.book[id(p)] = key
         owners: dict = {}
         for name, p in self.params:
             owners.setdefault(id(p), []).append(name)
@@ -95,8 +105,8 @@ class ModuleHooks:
         # several model parts (``ModelParts``: the pipeline stages a schedule runs on this rank): each part and each
         # of its parameters' names -> the stage that part is, once the schedule says (``learn_stages``)
         self.root_stages: dict[int, int] = {}
-        self.param_stages: dict[str, int] = {}
-        self.param_part = {name: part for part in parts_of(model) for name, _ in self.adapter.named_parameters(part)} \
+        self.param_stages: dict[int, int] = {}  # id(parameter) -> stage
+        self.param_part = {id(p): part for part in parts_of(model) for _, p in self.adapter.named_parameters(part)} \
             if isinstance(model, ModelParts) else {}
 
     def named_modules(self):
@@ -113,7 +123,7 @@ class ModuleHooks:
         """Which pipeline stage each part of ``ModelParts`` is (``stages``: id(part) -> stage index): their calls
         and parameters are recorded with it from now on."""
         self.root_stages = dict(stages)
-        self.param_stages = {name: stages[id(part)] for name, part in self.param_part.items() if id(part) in stages}
+        self.param_stages = {key: stages[id(part)] for key, part in self.param_part.items() if id(part) in stages}
 
     # -- framework-specific: subclasses override these -------------------------------------------------------
     @staticmethod
@@ -266,9 +276,10 @@ class ModuleHooks:
         fingerprints = self.adapter.fingerprints([p for _, p, _ in candidates])
         changed = []
         for (name, p, version), fingerprint in zip(candidates, fingerprints):
-            known = self.param_fingerprints.get(name)
-            self.param_fingerprints[name] = fingerprint
-            if (self.session.peek_stats(p) != self.param_stats.get(name)) if known is None else fingerprint != known:
+            key = self.book.get(id(p), name)
+            known = self.param_fingerprints.get(key)
+            self.param_fingerprints[key] = fingerprint
+            if (self.session.peek_stats(p) != self.param_stats.get(key)) if known is None else fingerprint != known:
                 changed.append((name, p, version))
         return changed
 
@@ -506,37 +517,39 @@ class ModuleHooks:
         sum over ranks, one backward's contribution); ``increment``: ``grad`` is one backward's contribution,
         before it is added to the parameter's gradient."""
         if grad is not None:
-            self.grads_since_recorded.add(name)
+            self.grads_since_recorded.add(self.book.get(id(param), name) if param is not None else name)
             module = name.rpartition(".")[0]
-            runner = self.runner if self.runner is not None else self.param_part.get(name, self.model)
+            runner = self.runner if self.runner is not None else self.param_part.get(id(param), self.model)
             placement = self.adapter.grad_placement(runner, param) if param is not None else None
             increment = increment or (param is not None and self.adapter.grad_increments(param))
             self.session.param("param_grad", name, module, grad, self.module_types.get(module), self.tied.get(name),
-                               placement, increment, self.param_stages.get(name))
+                               placement, increment, self.param_stages.get(id(param)))
 
     def _record_changed_params(self):
         """Parameter values at the start of each step, when they (may have) changed since last recorded."""
         unseen = []  # (name, parameter, version): a backward pass ran, and its in-place counter did not move
         for name, p in self.params:
+            key = self.book.get(id(p), name)
             version = self.param_version(p)
             if version is None:
-                changed = name not in self.param_versions or name in self.grads_since_recorded
+                changed = key not in self.param_versions or key in self.grads_since_recorded
             else:
-                changed = self.param_versions.get(name) != version
-                if not changed and name in self.grads_since_recorded:
+                changed = self.param_versions.get(key) != version
+                if not changed and key in self.grads_since_recorded:
                     unseen.append((name, p, version))
                 elif changed:
-                    self.param_fingerprints.pop(name, None)
-            self.grads_since_recorded.discard(name)
+                    self.param_fingerprints.pop(key, None)
+            self.grads_since_recorded.discard(key)
             if changed:
                 self._record_param(name, p, version)
         for name, p, version in self._written_unseen(unseen):
             self._record_param(name, p, version)
 
     def _record_param(self, name: str, p, version) -> None:
-        self.param_versions[name] = version
+        key = self.book.get(id(p), name)
+        self.param_versions[key] = version
         module = name.rpartition(".")[0]
         entries = self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name),
-                                     stage=self.param_stages.get(name))
+                                     stage=self.param_stages.get(id(p)))
         if version is not None:
-            self.param_stats[name] = settled_stats(entries[0]["stats"]) if entries else None
+            self.param_stats[key] = settled_stats(entries[0]["stats"]) if entries else None

@@ -523,8 +523,8 @@ class TraceSession:
             return []
         if placement is not None:
             entries = [{**entry, "placement": placement} for entry in entries]
-        count = self.param_counts.get((kind, name), 0)
-        self.param_counts[(kind, name)] = count + 1
+        count = self.param_counts.get((kind, name, stage), 0)  # per stage: model chunks may name theirs alike
+        self.param_counts[(kind, name, stage)] = count + 1
         # values are taken just before the root call opens a step: they belong to that step
         step = self.step + 1 if kind == "param" and not self.stack else max(self.step, 0)
         record = {"kind": kind, "path": name, "module": module_path, "module_type": module_type, "call": count,

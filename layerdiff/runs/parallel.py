@@ -33,6 +33,8 @@ class ParallelLayout(TypedDict, total=False):
     # their own records are not joined (their children, each held by one rank, are compared)
     pp_stages: list[int]  # the pipeline stages this rank runs, where it runs several (an interleaved schedule): its
     # records carry their stage; ``pp_rank`` is the first
+    stage_paths: dict[str, dict[str, str]]  # per stage of ``pp_stages`` (its index as text), its ``global_paths``
+    # (Megatron's model chunks each name their layers from 0)
     microbatch_grad_scale: float  # each microbatch's gradients times this are its share of the step's (torch
     # pipelining's ``scale_grads``: 1/M, the schedule divides the parameters' gradients by M where no hook sees it)
 

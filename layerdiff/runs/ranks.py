@@ -212,7 +212,7 @@ class RankedRun:
             expected = self._expected_holders(key[2], holders)
             if len(holders) < len(expected):
                 rec = index[holders[0]][key]
-                out.append(replace(rec, ranks_missing=[r for r in expected if r not in holders],
+                out.append(replace(rec, ranks_missing=self._rank_numbers([r for r in expected if r not in holders]),
                                    tensors=[self._per_rank_entry([t], [holders[0]]) for t in rec.tensors]))
                 continue
             by_stage: dict[int, list[int]] = {}
@@ -221,7 +221,8 @@ class RankedRun:
             merged = [self._merge_stage([index[r][key] for r in group], group, sharded_weights, state)
                       for _, group in sorted(by_stage.items())]
             rec = merged[0] if len(merged) == 1 else _join_stages(merged)
-            out.append(rec if len(holders) == len(self.readers) else replace(rec, ranks_held=holders))
+            out.append(rec if len(holders) == len(self.readers) else
+                       replace(rec, ranks_held=self._rank_numbers(holders)))
         return sorted(out, key=_position) if len(set(self.stages)) > 1 else out
 
     def replica_groups(self) -> list[list[int]]:
@@ -510,17 +511,25 @@ class RankedRun:
         else:
             stats = parts[0].stats
         scale = how[2] if how and kind in ("sum", "concat") and len(how) > 2 else None
-        merge = Merge(kind, dim, how[2] if how and kind == "concat_parts" else None, _ranks(ranks), scale=scale)
+        merge = Merge(kind, dim, how[2] if how and kind == "concat_parts" else None,
+                      _ranks(self._rank_numbers(ranks, unique=False)), scale=scale)
         return self._register(replace(parts[0], shape=shape, stats=stats or parts[0].stats, merge=merge,
                                       parts=tuple(parts), placement=None), parts)
 
     def _one_rank_entry(self, entry: TensorEntry, rank: int) -> TensorEntry:
         """A tensor only ``rank`` holds, read from its trace."""
-        return self._register(replace(entry, merge=Merge("replicate", ranks=(rank,)), parts=(entry,)), [entry])
+        return self._register(replace(entry, merge=Merge("replicate", ranks=(self.file_of[rank],)), parts=(entry,)),
+                              [entry])
 
     def _per_rank_entry(self, parts: list[TensorEntry], ranks: list[int]) -> TensorEntry:
-        return self._register(replace(parts[0], merge=Merge("ranks", ranks=_ranks(ranks)), parts=tuple(parts)),
-                              parts)
+        return self._register(replace(parts[0], merge=Merge("ranks", ranks=_ranks(self._rank_numbers(ranks, False))),
+                                      parts=tuple(parts)), parts)
+
+    def _rank_numbers(self, readers: list[int], unique: bool = True) -> list[int]:
+        """The ranks (their files) of some of ``readers``' indices: what joined entries and reports name (a rank that
+        ran several pipeline stages is one reader per stage). ``unique``: each rank once."""
+        ranks = [self.file_of[r] for r in readers]
+        return list(dict.fromkeys(ranks)) if unique else ranks
 
     def _register(self, entry: TensorEntry, parts: list[TensorEntry]) -> TensorEntry:
         """A joined entry's bytes are its parts': it gets a region of its own (a negative offset, unique in this
@@ -537,7 +546,7 @@ class RankedRun:
         if merge is None:
             return [self.readers[0]]
         # a part joined itself (a data-parallel replica's tensor-parallel shards) is read through this run
-        return [self if part.merge is not None else self.readers[merge.rank_of(i)]
+        return [self if part.merge is not None else self.files[merge.rank_of(i)]
                 for i, part in enumerate(entry.parts)]
 
     def part_values(self, entry: TensorEntry) -> list:

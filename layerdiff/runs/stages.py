@@ -32,8 +32,11 @@ class StageView:
         self.reader = reader
         self.stage = stage
         self.path = reader.path
-        layout = {k: v for k, v in (reader.meta.get("parallel") or {}).items() if k != "pp_stages"}
+        layout = {k: v for k, v in (reader.meta.get("parallel") or {}).items() if k not in ("pp_stages", "stage_paths")}
         layout["pp_rank"] = stage
+        paths = ((reader.meta.get("parallel") or {}).get("stage_paths") or {}).get(str(stage))
+        if paths is not None:  # Megatron's chunks each name their layers from 0: this stage's global names
+            layout["global_paths"] = paths
         self.meta = {**reader.meta, "parallel": layout}
         self.crashed, self.damage, self.unverified, self.end = \
             reader.crashed, reader.damage, reader.unverified, reader.end

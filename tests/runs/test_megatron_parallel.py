@@ -62,6 +62,11 @@ TWO_RANKS = [
     ("moe_ep", "megatron_moe", {"dp": 2, "ep": 2}, 1),  # expert parallel: 2 experts a rank
     ("moe_ep_expert", "megatron_moe", {"dp": 2, "ep": 2, "defect": "expert_rank"}, 1),
     ("tp_ops", "megatron_parallel", {"tp": 2}, 1, {"ops": True}),  # operations recorded in every rank
+    # virtual pipeline: 2 model chunks a rank (4 stages), Megatron's interleaved schedule, the list traced
+    ("vpp", "megatron_parallel", {"pp": 2, "vpp": 2, "microbatches": 2, "batch": 4}, 1),
+    ("vpp_offset", "megatron_parallel", {"pp": 2, "vpp": 2, "microbatches": 2, "batch": 4, "defect": "offset"}, 1),
+    ("vpp_backward", "megatron_parallel", {"pp": 2, "vpp": 2, "microbatches": 2, "batch": 4,
+                                           "defect": "stage_backward"}, 1),
 ]
 FOUR_RANKS = [
     ("tp_pp", "megatron_parallel", {"tp": 2, "pp": 2, "microbatches": 2}, 1),
@@ -103,7 +108,7 @@ def runs(tmp_path_factory):
                                            ("tp_pp", "mg1"), ("sp_train", "mg1_train"), ("tp_dp", "hf"),
                                            ("tp_dp", "mg1"), ("tp_sp_dp_train", "hf_train"),
                                            ("tp_sp_dp_train", "mg1_train"), ("tp_sp_dp_micro", "hf4"),
-                                           ("pp_dp_micro", "hf4")])
+                                           ("pp_dp_micro", "hf4"), ("vpp", "hf4")])
 def test_each_layout_aligns_with_one_process_without_flags(runs, run, reference):
     report = align_files(runs / f"{reference}.h5", runs / run)
     assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
@@ -147,6 +152,25 @@ def test_a_planted_defect_is_named_at_its_module_rank_and_direction(runs, run, r
     assert origin["phase"] == direction and origin["ranks"] == ranks, origin
     if direction == "backward":
         assert "inherited" not in origin["description"], origin["description"]
+
+
+def test_virtual_pipeline_chunks_read_as_stages(runs):
+    """Megatron's virtual pipeline (interleaved schedule): each rank traces its list of model chunks, chunk v of
+    rank r being stage v x 2 + r, each naming its layers from 0. The chunks' records carry their stage and their
+    own global layer names; a loader that offsets each chunk's layers as if there were no virtual stages (a real
+    interleaving bug) is named at the first layer it misplaces, on rank 1; a stage's wrong backward on the rank
+    (not the stage) that ran it."""
+    with open_trace(runs / "vpp" / "rank0.h5") as reader:
+        layout = reader.meta["parallel"]
+        assert (layout["pp"], layout["pp_rank"], layout["pp_stages"]) == (4, 0, [0, 2])
+        assert layout["stage_paths"]["2"] == {"decoder.layers.0": "decoder.layers.2"}
+        assert {r.stage for r in reader.records if r.kind == "param_grad"} == {0, 2}
+    with open_run(runs / "vpp") as run:
+        assert [reader.meta["parallel"]["pp_rank"] for reader in run.readers] == [0, 2, 1, 3]
+    for run, direction, module in (("vpp_offset", "forward", "model.layers.1.input_layernorm"),
+                                   ("vpp_backward", "backward", "model.layers.3.mlp.down_proj")):
+        origin = align_files(runs / "hf4.h5", runs / run)[direction]["first_divergence"]
+        assert (origin["module"], origin["ranks"]) == (module, [1]), origin
 
 
 def _defect(run: str) -> str:
