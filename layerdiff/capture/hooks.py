@@ -81,13 +81,14 @@ class ModuleHooks:
         # the key of each parameter in the books above (id -> key): its name, made unique where several model parts
         # each name one of theirs alike (Megatron's model chunks name their layers from 0)
         self.book: dict[int, str] = {}
+        taken: set[str] = set()
         for name, p in self.params:
             if id(p) not in self.book:
-                taken = set(self.book.values())
                 key, n = name, 1
                 while key in taken:
                     key, n = f"{name}#{n}", n + 1
                 self.book[id(p)] = key
+                taken.add(key)
         owners: dict = {}
         for name, p in self.params:
             owners.setdefault(id(p), []).append(name)
