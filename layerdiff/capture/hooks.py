@@ -78,16 +78,17 @@ class ModuleHooks:
         self.grads_since_recorded: set[str] = set()
         self.params = [(name, p) for name, p in self.named_parameters()
                        if path_filter(name.rpartition(".")[0])]
-        # the key of each parameter in the books above (id -> key): its name, made unique where several model parts
-        # each name one of theirs alike (Megatron's model chunks name their layers from 0)
-        self.book: dict[int, str] = {}
+        # the key of each (name, parameter) in the books above: its name (a tied weight is booked under each of its
+        # names), made unique where several model parts each name one of theirs alike (Megatron's model chunks name
+        # their layers from 0)
+        self.book: dict[tuple[str, int], str] = {}
         taken: set[str] = set()
         for name, p in self.params:
-            if id(p) not in self.book:
+            if (name, id(p)) not in self.book:
                 key, n = name, 1
                 while key in taken:
                     key, n = f"{name}#{n}", n + 1
-                self.book[id(p)] = key
+                self.book[(name, id(p))] = key
                 taken.add(key)
         owners: dict = {}
         for name, p in self.params:
@@ -277,7 +278,7 @@ class ModuleHooks:
         fingerprints = self.adapter.fingerprints([p for _, p, _ in candidates])
         changed = []
         for (name, p, version), fingerprint in zip(candidates, fingerprints):
-            key = self.book.get(id(p), name)
+            key = self.book.get((name, id(p)), name)
             known = self.param_fingerprints.get(key)
             self.param_fingerprints[key] = fingerprint
             if (self.session.peek_stats(p) != self.param_stats.get(key)) if known is None else fingerprint != known:
@@ -518,7 +519,7 @@ class ModuleHooks:
         sum over ranks, one backward's contribution); ``increment``: ``grad`` is one backward's contribution,
         before it is added to the parameter's gradient."""
         if grad is not None:
-            self.grads_since_recorded.add(self.book.get(id(param), name) if param is not None else name)
+            self.grads_since_recorded.add(self.book.get((name, id(param)), name))
             module = name.rpartition(".")[0]
             runner = self.runner if self.runner is not None else self.param_part.get(id(param), self.model)
             placement = self.adapter.grad_placement(runner, param) if param is not None else None
@@ -530,7 +531,7 @@ class ModuleHooks:
         """Parameter values at the start of each step, when they (may have) changed since last recorded."""
         unseen = []  # (name, parameter, version): a backward pass ran, and its in-place counter did not move
         for name, p in self.params:
-            key = self.book.get(id(p), name)
+            key = self.book.get((name, id(p)), name)
             version = self.param_version(p)
             if version is None:
                 changed = key not in self.param_versions or key in self.grads_since_recorded
@@ -547,7 +548,7 @@ class ModuleHooks:
             self._record_param(name, p, version)
 
     def _record_param(self, name: str, p, version) -> None:
-        key = self.book.get(id(p), name)
+        key = self.book.get((name, id(p)), name)
         self.param_versions[key] = version
         module = name.rpartition(".")[0]
         entries = self.session.param("param", name, module, p, self.module_types.get(module), self.tied.get(name),
