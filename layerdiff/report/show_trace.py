@@ -15,19 +15,19 @@ from layerdiff.report.terminal import make_console
 from layerdiff.runs.ranks import open_run
 from layerdiff.tracefile.records import CallRecord, EndRecord
 
-_META_KEYS = ("framework", "framework_version", "model_class", "mode", "distributed", "num_parameters", "devices",
-              "param_dtypes",
+_META_KEYS = ("framework", "framework_version", "model_class", "model_parts", "mode", "distributed", "num_parameters",
+              "devices", "param_dtypes",
               "seed", "deterministic_algorithms", "float32_matmul_precision", "tf32_matmul", "num_threads",
               "layerdiff_version", "python", "started", "argv")
 
 
 def _layout(meta: dict) -> dict:
-    """The run's parallel layout (``parallel``: sizes and this rank's coordinates, its flags), without the
-    per-module lists it may hold (a pipeline stage's renamed layers)."""
+    """The run's parallel layout (``parallel``: sizes and this rank's coordinates, its flags, the stages a rank runs),
+    without the per-module lists it may hold (a pipeline stage's renamed layers)."""
     layout = meta.get("parallel")
     if not isinstance(layout, dict):
         return {}
-    return {"parallel": {k: v for k, v in layout.items() if not isinstance(v, (dict, list))}}
+    return {"parallel": {k: v for k, v in layout.items() if not isinstance(v, (dict, list)) or k == "pp_stages"}}
 
 
 def _mb(n: int) -> str:

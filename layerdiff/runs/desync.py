@@ -51,7 +51,7 @@ def check_run(path, how: Comparison | None = None, progress=None) -> dict:
     jobs = [{"first": files[group[0]], "against": group[0], "other": files[rank], "rank": rank, "exempt": kind}
             for group, kind in groups for rank in group[1:]]
     if not jobs:
-        raise LayerdiffError(f"{path}: each of its {world} ranks is a pipeline stage of its own: no two hold the "
+        raise LayerdiffError(f"{path}: each of its {world} ranks holds pipeline stages of its own: no two hold the "
                              "same layers to compare; align the run with a reference (layerdiff align REF RUN)")
     if progress is not None:
         progress.start(len(jobs))

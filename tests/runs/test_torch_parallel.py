@@ -206,6 +206,8 @@ def test_interleaved_pipeline_stages_join_as_one_process(pipeline_ranks, recipe_
         assert sorted(roots) == [(s, step, m) for s in (0, 2) for step in (0, 1) for m in (0, 1)], roots
         owners = {r.path: r.stage for r in reader.records if r.kind == "param"}
         assert owners["model.embed_tokens.weight"] == 0 and owners["model.layers.2.mlp.up_proj.weight"] == 2
+    shown = layerdiff.show(root / "vpp_clean_interleaved1f1b_stats" / "rank0.h5")["meta"]
+    assert shown["model_parts"] == 2 and shown["parallel"]["pp_stages"] == [0, 2], shown
     reference = {"batch": 4, "layers": 4, "lr": 0.1, "steps": 2}
     report = align_files(recipe_trace(mode="stats", **reference), root / "vpp_clean_interleaved1f1b_stats")
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
