@@ -7,8 +7,8 @@ names.
     layerdiff align ref.h5 pp_run      # the stages and their microbatches joined: one process, the whole batch
 
 Each step is one ``schedule.step`` (``schedule=gpipe`` or ``1f1b``; with ``stages_per_rank=2`` or more,
-``interleaved1f1b``, ``loopedbfs``, ``interleavedzb`` or ``zbv`` (zero bubble): rank r runs stages r, r + ranks,
-... (the V of ``zbv``: r and 2 ranks - 1 - r) and the model traced is the list of their modules, torchtitan's
+``interleaved1f1b``, ``loopedbfs``, ``interleavedzb``, ``zbv`` or ``dualpipev`` (zero bubble): rank r runs stages
+r, r + ranks, ... (the V of ``zbv`` and ``dualpipev``: r and 2 ranks - 1 - r) and the model traced is the list of their modules, torchtitan's
 ``model_parts``) over ``microbatches`` slices of a batch of ``batch`` sequences; the loss is the model's (next-token cross entropy, each microbatch's mean), computed by the
 schedule on the last stage. Any defect of ``torch_llama`` is planted before the split (it lands on the stage
 that holds its layer).
@@ -79,8 +79,9 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
     (pipeline x data parallel, torchtitan's layout), each replica its own ``batch`` sequences; ``stages_per_rank``:
     pipeline stages each rank runs (more than one: an interleaved schedule); ``defect_layer``: the decoder layer
     a defect is planted in (as ``torch_llama``'s)."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+                                              ScheduleZBVZeroBubble)
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -97,7 +98,7 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
         group, replica = mesh["pp"].get_group(), mesh["dp"].get_local_rank()
     schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B} if stages_per_rank == 1 else \
         {"interleaved1f1b": ScheduleInterleaved1F1B, "loopedbfs": ScheduleLoopedBFS,
-         "interleavedzb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+         "interleavedzb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
     if schedule not in schedules or batch % microbatches:
         raise ValueError(f"schedule must be {' or '.join(schedules)} with {stages_per_rank} stage(s) per rank (got "
                          f"{schedule!r}) and microbatches ({microbatches}) must divide batch ({batch})")
@@ -108,7 +109,7 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
         torch_llama.inject(full, defect, defect_layer)  # before the split: it lands on the stage that holds its layer
     bounds = [cfg["layers"] * s // stages for s in range(stages + 1)]
     mine = [rank + v * ranks for v in range(stages_per_rank)]  # rank r runs stages r, r + ranks, ...
-    if schedule == "zbv":  # the V: rank r runs stages r and 2 * ranks - 1 - r
+    if schedule in ("zbv", "dualpipev"):  # the V: rank r runs stages r and 2 * ranks - 1 - r
         mine = [rank, 2 * ranks - 1 - rank]
     parts = [LlamaStage(full, range(bounds[s], bounds[s + 1]), s == 0, s == stages - 1) for s in mine]
     if dp > 1:
