@@ -72,13 +72,15 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, microbatches: int = 2,
           schedule: str = "gpipe", lr: float = 0.0, dp: int = 1, stages_per_rank: int = 1,
-          defect_layer: int | None = None, **kwargs):
+          defect_layer: int | None = None, tp: int = 1, **kwargs):
     """``microbatches``: slices of the batch each step runs through the pipeline (they must divide ``batch``);
     ``schedule``: "gpipe" or "1f1b"; ``lr`` > 0: each step is a training step (plain SGD on each stage); ``dp`` > 1:
     that many data-parallel replicas of the pipeline, each stage sharded over them by FSDP2 on a 2-D mesh
     (pipeline x data parallel, torchtitan's layout), each replica its own ``batch`` sequences; ``stages_per_rank``:
     pipeline stages each rank runs (more than one: an interleaved schedule); ``defect_layer``: the decoder layer
-    a defect is planted in (as ``torch_llama``'s)."""
+    a defect is planted in (as ``torch_llama``'s); ``tp`` > 1: each stage's layers split over that many
+    tensor-parallel ranks (``parallelize_module``, as ``torch_llama_tp``), on a 2-D mesh (pipeline x tensor
+    parallel; not with ``dp``)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
                                               ScheduleZBVZeroBubble)
@@ -86,16 +88,19 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     world = dist.get_world_size()
-    if world % dp:
-        raise ValueError(f"dp={dp} does not divide the {world} ranks")
-    ranks, group, replica = world // dp, None, 0
+    if world % (dp * tp) or (dp > 1 and tp > 1):
+        raise ValueError(f"dp={dp} x tp={tp} does not divide the {world} ranks (or both are > 1)")
+    width = dp * tp  # ranks of each pipeline rank's data-parallel replicas or tensor-parallel shards
+    ranks, group, replica = world // width, None, 0
     stages = ranks * stages_per_rank
-    rank = dist.get_rank() // dp
-    if dp > 1:
+    rank = dist.get_rank() // width
+    if width > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (ranks, dp), mesh_dim_names=("pp", "dp"))
-        group, replica = mesh["pp"].get_group(), mesh["dp"].get_local_rank()
+        inner = "dp" if dp > 1 else "tp"
+        mesh = init_device_mesh("cpu", (ranks, width), mesh_dim_names=("pp", inner))
+        group = mesh["pp"].get_group()
+        replica = mesh["dp"].get_local_rank() if dp > 1 else 0
     schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B} if stages_per_rank == 1 else \
         {"interleaved1f1b": ScheduleInterleaved1F1B, "loopedbfs": ScheduleLoopedBFS,
          "interleavedzb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
@@ -112,6 +117,18 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
     if schedule in ("zbv", "dualpipev"):  # the V: rank r runs stages r and 2 * ranks - 1 - r
         mine = [rank, 2 * ranks - 1 - rank]
     parts = [LlamaStage(full, range(bounds[s], bounds[s + 1]), s == 0, s == stages - 1) for s in mine]
+    if tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        try:
+            from layerdiff.recipes import torch_llama_tp
+        except ImportError:  # loaded as a file
+            import torch_llama_tp
+
+        for part, s in zip(parts, mine):
+            plan = torch_llama_tp.plan(bounds[s + 1], None)
+            parallelize_module(part, mesh["tp"], {k: v for k, v in plan.items()
+                                                  if int(k.split(".")[2]) in range(bounds[s], bounds[s + 1])})
     if dp > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -138,4 +155,4 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
 
     return {"model": parts[0] if stages_per_rank == 1 else parts, "step": step, "input_ids": ids,
             "meta": {"recipe": "torch_llama_pp", "defect": defect, "stages": stages, "schedule": schedule,
-                     "microbatches": microbatches, "dp": dp, "stages_per_rank": stages_per_rank}}
+                     "microbatches": microbatches, "dp": dp, "stages_per_rank": stages_per_rank, "tp": tp}}

@@ -11,6 +11,7 @@ into its own buffer). Two runs with the same microbatches are compared call by c
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -18,7 +19,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from layerdiff.match.joins import alike, batch_axis, scalar_loss, token_shapes
-from layerdiff.match.operands import combine_stats, scaled_stats, scaled_values, summed_stats
+from layerdiff.match.operands import combine_stats, scaled_stats, scaled_values, summed_stats, unknown_stats
 from layerdiff.tracefile.records import (MICROBATCHES, CallRecord, Merge, OpRecord, ParamRecord, Producer, Record,
                                         TensorEntry)
 from layerdiff.tracefile.tensors import as_float, encode_float
@@ -203,9 +204,10 @@ class Joined:
         """``parts`` joined along ``axis`` (their statistics combined, and scaled as the join is, unless given)."""
         shape = list(parts[0].shape)
         shape[axis] = sum(p.shape[axis] for p in parts)
-        if stats is None:
-            stats = scaled_stats(combine_stats([p.stats for p in parts]), merge.scale)
-        return self._joined(parts, shape, stats or parts[0].stats, merge)
+        if stats is None:  # parts of unknown statistics (a partial sum over ranks): the join's are unknown too
+            stats = scaled_stats(combine_stats([p.stats for p in parts]), merge.scale) or \
+                unknown_stats([p.stats for p in parts], math.prod(shape))
+        return self._joined(parts, shape, stats, merge)
 
     def _joined(self, parts: list[TensorEntry], shape: list[int], stats: Mapping[str, Any],
                 merge: Merge) -> TensorEntry:
@@ -231,7 +233,8 @@ class Joined:
             stats = parts[0].stats
             scale = None  # each microbatch had it alike: one copy, as it was
         else:
-            stats = scaled_stats(combine_stats([p.stats for p in parts]), scale) or parts[0].stats
+            stats = scaled_stats(combine_stats([p.stats for p in parts]), scale) or \
+                unknown_stats([p.stats for p in parts], parts[0].stats.get("numel", 0))
         return self._joined(parts, list(parts[0].shape), stats, Merge(how, over=MICROBATCHES, scale=scale))
 
     @staticmethod
