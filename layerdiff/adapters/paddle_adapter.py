@@ -33,6 +33,7 @@ import paddle
 
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.capture.hooks import ModuleHooks
+from layerdiff.capture.parts import each_named
 from layerdiff.tracefile.tensors import FLOAT_DTYPES
 
 _DTYPE_NAMES = {name: name for name in (
@@ -329,7 +330,7 @@ class Hooks(ModuleHooks):
         return framework_leaf(module)
 
     def named_buffers(self):
-        return self.model.named_buffers()
+        return each_named(self.model, lambda part: part.named_buffers())
 
     def op_gradients(self):
         from layerdiff.adapters.paddle_ops import gradients
