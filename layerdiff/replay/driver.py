@@ -35,6 +35,7 @@ from layerdiff.match.sides import TraceSide
 from layerdiff.replay.forcer import Forcer
 from layerdiff.replay.search import find_blocks, next_splice, observe
 from layerdiff.replay.segments import evaluate_replay
+from layerdiff.match.microbatches import joined_pair
 from layerdiff.runs.ranks import open_run, rank_files
 from layerdiff.tracefile.reader import open_trace
 from layerdiff.tracefile.records import CallRecord
@@ -196,8 +197,12 @@ def replay(reference, target: str, kwargs: dict, workdir: Workdir, how: Comparis
             free_report = align(ref, free_trace, how)
             mapping = module_mapping(ref, free_trace, how)
 
+            # a reference whose steps ran as microbatches (a pipeline schedule) forces its joined tensors into a
+            # candidate that takes the whole batch at once (each microbatch's did not fit its shapes)
+            source, _ = joined_pair(ref, free_trace)
+
             def forced_run():  # the free run says which module is which, fused ones and layouts included
-                forcer = Forcer(ref, how, backward=options["backward"], mapping=mapping,
+                forcer = Forcer(source, how, backward=options["backward"], mapping=mapping,
                                 side_b=TraceSide(free_trace.records, free_trace.meta, how.rules, free_trace))
                 run = run_candidate(target, kwargs, workdir.trace_path("replay"), forcer=forcer, **traced)
                 return {**run, "forcing": {"forced_tensors": forcer.forced, "not_forced": forcer.unforced}}

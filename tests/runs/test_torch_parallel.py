@@ -227,6 +227,12 @@ def test_interleaved_pipeline_stages_join_as_one_process(pipeline_ranks, recipe_
         assert report["params"]["grads_compared"] == 78 and not report["only_a"], (schedule, report["params"])
     origin = align_files(recipe_trace(**reference), root / "vpp_eps_loopedbfs_full")["forward"]["first_divergence"]
     assert (origin["module"], origin["step"]) == (DEFECTS["eps"][1].replace("layers.1", "layers.2"), 0), origin
+    # bisect with the pipelined run as the reference: its microbatches' values, joined, forced into a candidate that
+    # takes the whole batch (each microbatch's did not fit: 27 tensors were forced and 44 segments had own error)
+    result = layerdiff.bisect(root / "vpp_eps_loopedbfs_full", "torch_llama", args=["batch=4", "layers=4"],
+                              workdir=tmp_path / "bisect")
+    assert [s["module"] for s in result["forward"]["segments"]] == ["model.layers.2.post_attention_layernorm"]
+    assert not result["runs"]["replay"]["forcing"]["not_forced"], result["runs"]["replay"]["forcing"]
     built = torch_llama.build(None, batch=4, layers=4)
     with layerdiff.trace(built["model"], tmp_path / "ops_reference.h5", ops=True):
         built["step"]()
