@@ -79,8 +79,8 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
     (pipeline x data parallel, torchtitan's layout), each replica its own ``batch`` sequences; ``stages_per_rank``:
     pipeline stages each rank runs (more than one: an interleaved schedule); ``defect_layer``: the decoder layer
     a defect is planted in (as ``torch_llama``'s); ``tp`` > 1: each stage's layers split over that many
-    tensor-parallel ranks (``parallelize_module``, as ``torch_llama_tp``), on a 2-D mesh (pipeline x tensor
-    parallel; not with ``dp``)."""
+    tensor-parallel ranks (``parallelize_module``, as ``torch_llama_tp``): the mesh is (pipeline, data parallel,
+    tensor parallel), torchtitan's order."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
                                               ScheduleZBVZeroBubble)
@@ -88,8 +88,8 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     world = dist.get_world_size()
-    if world % (dp * tp) or (dp > 1 and tp > 1):
-        raise ValueError(f"dp={dp} x tp={tp} does not divide the {world} ranks (or both are > 1)")
+    if world % (dp * tp):
+        raise ValueError(f"dp={dp} x tp={tp} does not divide the {world} ranks")
     width = dp * tp  # ranks of each pipeline rank's data-parallel replicas or tensor-parallel shards
     ranks, group, replica = world // width, None, 0
     stages = ranks * stages_per_rank
@@ -97,8 +97,8 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
     if width > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        inner = "dp" if dp > 1 else "tp"
-        mesh = init_device_mesh("cpu", (ranks, width), mesh_dim_names=("pp", inner))
+        mesh = init_device_mesh("cpu", (ranks, dp, tp), mesh_dim_names=("pp", "dp", "tp"))  # torchtitan's order:
+        # FSDP over the data-parallel dimension shards each tensor-parallel piece again
         group = mesh["pp"].get_group()
         replica = mesh["dp"].get_local_rank() if dp > 1 else 0
     schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B} if stages_per_rank == 1 else \

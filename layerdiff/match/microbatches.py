@@ -196,8 +196,9 @@ class Joined:
                                Merge("concat", axis, ranks=(first.rank_of(j),) * len(parts)))
                   for j in range(count)]
         outer = first.scale if scale is None else (first.scale or 1.0) * scale  # the ranks', then the microbatches'
-        return self._concat(shares, axis, Merge("concat", axis, ranks=first.ranks, scale=outer),
-                            stats=scaled_stats(combine_stats([p.stats for p in parts]), scale) or parts[0].stats)
+        stats = scaled_stats(combine_stats([p.stats for p in parts]), scale) or \
+            unknown_stats([p.stats for p in parts], sum(math.prod(p.shape) for p in parts))  # a partial sum's
+        return self._concat(shares, axis, Merge("concat", axis, ranks=first.ranks, scale=outer), stats=stats)
 
     def _concat(self, parts: list[TensorEntry], axis: int, merge: Merge,
                 stats: Mapping[str, Any] | None = None) -> TensorEntry:
