@@ -163,7 +163,8 @@ class TraceSession:
         self.step = -1
         self.scope: Any = None  # what makes one step of several root calls (a pipeline schedule's call), while it lasts
         self.micro: int | None = None  # the microbatch of the step in progress (None: not a scheduled step)
-        self.stage_micros: dict[int, int] = {}  # a rank that runs several pipeline stages: each stage's microbatch
+        # the microbatches of the step in progress so far, per pipeline stage (None: a rank's only stage)
+        self.micros: dict[int | None, int] = {}
         self.failure: dict | None = None
         self.warnings: list[str] = []
         self.autocast: set[str] = set()  # dtypes automatic mixed precision computed in, in any call
@@ -314,10 +315,7 @@ class TraceSession:
         """``stage``: the pipeline stage the root call runs, on a rank that runs several: its microbatches are
         counted on their own (an interleaved schedule runs stage 0's microbatch 1 before stage 2's 0)."""
         if not self.starts_step(scope):
-            if stage is not None:
-                self.micro = self.stage_micros[stage] = self.stage_micros.get(stage, -1) + 1
-            else:
-                self.micro = (self.micro or 0) + 1
+            self.micro = self.micros[stage] = self.micros.get(stage, -1) + 1
             return
         self.flush_deferred()  # a step's records are in the file before the next step begins
         previous, self.scope = self.scope, scope  # held, so that no later call can reuse its identity
@@ -327,7 +325,7 @@ class TraceSession:
             except RuntimeError:  # still running: it lets them go itself
                 pass
         self.micro = 0 if scope is not None else None
-        self.stage_micros = {stage: 0} if stage is not None and scope is not None else {}
+        self.micros = {stage: 0} if scope is not None else {}
         self.step += 1
         self.seen.clear()
         self.seen_objects.clear()

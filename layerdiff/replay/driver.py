@@ -31,11 +31,11 @@ from layerdiff.errors import LayerdiffError
 from layerdiff.files import write_atomically
 from layerdiff.judge.evaluate import align
 from layerdiff.match.mapping import ModuleMapping
+from layerdiff.match.microbatches import joined_pair
 from layerdiff.match.sides import TraceSide
 from layerdiff.replay.forcer import Forcer
 from layerdiff.replay.search import find_blocks, next_splice, observe
 from layerdiff.replay.segments import evaluate_replay
-from layerdiff.match.microbatches import joined_pair
 from layerdiff.runs.ranks import open_run, rank_files
 from layerdiff.tracefile.reader import open_trace
 from layerdiff.tracefile.records import CallRecord

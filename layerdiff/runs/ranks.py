@@ -125,23 +125,24 @@ class RankedRun:
         self.path = Path(path)
         self.rules = rules or builtin()
         self.every_part: dict = {}  # module -> number of parts each shard holds a slice of
-        self.readers = []
+        # one reader per rank's file; ``readers``: one per pipeline stage a rank ran (``runs.stages``), once read
+        self.files: list[TraceReader] = []
+        self.readers: list = self.files
         try:
             for f in files:
-                self.readers.append(TraceReader(f))
+                self.files.append(TraceReader(f))
         except Exception:
             self.close()
             raise
         self._check_complete(files)
-        first = self.readers[0]
+        first = self.files[0]
         self.meta_framework = first.meta.get("framework")
-        self.meta = {**first.meta, "ranks": len(self.readers)}
-        self.crashed = any(r.crashed for r in self.readers)
-        self.damage = [Damage(f"rank {rank}: {d.where}", d.why, d.reads_as) for rank, r in enumerate(self.readers)
+        self.meta = {**first.meta, "ranks": len(self.files)}
+        self.crashed = any(r.crashed for r in self.files)
+        self.damage = [Damage(f"rank {rank}: {d.where}", d.why, d.reads_as) for rank, r in enumerate(self.files)
                        for d in r.damage]
-        self.unverified = sum(r.unverified for r in self.readers)
+        self.unverified = sum(r.unverified for r in self.files)
         self.end = self._end()
-        self.files = self.readers  # one reader per rank's file; ``readers``: one per pipeline stage a rank ran
         views = [(i, view) for i, reader in enumerate(self.files) for view in stage_views(reader)]
         self.readers = [view for _, view in views]
         self.file_of = [i for i, _ in views]  # each reader's rank (its file)
@@ -174,7 +175,7 @@ class RankedRun:
         return len(self.files)
 
     def _check_complete(self, files):
-        sizes = {(r.meta.get("distributed") or {}).get("world_size") for r in self.readers}
+        sizes = {(r.meta.get("distributed") or {}).get("world_size") for r in self.files}
         expected = sizes.pop() if len(sizes) == 1 else None
         numbers = [_rank_number(f) for f in files]
         if expected is None or numbers != list(range(expected)):
@@ -183,8 +184,8 @@ class RankedRun:
                                    f"{expected if expected is not None else 'differing world sizes'} ranks")
 
     def _end(self) -> EndRecord | None:
-        ends = [r.end for r in self.readers if r.end is not None]
-        if len(ends) < len(self.readers):
+        ends = [r.end for r in self.files if r.end is not None]
+        if len(ends) < len(self.files):
             return None
         failed = next((e for e in ends if e.status == "error"), None)
         return replace(ends[0], status="error", failure=failed.failure) if failed else ends[0]
@@ -611,7 +612,7 @@ class RankedRun:
         return sum(r.size_bytes() for r in self.files)
 
     def close(self):
-        for reader in getattr(self, "files", self.readers):
+        for reader in self.files:
             reader.close()
 
     def __enter__(self):
