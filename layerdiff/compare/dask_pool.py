@@ -1,8 +1,8 @@
 """The units of work of an alignment as tasks on a ``dask.distributed`` cluster (``--scheduler``).
 
 Imported only when a scheduler is given: Dask is an optional extra (``pip install 'layerdiff[dask]'``). The
-client submits one task per job, keyed by the function's name, with the shared argument scattered to the workers
-once; the workers open the traces by the paths in the jobs (a filesystem they share with this machine) and send
+client submits one task per job, keyed by the function's name, with the shared argument sent once as a task of its
+own; the workers open the traces by the paths in the jobs (a filesystem they share with this machine) and send
 back running sums or a rank's verdict. A task that raised runs again (``RETRIES``); a task whose worker died is
 rescheduled by the scheduler on another worker (up to its ``distributed.scheduler.allowed-failures``). A task that
 still fails is returned as failed, with the reason: the caller names it in the report, never silently.
@@ -84,10 +84,12 @@ class DaskPool:
         failed: dict[int, str] = {}
         if not jobs:
             return TaskResults(results)
-        # the shared argument goes to every worker once (not with every task); copies on every worker survive
-        # one's death
-        shared_ref = self.client.scatter([shared], broadcast=True, hash=False)[0] if shared is not None else None
         run = uuid.uuid4().hex[:12]
+        # the shared argument goes to the scheduler once (not with every task), as a task of its own: if the worker
+        # holding its result dies, the scheduler computes it again. Scattered data could not be: Dask's active
+        # memory manager drops a broadcast's extra copies, and the one left may be on the worker that dies.
+        shared_ref = self.client.submit(_same, shared, key=f"shared-{run}", pure=False) \
+            if shared is not None else None
         futures = [self.client.submit(run_task, function, shared_ref, job, key=f"{function.__name__}-{run}-{i}",
                                       retries=RETRIES, pure=False) for i, job in enumerate(jobs)]
         number = {future.key: i for i, future in enumerate(futures)}
@@ -111,6 +113,10 @@ class DaskPool:
             if shared_ref is not None:
                 shared_ref.release()
         return TaskResults(results, failed)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _check_host(address: str):

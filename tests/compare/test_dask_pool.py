@@ -123,6 +123,45 @@ def test_ranks_on_the_cluster_survive_a_worker_killed_mid_run(cluster, run8, mon
     client.wait_for_workers(2, timeout=60)  # the nanny restarted it
 
 
+def _kill_the_only_holder(client, prefix: str, killed: list, deadline_s: float = 60):
+    """Kill (SIGKILL) the worker holding the only copy of the shared argument (the one key that is not a task
+    ``prefix`` names) while it runs such a task."""
+    pids = _worker_pids(client)
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        held = [holders for key, holders in client.who_has().items() if not str(key).startswith(prefix)]
+        if len(held) == 1 and len(held[0]) == 1:
+            holder = held[0][0]
+            if any(str(key).startswith(prefix) for key in client.processing().get(holder, ())):
+                os.kill(pids[holder], 9)
+                killed.append(holder)
+                return
+        time.sleep(0.01)
+
+
+def test_the_shared_argument_outlives_the_worker_that_held_it(cluster):
+    """The worker holding the only copy of the argument every task shares, killed while it runs a task: the task
+    runs again elsewhere with the argument computed again, and every result is there. (A copy scattered to every
+    worker was not enough: Dask's active memory manager drops the extra copies once one task is left waiting, so
+    the run's last task was lost with its worker.)"""
+    address, client = cluster
+
+    def offset_by_base(shared, job):
+        time.sleep(job["seconds"])
+        return shared["base"] + job["n"]
+
+    jobs = [{"n": n, "seconds": 0.1} for n in range(6)] + [{"n": 6, "seconds": 4.0}]  # the memory manager: every 2 s
+    killed: list = []
+    killer = threading.Thread(target=_kill_the_only_holder, args=(client, "offset_by_base", killed))
+    killer.start()
+    with Workers(scheduler=address).pool() as pool:
+        done = pool.map(offset_by_base, {"base": 100}, jobs)
+    killer.join()
+    assert killed
+    assert not done.failed and done.results == [100 + n for n in range(7)]
+    client.wait_for_workers(2, timeout=60)  # the nanny restarted it
+
+
 def test_a_rank_the_cluster_gives_up_on_is_named_exit_3(cluster, tmp_path):
     """With the scheduler told to give up on a task whose worker died once, a worker killed mid-run leaves rank
     pairs uncompared: exit 3, the ranks named in one line, the others compared."""
