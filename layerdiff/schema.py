@@ -351,6 +351,24 @@ class NotCompared(TypedDict):
     reason: str
 
 
+class RecomputedCall(TypedDict):
+    """A call that activation checkpointing recomputed in backward with another output than its forward gave."""
+    path: str
+    call: Count
+    step: Count
+    tensor: str
+    max_abs: Number
+    basis: str  # data (stored values) or stats
+    inputs_agree: bool  # its inputs were the forward's: the recomputation departs here
+
+
+class RecomputeCheck(TypedDict):
+    """A trace's recomputed calls against the forward calls they replay (``compare.recompute``)."""
+    calls: Count  # recomputed calls in the trace
+    compared: Count  # of those, matched to their forward call and compared
+    differ: List[RecomputedCall]  # in the order they ran: the first is where the recomputation departs
+
+
 class _TrustKeys(TypedDict):
     ok: bool
     problems: List[str]
@@ -387,6 +405,7 @@ class Report(_ReportKeys, total=False):
     settings: Optional[Dict[str, Any]]
     config_diff: Optional[List[Dict[str, Any]]]
     not_compared: List[NotCompared]
+    recompute: Dict[str, Optional[RecomputeCheck]]  # "a", "b": None for a trace that recomputed nothing
     forward: PhaseResult
     backward: PhaseResult
     verdict: Literal["aligned", "divergent"]

@@ -70,6 +70,8 @@ KEYS = {
         "not_compared": "Tensor pairs whose comparison did not complete (tasks that failed on a Dask cluster after "
                         "their retries, `--scheduler`): each is also in its row's `skipped`, and `trust` names them; "
                         "empty when everything was compared.",
+        "recompute": "Per run (`a`, `b`): its calls that activation checkpointing recomputed in backward, each "
+                     "against the forward call it replays; null for a run that recomputed nothing.",
         "forward": "The forward direction: verdict and origin.",
         "backward": "The backward direction: verdict and origin.",
         "verdict": "`aligned` or `divergent`.",
@@ -238,6 +240,22 @@ KEYS = {
         "tensor": "`role:key` of the tensor pair.",
         "reason": "Why: the worker's error in one line (`FileNotFoundError: ...`), or that its worker died each time "
                   "(`KilledWorker`), and where (the cluster's address).",
+    },
+    "RecomputeCheck": {
+        "calls": "Calls recomputed in backward in the run.",
+        "compared": "Of those, the calls matched to the forward call they replay and compared with it.",
+        "differ": "The recomputed calls whose outputs are not the forward's (bit for bit where values are stored, "
+                  "else by statistics), in the order they began.",
+    },
+    "RecomputedCall": {
+        "path": "The module's path.",
+        "call": "The call index (the forward call it replays).",
+        "step": "The step.",
+        "tensor": "`output:key` of its first output that differs.",
+        "max_abs": "The largest difference (by statistics: among min, max, mean and RMS).",
+        "basis": "`data` (stored values), `stats`, or `shape` (not even the shapes agree).",
+        "inputs_agree": "Its inputs were the forward's: the recomputation departs here (the calls that follow "
+                        "differ because what they were given does).",
     },
     "Unmatched": {
         "a": "Modules of A with no counterpart in B.",

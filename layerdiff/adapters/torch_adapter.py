@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from layerdiff.adapters import megatron_facts, torch_data_parallel, torch_pipelining
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
@@ -233,6 +234,20 @@ class DeviceDeferral:
                 p.result = {"numel": p.numel, "min": None, "max": None, "mean": None, "l2": None,
                             "nan": int(nan), "inf": int(not nan)}
             p.parts = []
+
+
+_CHECKPOINT_FILE = os.path.normcase(os.path.abspath(torch.utils.checkpoint.__file__))
+
+
+def _non_reentrant_recompute(frame) -> bool:
+    """Whether ``frame`` runs inside torch's non-reentrant checkpoint recomputing (its ``recompute_fn``, run
+    from a saved tensor's unpack hook during backward)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "recompute_fn" and os.path.normcase(os.path.abspath(code.co_filename)) == _CHECKPOINT_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def framework_stats(t: torch.Tensor) -> dict:
@@ -501,6 +516,9 @@ class Hooks(ModuleHooks):
 
     def machinery_call(self, frame) -> bool:
         return torch_pipelining.inferring(frame)
+
+    def recomputing(self, frame) -> bool:
+        return super().recomputing(frame) or _non_reentrant_recompute(frame)
 
     def install(self):
         # read now, while FSDP holds its weights sharded (a step's first call may already have gathered them)

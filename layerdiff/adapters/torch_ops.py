@@ -89,17 +89,41 @@ class _OpMode(TorchFunctionMode):
         super().__init__()
         self.capture = capture
         self.names = _Names()
+        self.off = 0  # > 0 while a function runs from this handler: torch turns the mode off around it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         capture = self.capture
-        if _compiling() or not capture.recording():
-            return func(*args, **kwargs)
-        name = self.names(func)
-        if name is _NOT_AN_OP or not name.kind:
-            return func(*args, **kwargs)
-        return capture.run(func, name, args, kwargs, sys._getframe(1))
+        self.off += 1
+        try:
+            if _compiling() or not capture.recording():
+                return func(*args, **kwargs)
+            name = self.names(func)
+            if name is _NOT_AN_OP or not name.kind:
+                return func(*args, **kwargs)
+            return capture.run(func, name, args, kwargs, sys._getframe(1))
+        finally:
+            self.off -= 1
+
+    @contextlib.contextmanager
+    def resumed(self) -> Iterator[None]:
+        """The mode on again where a function run from its handler runs model code: a backward
+        (``loss.backward()`` goes through the handler) in which activation checkpointing recomputes."""
+        if not self.off:
+            yield
+            return
+        off, self.off = self.off, 0
+        try:
+            with self:
+                yield
+        finally:
+            self.off = off
+
+
+# autograd functions that run model code rather than compute (reentrant activation checkpointing: torch's,
+# Megatron's and DeepSpeed's): not operations; the module calls and operations they run are the model's own
+RECOMPUTING_FUNCTIONS = frozenset({"CheckpointFunction"})
 
 
 @contextlib.contextmanager
@@ -111,7 +135,7 @@ def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator
     apply: Callable[..., Any] = original.__func__
 
     def wrapped(cls, *args, **kwargs):
-        if cls in own_functions or _compiling() or not capture.recording():
+        if cls in own_functions or cls.__name__ in RECOMPUTING_FUNCTIONS or _compiling() or not capture.recording():
             return apply(cls, *args, **kwargs)
         name = OpName(f"{cls.__qualname__}.apply", cls.__name__)
         return capture.run(lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1),
@@ -119,6 +143,7 @@ def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator
 
     function.apply = classmethod(wrapped)  # public API, wrapped only while the trace is open
     mode = _OpMode(capture)
+    capture.resumed = mode.resumed
     try:
         with mode:
             yield

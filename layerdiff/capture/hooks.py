@@ -101,6 +101,7 @@ class ModuleHooks:
         self.module_types = {path: type(m).__name__ for path, m in self.named_modules()}
         self.busy = 0  # > 0 while a hook runs: the framework calls layerdiff's own code makes are no operations
         self.ops: OpCapture | None = None  # ``ops`` tracing: made by ``capture_ops`` (see ``capture.ops``)
+        self.resumed_ops: dict[int, Any] = {}  # id(recomputed call's frame) -> interception resumed for it
         self.op_windows: OpWindows | None = None
         self.no_ops: set[int] = set()  # id() of the framework's own leaf modules: no operations inside them
         self.declared_step: DeclaredStep | None = None  # ``Tracer.step()`` in progress: its root calls are one step
@@ -214,6 +215,20 @@ class ModuleHooks:
         """Whether a call of the model made now (``frame``: this hook's, with no call of it open) is the framework's
         machinery running the model for its own purposes (a pipeline stage learning its tensors' shapes on
         placeholder values): not recorded, nor anything it calls."""
+        return False
+
+    def recomputing(self, frame) -> bool:
+        """Whether a call of the model made now (``frame``: this hook's, with no call of it open) re-runs, during
+        backward, a forward pass that activation checkpointing did not keep: its calls are the calls it replays,
+        recorded apart (``recompute``), not a new step. Here: it runs inside the ``backward(ctx, ...)`` of a
+        custom autograd function (torch's ``Function``, Paddle's ``PyLayer``), where reentrant checkpointing
+        recomputes (torch's, Megatron's, DeepSpeed's ``CheckpointFunction``, Paddle's ``RecomputeFunction``): no
+        model runs its forward there otherwise."""
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "backward" and code.co_argcount and code.co_varnames[0] == "ctx":
+                return True
+            frame = frame.f_back
         return False
 
     def compute_dtypes(self, module) -> set[str]:
@@ -336,21 +351,26 @@ class ModuleHooks:
         def opened(module, args, kwargs):
             self.sync()  # a failure of an op queued before this call surfaces here, in the caller's frame
             scope = None
+            recompute = False
             if not session.stack:
                 here = sys._getframe()
                 if self.machinery_call(here):
                     return None  # not the model's work: neither it nor what it calls is recorded
-                if session.step < 0:
-                    self.first_call(here)
-                scope = self.declared_step or self.adapter.step_scope(here)
-                if scope is None and isinstance(self.model, ModelParts):
-                    session.warn("several modules traced together, called outside a pipeline schedule: their calls "
-                                 "are not told apart by stage (trace the stage modules a schedule runs on a rank)")
-                if session.starts_step(scope):
-                    if scope is not None:  # first: the stage it says each part is tags the parameters' records
-                        self.scheduled_step(scope)
-                    self.start_step()
-            step = session.step + (0 if session.stack or not session.starts_step(scope) else 1)
+                # activation checkpointing replaying calls of this step in its backward: no new step
+                recompute = session.step >= 0 and self.recomputing(here)
+                if not recompute:
+                    if session.step < 0:
+                        self.first_call(here)
+                    scope = self.declared_step or self.adapter.step_scope(here)
+                    if scope is None and isinstance(self.model, ModelParts):
+                        session.warn("several modules traced together, called outside a pipeline schedule: their "
+                                     "calls are not told apart by stage (trace the stage modules a schedule runs on "
+                                     "a rank)")
+                    if session.starts_step(scope):
+                        if scope is not None:  # first: the stage it says each part is tags the parameters' records
+                            self.scheduled_step(scope)
+                        self.start_step()
+            step = session.step + (0 if session.stack or recompute or not session.starts_step(scope) else 1)
             autocast = self.adapter.autocast_dtypes()
             if autocast:
                 session.autocast.update(autocast)
@@ -367,11 +387,15 @@ class ModuleHooks:
             walk(args, "args", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             walk(kwargs, "kwargs", is_tensor, lambda k, t: tensors.append((k, t)), scalars.__setitem__)
             frame = session.begin_call(path, type_name, read["hparams"], tensors, scalars, full, arg_names, scope,
-                                       self.root_stages.get(id(module)) if not session.stack else None)
+                                       self.root_stages.get(id(module)) if not session.stack else None, recompute)
             self.open_frames.setdefault(id(module), []).append(frame)
             ops = self.ops
             if ops is not None:
                 self._open_for_ops(ops, frame, module, path, tensors)
+                if recompute:  # the interceptor may be off in backward: on again for the call's own code
+                    resumed = ops.resumed()
+                    resumed.__enter__()
+                    self.resumed_ops[id(frame)] = resumed
             forced = self._forced(frame, "input", tensors, frame.inputs)
             swap = {}
             if self._taps_enabled() and getattr(module, "inplace", False) is not True and path not in self.no_input_taps:
@@ -424,6 +448,9 @@ class ModuleHooks:
                 return None
             frame = stack.pop()
             ops = self.ops
+            resumed = self.resumed_ops.pop(id(frame), None)
+            if resumed is not None:
+                resumed.__exit__(None, None, None)
             error = sys.exc_info()[1]
             if output is None and error is not None:
                 if ops is not None:

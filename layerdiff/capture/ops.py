@@ -7,6 +7,7 @@ and hands each one to ``OpCapture.run``; everything else is here, so that every 
 same way (``docs/concepts/operations.md``)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import site
@@ -15,7 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 from layerdiff.capture.structure import replace_tensors, walk
 
@@ -220,6 +221,9 @@ class OpCapture:
     depth: int = 0  # > 0 inside an operation: what it calls is part of it
     stats: dict[str, int] = field(default_factory=lambda: {"ops": 0})
     composite: set[OpName] = field(default_factory=set)  # found to be several autograd steps: tapped from then on
+    # a context in which the interceptor works again where the framework turned it off around model code it runs
+    # (activation checkpointing recomputing inside backward); set by the adapter's ``intercept_ops``
+    resumed: Callable[[], ContextManager[Any]] = contextlib.nullcontext
 
     def recording(self) -> bool:
         """Whether an operation called now belongs to a module call that records its operations."""

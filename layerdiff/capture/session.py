@@ -17,6 +17,7 @@ import numpy as np
 
 from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
+from layerdiff.capture.recompute import Replay, StepCalls
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writer import TraceWriter
 
@@ -58,6 +59,7 @@ class CallFrame:
     producers: dict = field(default_factory=dict)  # tensor key -> where it came from (``capture.ops.Producers``)
     micro: int | None = None  # its step's microbatch (a step of a pipeline schedule); None: a step of one root call
     stage: int | None = None  # the pipeline stage it runs in, on a rank that runs several (``ModelParts``)
+    replay: Replay | None = None  # a call activation checkpointing recomputes: what the calls inside it replay
 
 
 @dataclass
@@ -156,6 +158,7 @@ class TraceSession:
         self.store_data = mode == "full"
         self.stack: list[CallFrame] = []
         self.call_counts: dict[str, int] = {}
+        self.step_calls = StepCalls()  # what a recomputation (activation checkpointing) replays
         self.param_counts: dict[tuple, int] = {}
         self.pending_backward: dict[int, PendingBackward] = {}
         self.pending_ops: dict[int, OpFrame] = {}  # operations whose input gradients are still to come
@@ -329,22 +332,45 @@ class TraceSession:
         self.step += 1
         self.seen.clear()
         self.seen_objects.clear()
+        self.step_calls.clear()
 
     def begin_call(self, path: str, module_type: str, hparams: dict, inputs, scalars: dict,
                    full: bool = True, arg_names: tuple = (), scope: Any = None,
-                   stage: int | None = None) -> CallFrame:
+                   stage: int | None = None, recompute: bool = False) -> CallFrame:
         """Inputs are written now, before the module runs, so in-place ops inside it cannot alter them.
         ``scope``: for a root call, what says which step it belongs to (``starts_step``); ``stage``: for a root
-        call, the pipeline stage it runs on a rank that runs several (every call inside it runs in it too)."""
-        if not self.stack:
-            self._open_step(scope, stage)
+        call, the pipeline stage it runs on a rank that runs several (every call inside it runs in it too);
+        ``recompute``: for a root call, activation checkpointing recomputing this step's calls in its backward
+        (``capture.recompute``; the calls inside it are too)."""
+        caller = self.stack[-1] if self.stack else None
+        if caller is None:
+            if not recompute:
+                self._open_step(scope, stage)
         else:
-            stage = self.stack[-1].stage
-        call = self.call_counts.get(path, 0)
-        self.call_counts[path] = call + 1
-        parent = (self.stack[-1].path, self.stack[-1].call) if self.stack else None
+            stage = caller.stage
+            recompute = caller.replay is not None
+        micro, replay = self.micro, None
+        replayed = None
+        if recompute:
+            if caller is None:
+                root = self.step_calls.replay_root(path)
+                if root is not None:
+                    replayed, replay = root[:2], root[2]
+            elif caller.replay is not None:
+                replay = caller.replay
+                replayed = self.step_calls.replay_next(replay, path)
+            replay = replay if replay is not None else Replay()
+        if replayed is not None:
+            call, micro = replayed
+        else:  # a call of its own (or one recomputed that no call of this step matches: a number of its own)
+            call = self.call_counts.get(path, 0)
+            self.call_counts[path] = call + 1
+            if not recompute:
+                self.step_calls.add(path, call, len(self.stack), self.micro)
+        parent = (caller.path, caller.call) if caller is not None else None
         frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
-                          scalars=scalars, full=full, arg_names=tuple(arg_names), micro=self.micro, stage=stage)
+                          scalars=scalars, full=full, arg_names=tuple(arg_names), micro=micro, stage=stage,
+                          replay=replay)
         frame.inputs = self._entries("input", inputs, full)
         self.stack.append(frame)
         return frame
@@ -367,6 +393,8 @@ class TraceSession:
         if frame.stage is not None:
             rec["stage"] = frame.stage
         if phase == "forward":
+            if frame.replay is not None:
+                rec["recompute"] = True
             if frame.ops is not None:
                 rec["ops"] = frame.ops
             if frame.producers:
@@ -440,6 +468,8 @@ class TraceSession:
         if frame.stage is not None:
             rec["stage"] = frame.stage
         if phase == "forward":
+            if frame.replay is not None:
+                rec["recompute"] = True
             if op.args:
                 rec["args"] = op.args
             if op.producers:

@@ -17,6 +17,7 @@ from layerdiff.compare import per_rank
 from layerdiff.compare.configs import diff_configs, from_values
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from layerdiff.compare.nonfinite import first_nonfinite
+from layerdiff.compare.recompute import recompute_check
 from layerdiff.compare.settings import settings_report
 from layerdiff.compare.spec import Comparison
 from layerdiff.compare.tasks import Workers
@@ -643,7 +644,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             "first_nonfinite": {"a": first_nonfinite(reader_a.records, ops=reader_a.ops),
                                 "b": first_nonfinite(reader_b.records, ops=reader_b.ops)},
             "settings": settings_report(_with_autocast(reader_a), _with_autocast(reader_b)),
-            "config_diff": _config_diff(reader_a.meta, reader_b.meta), "not_compared": not_compared}
+            "config_diff": _config_diff(reader_a.meta, reader_b.meta), "not_compared": not_compared,
+            "recompute": {"a": recompute_check(reader_a), "b": recompute_check(reader_b)}}
 
 
 def _with_autocast(reader) -> dict:

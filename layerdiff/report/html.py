@@ -13,7 +13,7 @@ from html import escape
 from rich.text import Text
 
 from layerdiff.report.ops_view import code_at, is_origin_row, module_ops, retrace_hint, row_status, short_source
-from layerdiff.report.terminal import View, fmt_number, origin_lines, row_passed, step_count
+from layerdiff.report.terminal import View, fmt_number, origin_lines, recompute_lines, row_passed, step_count
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -227,7 +227,9 @@ def report_html(report: View) -> str:
             + "".join(f"<p class='bad'>WARNING: {escape(p)}</p>" for p in problems)
             + "".join(f"<p>note: {escape(n)}</p>" for n in (report.get("trust") or {}).get("notes", []))
             + "".join(f"<p class='bad'>the models' own configs differ: {escape(d['key'])} {escape(str(d['a']))} (A) "
-                      f"vs {escape(str(d['b']))} (B)</p>" for d in report.get("config_diff") or ()))
+                      f"vs {escape(str(d['b']))} (B)</p>" for d in report.get("config_diff") or ())
+            + "".join(f"<p class='{'bad' if 'differ' in line else 'note'}'>{escape(line)}</p>"
+                      for line in recompute_lines(report.get("recompute") or {})))
     body = [head, _origin_block(report, "forward", steps), _origin_block(report, "backward", steps),
             "<h2>How the error grows</h2>", error_plot(report),
             "<h2>Module tree (forward)</h2>", _tree(report, "forward"),

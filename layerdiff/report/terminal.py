@@ -378,6 +378,29 @@ def _render_next_pass(report: View, console: Console):
                   soft_wrap=True)
 
 
+def recompute_lines(checks: dict) -> list[str]:
+    """One line per trace that recomputed calls in backward (activation checkpointing): whether each replayed
+    its forward exactly, or the first that did not."""
+    lines = []
+    for side in ("a", "b"):
+        check = checks.get(side)
+        if not check:
+            continue
+        head = f"recomputation ({side.upper()}, activation checkpointing): "
+        differ = check["differ"]
+        if not differ:
+            lines.append(head + f"{check['compared']} of {check['calls']} recomputed calls compared, each "
+                         "reproduced its forward")
+            continue
+        first = next((d for d in differ if d.get("inputs_agree")), differ[0])
+        lines.append(head + f"{len(differ)} of {check['compared']} recomputed calls differ from the forward they "
+                     f"replay (their backward differentiates another forward); "
+                     f"{'it departs at' if first.get('inputs_agree') else 'first'} {first['path'] or '<root>'} "
+                     f"call {first['call']} at step {first['step']} ({first['tensor']}, max |diff| "
+                     f"{first['max_abs']:.3g}, by {first['basis']})")
+    return lines
+
+
 def _render_footer(report: View, console: Console):
     notes = []
     p = report.get("params", {})
@@ -394,6 +417,8 @@ def _render_footer(report: View, console: Console):
             notes.append(f"warning ({side.upper()}): {w}")
     for n in notes:
         console.print(f"[dim]{as_text(n)}[/]")
+    for line in recompute_lines(report.get("recompute") or {}):
+        console.print(as_text(line), style="bold red" if "differ" in line else "dim", highlight=False)
     verdict = report["verdict"]
     console.print(f"verdict: [bold {'green' if verdict == 'aligned' else 'red'}]{verdict}[/]")
 

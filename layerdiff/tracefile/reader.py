@@ -71,9 +71,12 @@ class TraceReader:
                 raise TraceFormatError(f"{self.path}: damaged trace ({first_line(exc)})") from None
         scan = parse_index(raw, self._data.shape[0], self.checksummed)
         self.end = scan.end
-        # module calls and parameters (what every pass reads), and the operations inside calls (``ops`` tracing)
-        self.records: list[Record] = [r for r in scan.records if not isinstance(r, OpRecord)]
-        self.ops: list[OpRecord] = [r for r in scan.records if isinstance(r, OpRecord)]
+        # module calls and parameters (what every pass reads), and the operations inside calls (``ops`` tracing);
+        # the forward calls and operations activation checkpointing ran again in backward, apart
+        kept = [r for r in scan.records if not getattr(r, "recompute", False)]
+        self.records: list[Record] = [r for r in kept if not isinstance(r, OpRecord)]
+        self.ops: list[OpRecord] = [r for r in kept if isinstance(r, OpRecord)]
+        self.recomputed: list[Record | OpRecord] = [r for r in scan.records if getattr(r, "recompute", False)]
         self.damage: list[Damage] = self._meta_damage + scan.damage  # what was written whole and reads otherwise
         self.unverified = scan.unverified  # records without a checksum (a trace written before checksums)
         if self.end is None:

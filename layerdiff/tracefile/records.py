@@ -137,6 +137,7 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     producers: Optional[dict[str, Producer]] = None  # inputs: in the caller's call; outputs: in this call
     micro: Optional[Count] = None  # the microbatch of a step run by a pipeline schedule (None: a step of one call)
     stage: Optional[Count] = None  # its pipeline stage, on a rank that runs several (``meta.parallel.pp_stages``)
+    recompute: bool = False  # forward: activation checkpointing ran it again in backward (``capture.recompute``)
     absorbed: Optional[str] = None  # never in a file: a module of B read with a child it runs inside itself
     ranks_missing: Optional[list[int]] = None  # never in a file: ranks of a run that lack this record
     ranks_held: Optional[list[int]] = None  # never in a file: the only ranks of a run that ran it (a pipeline stage)
@@ -177,6 +178,7 @@ class OpRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ta
     error: Optional[str] = None
     micro: Optional[Count] = None  # as its module call's
     stage: Optional[Count] = None  # as its module call's
+    recompute: bool = False  # as its module call's
 
     @property
     def parent(self) -> tuple[str, int]:

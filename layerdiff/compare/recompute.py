@@ -1,0 +1,64 @@
+"""Activation checkpointing's recomputation against the forward pass it replays, within one trace.
+
+Backward runs a checkpointed region's forward again (``capture.recompute``) and differentiates what that gives.
+A recomputation that does not reproduce the forward (a random state not restored for dropout, a module that
+changes state when it runs, a kernel that is not deterministic) gives gradients of another forward than the one
+the loss came from: the backward diverges while every forward output agrees. Each recomputed call's outputs are
+compared with those of the call it replays, bit for bit where the trace stored the values, else by their
+statistics.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from layerdiff import schema
+from layerdiff.compare.metrics import compare_data, compare_stats
+from layerdiff.tracefile.records import CallRecord, TensorEntry
+
+CHUNK = 1 << 20
+
+
+def recompute_check(reader: Any) -> schema.RecomputeCheck | None:
+    """The trace's recomputed calls against the forward calls they replay; None when it recomputed none. The
+    calls that differ are listed in the order they began; ``inputs_agree`` marks those whose inputs were the
+    forward's: where the recomputation departs (the others differ because what they were given does)."""
+    recomputed = sorted((r for r in getattr(reader, "recomputed", ()) if isinstance(r, CallRecord)),
+                        key=lambda r: r.begin)
+    if not recomputed:
+        return None
+    forward = {(r.path, r.call): r for r in reader.records if isinstance(r, CallRecord) and r.phase == "forward"}
+    compared = 0
+    differ: list[schema.RecomputedCall] = []
+    for again in recomputed:
+        first = forward.get((again.path, again.call))
+        if first is None:
+            continue
+        compared += 1
+        found = _first_difference(reader, first, again, "output")
+        if found is not None:
+            key, metrics = found
+            differ.append({"path": again.path, "call": again.call, "step": again.step, "tensor": f"output:{key}",
+                           "max_abs": float(metrics.get("max_abs") or 0.0), "basis": str(metrics.get("basis")),
+                           "inputs_agree": _first_difference(reader, first, again, "input") is None})
+    return {"calls": len(recomputed), "compared": compared, "differ": differ}
+
+
+def _first_difference(reader: Any, first: CallRecord, again: CallRecord, role: str) -> tuple[str, dict] | None:
+    """(key, metrics) of the first of ``role``'s tensors in which the recomputed call ``again`` differs from the
+    forward call ``first``; None when none does."""
+    before = {t.key: t for t in first.tensors if t.role == role}
+    for t in again.tensors:
+        if t.role == role and t.key in before:
+            metrics = _metrics(reader, before[t.key], t)
+            if not metrics.get("identical"):
+                return t.key, metrics
+    return None
+
+
+def _metrics(reader: Any, first: TensorEntry, again: TensorEntry) -> dict:
+    if first.shape != again.shape or first.dtype != again.dtype:
+        return {"identical": False, "max_abs": float("inf"), "basis": "shape"}
+    if first.offset is not None and again.offset is not None:
+        return dict(compare_data(reader.tensor_chunks(first, CHUNK), reader.tensor_chunks(again, CHUNK),
+                                 first.dtype, again.dtype))
+    return dict(compare_stats(first.stats, again.stats))

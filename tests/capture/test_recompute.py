@@ -1,0 +1,113 @@
+"""Activation checkpointing (``capture.recompute``, ``compare.recompute``): transformers' gradient checkpointing,
+reentrant and not, traced with every operation recorded. The calls backward recomputes take the numbers of the
+calls they replay and are kept apart, so a checkpointed run aligns with a plain one record for record and step for
+step; a recomputation that does not reproduce its forward (dropout's random state not restored) is named where
+it departs. Real transformers Llama built from a config."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import run_cli  # noqa: E402
+
+import layerdiff  # noqa: E402
+from layerdiff.report.html import report_html  # noqa: E402
+from layerdiff.tracefile.reader import open_trace  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+
+
+def llama(checkpoint: dict | None, dropout: float = 0.0, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=4, attention_dropout=dropout, use_cache=False)
+    model = LlamaForCausalLM(config)
+    if checkpoint is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint)
+    return model.train()
+
+
+def trace_steps(model, path, steps: int = 2, ops: bool = True):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    with layerdiff.trace(model, path, ops=ops):
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recompute") / "plain.h5"
+    trace_steps(llama(None), path)
+    return path
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_run_aligns_with_a_plain_one_record_for_record(plain, tmp_path, reentrant):
+    path = tmp_path / "checkpointed.h5"
+    trace_steps(llama({"use_reentrant": reentrant}), path)
+    with open_trace(plain) as a, open_trace(path) as b:
+        assert b.end.steps == a.end.steps == 2  # a recomputation opens no step
+        keys = [sorted((r.kind, r.phase, r.path, r.call, r.step) for r in t.records) for t in (a, b)]
+        assert keys[0] == keys[1]
+        calls = [r for r in b.recomputed if r.kind == "call"]
+        # each decoder layer's children, once a step (HF checkpoints the layer's forward: its own hooks stay out)
+        expected = {(r.path, r.call) for r in a.records if r.kind == "call" and r.phase == "forward"
+                    and r.path.startswith("model.layers.") and r.path.count(".") > 2}
+        assert {(r.path, r.call) for r in calls} == expected
+        assert all(r.phase == "forward" for r in b.recomputed)
+        forward_ops = [sorted((o.path, o.call, o.index, o.name) for o in t.ops if o.phase == "forward")
+                       for t in (a, b)]
+        assert forward_ops[0] == forward_ops[1]
+        backward_ops = [{(o.path, o.call, o.index) for o in t.ops if o.phase == "backward"} for t in (a, b)]
+        # reentrant: the backward of the operations inside recomputed calls runs through the recomputed graph
+        # (the operations the decoder layer's own forward runs between its children are not recomputed calls)
+        inside = {k for k in backward_ops[0] if k[0].startswith("model.layers.") and k[0].count(".") > 2}
+        assert inside and inside <= backward_ops[1]
+    report = layerdiff.align(plain, path).data
+    assert report["verdict"] == "aligned" and not report["only_a"] and not report["only_b"]
+    assert report["recompute"]["a"] is None
+    assert report["recompute"]["b"] == {"calls": len(calls), "compared": len(calls), "differ": []}
+
+
+def test_a_defect_inside_a_checkpointed_layer_is_still_its_origin(plain, tmp_path):
+    model = llama({"use_reentrant": True})
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    trace_steps(model, tmp_path / "b.h5", steps=1, ops=False)
+    report = layerdiff.align(plain, tmp_path / "b.h5")
+    assert report.data["forward"]["first_divergence"]["module"] == "model.layers.1.mlp.act_fn"
+
+
+def test_a_recomputation_that_does_not_restore_the_random_state_is_named_where_it_departs(tmp_path):
+    """Attention dropout, checkpointed with and without its random state restored: the forward passes agree, the
+    backward does not, and B's recomputation departs at the last layer's attention (recomputed first), whose
+    inputs are the forward's."""
+    for name, restore in (("a", True), ("b", False)):
+        trace_steps(llama({"use_reentrant": False, "preserve_rng_state": restore}, dropout=0.2),
+                    tmp_path / f"{name}.h5", steps=1, ops=False)
+    code, out, err = run_cli("align", tmp_path / "a.h5", tmp_path / "b.h5", "--json", tmp_path / "r.json")
+    assert code == 1, out + err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["forward"]["status"] == "aligned" and report["backward"]["status"] == "divergent"
+    assert report["recompute"]["a"]["differ"] == []
+    differ = report["recompute"]["b"]["differ"]
+    departs = [d for d in differ if d["inputs_agree"]]
+    last = "model.layers.1.self_attn"
+    assert departs and departs[0]["path"] == last and departs[0]["basis"] == "data" and departs[0]["max_abs"] > 0
+    assert all(d["path"] == last or d["path"].startswith("model.layers.0.") for d in departs)
+    text = " ".join(out.split())  # the terminal wraps long lines
+    assert "recomputation (A, activation checkpointing): 24 of 24 recomputed calls compared, each reproduced its " \
+           "forward" in text
+    assert f"recomputation (B, activation checkpointing): {len(differ)} of 24 recomputed calls differ from the " \
+           f"forward they replay" in text and f"departs at {last} call 0 at step 0" in text
+    page = report_html(report)
+    assert f"<p class='bad'>recomputation (B, activation checkpointing): {len(differ)} of 24" in page
