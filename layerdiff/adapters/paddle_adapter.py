@@ -32,6 +32,7 @@ import numpy as np
 import paddle
 
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
+from layerdiff.adapters.frames import running_frame
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import each_named
 from layerdiff.tracefile.tensors import FLOAT_DTYPES
@@ -274,6 +275,11 @@ class Hooks(ModuleHooks):
 
     def grad_enabled(self) -> bool:
         return paddle.is_grad_enabled()
+
+    def recomputing(self, frame) -> bool:
+        # and Paddle's non-reentrant recompute: its saved tensors' ``unpack`` runs the forward again
+        return super().recomputing(frame) or running_frame(
+            frame, "paddle.distributed.fleet.recompute.recompute", ("unpack",)) is not None
 
     def apply_tap(self, tensors, report, frame, outputs, plan=None):
         """Copies (see the module docstring); each answers with its original's identity while unmodified."""

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.checkpoint
 
 from layerdiff.adapters import megatron_facts, torch_data_parallel, torch_pipelining
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
+from layerdiff.adapters.frames import running_frame
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
@@ -234,20 +234,6 @@ class DeviceDeferral:
                 p.result = {"numel": p.numel, "min": None, "max": None, "mean": None, "l2": None,
                             "nan": int(nan), "inf": int(not nan)}
             p.parts = []
-
-
-_CHECKPOINT_FILE = os.path.normcase(os.path.abspath(torch.utils.checkpoint.__file__))
-
-
-def _non_reentrant_recompute(frame) -> bool:
-    """Whether ``frame`` runs inside torch's non-reentrant checkpoint recomputing (its ``recompute_fn``, run
-    from a saved tensor's unpack hook during backward)."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "recompute_fn" and os.path.normcase(os.path.abspath(code.co_filename)) == _CHECKPOINT_FILE:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def framework_stats(t: torch.Tensor) -> dict:
@@ -518,7 +504,9 @@ class Hooks(ModuleHooks):
         return torch_pipelining.inferring(frame)
 
     def recomputing(self, frame) -> bool:
-        return super().recomputing(frame) or _non_reentrant_recompute(frame)
+        # and torch's non-reentrant checkpoint: its ``recompute_fn``, run from a saved tensor's unpack hook
+        return super().recomputing(frame) or running_frame(frame, "torch.utils.checkpoint", ("recompute_fn",)) \
+            is not None
 
     def install(self):
         # read now, while FSDP holds its weights sharded (a step's first call may already have gathered them)

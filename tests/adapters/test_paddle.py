@@ -144,6 +144,37 @@ with layerdiff.trace(built["model"], out / "paddle_steps.h5"):
             built["model"](ids)
 results["num_params"] = len(built["model"].parameters())
 
+# -- activation checkpointing: Paddle's recompute, reentrant and not, against the same net without it ----------
+from paddle.distributed.fleet.utils import recompute
+
+
+class Residual(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Checkpointed(nn.Layer):
+    def __init__(self, how):
+        super().__init__()
+        self.blocks, self.head, self.how = nn.LayerList([Residual() for _ in range(2)]), nn.Linear(16, 4), how
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) if self.how is None else recompute(block, x, use_reentrant=self.how == "reentrant")
+        return self.head(x)
+
+
+for how in (None, "reentrant", "non_reentrant"):
+    paddle.seed(0)
+    net = Checkpointed(how)
+    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32), stop_gradient=False)
+    with layerdiff.trace(net, out / f"paddle_recompute_{how or 'plain'}.h5"):
+        net(x).mean().backward()
+
 results["torch_imported"] = "torch" in sys.modules
 (out / "paddle_results.json").write_text(json.dumps(results))
 '''
@@ -301,3 +332,19 @@ def test_paddle_trace_needs_no_torch(traces):
     assert meta["model_class"].endswith("paddle_llama.LlamaForCausalLM")
     assert meta["param_dtypes"] == ["float32"] and meta["training"] is True
     assert meta["num_parameters"] > 0 and "seed" in meta
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant"])
+def test_paddle_recompute_aligns_with_the_plain_net_and_replays_its_forward(traces, how):
+    """Paddle's recompute (a ``PyLayer``'s backward, or its saved tensors' unpack hook) runs each block again in
+    backward: those calls replay the forward's, so the run aligns with the plain one record for record."""
+    plain, checkpointed = _path(traces, "paddle_recompute_plain"), _path(traces, f"paddle_recompute_{how}")
+    with open_trace(plain) as a, open_trace(checkpointed) as b:
+        assert a.end.steps == b.end.steps == 1
+        assert sorted((r.kind, r.phase, r.path, r.call) for r in a.records) == \
+            sorted((r.kind, r.phase, r.path, r.call) for r in b.records)
+        assert {r.path for r in b.recomputed} == {f"blocks.{i}{child}" for i in range(2)
+                                                  for child in ("", ".fc1", ".act", ".fc2")}
+    report = _align(plain, checkpointed)
+    assert report["verdict"] == "aligned" and not report["only_a"] and not report["only_b"]
+    assert report["recompute"]["b"] == {"calls": 8, "compared": 8, "differ": []}
