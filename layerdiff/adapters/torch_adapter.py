@@ -7,7 +7,7 @@ import os
 import platform
 import sys
 import weakref
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -236,6 +236,25 @@ class DeviceDeferral:
             p.parts = []
 
 
+# the child of a module that only wraps it to change how it runs (torch's activation checkpointing and CPU offload
+# wrappers, as torchtitan and FSDP recipes apply them): the wrapper is left out, its child named as one process
+# without it names it (``layers.0``, not ``layers.0._checkpoint_wrapped_module``), as torch's state dicts do
+WRAPPED_CHILD = "_checkpoint_wrapped_module"
+
+
+def unwrapped_names(named: Iterable[tuple[str, Any]], skip_wrappers: bool = False) -> Iterator[tuple[str, Any]]:
+    """``named``'s (name, object) pairs without the wrappers' child segment in the names; ``skip_wrappers``:
+    without the wrapper modules themselves (their child takes their name)."""
+    for name, obj in named:
+        if WRAPPED_CHILD not in name and not skip_wrappers:
+            yield name, obj
+            continue
+        if skip_wrappers and isinstance(getattr(obj, WRAPPED_CHILD, None), torch.nn.Module):
+            continue
+        yield (".".join(part for part in name.split(".") if part != WRAPPED_CHILD) if WRAPPED_CHILD in name
+               else name), obj
+
+
 def framework_stats(t: torch.Tensor) -> dict:
     """``summarize``'s statistics by torch's own (multi-threaded, or on-device) reductions, for any floating dtype.
 
@@ -455,8 +474,8 @@ class Hooks(ModuleHooks):
     grad_handles: list | tuple = ()  # the hooks that record the parameters' gradients
 
     def named_parameters(self):
-        return each_named(self.model, lambda part: part.named_parameters(remove_duplicate=False))  # a tied weight
-        # under each owner
+        return each_named(self.model, lambda part: unwrapped_names(part.named_parameters(remove_duplicate=False)))
+        # a tied weight under each owner
 
     def compute_dtypes(self, module) -> set[str]:
         """Only for a model FSDP shards (``held_dtypes``, set at install): it may cast each layer's gathered weights
@@ -616,7 +635,7 @@ class Hooks(ModuleHooks):
         return framework_leaf(module)
 
     def named_buffers(self):
-        return each_named(self.model, lambda part: part.named_buffers())
+        return each_named(self.model, lambda part: unwrapped_names(part.named_buffers()))
 
     def op_gradients(self):
         from layerdiff.adapters.torch_ops import gradients
@@ -712,10 +731,10 @@ class TorchAdapter(FrameworkAdapter):
         return [next(device) if i in on_device else next(host) for i in range(len(ts))]
 
     def named_modules(self, model):
-        return model.named_modules()
+        return unwrapped_names(model.named_modules(), skip_wrappers=True)
 
     def named_parameters(self, model):
-        return model.named_parameters()
+        return unwrapped_names(model.named_parameters())
 
     def deferral(self):
         return DeviceDeferral()

@@ -111,3 +111,27 @@ def test_a_recomputation_that_does_not_restore_the_random_state_is_named_where_i
            f"forward they replay" in text and f"departs at {last} call 0 at step 0" in text
     page = report_html(report)
     assert f"<p class='bad'>recomputation (B, activation checkpointing): {len(differ)} of 24" in page
+
+
+def test_torchs_checkpoint_wrapper_is_left_out_of_the_names(plain, tmp_path):
+    """torch's ``checkpoint_wrapper`` (torchtitan's and FSDP recipes' activation checkpointing) puts each layer
+    under ``_checkpoint_wrapped_module``: the wrapper is left out and its child named as the plain run names it,
+    parameters too, so nothing needs mapping."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = llama(None)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
+    assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
+    trace_steps(model, tmp_path / "wrapped.h5")
+    with open_trace(plain) as a, open_trace(tmp_path / "wrapped.h5") as b:
+        assert sorted((r.kind, r.phase, r.path, r.call, r.type) for r in a.records) == \
+            sorted((r.kind, r.phase, r.path, r.call, r.type) for r in b.records)
+        assert sorted((o.path, o.call, o.index, o.phase) for o in a.ops) == \
+            sorted((o.path, o.call, o.index, o.phase) for o in b.ops)
+        assert {r.path for r in b.recomputed if r.kind == "call"} >= {"model.layers.0", "model.layers.1"}
+    report = layerdiff.align(plain, tmp_path / "wrapped.h5").data
+    assert report["verdict"] == "aligned" and not report["mapping"] and not report["only_b"]
+    assert report["recompute"]["b"]["differ"] == []
