@@ -18,7 +18,9 @@ Megatron on CPU, handled here without editing Megatron: torch.distributed is ini
 exact with dropout 0; the training one needs CUDA); ``rotary_pos_emb`` is switched to ``CPURotaryEmbedding``
 (``RotaryEmbedding.get_emb`` would move ``inv_freq`` to CUDA); DotProductAttention's score buffer is
 pre-allocated on the CPU (Megatron's global memory buffer allocates on CUDA); the causal mask is passed
-explicitly (the default one is built on CUDA). ``build`` may be called any number of times in one process.
+explicitly (the default one is built on CUDA); activation recomputation (``--arg recompute=full`` or
+``selective``) saves and restores the CUDA generator's state, which a CPU-only host has none of: Megatron's two
+functions that read and set it do nothing there. ``build`` may be called any number of times in one process.
 
 ``tp=N`` (under ``torchrun --nproc-per-node N``, gloo on CPU): the same model at tensor_model_parallel_size=N,
 every rank loading its shard of the same converted weights by Megatron's conventions (``megatron_shard``):
@@ -137,6 +139,10 @@ def init_cpu_megatron(tp: int = 1):
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)  # no-op when already made
     if not getattr(tensor_parallel.get_cuda_rng_tracker(), "is_inference_rng_tracker", False):
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    if not torch.cuda.is_available():  # activation recomputation saves and restores the CUDA generator's state:
+        # a CPU run has none (its CPU generator's state is saved and restored by Megatron as well)
+        tensor_parallel.random._get_cuda_rng_state = lambda *args, **kwargs: None
+        tensor_parallel.random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def megatron_shard(state: dict, tp: int, rank: int) -> dict:
@@ -225,15 +231,23 @@ def transformer_config(cfg: dict, **layout) -> TransformerConfig:
         cuda_graph_scope=[], **layout)  # [] = the default "full" without its deprecation warning (no CUDA graphs)
 
 
+RECOMPUTE = {"full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+             "selective": {"recompute_granularity": "selective"}}  # Megatron's activation recomputation
+
+
 def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
-                intermediate: int | None = None, seed: int = 0, rotary_base: float | None = None, tp: int = 1):
+                intermediate: int | None = None, seed: int = 0, rotary_base: float | None = None, tp: int = 1,
+                recompute: str | None = None):
     """GPTModel equal to torch_llama's LlamaForCausalLM, with the shared weights converted (this rank's shard of
-    them at tensor-parallel size ``tp``)."""
+    them at tensor-parallel size ``tp``); ``recompute``: Megatron's activation recomputation, "full" (every
+    layer, ``--recompute-granularity full --recompute-method uniform``) or "selective" (core attention)."""
     init_cpu_megatron(tp)
     torch.manual_seed(seed)
     cfg = shared.config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                         intermediate=intermediate)
-    config = transformer_config(cfg)
+    if recompute is not None and recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(RECOMPUTE)}")
+    config = transformer_config(cfg, **RECOMPUTE.get(recompute or "", {}))
     base = cfg["rope_theta"] if rotary_base is None else rotary_base
     model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=cfg["vocab"],
                      max_sequence_length=4096, position_embedding_type="rope", rotary_base=base,
@@ -249,10 +263,10 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
 
 def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
           vocab: int = 256, intermediate: int | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
-          backward: bool = True, tp: int = 1):
+          backward: bool = True, tp: int = 1, recompute: str | None = None):
     model, cfg = build_model(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                              intermediate=intermediate, seed=seed,
-                             rotary_base=20000.0 if defect == "rotary" else None, tp=tp)
+                             rotary_base=20000.0 if defect == "rotary" else None, tp=tp, recompute=recompute)
     _inject(model, defect, cfg)
     reserve_attention_buffer(batch * cfg["heads"] * seq * seq)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
@@ -288,7 +302,7 @@ def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads
                 loss = logits_mean(model(input_ids, position_ids, attention_mask))
         return loss
 
-    meta = {"recipe": "megatron_llama", "defect": defect}
+    meta = {"recipe": "megatron_llama", "defect": defect, "recompute": recompute}
     if tp > 1:
         meta.update(tp=tp, tp_rank=parallel_state.get_tensor_model_parallel_rank())
     return {"model": model, "step": step, "meta": meta}

@@ -25,7 +25,8 @@ _FACTS = {"size", "dim", "numel", "stride", "data_ptr", "is_contiguous", "elemen
           "__array__", "__dlpack__", "__dlpack_device__", "item", "tolist", "numpy", "untyped_storage",
           "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "backward", "is_inference",
           "is_shared", "is_pinned", "dim_order", "__contains__", "equal", "allclose", "is_nonzero", "is_same_size",
-          "is_set_to", "__iter__", "__reversed__", "__deepcopy__", "__setstate__", "__getstate__", "__dir__"}
+          "is_set_to", "__iter__", "__reversed__", "__deepcopy__", "__setstate__", "__getstate__", "__dir__",
+          "_set_grad_enabled"}  # ``torch.no_grad()`` entered (Megatron's checkpointed forward): a mode, no tensor
 _FACT_ATTRIBUTES = {"shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "names", "layout",
                     "is_cuda", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "output_nr",
                     "_version", "_base", "itemsize", "nbytes", "is_cpu", "is_xpu", "is_mps", "_cdata", "__class__",

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import align_files, run_cli, run_scripts
 
+from layerdiff.tracefile.reader import open_trace
+
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.mindspore]
 
 pytest.importorskip("megatron.core")
@@ -45,6 +47,10 @@ trace(mg, "mg_ops", ops=True)
 trace(mg, "mg_ops_owncode", "owncode", ops=True)
 for d in mg.DEFECTS:
     trace(mg, f"mg_{d}", d)
+trace(mg, "mg_recompute_full", recompute="full")  # activation recomputation: Megatron's CheckpointFunction
+trace(mg, "mg_recompute_selective", recompute="selective")
+trace(mg, "mg_recompute_eps", "eps", recompute="full")
+trace(mg, "mg_ops_recompute", ops=True, recompute="full")
 
 cfg = shared.config()
 ids = torch.from_numpy(shared.input_ids(cfg, 2, 16, 0))
@@ -135,6 +141,30 @@ def test_megatron_clean_pair_aligns_with_no_flags(ports):
                     if t["role"] == "grad_input")
     assert "sum over q_proj, k_proj, v_proj" in grad_sum["metrics"]["note"]
     assert report["params"]["compared"] == 21 and not report["params"]["differ"]
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_megatron_activation_recomputation_aligns_with_hf_and_replays_its_forward(ports, recompute):
+    """Megatron recomputing every layer (``--recompute-granularity full``) or its core attention (``selective``)
+    in backward, through its own ``CheckpointFunction``: the recomputed calls replay the forward's, so the pair
+    aligns with HF as the plain pair does, and each recomputation reproduced its forward."""
+    report = align_files(ports / "hf.h5", ports / f"mg_recompute_{recompute}.h5")
+    plain = align_files(ports / "hf.h5", ports / "mg.h5")
+    assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
+    assert len(report["records"]) == len(plain["records"]) and len(report["only_b"]) == len(plain["only_b"])
+    check = report["recompute"]["b"]
+    assert check["calls"] == check["compared"] > 0 and check["differ"] == []
+    with open_trace(ports / f"mg_recompute_{recompute}.h5") as t:
+        recomputed = {r.path for r in t.recomputed if r.kind == "call"}
+    layers = {"decoder.layers.0", "decoder.layers.1"}
+    attention = {f"{layer}.self_attention.core_attention" for layer in layers}
+    assert layers <= recomputed if recompute == "full" else \
+        attention <= recomputed and all(any(p.startswith(a) for a in attention) for p in recomputed)
+    eps = align_files(ports / "hf.h5", ports / "mg_recompute_eps.h5")
+    assert _origin(eps, "forward") == _origin(align_files(ports / "hf.h5", ports / "mg_eps.h5"), "forward")
+    with open_trace(ports / "mg_ops.h5") as a, open_trace(ports / "mg_ops_recompute.h5") as b:
+        assert sorted((o.path, o.call, o.index, o.phase, o.name) for o in a.ops) == \
+            sorted((o.path, o.call, o.index, o.phase, o.name) for o in b.ops)
 
 
 @pytest.mark.parametrize("defect", MEGATRON_DEFECTS)
