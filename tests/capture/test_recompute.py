@@ -135,3 +135,44 @@ def test_torchs_checkpoint_wrapper_is_left_out_of_the_names(plain, tmp_path):
     report = layerdiff.align(plain, tmp_path / "wrapped.h5").data
     assert report["verdict"] == "aligned" and not report["mapping"] and not report["only_b"]
     assert report["recompute"]["b"]["differ"] == []
+
+
+TARGET = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build(defect=None, checkpoint="none"):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, use_cache=False)
+    model = LlamaForCausalLM(config).train()
+    if checkpoint != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint == "reentrant"})
+    if defect == "act":
+        model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    return {"model": model, "step": step}
+'''
+
+
+def test_bisect_replays_a_checkpointed_candidate_and_confirms_the_origin(tmp_path):
+    """A reference without checkpointing, a candidate with it (reentrant: backward runs through the recomputed
+    calls, which are forced the reference's values as the calls they replay are)."""
+    target = tmp_path / "checkpointed_llama.py"
+    target.write_text(TARGET)
+    code, out, err = run_cli("trace", target, "-o", tmp_path / "ref.h5")
+    assert code == 0, out + err
+    result = layerdiff.bisect(tmp_path / "ref.h5", str(target), args=["defect=act", "checkpoint=reentrant"],
+                              workdir=tmp_path / "bisect")
+    assert result["verdict"] == "own_error"
+    assert [s["module"] for s in result["forward"]["segments"]] == ["model.layers.1.mlp.act_fn"]
+    assert result["forward"]["culprit"]["module"] == "model.layers.1.mlp.act_fn"
+    assert [s["module"] for s in result["backward"]["segments"]] == ["model.layers.1.mlp.act_fn"]
