@@ -35,13 +35,16 @@ DEFECTS = {
 
 
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, wrap: str = "ddp",
-          split: bool = False, lr: float = 0.0, tp: int = 1, param_dtype: str | None = None, **kwargs):
+          split: bool = False, lr: float = 0.0, tp: int = 1, param_dtype: str | None = None, ac: bool = False,
+          **kwargs):
     """``wrap``: "ddp", "fsdp", or "hsdp" (FSDP2 on a 2-D mesh: 2 replicas, each sharding over half the ranks);
     ``split``: each data-parallel replica its own share of the batch; ``lr`` > 0:
     each step is a training step (plain SGD); ``tp`` > 1 (with ``wrap=fsdp``): each replica is ``tp`` ranks of
     tensor parallelism (``torch_llama_tp``'s plan) on a 2-D mesh (data parallel x tensor parallel), torchtitan's
     layout; ``param_dtype`` (with ``wrap=fsdp``): FSDP's ``MixedPrecisionPolicy`` casts the gathered weights to it
-    for computing ("bfloat16"), the weights held and the gradients reduced in float32."""
+    for computing ("bfloat16"), the weights held and the gradients reduced in float32; ``ac``: each decoder layer
+    in torch's ``checkpoint_wrapper`` before it is wrapped for data parallelism (torchtitan's activation
+    checkpointing): backward recomputes it."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -53,6 +56,11 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
         torch_llama.inject(model, defect)  # the same bug on every rank
     elif defect not in (None, "input", *DEFECTS):
         raise ValueError(f"unknown defect {defect!r}; choose from {', '.join([*DEFECTS, 'input', *shared.DEFECTS])}")
+    if ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(layer)
     if wrap == "ddp":
         replica = DistributedDataParallel(model)  # broadcasts rank 0's parameters to every rank
     elif wrap in ("fsdp", "hsdp"):

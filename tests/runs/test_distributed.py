@@ -69,6 +69,10 @@ built = torch_llama_dp.build(None, split=True, lr=0.1)
 with layerdiff.trace(built["model"].module, f"{out}/inside_ddp"):  # the model inside the wrapper that runs it
     built["step"]()
     built["step"]()
+built = torch_llama_dp.build(None, wrap="fsdp", split=True, lr=0.1, ac=True)  # FSDP2 + activation checkpointing
+with layerdiff.trace(built["model"], f"{out}/fsdp_ac"):
+    built["step"]()
+    built["step"]()
 built = torch_llama_dp.build(None, wrap="fsdp", split=True)  # operations recorded under FSDP2
 with layerdiff.trace(built["model"], f"{out}/fsdp_ops", ops=True):
     built["step"]()
@@ -222,6 +226,18 @@ def test_data_parallel_ranks_given_their_own_shares_join_as_one_process(runs, re
         assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
     code, out, err = run_cli("align", runs / f"{wrap}_split_clean_full")  # rank against rank 0: the weights
     assert code == 0 and "each data-parallel rank was given its own share of the batch" in out, out + err
+
+
+def test_fsdp_with_activation_checkpointing_joins_as_one_process(runs, recipe_trace):
+    """torchtitan's order: each decoder layer in torch's ``checkpoint_wrapper``, then FSDP2; each rank its share,
+    two SGD steps. The wrapper is left out of the names and each rank's recomputed calls kept apart: the ranks
+    join as one process, weights and gradients compared, nothing to map."""
+    report = align_files(recipe_trace(batch=4, lr=0.1, steps=2), runs / "fsdp_ac")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["params"]["compared"] == 42 and report["params"]["grads_compared"] == 42
+    assert report["mapping"] == [] and not report["only_a"] and not report["only_b"]
+    with open_trace(runs / "fsdp_ac" / "rank1.h5") as reader:
+        assert {r.path for r in reader.recomputed if r.kind == "call"} >= {"model.layers.0", "model.layers.1"}
 
 
 def test_fsdp_mixed_precision_is_judged_at_the_precision_it_computes_in(runs, recipe_trace):
