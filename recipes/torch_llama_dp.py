@@ -37,7 +37,8 @@ DEFECTS = {
 def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int = 0, wrap: str = "ddp",
           split: bool = False, lr: float = 0.0, tp: int = 1, param_dtype: str | None = None, ac: bool = False,
           **kwargs):
-    """``wrap``: "ddp", "fsdp", or "hsdp" (FSDP2 on a 2-D mesh: 2 replicas, each sharding over half the ranks);
+    """``wrap``: "ddp", "fsdp", "hsdp" (FSDP2 on a 2-D mesh: 2 replicas, each sharding over half the ranks), or
+    "fsdp1" (``FullyShardedDataParallel``, a unit per decoder layer, ``use_orig_params``);
     ``split``: each data-parallel replica its own share of the batch; ``lr`` > 0:
     each step is a training step (plain SGD); ``tp`` > 1 (with ``wrap=fsdp``): each replica is ``tp`` ranks of
     tensor parallelism (``torch_llama_tp``'s plan) on a 2-D mesh (data parallel x tensor parallel), torchtitan's
@@ -63,6 +64,13 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
             model.model.layers[i] = checkpoint_wrapper(layer)
     if wrap == "ddp":
         replica = DistributedDataParallel(model)  # broadcasts rank 0's parameters to every rank
+    elif wrap == "fsdp1":  # FullyShardedDataParallel, one unit per decoder layer and one for the rest
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        replica = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                           use_orig_params=True, device_id=torch.device("cpu"))
     elif wrap in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -81,7 +89,7 @@ def build(defect: str | None = None, *, batch: int = 2, seq: int = 16, seed: int
             fully_shard(layer, mesh=mesh["dp"], mp_policy=mixed)
         replica = fully_shard(model, mesh=mesh["dp"], mp_policy=mixed)
     else:
-        raise ValueError(f"unknown wrap {wrap!r}; choose ddp, fsdp or hsdp")
+        raise ValueError(f"unknown wrap {wrap!r}; choose ddp, fsdp, hsdp or fsdp1")
     if defect == "weight" and dist.get_rank() == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.up_proj.weight.mul_(1 + 1e-3)

@@ -237,22 +237,30 @@ class DeviceDeferral:
 
 
 # the child of a module that only wraps it to change how it runs (torch's activation checkpointing and CPU offload
-# wrappers, as torchtitan and FSDP recipes apply them): the wrapper is left out, its child named as one process
-# without it names it (``layers.0``, not ``layers.0._checkpoint_wrapped_module``), as torch's state dicts do
-WRAPPED_CHILD = "_checkpoint_wrapped_module"
+# wrappers, as torchtitan and FSDP recipes apply them; FSDP1's ``FullyShardedDataParallel`` units): the wrapper is
+# left out, its child named as one process without it names it (``layers.0``, not
+# ``layers.0._checkpoint_wrapped_module``), as torch's state dicts do
+WRAPPED_CHILDREN = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def wrapped_child(module: Any) -> Any:
+    """The module a wrapper (``WRAPPED_CHILDREN``) wraps, or None for any other module."""
+    for attribute in WRAPPED_CHILDREN:
+        child = getattr(module, attribute, None)
+        if isinstance(child, torch.nn.Module):
+            return child
+    return None
 
 
 def unwrapped_names(named: Iterable[tuple[str, Any]], skip_wrappers: bool = False) -> Iterator[tuple[str, Any]]:
-    """``named``'s (name, object) pairs without the wrappers' child segment in the names; ``skip_wrappers``:
+    """``named``'s (name, object) pairs without the wrappers' child segments in the names; ``skip_wrappers``:
     without the wrapper modules themselves (their child takes their name)."""
     for name, obj in named:
-        if WRAPPED_CHILD not in name and not skip_wrappers:
-            yield name, obj
+        if skip_wrappers and wrapped_child(obj) is not None:
             continue
-        if skip_wrappers and isinstance(getattr(obj, WRAPPED_CHILD, None), torch.nn.Module):
-            continue
-        yield (".".join(part for part in name.split(".") if part != WRAPPED_CHILD) if WRAPPED_CHILD in name
-               else name), obj
+        if any(child in name for child in WRAPPED_CHILDREN):
+            name = ".".join(part for part in name.split(".") if part not in WRAPPED_CHILDREN)
+        yield name, obj
 
 
 def framework_stats(t: torch.Tensor) -> dict:
@@ -530,6 +538,11 @@ class Hooks(ModuleHooks):
     def install(self):
         # read now, while FSDP holds its weights sharded (a step's first call may already have gathered them)
         self.data_parallel = torch_data_parallel.parallel_layout(parts_of(self.model)[0])
+        if self.record_params and any(torch_data_parallel.fsdp1_model(part) for part in parts_of(self.model)):
+            self.record_params = False
+            self.session.warn("FSDP1 (FullyShardedDataParallel) holds each rank's flat shard of its parameters and "
+                              "their gradients: neither is recorded (FSDP2's fully_shard records both; compare "
+                              "the weights themselves with layerdiff weights diff)")
         if any(torch_data_parallel.fsdp_model(part) for part in parts_of(self.model)):
             self.held_dtypes = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
         super().install()
@@ -677,10 +690,13 @@ def rng_state() -> str:
 def metadata(model) -> dict:
     """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
     params = list(model.parameters())
+    inner = model
+    while wrapped_child(inner) is not None:  # the model an FSDP1 or checkpointing wrapper holds
+        inner = wrapped_child(inner)
     meta = {
         "framework": TorchAdapter.name,
         "framework_version": torch.__version__,
-        "model_class": f"{type(model).__module__}.{type(model).__name__}",
+        "model_class": f"{type(inner).__module__}.{type(inner).__name__}",
         "num_parameters": int(sum(p.numel() for p in params)),
         "devices": sorted({str(p.device) for p in params}) or ["cpu"],
         "param_dtypes": sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params}),

@@ -7,6 +7,9 @@
   ``S(0)`` on the mesh) and gathers whole weights to compute, so its activations are its own share's, never a
   weight's shards; its gradients are reduce-scattered already averaged into the parameter's shard. HSDP (a 2-D
   mesh, ``Replicate`` then ``Shard``) is the same over both dimensions.
+- FSDP1 (``FullyShardedDataParallel``): every rank runs its own share of the batch through the whole model, its
+  units gathering their flat parameters to compute; outside a unit's call a parameter is a flat piece of a rank's
+  shard, so parameters and their gradients are not recorded (the trace says so).
 - FSDP2 with tensor parallelism on one 2-D mesh (torchtitan's layout: FSDP on the first dimension, TP on the
   last): each data-parallel replica is its tensor-parallel ranks (``tp``, ``tp_rank``), which split its weights
   as ``parallelize_module`` says; FSDP shards those pieces again for storage (``_StridedShard`` where both split
@@ -40,6 +43,9 @@ def parallel_layout(model: Any) -> ParallelLayout | None:
         layout = _layout(*place, sharded_storage=False)
         layout["wrapped"] = "module"  # DDP holds the model as its child ``module``: the wrapper is left out
         return layout
+    if fsdp1_model(model):  # every rank its share of the batch; its parameters are flat shards (not recorded)
+        size = dist.get_world_size()
+        return _layout(size, dist.get_rank(), sharded_storage=False) if size > 1 else None
     mesh = _fsdp_mesh(model)
     if mesh is None:
         return None
@@ -127,6 +133,15 @@ def fsdp_model(model: Any) -> bool:
     except ImportError:  # a torch without FSDP2
         return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp1_model(model: Any) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``) wraps ``model`` or any of its modules."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def _fsdp_shard(placement: Any) -> bool:

@@ -69,6 +69,11 @@ built = torch_llama_dp.build(None, split=True, lr=0.1)
 with layerdiff.trace(built["model"].module, f"{out}/inside_ddp"):  # the model inside the wrapper that runs it
     built["step"]()
     built["step"]()
+for defect in (None, "backward"):  # FSDP1: FullyShardedDataParallel units, use_orig_params
+    built = torch_llama_dp.build(defect, wrap="fsdp1", split=True, lr=0.1)
+    with layerdiff.trace(built["model"], f"{out}/fsdp1_{defect or 'clean'}"):
+        built["step"]()
+        built["step"]()
 built = torch_llama_dp.build(None, wrap="fsdp", split=True, lr=0.1, ac=True)  # FSDP2 + activation checkpointing
 with layerdiff.trace(built["model"], f"{out}/fsdp_ac"):
     built["step"]()
@@ -226,6 +231,27 @@ def test_data_parallel_ranks_given_their_own_shares_join_as_one_process(runs, re
         assert (origin["first_divergence"]["module"], origin["first_divergence"]["step"]) == (module, 0), defect
     code, out, err = run_cli("align", runs / f"{wrap}_split_clean_full")  # rank against rank 0: the weights
     assert code == 0 and "each data-parallel rank was given its own share of the batch" in out, out + err
+
+
+def test_fsdp1_ranks_join_as_one_process_without_their_flat_parameters(runs, recipe_trace):
+    """FSDP1 (``FullyShardedDataParallel``, a unit per decoder layer), each rank its share, two SGD steps: its units
+    are left out of the names and its ranks join as one process, forward and backward; its parameters (each
+    rank's flat shard) are not recorded, and the trace says so. A backward-only defect is named as in one
+    process (before: every module under ``_fsdp_wrapped_module`` names, the batch shards compared as a whole)."""
+    from layerdiff.recipes.llama_shared import DEFECTS
+
+    reference = recipe_trace(batch=4, lr=0.1, steps=2)
+    report = align_files(reference, runs / "fsdp1_clean")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["mapping"] == [] and not report["only_b"] and report["params"]["compared"] == 0
+    assert all(r["kind"] in ("param", "param_grad") for r in report["only_a"])
+    with open_trace(runs / "fsdp1_clean" / "rank1.h5") as reader:
+        assert reader.meta["parallel"]["dp"] == 2 and reader.meta["parallel"]["dp_rank"] == 1
+        assert reader.meta["model_class"].endswith("LlamaForCausalLM")
+        assert any("FSDP1" in w and "neither is recorded" in w for w in reader.end.warnings)
+    direction, module = DEFECTS["backward"]
+    origin = align_files(reference, runs / "fsdp1_backward")[direction]["first_divergence"]
+    assert (origin["module"], origin["step"]) == (module, 0)
 
 
 def test_fsdp_with_activation_checkpointing_joins_as_one_process(runs, recipe_trace):
