@@ -171,6 +171,11 @@ def show(path, records: bool = False, nan: bool = False, ops: str | None = None)
         if info["ops"]["forward"] or info["ops"]["backward"]:
             console.print(f"operations inside modules (--ops): {info['ops']['forward']} forward, "
                           f"{info['ops']['backward']} backward")
+        recomputed = getattr(reader, "recomputed", ())
+        if recomputed:
+            calls = sum(r.kind == "call" for r in recomputed)
+            console.print(f"recomputed in backward (activation checkpointing): {calls} module calls, "
+                          f"{len(recomputed) - calls} operations (kept apart from the forward they replay)")
         if ops is not None:
             console.print(op_table(reader.ops, ops))
         if records:

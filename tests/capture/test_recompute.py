@@ -65,6 +65,7 @@ def test_a_checkpointed_run_aligns_with_a_plain_one_record_for_record(plain, tmp
                     and r.path.startswith("model.layers.") and r.path.count(".") > 2}
         assert {(r.path, r.call) for r in calls} == expected
         assert all(r.phase == "forward" for r in b.recomputed)
+        b_recomputed_ops = [r for r in b.recomputed if r.kind == "op"]
         forward_ops = [sorted((o.path, o.call, o.index, o.name) for o in t.ops if o.phase == "forward")
                        for t in (a, b)]
         assert forward_ops[0] == forward_ops[1]
@@ -73,6 +74,9 @@ def test_a_checkpointed_run_aligns_with_a_plain_one_record_for_record(plain, tmp
         # (the operations the decoder layer's own forward runs between its children are not recomputed calls)
         inside = {k for k in backward_ops[0] if k[0].startswith("model.layers.") and k[0].count(".") > 2}
         assert inside and inside <= backward_ops[1]
+    code, out, err = run_cli("show", path)
+    assert code == 0 and f"recomputed in backward (activation checkpointing): {len(calls)} module calls, " \
+        f"{len(b_recomputed_ops)} operations" in " ".join(out.split()), out + err
     report = layerdiff.align(plain, path).data
     assert report["verdict"] == "aligned" and not report["only_a"] and not report["only_b"]
     assert report["recompute"]["a"] is None
