@@ -7,14 +7,17 @@ calls made while recomputing take the numbers of the calls they replay: their fo
 (``recompute``), and the backward that runs through them (reentrant checkpointing builds the graph it
 differentiates there) is the backward of the original calls.
 
-Which call a recomputation replays: backward meets a step's calls last to first, so a recomputed call whose
-caller is not recorded replays the latest call of its module not replayed yet; the calls inside it replay that
-call's own calls, in order.
+Which call a recomputation replays, for a recomputed call whose caller is not recorded: the call of its module
+in this step, not replayed yet, that was given the same input tensors (a checkpoint recomputes on the tensors it
+kept); else a call in the same caller's call as the one the previous such call replayed (a checkpointed
+``forward`` whose children are recomputed one after the other, transformers' way); else the latest (backward
+meets a step's calls last to first). The calls inside it replay that call's own calls, in order.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 
 @dataclass
@@ -28,39 +31,51 @@ class StepCalls:
     """The module calls of the step in progress, in the order they began, with how deep each was."""
 
     def __init__(self):
-        self.log: list[tuple[str, int, int, int | None]] = []  # (path, call, depth, micro)
-        self.at: dict[tuple[str, int], int] = {}  # (path, call) -> its place in ``log``
+        self.log: list[tuple[str, int, int, int | None, tuple | None]] = []  # (path, call, depth, micro, parent)
         self.of_path: dict[str, list[int]] = {}  # path -> its calls' places in ``log``, in order
+        self.given: dict[Any, list[int]] = {}  # an input tensor's identity -> the places of the calls given it
         self.replayed: set[tuple[str, int]] = set()
+        self.last_parent: tuple | None = None  # the caller of the call the previous recomputed root replayed
 
     def clear(self) -> None:
         self.log.clear()
-        self.at.clear()
         self.of_path.clear()
+        self.given.clear()
         self.replayed.clear()
+        self.last_parent = None
 
-    def add(self, path: str, call: int, depth: int, micro: int | None) -> None:
-        self.at[(path, call)] = len(self.log)
-        self.of_path.setdefault(path, []).append(len(self.log))
-        self.log.append((path, call, depth, micro))
+    def add(self, path: str, call: int, depth: int, micro: int | None, parent: tuple | None,
+            inputs: Iterable[Any]) -> None:
+        """A call of the forward pass; ``inputs``: its input tensors' identities (None for one without)."""
+        place = len(self.log)
+        self.of_path.setdefault(path, []).append(place)
+        for identity in inputs:
+            if identity is not None:
+                self.given.setdefault(identity, []).append(place)
+        self.log.append((path, call, depth, micro, parent))
 
-    def replay_root(self, path: str) -> tuple[int, int | None, Replay] | None:
+    def replay_root(self, path: str, inputs: Iterable[Any]) -> tuple[int, int | None, Replay] | None:
         """(call, microbatch, what its calls replay) for a recomputed call of ``path`` that no replayed call
-        encloses: the latest call of ``path`` in this step not replayed yet; None when there is none."""
-        places = self.of_path.get(path) or []
-        while places:
-            place = places.pop()
-            _, call, depth, micro = self.log[place]
-            if (path, call) in self.replayed:
-                continue
-            self.replayed.add((path, call))
-            replay = Replay()
-            for inner_path, inner_call, inner_depth, inner_micro in self.log[place + 1:]:
-                if inner_depth <= depth:
-                    break
-                replay.calls.setdefault(inner_path, deque()).append((inner_call, inner_micro))
-            return call, micro, replay
-        return None
+        encloses, given input tensors of identities ``inputs`` (see the module docstring); None when every call of
+        ``path`` in this step was replayed."""
+        open_places = [place for place in self.of_path.get(path) or ()
+                       if (path, self.log[place][1]) not in self.replayed]
+        if not open_places:
+            return None
+        given = {place for identity in inputs if identity is not None for place in self.given.get(identity, ())}
+        siblings = [place for place in open_places if self.last_parent is not None
+                    and self.log[place][4] == self.last_parent]
+        place = max(p for p in open_places if p in given) if given.intersection(open_places) else \
+            siblings[0] if siblings else open_places[-1]
+        _, call, depth, micro, parent = self.log[place]
+        self.replayed.add((path, call))
+        self.last_parent = parent
+        replay = Replay()
+        for inner_path, inner_call, inner_depth, inner_micro, _ in self.log[place + 1:]:
+            if inner_depth <= depth:
+                break
+            replay.calls.setdefault(inner_path, deque()).append((inner_call, inner_micro))
+        return call, micro, replay
 
     def replay_next(self, replay: Replay, path: str) -> tuple[int, int | None] | None:
         """(call, microbatch) that the next recomputed call of ``path`` inside a replayed call replays."""

@@ -353,7 +353,7 @@ class TraceSession:
         replayed = None
         if recompute:
             if caller is None:
-                root = self.step_calls.replay_root(path)
+                root = self.step_calls.replay_root(path, (self.tensors.identify(t) for _, t in inputs))
                 if root is not None:
                     replayed, replay = root[:2], root[2]
             elif caller.replay is not None:
@@ -365,9 +365,10 @@ class TraceSession:
         else:  # a call of its own (or one recomputed that no call of this step matches: a number of its own)
             call = self.call_counts.get(path, 0)
             self.call_counts[path] = call + 1
-            if not recompute:
-                self.step_calls.add(path, call, len(self.stack), self.micro)
         parent = (caller.path, caller.call) if caller is not None else None
+        if not recompute:
+            self.step_calls.add(path, call, len(self.stack), self.micro, parent,
+                                (self.tensors.identify(t) for _, t in inputs))
         frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
                           scalars=scalars, full=full, arg_names=tuple(arg_names), micro=micro, stage=stage,
                           replay=replay)

@@ -180,3 +180,26 @@ def test_bisect_replays_a_checkpointed_candidate_and_confirms_the_origin(tmp_pat
     assert [s["module"] for s in result["forward"]["segments"]] == ["model.layers.1.mlp.act_fn"]
     assert result["forward"]["culprit"]["module"] == "model.layers.1.mlp.act_fn"
     assert [s["module"] for s in result["backward"]["segments"]] == ["model.layers.1.mlp.act_fn"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_recomputations_out_of_order_replay_the_calls_given_their_tensors(tmp_path, reentrant):
+    """Two microbatches of one step whose backward runs in the order their forward did (F0 F1 B0 B1, a 1F1B
+    schedule's order): each recomputation replays the calls of its own microbatch (found by the tensors it was
+    given), not the latest calls of its modules (microbatch 1's: every recomputed output then 'differed')."""
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    for name, checkpoint in (("plain", None), ("checkpointed", {"use_reentrant": reentrant})):
+        model = llama(checkpoint)
+        with layerdiff.trace(model, tmp_path / f"{name}.h5") as tracer, tracer.step():
+            losses = [model(input_ids=half, labels=half).loss / 2 for half in ids.split(2)]
+            for loss in losses:
+                loss.backward()
+    with open_trace(tmp_path / "plain.h5") as a, open_trace(tmp_path / "checkpointed.h5") as b:
+        keys = [sorted((r.kind, r.phase, r.path, r.call, r.micro) for r in t.records if r.kind == "call")
+                for t in (a, b)]
+        assert keys[0] == keys[1]
+        assert {r.micro for r in b.recomputed} == {0, 1}
+    report = layerdiff.align(tmp_path / "plain.h5", tmp_path / "checkpointed.h5").data
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    check = report["recompute"]["b"]
+    assert check["calls"] == check["compared"] == 2 * 24 and check["differ"] == []
