@@ -351,8 +351,7 @@ class NotCompared(TypedDict):
     reason: str
 
 
-class RecomputedCall(TypedDict):
-    """A call that activation checkpointing recomputed in backward with another output than its forward gave."""
+class _RecomputedCallKeys(TypedDict):
     path: str
     call: Count
     step: Count
@@ -360,6 +359,11 @@ class RecomputedCall(TypedDict):
     max_abs: Number
     basis: str  # data (stored values) or stats
     inputs_agree: bool  # its inputs were the forward's: the recomputation departs here
+
+
+class RecomputedCall(_RecomputedCallKeys, total=False):
+    """A call that activation checkpointing recomputed in backward with another output than its forward gave."""
+    rank: Int64  # in a run of ranks: the rank (file) that recomputed it
 
 
 class RecomputeCheck(TypedDict):

@@ -139,8 +139,13 @@ def init_cpu_megatron(tp: int = 1):
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)  # no-op when already made
     if not getattr(tensor_parallel.get_cuda_rng_tracker(), "is_inference_rng_tracker", False):
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    if not torch.cuda.is_available():  # activation recomputation saves and restores the CUDA generator's state:
-        # a CPU run has none (its CPU generator's state is saved and restored by Megatron as well)
+    without_cuda_generator()
+
+
+def without_cuda_generator():
+    """Activation recomputation saves and restores the CUDA generator's state: a CPU-only host has none (Megatron
+    saves and restores the CPU generator's as well), so Megatron's two functions that read and set it do nothing."""
+    if not torch.cuda.is_available():
         tensor_parallel.random._get_cuda_rng_state = lambda *args, **kwargs: None
         tensor_parallel.random._set_cuda_rng_state = lambda *args, **kwargs: None
 

@@ -13,6 +13,8 @@ through megatron-core's own schedule and its DistributedDataParallel, on CPU ran
         --arg layers=4 --arg tp=2 --arg dp=2 -o tp_dp                                     # TP=2 x DP=2 on 4 ranks
     torchrun --standalone --nproc-per-node 2 -m layerdiff trace megatron_parallel \\
         --arg pp=2 --arg vpp=2 --arg microbatches=2 --arg batch=4 -o vpp                  # 4 virtual stages
+    torchrun --standalone --nproc-per-node 2 -m layerdiff trace megatron_parallel \
+        --arg pp=2 --arg microbatches=2 --arg batch=4 --arg recompute=full -o pp_recompute  # + activation recompute
     layerdiff align hf.h5 pp
 
 One ``step()`` is one training iteration as Megatron runs it: ``get_forward_backward_func()`` runs every
@@ -115,6 +117,7 @@ def init_parallel(tp: int, pp: int, ep: int = 1, dp: int = 1, vpp: int = 1):
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
                                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    base.without_cuda_generator()
 
 
 def stage_state(state: dict, model: GPTModel, offset: int | None = None) -> dict:
@@ -139,7 +142,7 @@ def _has(model, path: str) -> bool:
 
 
 def build_model(*, layers: int, tp: int, pp: int, sp: bool, first_stage_layers: int | None, seed: int,
-                defect: str | None, dp: int = 1, vpp: int = 1):
+                defect: str | None, dp: int = 1, vpp: int = 1, recompute: str | None = None):
     """This rank's GPTModel, or with ``vpp`` > 1 its list of model chunks (virtual pipeline stages: chunk v holds
     the layers of stage v x pp + this rank), each loaded with the layers it holds; and the shared config."""
     init_parallel(tp, pp, dp=dp, vpp=vpp)
@@ -151,7 +154,8 @@ def build_model(*, layers: int, tp: int, pp: int, sp: bool, first_stage_layers: 
         pipeline_dtype=torch.float32, batch_p2p_sync=False,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         num_layers_in_first_pipeline_stage=first_stage_layers if uneven else None,
-        num_layers_in_last_pipeline_stage=layers - first_stage_layers if uneven else None)
+        num_layers_in_last_pipeline_stage=layers - first_stage_layers if uneven else None,
+        **base.RECOMPUTE.get(recompute or "", {}))
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = SequenceParallelRMSNorm
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
@@ -243,16 +247,19 @@ def trainer(model: GPTModel | list[GPTModel], forward_step, batches, *, microbat
 
 def build(defect: str | None = None, *, layers: int = 4, tp: int = 1, pp: int = 1, sp: bool = False,
           microbatches: int = 1, first_stage_layers: int | None = None, lr: float = 0.0, batch: int = 2,
-          seq: int = 16, seed: int = 0, dp: int = 1, vpp: int = 1):
+          seq: int = 16, seed: int = 0, dp: int = 1, vpp: int = 1, recompute: str | None = None):
     """``vpp`` > 1: that many virtual pipeline stages on each pipeline rank (Megatron's interleaved schedule); the
-    model traced is the rank's list of model chunks."""
+    model traced is the rank's list of model chunks. ``recompute``: activation recomputation, "full" or
+    "selective" (``megatron_llama.RECOMPUTE``)."""
+    if recompute is not None and recompute not in base.RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(base.RECOMPUTE)}")
     if sp and tp < 2:
         raise ValueError("sp=true splits activations over tensor-parallel ranks: it needs tp >= 2")
     if batch % (microbatches * dp):
         raise ValueError(f"batch {batch} does not split into {dp} data-parallel shares of {microbatches} "
                          "microbatches")
     model, cfg = build_model(layers=layers, tp=tp, pp=pp, sp=sp, first_stage_layers=first_stage_layers, seed=seed,
-                             defect=defect, dp=dp, vpp=vpp)
+                             defect=defect, dp=dp, vpp=vpp, recompute=recompute)
     for chunk in model if isinstance(model, list) else [model]:
         _inject(chunk, defect, first_stage_layers)
     base.reserve_attention_buffer(batch * cfg["heads"] * seq * seq)

@@ -256,6 +256,7 @@ KEYS = {
         "basis": "`data` (stored values), `stats`, or `shape` (not even the shapes agree).",
         "inputs_agree": "Its inputs were the forward's: the recomputation departs here (the calls that follow "
                         "differ because what they were given does).",
+        "rank": "In a run of ranks: the rank whose file recomputed it.",
     },
     "Unmatched": {
         "a": "Modules of A with no counterpart in B.",

@@ -8,14 +8,14 @@ calls made while recomputing take the numbers of the calls they replay: their fo
 differentiates there) is the backward of the original calls.
 
 Which call a recomputation replays, for a recomputed call whose caller is not recorded: the call of its module
-in this step, not replayed yet, that was given the same input tensors (a checkpoint recomputes on the tensors it
-kept); else a call in the same caller's call as the one the previous such call replayed (a checkpointed
+in this step, not replayed yet, that was given the most of the same input tensors (a checkpoint recomputes on the
+tensors it kept; a mask every microbatch shares tells none apart); else a call in the same caller's call as the one the previous such call replayed (a checkpointed
 ``forward`` whose children are recomputed one after the other, transformers' way); else the latest (backward
 meets a step's calls last to first). The calls inside it replay that call's own calls, in order.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -62,11 +62,16 @@ class StepCalls:
                        if (path, self.log[place][1]) not in self.replayed]
         if not open_places:
             return None
-        given = {place for identity in inputs if identity is not None for place in self.given.get(identity, ())}
+        # how many of its input tensors each open call was given (a mask every microbatch shares counts for all)
+        shared = Counter(place for identity in set(inputs) if identity is not None
+                         for place in self.given.get(identity, ()) if place in open_places)
         siblings = [place for place in open_places if self.last_parent is not None
                     and self.log[place][4] == self.last_parent]
-        place = max(p for p in open_places if p in given) if given.intersection(open_places) else \
-            siblings[0] if siblings else open_places[-1]
+        if shared:
+            most = max(shared.values())
+            place = max(p for p, n in shared.items() if n == most)
+        else:
+            place = siblings[0] if siblings else open_places[-1]
         _, call, depth, micro, parent = self.log[place]
         self.replayed.add((path, call))
         self.last_parent = parent

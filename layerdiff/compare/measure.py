@@ -538,6 +538,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     every tensor pair (large stored tensors by ``how.workers``: processes of this machine or a Dask cluster)."""
     how = how or Comparison()
     rename, layouts, rules = how.rename, how.layouts, how.rules
+    # each run's recomputations against its own forward, in its own numbering (before microbatches are joined)
+    recomputed = {"a": recompute_check(reader_a), "b": recompute_check(reader_b)}
     reader_a, reader_b = joined_pair(reader_a, reader_b)  # a step run as microbatches against one that was not
     for reader in (reader_a, reader_b):
         if not any(r.kind == "call" for r in reader.records):
@@ -645,7 +647,7 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
                                 "b": first_nonfinite(reader_b.records, ops=reader_b.ops)},
             "settings": settings_report(_with_autocast(reader_a), _with_autocast(reader_b)),
             "config_diff": _config_diff(reader_a.meta, reader_b.meta), "not_compared": not_compared,
-            "recompute": {"a": recompute_check(reader_a), "b": recompute_check(reader_b)}}
+            "recompute": recomputed}
 
 
 def _with_autocast(reader) -> dict:

@@ -21,7 +21,24 @@ CHUNK = 1 << 20
 def recompute_check(reader: Any) -> schema.RecomputeCheck | None:
     """The trace's recomputed calls against the forward calls they replay; None when it recomputed none. The
     calls that differ are listed in the order they began; ``inputs_agree`` marks those whose inputs were the
-    forward's: where the recomputation departs (the others differ because what they were given does)."""
+    forward's: where the recomputation departs (the others differ because what they were given does). A run of
+    ranks: each rank's file checked on its own, the calls that differ named with their ``rank``."""
+    files = getattr(reader, "files", None)
+    if files is not None:
+        checks = [(rank, _check(f)) for rank, f in enumerate(files)]
+        found = [(rank, check) for rank, check in checks if check is not None]
+        if not found:
+            return None
+        differ: list[schema.RecomputedCall] = []
+        for rank, check in found:
+            for d in check["differ"]:
+                differ.append({**d, "rank": rank})
+        return {"calls": sum(c["calls"] for _, c in found), "compared": sum(c["compared"] for _, c in found),
+                "differ": differ}
+    return _check(reader)
+
+
+def _check(reader: Any) -> schema.RecomputeCheck | None:
     recomputed = sorted((r for r in getattr(reader, "recomputed", ()) if isinstance(r, CallRecord)),
                         key=lambda r: r.begin)
     if not recomputed:

@@ -396,7 +396,8 @@ def recompute_lines(checks: dict) -> list[str]:
         lines.append(head + f"{len(differ)} of {check['compared']} recomputed calls differ from the forward they "
                      f"replay (their backward differentiates another forward); "
                      f"{'it departs at' if first.get('inputs_agree') else 'first'} {first['path'] or '<root>'} "
-                     f"call {first['call']} at step {first['step']} ({first['tensor']}, max |diff| "
+                     f"call {first['call']} at step {first['step']}"
+                     + (f" on rank {first['rank']}" if "rank" in first else "") + f" ({first['tensor']}, max |diff| "
                      f"{first['max_abs']:.3g}, by {first['basis']})")
     return lines
 

@@ -203,3 +203,44 @@ def test_recomputations_out_of_order_replay_the_calls_given_their_tensors(tmp_pa
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
     check = report["recompute"]["b"]
     assert check["calls"] == check["compared"] == 2 * 24 and check["differ"] == []
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)
+
+    def forward(self, x, mask):
+        return x + self.down(self.act(self.up(x))) * mask
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.blocks, self.checkpointed = torch.nn.ModuleList([_Masked() for _ in range(2)]), checkpointed
+
+    def forward(self, x, mask):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, mask, use_reentrant=True) if self.checkpointed else block(x, mask)
+        return x.square().mean()
+
+
+def test_a_tensor_every_microbatch_shares_does_not_decide_which_call_is_replayed(tmp_path):
+    """Megatron's way: each checkpointed layer given its microbatch's hidden states and the one attention mask
+    every microbatch shares, backward in forward order (F0 F1 B0 B1). The call given the most of the same tensors
+    is the one replayed (the mask alone matched both microbatches' calls: the latest was taken, the other
+    microbatch's)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    mask = torch.ones(8)
+    for name, checkpointed in (("plain", False), ("checkpointed", True)):
+        torch.manual_seed(0)
+        model = _Stack(checkpointed)
+        with layerdiff.trace(model, tmp_path / f"{name}.h5") as tracer, tracer.step():
+            losses = [model(half, mask) for half in x.split(2)]
+            for loss in losses:
+                loss.backward()
+    report = layerdiff.align(tmp_path / "plain.h5", tmp_path / "checkpointed.h5").data
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    assert report["recompute"]["b"]["calls"] == 2 * 2 * 4 and report["recompute"]["b"]["differ"] == []
