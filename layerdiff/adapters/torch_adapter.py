@@ -480,6 +480,7 @@ class Hooks(ModuleHooks):
     pipeline_read = False  # whether a pipeline schedule running the model was read (``scheduled_step``)
     data_parallel: ParallelLayout | None = None  # the model's data-parallel layout, read at install
     grad_handles: list | tuple = ()  # the hooks that record the parameters' gradients
+    fsdp1_root: Any = None  # an FSDP1 root traced whole: its parameters and gradients are read gathered
 
     def named_parameters(self):
         return each_named(self.model, lambda part: unwrapped_names(part.named_parameters(remove_duplicate=False)))
@@ -539,10 +540,13 @@ class Hooks(ModuleHooks):
         # read now, while FSDP holds its weights sharded (a step's first call may already have gathered them)
         self.data_parallel = torch_data_parallel.parallel_layout(parts_of(self.model)[0])
         if self.record_params and any(torch_data_parallel.fsdp1_model(part) for part in parts_of(self.model)):
-            self.record_params = False
-            self.session.warn("FSDP1 (FullyShardedDataParallel) holds each rank's flat shard of its parameters and "
-                              "their gradients: neither is recorded (FSDP2's fully_shard records both; compare "
-                              "the weights themselves with layerdiff weights diff)")
+            if torch_data_parallel.fsdp1_gathers(self.model):
+                self.fsdp1_root = self.model
+            else:
+                self.record_params = False
+                self.session.warn("FSDP1 (FullyShardedDataParallel) holds each rank's flat shard of its parameters "
+                                  "and their gradients: neither is recorded here (they are when the model traced is "
+                                  "the FSDP1 root, with use_orig_params=True; FSDP2's fully_shard records both)")
         if any(torch_data_parallel.fsdp_model(part) for part in parts_of(self.model)):
             self.held_dtypes = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
         super().install()
@@ -560,9 +564,45 @@ class Hooks(ModuleHooks):
         return [_CollectiveWatch(self.session)] if dist.is_available() else []
 
     def register_param_grad_hooks(self):
+        if self.fsdp1_root is not None:  # FSDP1 sets its gradients itself: read gathered when an optimizer steps
+            self._watch_fsdp1()
+            return
         self.grad_handles = [p.register_post_accumulate_grad_hook(self._param_grad_hook(name))
                              for name, p in self.params if p.requires_grad]
         self.handles.extend(self.grad_handles)
+
+    # -- FSDP1: a rank's parameters are flat pieces of its shard between its units' calls, its gradients flat pieces
+    # of the reduced shard; both are read gathered whole (``summon_full_params``, collective: every rank runs the
+    # same steps) before the root's forward and before an optimizer steps
+    def start_step(self):
+        if self.fsdp1_root is None:
+            super().start_step()
+
+    def _watch_fsdp1(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self.handles.append(self.fsdp1_root.register_forward_pre_hook(lambda module, args: self._fsdp1_values(),
+                                                                      prepend=True))
+        if self.backward:
+            self.handles.append(register_optimizer_step_pre_hook(self._fsdp1_gradients))
+
+    def _fsdp1_values(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not self.active:
+            return
+        with FullyShardedDataParallel.summon_full_params(self.fsdp1_root, writeback=False):
+            self._record_changed_params()
+
+    def _fsdp1_gradients(self, optimizer, args, kwargs) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not self.active or not any(id(p) in stepped for _, p in self.params):
+            return  # another model's optimizer
+        with FullyShardedDataParallel.summon_full_params(self.fsdp1_root, writeback=False, with_grads=True):
+            for name, p in self.params:
+                self.record_param_grad(name, p.grad, p)
 
     def _param_grad_hook(self, name):
         return lambda p: self.record_param_grad(name, p.grad, p)

@@ -9,7 +9,7 @@
   mesh, ``Replicate`` then ``Shard``) is the same over both dimensions.
 - FSDP1 (``FullyShardedDataParallel``): every rank runs its own share of the batch through the whole model, its
   units gathering their flat parameters to compute; outside a unit's call a parameter is a flat piece of a rank's
-  shard, so parameters and their gradients are not recorded (the trace says so).
+  shard, so the torch adapter reads parameters and gradients gathered whole (``fsdp1_gathers``).
 - FSDP2 with tensor parallelism on one 2-D mesh (torchtitan's layout: FSDP on the first dimension, TP on the
   last): each data-parallel replica is its tensor-parallel ranks (``tp``, ``tp_rank``), which split its weights
   as ``parallelize_module`` says; FSDP shards those pieces again for storage (``_StridedShard`` where both split
@@ -142,6 +142,15 @@ def fsdp1_model(model: Any) -> bool:
     except ImportError:
         return False
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def fsdp1_gathers(model: Any) -> bool:
+    """Whether ``model`` is an FSDP1 root whose parameters can be read gathered whole, gradients too
+    (``summon_full_params(with_grads=True)`` needs ``use_orig_params=True``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel) and all(
+        getattr(unit, "_use_orig_params", False) for unit in FullyShardedDataParallel.fsdp_modules(model))
 
 
 def _fsdp_shard(placement: Any) -> bool:

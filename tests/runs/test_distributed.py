@@ -233,22 +233,26 @@ def test_data_parallel_ranks_given_their_own_shares_join_as_one_process(runs, re
     assert code == 0 and "each data-parallel rank was given its own share of the batch" in out, out + err
 
 
-def test_fsdp1_ranks_join_as_one_process_without_their_flat_parameters(runs, recipe_trace):
-    """FSDP1 (``FullyShardedDataParallel``, a unit per decoder layer), each rank its share, two SGD steps: its units
-    are left out of the names and its ranks join as one process, forward and backward; its parameters (each
-    rank's flat shard) are not recorded, and the trace says so. A backward-only defect is named as in one
-    process (before: every module under ``_fsdp_wrapped_module`` names, the batch shards compared as a whole)."""
+def test_fsdp1_ranks_join_as_one_process_with_their_parameters_gathered(runs, recipe_trace):
+    """FSDP1 (``FullyShardedDataParallel``, a unit per decoder layer, ``use_orig_params``), each rank its share,
+    two SGD steps: its units are left out of the names and its ranks join as one process, forward and backward;
+    its parameters, flat pieces of each rank's shard between calls, are read gathered whole before each step and
+    its gradients before the optimizer steps. A backward-only defect is named as in one process (before: every
+    module under ``_fsdp_wrapped_module`` names, the batch shards compared as a whole, the parameters as flat
+    shards)."""
     from layerdiff.recipes.llama_shared import DEFECTS
 
     reference = recipe_trace(batch=4, lr=0.1, steps=2)
     report = align_files(reference, runs / "fsdp1_clean")
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
-    assert report["mapping"] == [] and not report["only_b"] and report["params"]["compared"] == 0
-    assert all(r["kind"] in ("param", "param_grad") for r in report["only_a"])
+    assert report["mapping"] == [] and not report["only_a"] and not report["only_b"]
+    assert report["params"]["compared"] == 42 and report["params"]["grads_compared"] == 42 and \
+        not report["params"]["differ"]
     with open_trace(runs / "fsdp1_clean" / "rank1.h5") as reader:
         assert reader.meta["parallel"]["dp"] == 2 and reader.meta["parallel"]["dp_rank"] == 1
-        assert reader.meta["model_class"].endswith("LlamaForCausalLM")
-        assert any("FSDP1" in w and "neither is recorded" in w for w in reader.end.warnings)
+        assert reader.meta["model_class"].endswith("LlamaForCausalLM") and not reader.end.warnings
+        q = next(r for r in reader.records if r.kind == "param" and r.path == "model.layers.0.self_attn.q_proj.weight")
+        assert q.tensors[0].shape == [64, 64]  # gathered whole (a flat shard's piece between calls)
     direction, module = DEFECTS["backward"]
     origin = align_files(reference, runs / "fsdp1_backward")[direction]["first_divergence"]
     assert (origin["module"], origin["step"]) == (module, 0)
