@@ -13,7 +13,8 @@ from html import escape
 from rich.text import Text
 
 from layerdiff.report.ops_view import code_at, is_origin_row, module_ops, retrace_hint, row_status, short_source
-from layerdiff.report.terminal import View, fmt_number, origin_lines, recompute_lines, row_passed, step_count
+from layerdiff.report.terminal import (View, fmt_number, origin_lines, recompute_explains, recompute_lines,
+                                       row_passed, step_count)
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -114,6 +115,9 @@ def _origin_block(report: View, phase: str, steps: int) -> str:
     body = "<br>".join(escape(line) for line in lines[1:])
     ops = _ops_block(report, origin) if origin.get("op") and origin.get("where") != "forward" else ""
     hint = "".join(f"<br><span class='dim'>{escape(line)}</span>" for line in retrace_hint(report, origin))
+    if phase == "backward" and origin.get("where") != "forward":
+        hint += "".join(f"<br><b class='bad'>{escape(line)}</b>"
+                        for line in recompute_explains(report.get("recompute") or {}))
     return (f"<div class='origin' id='{phase}-origin'><b>{phase.upper()}</b> "
             f"<span class='bad'>divergent ({res.get('failing_tensors', '?')} tensors over tolerance)</span><br>"
             f"origin: <b class='bad'>{escape(lines[0])}</b><br>{body}{hint}</div>{ops}")

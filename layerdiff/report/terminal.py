@@ -253,6 +253,9 @@ def _render_body(report: View, console: Console):
                 _render_module_ops(report, origin, console)
             for line in retrace_hint(report, origin):
                 console.print(f"          [dim]{as_text(line)}[/]")
+            if phase == "backward" and origin.get("where") != "forward":
+                for line in recompute_explains(report.get("recompute") or {}):
+                    console.print(f"          [bold red]{as_text(line)}[/]")
         failure = res.get("failure")
         if failure and (origin or {}).get("where") != "raised":
             console.print(f"  [red]run B raised in {as_text(failure['module'] or '<root>')}: {as_text(failure['error'])}[/]")
@@ -376,6 +379,19 @@ def _render_next_pass(report: View, console: Console):
                   f"-o a_window.h5", highlight=False, soft_wrap=True)
     console.print(f"  layerdiff bisect a_window.h5 {target_command(report['b'], 'CANDIDATE_TARGET')}", highlight=False,
                   soft_wrap=True)
+
+
+def recompute_explains(checks: dict) -> list[str]:
+    """Under a backward origin: a run whose recomputation departs from its forward differentiates another forward
+    than the one its loss came from, whatever the backward's first difference looks like."""
+    lines = []
+    for side in ("a", "b"):
+        departs = [d for d in (checks.get(side) or {}).get("differ", ()) if d.get("inputs_agree")]
+        if departs:
+            lines.append(f"run {side.upper()}'s recomputation (activation checkpointing) departs from its forward at "
+                         f"{departs[0]['path'] or '<root>'}: its backward uses other activations than its forward "
+                         "made; look there first")
+    return lines
 
 
 def recompute_lines(checks: dict) -> list[str]:

@@ -6,6 +6,7 @@ it departs. Real transformers Llama built from a config."""
 from __future__ import annotations
 
 import json
+from html import escape
 
 import pytest
 
@@ -113,8 +114,11 @@ def test_a_recomputation_that_does_not_restore_the_random_state_is_named_where_i
            "forward" in text
     assert f"recomputation (B, activation checkpointing): {len(differ)} of 24 recomputed calls differ from the " \
            f"forward they replay" in text and f"departs at {last} call 0 at step 0" in text
+    assert f"run B's recomputation (activation checkpointing) departs from its forward at {last}" in text
     page = report_html(report)
     assert f"<p class='bad'>recomputation (B, activation checkpointing): {len(differ)} of 24" in page
+    assert "<b class='bad'>" + escape(f"run B's recomputation (activation checkpointing) departs from its forward "
+                                      f"at {last}") in page
 
 
 def test_torchs_checkpoint_wrapper_is_left_out_of_the_names(plain, tmp_path):
