@@ -21,6 +21,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
+from layerdiff.adapters.frames import running_frame
 from layerdiff.capture.hooks import ModuleHooks
 
 _DTYPE_NAMES = {
@@ -173,6 +174,9 @@ class _Collector:
             self.report(grads)
 
 
+RECOMPUTE_CELL = "_recompute_cell"
+
+
 class Hooks(ModuleHooks):
     """Registers forward hooks on every cell (plus gradient taps and parameter-gradient hooks)."""
 
@@ -187,6 +191,11 @@ class Hooks(ModuleHooks):
 
     def forward_function(self, module):
         return getattr(module, "construct", None)
+
+    def recomputing(self, frame) -> bool:
+        # ``Cell.recompute()`` in PyNative, reentrant (its default): its ``bprop`` runs the cell again
+        return super().recomputing(frame) or running_frame(
+            frame, "mindspore.common.recompute", ("bprop", "backward")) is not None
 
     def register_forward_hooks(self, cell, pre_hook, post_hook) -> list:
         return [cell.register_forward_pre_hook(pre_hook, with_kwargs=True),
@@ -350,7 +359,10 @@ class MindSporeAdapter(FrameworkAdapter):
     records_ops = True
 
     def named_modules(self, model):
-        return model.cells_and_names()
+        # ``Cell.recompute()`` (PyNative) routes the cell's call through a ``_recompute_cell`` holding a ``wrap_cell``
+        # that runs its ``construct``: machinery, not the model's (its children keep their own names)
+        return ((name, cell) for name, cell in model.cells_and_names()
+                if RECOMPUTE_CELL not in name.split("."))
 
     def named_parameters(self, model):
         return model.parameters_and_names()
