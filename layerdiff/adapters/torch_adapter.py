@@ -731,8 +731,8 @@ def metadata(model) -> dict:
     """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
     params = list(model.parameters())
     inner = model
-    while wrapped_child(inner) is not None:  # the model an FSDP1 or checkpointing wrapper holds
-        inner = wrapped_child(inner)
+    while (child := wrapped_child(inner)) is not None:  # the model an FSDP1 or checkpointing wrapper holds
+        inner = child
     meta = {
         "framework": TorchAdapter.name,
         "framework_version": torch.__version__,

@@ -43,7 +43,7 @@ def parallel_layout(model: Any) -> ParallelLayout | None:
         layout = _layout(*place, sharded_storage=False)
         layout["wrapped"] = "module"  # DDP holds the model as its child ``module``: the wrapper is left out
         return layout
-    if fsdp1_model(model):  # every rank its share of the batch; its parameters are flat shards (not recorded)
+    if fsdp1_model(model):  # every rank its share of the batch; its parameters flat shards between calls
         size = dist.get_world_size()
         return _layout(size, dist.get_rank(), sharded_storage=False) if size > 1 else None
     mesh = _fsdp_mesh(model)

@@ -64,8 +64,9 @@ class StepCalls:
         if not open_places:
             return None
         # how many of its input tensors each open call was given (a mask every microbatch shares counts for all)
+        is_open = set(open_places)
         shared = Counter(place for identity in set(inputs) if identity is not None
-                         for place in self.given.get(identity, ()) if place in open_places)
+                         for place in self.given.get(identity, ()) if place in is_open)
         siblings = [place for place in open_places if self.last_parent is not None
                     and self.log[place][4] == self.last_parent]
         if shared:

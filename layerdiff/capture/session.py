@@ -343,23 +343,18 @@ class TraceSession:
         ``recompute``: for a root call, activation checkpointing recomputing this step's calls in its backward
         (``capture.recompute``; the calls inside it are too)."""
         caller = self.stack[-1] if self.stack else None
-        if caller is None:
-            if not recompute:
-                self._open_step(scope, stage)
-        else:
-            stage = caller.stage
-            recompute = caller.replay is not None
-        micro, replay = self.micro, None
-        replayed = None
-        if recompute:
-            if caller is None:
-                root = self.step_calls.replay_root(path, (self.tensors.identify(t) for _, t in inputs))
-                if root is not None:
-                    replayed, replay = root[:2], root[2]
-            elif caller.replay is not None:
-                replay = caller.replay
+        micro, replay, replayed = self.micro, None, None
+        if caller is not None:  # a call inside a recomputed one is recomputed too
+            stage, replay = caller.stage, caller.replay
+            recompute = replay is not None
+            if replay is not None:
                 replayed = self.step_calls.replay_next(replay, path)
-            replay = replay if replay is not None else Replay()
+        elif recompute:
+            root = self.step_calls.replay_root(path, (self.tensors.identify(t) for _, t in inputs))
+            replayed, replay = (root[:2], root[2]) if root is not None else (None, Replay())
+        else:
+            self._open_step(scope, stage)
+            micro = self.micro
         if replayed is not None:
             call, micro = replayed
         else:  # a call of its own (or one recomputed that no call of this step matches: a number of its own)

@@ -12,10 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from layerdiff import schema
-from layerdiff.compare.metrics import compare_data, compare_stats
+from layerdiff.compare.metrics import CHUNK_ELEMS, compare_data, compare_stats
 from layerdiff.tracefile.records import CallRecord, TensorEntry
-
-CHUNK = 1 << 20
 
 
 def recompute_check(reader: Any) -> schema.RecomputeCheck | None:
@@ -76,6 +74,6 @@ def _metrics(reader: Any, first: TensorEntry, again: TensorEntry) -> dict:
     if first.shape != again.shape or first.dtype != again.dtype:
         return {"identical": False, "max_abs": float("inf"), "basis": "shape"}
     if first.offset is not None and again.offset is not None:
-        return dict(compare_data(reader.tensor_chunks(first, CHUNK), reader.tensor_chunks(again, CHUNK),
+        return dict(compare_data(reader.tensor_chunks(first, CHUNK_ELEMS), reader.tensor_chunks(again, CHUNK_ELEMS),
                                  first.dtype, again.dtype))
     return dict(compare_stats(first.stats, again.stats))

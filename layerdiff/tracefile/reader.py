@@ -73,10 +73,16 @@ class TraceReader:
         self.end = scan.end
         # module calls and parameters (what every pass reads), and the operations inside calls (``ops`` tracing);
         # the forward calls and operations activation checkpointing ran again in backward, apart
-        kept = [r for r in scan.records if not getattr(r, "recompute", False)]
-        self.records: list[Record] = [r for r in kept if not isinstance(r, OpRecord)]
-        self.ops: list[OpRecord] = [r for r in kept if isinstance(r, OpRecord)]
-        self.recomputed: list[Record | OpRecord] = [r for r in scan.records if getattr(r, "recompute", False)]
+        self.records: list[Record] = []
+        self.ops: list[OpRecord] = []
+        self.recomputed: list[Record | OpRecord] = []
+        for r in scan.records:
+            if getattr(r, "recompute", False):
+                self.recomputed.append(r)
+            elif isinstance(r, OpRecord):
+                self.ops.append(r)
+            else:
+                self.records.append(r)
         self.damage: list[Damage] = self._meta_damage + scan.damage  # what was written whole and reads otherwise
         self.unverified = scan.unverified  # records without a checksum (a trace written before checksums)
         if self.end is None:
