@@ -240,6 +240,13 @@ RECOMPUTE = {"full": {"recompute_granularity": "full", "recompute_method": "unif
              "selective": {"recompute_granularity": "selective"}}  # Megatron's activation recomputation
 
 
+def recompute_options(recompute: str | None) -> dict:
+    """TransformerConfig's options for ``recompute`` (a key of ``RECOMPUTE``; None: no recomputation)."""
+    if recompute is not None and recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(RECOMPUTE)}")
+    return RECOMPUTE.get(recompute or "", {})
+
+
 def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
                 intermediate: int | None = None, seed: int = 0, rotary_base: float | None = None, tp: int = 1,
                 recompute: str | None = None):
@@ -250,9 +257,7 @@ def build_model(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
     torch.manual_seed(seed)
     cfg = shared.config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                         intermediate=intermediate)
-    if recompute is not None and recompute not in RECOMPUTE:
-        raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(RECOMPUTE)}")
-    config = transformer_config(cfg, **RECOMPUTE.get(recompute or "", {}))
+    config = transformer_config(cfg, **recompute_options(recompute))
     base = cfg["rope_theta"] if rotary_base is None else rotary_base
     model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=cfg["vocab"],
                      max_sequence_length=4096, position_embedding_type="rope", rotary_base=base,

@@ -155,7 +155,7 @@ def build_model(*, layers: int, tp: int, pp: int, sp: bool, first_stage_layers: 
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         num_layers_in_first_pipeline_stage=first_stage_layers if uneven else None,
         num_layers_in_last_pipeline_stage=layers - first_stage_layers if uneven else None,
-        **base.RECOMPUTE.get(recompute or "", {}))
+        **base.recompute_options(recompute))
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = SequenceParallelRMSNorm
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
@@ -251,8 +251,6 @@ def build(defect: str | None = None, *, layers: int = 4, tp: int = 1, pp: int = 
     """``vpp`` > 1: that many virtual pipeline stages on each pipeline rank (Megatron's interleaved schedule); the
     model traced is the rank's list of model chunks. ``recompute``: activation recomputation, "full" or
     "selective" (``megatron_llama.RECOMPUTE``)."""
-    if recompute is not None and recompute not in base.RECOMPUTE:
-        raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(base.RECOMPUTE)}")
     if sp and tp < 2:
         raise ValueError("sp=true splits activations over tensor-parallel ranks: it needs tp >= 2")
     if batch % (microbatches * dp):
