@@ -366,11 +366,15 @@ class RecomputedCall(_RecomputedCallKeys, total=False):
     rank: Int64  # in a run of ranks: the rank (file) that recomputed it
 
 
-class RecomputeCheck(TypedDict):
-    """A trace's recomputed calls against the forward calls they replay (``compare.recompute``)."""
+class _RecomputeCheckKeys(TypedDict):
     calls: Count  # recomputed calls in the trace
     compared: Count  # of those, matched to their forward call and compared
     differ: List[RecomputedCall]  # in the order they ran: the first is where the recomputation departs
+
+
+class RecomputeCheck(_RecomputeCheckKeys, total=False):
+    """A trace's recomputed calls against the forward calls they replay (``compare.recompute``)."""
+    damaged: List[str]  # stored bytes that do not match their checksum: those tensors compared by statistics
 
 
 class _TrustKeys(TypedDict):

@@ -635,6 +635,9 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     summaries = {"a": trace_summary(reader_a), "b": trace_summary(reader_b)}
     for why, what in damaged:
         summaries["b" if why.startswith("B") else "a"].setdefault("damage", []).append(what)
+    for side, check in recomputed.items():
+        if check is not None:
+            summaries[side].setdefault("damage", []).extend(check.get("damaged", []))
     return {"report_version": schema.REPORT_VERSION, "a": summaries["a"], "b": summaries["b"],
             "basis": bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"),
             "map": rename.as_list(), "layouts": layouts.as_list(), "rules": rules.describe(), "records": records,

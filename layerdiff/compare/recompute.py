@@ -13,6 +13,7 @@ from typing import Any
 
 from layerdiff import schema
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_data, compare_stats
+from layerdiff.tracefile.checksums import DamagedTensorError
 from layerdiff.tracefile.records import CallRecord, TensorEntry
 
 
@@ -44,27 +45,35 @@ def _check(reader: Any) -> schema.RecomputeCheck | None:
     forward = {(r.path, r.call): r for r in reader.records if isinstance(r, CallRecord) and r.phase == "forward"}
     compared = 0
     differ: list[schema.RecomputedCall] = []
+    damaged: list[str] = []
     for again in recomputed:
         first = forward.get((again.path, again.call))
         if first is None:
             continue
         compared += 1
-        found = _first_difference(reader, first, again, "output")
+        found = _first_difference(reader, first, again, "output", damaged)
         if found is not None:
             key, metrics = found
             differ.append({"path": again.path, "call": again.call, "step": again.step, "tensor": f"output:{key}",
                            "max_abs": float(metrics.get("max_abs") or 0.0), "basis": str(metrics.get("basis")),
-                           "inputs_agree": _first_difference(reader, first, again, "input") is None})
-    return {"calls": len(recomputed), "compared": compared, "differ": differ}
+                           "inputs_agree": _first_difference(reader, first, again, "input", damaged) is None})
+    check: schema.RecomputeCheck = {"calls": len(recomputed), "compared": compared, "differ": differ}
+    if damaged:
+        check["damaged"] = list(dict.fromkeys(damaged))
+    return check
 
 
-def _first_difference(reader: Any, first: CallRecord, again: CallRecord, role: str) -> tuple[str, dict] | None:
+def _first_difference(reader: Any, first: CallRecord, again: CallRecord, role: str,
+                      damaged: list[str]) -> tuple[str, dict] | None:
     """(key, metrics) of the first of ``role``'s tensors in which the recomputed call ``again`` differs from the
-    forward call ``first``; None when none does."""
+    forward call ``first``; None when none does. Tensors whose bytes are damaged are compared by their statistics
+    and named in ``damaged``."""
     before = {t.key: t for t in first.tensors if t.role == role}
     for t in again.tensors:
         if t.role == role and t.key in before:
             metrics = _metrics(reader, before[t.key], t)
+            if "damaged" in metrics:
+                damaged.append(metrics["damaged"])
             if not metrics.get("identical"):
                 return t.key, metrics
     return None
@@ -74,6 +83,9 @@ def _metrics(reader: Any, first: TensorEntry, again: TensorEntry) -> dict:
     if first.shape != again.shape or first.dtype != again.dtype:
         return {"identical": False, "max_abs": float("inf"), "basis": "shape"}
     if first.offset is not None and again.offset is not None:
-        return dict(compare_data(reader.tensor_chunks(first, CHUNK_ELEMS), reader.tensor_chunks(again, CHUNK_ELEMS),
-                                 first.dtype, again.dtype))
+        try:
+            return dict(compare_data(reader.tensor_chunks(first, CHUNK_ELEMS),
+                                     reader.tensor_chunks(again, CHUNK_ELEMS), first.dtype, again.dtype))
+        except DamagedTensorError as exc:  # judged by the statistics its (verified) index line keeps
+            return {**compare_stats(first.stats, again.stats), "damaged": str(exc)}
     return dict(compare_stats(first.stats, again.stats))

@@ -248,3 +248,25 @@ def test_a_tensor_every_microbatch_shares_does_not_decide_which_call_is_replayed
     report = layerdiff.align(tmp_path / "plain.h5", tmp_path / "checkpointed.h5").data
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
     assert report["recompute"]["b"]["calls"] == 2 * 2 * 4 and report["recompute"]["b"]["differ"] == []
+
+
+def test_damaged_bytes_of_a_recomputed_call_are_named_and_judged_by_their_statistics(plain, tmp_path):
+    """A recomputed call's stored output damaged after writing (bit rot): align checks the recomputation by the
+    statistics the index keeps and names the damage, so "aligned" is not trusted (exit 3), without a traceback."""
+    import h5py
+
+    path = tmp_path / "checkpointed.h5"
+    trace_steps(llama({"use_reentrant": True}), path)
+    with open_trace(path) as trace:
+        call, entry = next((r, t) for r in trace.recomputed if r.kind == "call" for t in r.tensors
+                           if t.role == "output" and t.offset is not None)
+    with h5py.File(path, "r+") as f:
+        f["data"][entry.offset + 8] ^= 0xFF
+    code, out, err = run_cli("align", plain, path, "--json", tmp_path / "r.json")
+    assert code == 3 and "Traceback" not in err, out + err
+    report = json.loads((tmp_path / "r.json").read_text())
+    check = report["recompute"]["b"]
+    assert check["compared"] == check["calls"] == 48 and check["differ"] == []
+    assert len(check["damaged"]) == 1 and "do not match their checksum" in check["damaged"][0]
+    assert report["b"]["damage"] == check["damaged"] and report["verdict"] == "aligned"
+    assert any("is damaged" in p for p in report["trust"]["problems"]), report["trust"]
