@@ -8,6 +8,7 @@ recorded, and where, is ``capture.ops``'s business; this file only names torch's
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from typing import Any, Callable, Iterator
@@ -127,6 +128,18 @@ class _OpMode(TorchFunctionMode):
 RECOMPUTING_FUNCTIONS = frozenset({"CheckpointFunction"})
 
 
+def _forward_of(function: Any) -> torch.nn.Module | None:
+    """The module whose ``forward`` a checkpointed function is, where checkpointing was given that rather than
+    the module (whose call runs its hooks): a bound ``forward`` or transformers' ``partial(forward, module)``."""
+    if isinstance(function, functools.partial):
+        owner, function = (function.args[0] if function.args else None), function.func
+    else:
+        owner, function = getattr(function, "__self__", None), getattr(function, "__func__", None)
+    if isinstance(owner, torch.nn.Module) and getattr(function, "__name__", None) == "forward":
+        return owner
+    return None
+
+
 @contextlib.contextmanager
 def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator[None]:
     """Operations go to ``capture`` while open: the mode is pushed, ``Function.apply`` wrapped; both undone on
@@ -136,7 +149,12 @@ def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator
     apply: Callable[..., Any] = original.__func__
 
     def wrapped(cls, *args, **kwargs):
-        if cls in own_functions or cls.__name__ in RECOMPUTING_FUNCTIONS or _compiling() or not capture.recording():
+        if cls.__name__ in RECOMPUTING_FUNCTIONS:
+            module = _forward_of(args[0]) if args else None
+            if module is not None:
+                args = (capture.hooks.checkpointed_forward(args[0], module), *args[1:])
+            return apply(cls, *args, **kwargs)
+        if cls in own_functions or _compiling() or not capture.recording():
             return apply(cls, *args, **kwargs)
         name = OpName(f"{cls.__qualname__}.apply", cls.__name__)
         return capture.run(lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1),

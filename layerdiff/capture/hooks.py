@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from typing import Any, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
@@ -102,6 +102,8 @@ class ModuleHooks:
         self.busy = 0  # > 0 while a hook runs: the framework calls layerdiff's own code makes are no operations
         self.ops: OpCapture | None = None  # ``ops`` tracing: made by ``capture_ops`` (see ``capture.ops``)
         self.resumed_ops: dict[int, Any] = {}  # id(recomputed call's frame) -> interception resumed for it
+        self.call_hooks: dict[int, tuple[Callable, Callable]] = {}  # id(module) -> its (pre-hook, post-hook)
+        self.bare = 0  # > 0 while a call runs without gradient taps or forced values (``checkpointed_forward``)
         self.op_windows: OpWindows | None = None
         self.no_ops: set[int] = set()  # id() of the framework's own leaf modules: no operations inside them
         self.declared_step: DeclaredStep | None = None  # ``Tracer.step()`` in progress: its root calls are one step
@@ -315,7 +317,9 @@ class ModuleHooks:
                 continue
             # the model itself is always hooked (it delimits steps), with statistics only when not selected
             pre_hook = self._pre_hook(path, type(module).__name__, selected, self.positional_names(module))
-            self.handles.extend(self.register_forward_hooks(module, pre_hook, self._post_hook(path)))
+            post_hook = self._post_hook(path)
+            self.call_hooks[id(module)] = (pre_hook, post_hook)
+            self.handles.extend(self.register_forward_hooks(module, pre_hook, post_hook))
         if self.backward and self.record_params:
             self.register_param_grad_hooks()
         self.handles.extend(self.watch_hidden_writes())
@@ -495,7 +499,45 @@ class ModuleHooks:
         return hook
 
     def _taps_enabled(self) -> bool:
-        return self.backward and self.grad_enabled()
+        return self.backward and not self.bare and self.grad_enabled()
+
+    def checkpointed_forward(self, function: Callable, module) -> Callable:
+        """``function`` (``module``'s forward, which reentrant activation checkpointing was given rather than the
+        module: transformers checkpoints ``forward``, so the module's hooks run outside the checkpoint), run in a
+        recomputed call of ``module`` when backward recomputes it. Without that call, the operations of the
+        module's own code that backward runs again belong to no call and go unrecorded, and so does their
+        backward, which runs only through the recomputed graph (residual additions of every checkpointed decoder
+        layer). The call is bare: the call it replays already routes the module's gradients and forced values."""
+        hooks = self.call_hooks.get(id(module))
+        if hooks is None:
+            return function
+        pre_hook, post_hook = hooks
+        session = self.session
+
+        def run(*args, **kwargs):
+            if session.stack or not self.active or not self.recomputing(sys._getframe()):
+                return function(*args, **kwargs)  # the forward pass itself: the module's call is open around it
+            with self._bare():
+                pre_hook(module, args, kwargs)
+            try:
+                output = function(*args, **kwargs)  # the calls inside are recorded as ever (their taps too)
+            except BaseException:
+                with self._bare():
+                    post_hook(module, args, kwargs, None)
+                raise
+            with self._bare():
+                post_hook(module, args, kwargs, output)
+            return output
+
+        return run
+
+    @contextlib.contextmanager
+    def _bare(self):
+        self.bare += 1
+        try:
+            yield
+        finally:
+            self.bare -= 1
 
     def _tap(self, needs, sink, frame, outputs: bool, forced: dict) -> dict:
         """Route ``needs`` [(key, tensor)] through one gradient tap; {id(original): alias} to swap them in."""
@@ -516,7 +558,7 @@ class ModuleHooks:
     # -- replay (a forcer is set only by ``layerdiff bisect``) -----------------------------------------------
     def _forced(self, frame, role: str, tensors, entries) -> dict:
         """{key: framework tensor}: the reference's values for this call's inputs or outputs."""
-        if self.forcer is None:
+        if self.forcer is None or self.bare:
             return {}
         arrays = self.forcer.forward(frame, role, entries)
         return {k: self.adapter.to_framework(arrays[k], t) for k, t in tensors if k in arrays}

@@ -61,20 +61,22 @@ def test_a_checkpointed_run_aligns_with_a_plain_one_record_for_record(plain, tmp
         keys = [sorted((r.kind, r.phase, r.path, r.call, r.step) for r in t.records) for t in (a, b)]
         assert keys[0] == keys[1]
         calls = [r for r in b.recomputed if r.kind == "call"]
-        # each decoder layer's children, once a step (HF checkpoints the layer's forward: its own hooks stay out)
+        # each decoder layer's children, once a step (HF checkpoints the layer's forward: its own hooks stay out);
+        # reentrant: the layers too, whose own code backward runs again (their operations' backward runs there)
         expected = {(r.path, r.call) for r in a.records if r.kind == "call" and r.phase == "forward"
-                    and r.path.startswith("model.layers.") and r.path.count(".") > 2}
+                    and r.path.startswith("model.layers.") and r.path.count(".") > (1 if reentrant else 2)}
         assert {(r.path, r.call) for r in calls} == expected
         assert all(r.phase == "forward" for r in b.recomputed)
         b_recomputed_ops = [r for r in b.recomputed if r.kind == "op"]
         forward_ops = [sorted((o.path, o.call, o.index, o.name) for o in t.ops if o.phase == "forward")
                        for t in (a, b)]
         assert forward_ops[0] == forward_ops[1]
-        backward_ops = [{(o.path, o.call, o.index) for o in t.ops if o.phase == "backward"} for t in (a, b)]
-        # reentrant: the backward of the operations inside recomputed calls runs through the recomputed graph
-        # (the operations the decoder layer's own forward runs between its children are not recomputed calls)
-        inside = {k for k in backward_ops[0] if k[0].startswith("model.layers.") and k[0].count(".") > 2}
-        assert inside and inside <= backward_ops[1]
+        # reentrant: the backward of the operations inside recomputed calls runs through the recomputed graph,
+        # the decoder layers' own operations (residual additions) included
+        backward_ops = [sorted((o.path, o.call, o.index, o.name) for o in t.ops if o.phase == "backward")
+                        for t in (a, b)]
+        assert ("model.layers.1", 0, 1, "Tensor.add") in backward_ops[0]
+        assert backward_ops[0] == backward_ops[1]
     code, out, err = run_cli("show", path)
     assert code == 0 and f"recomputed in backward (activation checkpointing): {len(calls)} module calls, " \
         f"{len(b_recomputed_ops)} operations" in " ".join(out.split()), out + err
@@ -266,7 +268,71 @@ def test_damaged_bytes_of_a_recomputed_call_are_named_and_judged_by_their_statis
     assert code == 3 and "Traceback" not in err, out + err
     report = json.loads((tmp_path / "r.json").read_text())
     check = report["recompute"]["b"]
-    assert check["compared"] == check["calls"] == 48 and check["differ"] == []
+    assert check["compared"] == check["calls"] == 52 and check["differ"] == []  # 2 steps x (24 + 2 layers)
     assert len(check["damaged"]) == 1 and "do not match their checksum" in check["damaged"][0]
     assert report["b"]["damage"] == check["damaged"] and report["verdict"] == "aligned"
     assert any("is damaged" in p for p in report["trust"]["problems"]), report["trust"]
+
+
+class _ScaledGradAdd(torch.autograd.Function):
+    """``a + b`` whose backward scales the gradient of ``b`` by ``scale`` (other than 1: a wrong backward)."""
+
+    @staticmethod
+    def forward(ctx, a, b, scale):
+        ctx.scale = scale
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad * ctx.scale, None
+
+
+def _checkpointed_blocks(scale: float):
+    """Two blocks whose forward transformers checkpoints (``GradientCheckpointingLayer``: the forward, not the
+    call), each adding its MLP's output to its input in its own code."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.up, self.act, self.down = torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)
+            self.scale = 1.0
+
+        def forward(self, x):
+            h = self.down(self.act(self.up(x)))
+            return _ScaledGradAdd.apply(x, h, self.scale)  # the block's own code
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Block(), Block()).train()
+    blocks[1].scale = scale
+    for block in blocks:
+        block.gradient_checkpointing = True
+        block._gradient_checkpointing_func = partial(checkpoint, use_reentrant=True)
+    return blocks
+
+
+def test_a_wrong_backward_in_a_checkpointed_forwards_own_code_is_named(tmp_path):
+    """Reentrant checkpointing of a layer's ``forward`` (transformers' way) keeps no graph of the forward pass:
+    the backward of the layer's own operations runs only through the graph its recomputation builds, which is
+    recorded as a call of the layer. Before, those operations had no backward records and the origin was the
+    layer's call, not the operation."""
+    import inspect
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    for name, scale in (("a", 1.0), ("b", 1.5)):
+        model = _checkpointed_blocks(scale)
+        with layerdiff.trace(model, tmp_path / f"{name}.h5", ops=True):
+            model(x).square().mean().backward()
+    with open_trace(tmp_path / "b.h5") as b:
+        assert {(r.path, r.call) for r in b.recomputed if r.kind == "call"} == \
+            {(p, 0) for p in ("0", "1", "0.up", "0.act", "0.down", "1.up", "1.act", "1.down")}
+    report = layerdiff.align(tmp_path / "a.h5", tmp_path / "b.h5").data
+    assert report["forward"]["status"] == "aligned" and report["recompute"]["b"]["differ"] == []
+    origin = report["backward"]["first_divergence"]
+    lines, start = inspect.getsourcelines(_checkpointed_blocks)
+    line = start + next(i for i, text in enumerate(lines) if "# the block's own code" in text)
+    assert origin["module"] == "1" and origin["op"]["name"] == "_ScaledGradAdd.apply", origin
+    assert origin["op"]["source_b"] == f"{__file__}:{line}"
