@@ -14,7 +14,9 @@ Parameter gradients: ``Parameter.register_hook`` fires once per backward with th
 """
 from __future__ import annotations
 
+import contextlib
 import platform
+import sys
 
 import mindspore as ms
 import numpy as np
@@ -116,7 +118,8 @@ _TAP = _GradTap()
 def tap(t):
     """An identity alias of ``t`` that is a node of the graph of its own (a hook on it sees only the gradient that
     flows into it)."""
-    return _TAP(t)[0]
+    with _unseen_by_recomputation():
+        return _TAP(t)[0]
 
 
 class _ValueTap(nn.Cell):
@@ -193,9 +196,10 @@ class Hooks(ModuleHooks):
         return getattr(module, "construct", None)
 
     def recomputing(self, frame) -> bool:
-        # ``Cell.recompute()`` in PyNative, reentrant (its default): its ``bprop`` runs the cell again
+        # ``Cell.recompute()`` in PyNative: reentrant (its default), its ``bprop`` runs the cell again; not
+        # (``use_reentrant=False``), a saved tensor's ``unpack`` does
         return super().recomputing(frame) or running_frame(
-            frame, "mindspore.common.recompute", ("bprop", "backward")) is not None
+            frame, "mindspore.common.recompute", ("bprop", "backward", "unpack")) is not None
 
     def register_forward_hooks(self, cell, pre_hook, post_hook) -> list:
         return [cell.register_forward_pre_hook(pre_hook, with_kwargs=True),
@@ -270,7 +274,8 @@ class Hooks(ModuleHooks):
         self.pending.add(collector)
         if outputs:
             self.out_collectors[id(frame)] = collector
-        aliases = list(_VALUE_TAP(*tensors, *plan.forward(tensors)) if plan else _TAP(*tensors))
+        with _unseen_by_recomputation():
+            aliases = list(_VALUE_TAP(*tensors, *plan.forward(tensors)) if plan else _TAP(*tensors))
         for i, alias in enumerate(aliases):
             try:
                 alias.register_hook(collector.hook_for(i, plan))
@@ -287,6 +292,21 @@ class Hooks(ModuleHooks):
             report(grads)
 
         return run
+
+
+def _unseen_by_recomputation():
+    """Inside a region of non-reentrant recomputation (``Cell.recompute(use_reentrant=False)``): the taps' saved
+    tensors kept by a saved-tensors hook of their own. MindSpore's recomputation counts the tensors its region saves,
+    in the forward pass and again when backward recomputes it, and stops the recomputation once it has them all:
+    counted, the taps' could stop it inside a tap (its custom ``bprop`` cell left open: "Stack input_args_info_stack_
+    is empty")."""
+    if running_frame(sys._getframe(), "mindspore.common.recompute", ("recompute_without_reentrant", "unpack")) is None:
+        return contextlib.nullcontext()
+    return ms.saved_tensors_hooks(_kept, _kept)
+
+
+def _kept(t):
+    return t
 
 
 def differentiable(t) -> bool:

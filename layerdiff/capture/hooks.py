@@ -44,6 +44,11 @@ class DeclaredStep:
         """Nothing held: a schedule's frame is cleared once its step is over, this has nothing to let go."""
 
 
+# what non-reentrant checkpointing raises to stop a recomputation once it has every tensor backward needs (torch's
+# and MindSpore's "early stop"), through the calls it is in: control flow, not a failure of the model
+RECOMPUTATION_STOPS = frozenset({"_StopRecomputationError"})
+
+
 class ModuleHooks:
     """The framework-independent half of an adapter's ``Hooks``: what a traced module call records, and when.
 
@@ -459,7 +464,10 @@ class ModuleHooks:
             if output is None and error is not None:
                 if ops is not None:
                     ops.producers.drop(frame)
-                session.fail_call(frame, error)
+                if frame.replay is not None and type(error).__name__ in RECOMPUTATION_STOPS:
+                    session.stop_call(frame)  # no failure: the checkpoint has what backward needs
+                else:
+                    session.fail_call(frame, error)
                 return None
             try:
                 self.sync()  # asynchronous frameworks: make this module's own errors surface in its frame

@@ -414,10 +414,17 @@ class TraceSession:
             self.failure = {"module": frame.path, "call": frame.call, "error": message,
                             "module_stack": [f.path for f in self.stack],
                             "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:]}
+        self._end_incomplete(frame, error=message)
+
+    def stop_call(self, frame: CallFrame):
+        """A recomputed call that activation checkpointing stopped before it returned (it had recomputed what
+        backward needs): its inputs are kept, marked incomplete, and the run has not failed."""
+        self._end_incomplete(frame)
+
+    def _end_incomplete(self, frame: CallFrame, **extra):
         self._pop(frame)
-        self._write(self._call_record(
-            frame, "forward", frame.begin, frame.inputs, hparams=frame.hparams, scalars=frame.scalars,
-            incomplete=True, error=message))
+        self._write(self._call_record(frame, "forward", frame.begin, frame.inputs, hparams=frame.hparams,
+                                      scalars=frame.scalars, incomplete=True, **extra))
 
     # -- backward ------------------------------------------------------------------------------------------
     def grad_outputs(self, frame: CallFrame, grads):

@@ -56,7 +56,8 @@ result["grad_forward_identical"] = bool(np.array_equal(plain_logits_g.asnumpy(),
 result["grads_max_rel"] = max(float(np.abs(a.asnumpy() - b.asnumpy()).max() / np.abs(a.asnumpy()).max())
                               for a, b in zip(plain_grads, traced_grads))
 
-# Cell.recompute() in PyNative (reentrant, its default): a custom bprop runs each block again in backward
+# Cell.recompute() in PyNative: reentrant (its default), a custom bprop runs each block again in backward; not
+# (use_reentrant=False), a saved tensor's unpack does, and stops once it has what backward needs
 from mindspore import nn
 
 
@@ -74,7 +75,7 @@ class Blocks(nn.Cell):
         super().__init__()
         self.blocks, self.head = nn.CellList([Residual() for _ in range(2)]), nn.Dense(16, 4)
         for block in self.blocks if recompute else ():
-            block.recompute()
+            block.recompute(use_reentrant=recompute == "recompute")
 
     def construct(self, x):
         for block in self.blocks:
@@ -83,10 +84,11 @@ class Blocks(nn.Cell):
 
 
 x = ms.Tensor(np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32))
-for name, recompute in (("plain", False), ("recompute", True)):
+for name, ops in (("plain", False), ("recompute", False), ("recompute_nonreentrant", False), ("plain", True),
+                  ("recompute_nonreentrant", True)):
     ms.set_seed(0)
-    net = Blocks(recompute)
-    with layerdiff.trace(net, f"{out_dir}/ms_blocks_{name}.h5"):
+    net = Blocks(name if name != "plain" else None)
+    with layerdiff.trace(net, f"{out_dir}/ms_blocks_{name}{'_ops' if ops else ''}.h5", ops=ops):
         ms.value_and_grad(net, None, net.trainable_params())(x)
 
 result["torch_imported"] = "torch" in sys.modules or "paddle" in sys.modules
@@ -237,3 +239,34 @@ def test_mindspore_recompute_aligns_with_the_plain_net_and_replays_its_forward(t
     report = align_files(plain, recomputed)
     assert report["verdict"] == "aligned" and not report["only_a"] and not report["only_b"]
     assert report["recompute"]["b"] == {"calls": 6, "compared": 6, "differ": []}
+    # with every operation recorded (each op's inputs tapped for their gradients: unseen by the recomputation too)
+    plain, recomputed = root / "ms_blocks_plain_ops.h5", root / "ms_blocks_recompute_nonreentrant_ops.h5"
+    with open_trace(plain) as a, open_trace(recomputed) as b:
+        keys = [sorted((o.phase, o.path, o.call, o.index, o.name) for o in t.ops) for t in (a, b)]
+        assert keys[0] == keys[1] and ("backward", "blocks.1", 0, 0, "Tensor.__add__") in keys[0], keys[0]
+    report = align_files(plain, recomputed)
+    assert report["verdict"] == "aligned" and not report["only_a"] and not report["only_b"]
+
+
+def test_mindspore_non_reentrant_recompute_traces_and_aligns_with_the_plain_net(traces):
+    """``Cell.recompute(use_reentrant=False)``: a saved tensor's ``unpack`` recomputes each block in backward and
+    stops once it has every tensor backward needs, by raising through the calls it is in. Before, a traced run
+    raised in MindSpore's executor ("Stack input_args_info_stack_ is empty": the taps' saved tensors were counted
+    and the stop came inside a tap), and with the stop moved, the recomputed calls opened steps of their own."""
+    root = traces[0]
+    plain, recomputed = root / "ms_blocks_plain.h5", root / "ms_blocks_recompute_nonreentrant.h5"
+    with open_trace(recomputed) as b:
+        assert b.end.steps == 1 and b.end.status == "complete"
+        calls = [r for r in b.recomputed if r.kind == "call"]
+        assert {r.path for r in calls} == {f"blocks.{i}.{child}" for i in range(2) for child in ("fc1", "act", "fc2")}
+        assert not any(r.error for r in calls)  # a recomputation stopped early is no failure
+    report = align_files(plain, recomputed)
+    assert report["verdict"] == "aligned" and not report["only_a"] and not report["only_b"]
+    assert report["recompute"]["b"] == {"calls": 6, "compared": 6, "differ": []}
+    # with every operation recorded (each op's inputs tapped for their gradients: unseen by the recomputation too)
+    plain, recomputed = root / "ms_blocks_plain_ops.h5", root / "ms_blocks_recompute_nonreentrant_ops.h5"
+    with open_trace(plain) as a, open_trace(recomputed) as b:
+        keys = [sorted((o.phase, o.path, o.call, o.index, o.name) for o in t.ops) for t in (a, b)]
+        assert keys[0] == keys[1] and ("backward", "blocks.1", 0, 0, "Tensor.__add__") in keys[0], keys[0]
+    report = align_files(plain, recomputed)
+    assert report["verdict"] == "aligned" and not report["only_a"] and not report["only_b"]

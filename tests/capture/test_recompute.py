@@ -336,3 +336,30 @@ def test_a_wrong_backward_in_a_checkpointed_forwards_own_code_is_named(tmp_path)
     line = start + next(i for i, text in enumerate(lines) if "# the block's own code" in text)
     assert origin["module"] == "1" and origin["op"]["name"] == "_ScaledGradAdd.apply", origin
     assert origin["op"]["source_b"] == f"{__file__}:{line}"
+
+
+def test_a_recomputation_stopped_early_is_no_failure_and_a_later_crash_is_still_named(tmp_path):
+    """Non-reentrant checkpointing stops a recomputation once it has every tensor backward needs, by raising
+    through the calls it is in (torch's "early stop"). Before, each such call was recorded as failing with
+    ``_StopRecomputationError`` and the first became the run's failure: a later real crash was named there."""
+    model = llama({"use_reentrant": False})
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with layerdiff.trace(model, tmp_path / "ok.h5") as tracer:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert tracer.failure is None
+    with open_trace(tmp_path / "ok.h5") as trace:
+        stopped = [r for r in trace.recomputed if r.kind == "call" and r.incomplete]
+        assert stopped and not any(r.error for r in trace.recomputed)
+        assert not any(r.error for r in trace.records)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a real crash")
+
+    with pytest.raises(RuntimeError, match="a real crash"):
+        with layerdiff.trace(model, tmp_path / "crash.h5") as tracer:
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.model.layers[1].mlp.act_fn.forward = broken
+            model(input_ids=ids, labels=ids)
+    assert tracer.failure["module"] == "model.layers.1.mlp.act_fn", tracer.failure
+    code, out, err = run_cli("show", tmp_path / "crash.h5")
+    assert "model.layers.1.mlp.act_fn" in out and "_StopRecomputationError" not in out + err, out + err
