@@ -99,6 +99,7 @@ class _ReservedBytes:
         self.h5file, self.fd, self.chunk = h5file, fd, chunk
         self.size = 0
         self.runs: list[list[int]] = []  # [logical start, file address, length] of consecutive chunks
+        self._filling = 0  # the run that holds the end of the bytes written (``_in_one_run``)
         self._map()
 
     def _map(self, since: int = 0):
@@ -141,8 +142,9 @@ class _ReservedBytes:
         start = self.size
         line = buffers[0] if len(buffers) == 1 and type(buffers[0]) is bytes else None
         try:
-            if line is not None and self._in_last_run(start, len(line)):  # an index line: one pwrite, no more
-                done = os.pwrite(self.fd, line, self.runs[-1][1] + start - self.runs[-1][0])
+            address = None if line is None else self._in_one_run(start, len(line))
+            if line is not None and address is not None:  # an index line: one pwrite, no more
+                done = os.pwrite(self.fd, line, address)
                 if done < len(line):  # a short write (rare): the rest the general way
                     self.write_at(start + done, [memoryview(line)[done:]], self.fd)
                 self.size = start + len(line)
@@ -154,12 +156,21 @@ class _ReservedBytes:
         self.size = start + sum(len(v) for v in views)
         return start
 
-    def _in_last_run(self, start: int, length: int) -> bool:
-        """Bytes ``start``..``start + length`` lie in the last run of reserved chunks (the usual case)."""
-        if not self.runs:
-            return False
-        run_start, _, run_length = self.runs[-1]
-        return run_start <= start and start + length <= run_start + run_length
+    def _in_one_run(self, start: int, length: int) -> int | None:
+        """The file address of bytes ``start``..``start + length`` where they lie in one run of chunks (the usual
+        case), else None. The run being filled is remembered: the reserve grows ahead of it, in runs of its own, so
+        it is seldom the last (checking only the last sent nearly half of a long trace's index lines the general
+        way, a few microseconds each)."""
+        runs = self.runs
+        if self._filling < len(runs):
+            run_start, address, run_length = runs[self._filling]
+            if run_start <= start and start + length <= run_start + run_length:
+                return address + start - run_start
+        for i, (run_start, address, run_length) in enumerate(runs):
+            if run_start <= start and start + length <= run_start + run_length:
+                self._filling = i
+                return address + start - run_start
+        return None
 
     def write_at(self, start: int, views, fd: int):
         """Write byte views back to back from logical offset ``start`` through ``fd`` (OSError as raised)."""
