@@ -266,17 +266,19 @@ def cmd_trace(args) -> int:
     if not out.parent.is_dir():
         raise LayerdiffError(f"directory {out.parent} does not exist")
     target_args = runner.parse_args(args.arg)
-    model, step, meta = runner.build(args.target, target_args)
-    meta = {"target": args.target, "target_args": target_args, **(meta or {})}
-    if args.weights:
-        from layerdiff.checkpoints.transfer import import_weights
+    if args.weights:  # read, and the naming rules parsed, before the model is built: a bad file fails at once
+        from layerdiff.checkpoints.transfer import load_neutral, read_weights
         from layerdiff.match.rename import RenameRules
         from layerdiff.match.rules import ruleset
 
-        count = import_weights(model, args.weights, RenameRules.parse(args.map), rules=ruleset(args.rules))
-        meta["weights"] = {"file": args.weights, "parameters": count}
+        state, mapping, rules = read_weights(args.weights), RenameRules.parse(args.map), ruleset(args.rules)
     elif args.map:
         raise LayerdiffError("--map goes with --weights")
+    model, step, meta = runner.build(args.target, target_args)
+    meta = {"target": args.target, "target_args": target_args, **(meta or {})}
+    if args.weights:
+        meta["weights"] = {"file": args.weights, "parameters": load_neutral(model, state, mapping, rules=rules)}
+        del state  # the model holds the values now
     tracer = trace(model, out, mode=args.mode, backward=not args.no_backward, include=args.include,
                    exclude=args.exclude, layers=layers, overwrite=args.force, compression=args.compression,
                    flush_interval=args.flush_interval, params=not args.no_params, meta=meta,

@@ -161,12 +161,17 @@ def import_weights(model, path, mapping: RenameRules | None = None, strict: bool
     """Load a weights file into ``model``: a safetensors file (``export_weights``, or any in PyTorch layout) or
     a checkpoint in PyTorch layout that ``weights diff`` reads (Hugging Face folder, ``.pt``, Megatron-LM
     folder, distributed checkpoint); other layouts (Paddle's, MindSpore's) go through ``export_weights``."""
+    return load_neutral(model, read_weights(path), mapping, strict, rules)
+
+
+def read_weights(path) -> dict:
+    """The state ``import_weights`` loads from ``path``, read without a model: a bad file is refused before one is
+    built (``layerdiff trace --weights``)."""
     from pathlib import Path
 
     if Path(path).is_file() and Path(path).suffix == ".safetensors":
         state, _ = safetensors_io.load(path)
-    else:
-        from layerdiff.checkpoints import torch_layout_state
+        return state
+    from layerdiff.checkpoints import torch_layout_state
 
-        state = torch_layout_state(path)
-    return load_neutral(model, state, mapping, strict, rules)
+    return torch_layout_state(path)

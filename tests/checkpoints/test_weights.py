@@ -90,3 +90,15 @@ def test_bad_weight_files_are_one_line_errors(tmp_path):
         code, _, err = run_cli("trace", "torch_llama", "-o", tmp_path / "t.h5", "--weights", tmp_path / bad)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (bad, err)
         assert not (tmp_path / "t.h5").exists()
+
+
+def test_a_bad_weights_file_is_refused_before_the_model_is_built(tmp_path):
+    """``trace --weights`` reads the file first: a bad one fails in a fraction of a second, not after the
+    framework is imported and the model built."""
+    target = tmp_path / "boom.py"
+    target.write_text("def build():\n    raise RuntimeError('the model was built')\n")
+    (tmp_path / "short.safetensors").write_bytes(b"\x01\x02")
+    code, _, err = run_cli("trace", f"{target}:build", "-o", tmp_path / "t.h5", "--weights",
+                           tmp_path / "short.safetensors")
+    assert code == 2 and "short.safetensors" in err and "the model was built" not in err, err
+    assert not (tmp_path / "t.h5").exists()
