@@ -99,7 +99,7 @@ class _ReservedBytes:
         self.h5file, self.fd, self.chunk = h5file, fd, chunk
         self.size = 0
         self.runs: list[list[int]] = []  # [logical start, file address, length] of consecutive chunks
-        self._filling = 0  # the run that holds the end of the bytes written (``_in_one_run``)
+        self._filling = 0  # the run ``_address`` found last
         self._map()
 
     def _map(self, since: int = 0):
@@ -142,8 +142,8 @@ class _ReservedBytes:
         start = self.size
         line = buffers[0] if len(buffers) == 1 and type(buffers[0]) is bytes else None
         try:
-            address = None if line is None else self._in_one_run(start, len(line))
-            if line is not None and address is not None:  # an index line: one pwrite, no more
+            address, room = self._address(start) if line is not None and start < self.capacity else (0, 0)
+            if line is not None and len(line) <= room:  # an index line inside one run: one pwrite, no more
                 done = os.pwrite(self.fd, line, address)
                 if done < len(line):  # a short write (rare): the rest the general way
                     self.write_at(start + done, [memoryview(line)[done:]], self.fd)
@@ -155,22 +155,6 @@ class _ReservedBytes:
             raise _write_error(exc) from None
         self.size = start + sum(len(v) for v in views)
         return start
-
-    def _in_one_run(self, start: int, length: int) -> int | None:
-        """The file address of bytes ``start``..``start + length`` where they lie in one run of chunks (the usual
-        case), else None. The run being filled is remembered: the reserve grows ahead of it, in runs of its own, so
-        it is seldom the last (checking only the last sent nearly half of a long trace's index lines the general
-        way, a few microseconds each)."""
-        runs = self.runs
-        if self._filling < len(runs):
-            run_start, address, run_length = runs[self._filling]
-            if run_start <= start and start + length <= run_start + run_length:
-                return address + start - run_start
-        for i, (run_start, address, run_length) in enumerate(runs):
-            if run_start <= start and start + length <= run_start + run_length:
-                self._filling = i
-                return address + start - run_start
-        return None
 
     def write_at(self, start: int, views, fd: int):
         """Write byte views back to back from logical offset ``start`` through ``fd`` (OSError as raised)."""
@@ -189,9 +173,18 @@ class _ReservedBytes:
         return all(address % block == 0 for _, address, _ in self.runs)
 
     def _address(self, logical: int) -> tuple[int, int]:
-        """(file address, bytes left in that run of chunks) of a logical offset."""
-        for start, address, length in self.runs:  # few runs: the file grows at its end
+        """(file address, bytes left in that run of chunks) of a logical offset. The run found last is tried first:
+        writes go forward through it, and the reserve grows ahead of it in runs of its own, so it is seldom the last
+        (the index lines' one-pwrite path checked only the last: nearly half of a long trace's lines went the
+        general way, a few microseconds each)."""
+        runs = self.runs
+        if self._filling < len(runs):
+            start, address, length = runs[self._filling]
             if start <= logical < start + length:
+                return address + logical - start, start + length - logical
+        for i, (start, address, length) in enumerate(runs):  # few runs: the file grows at its end
+            if start <= logical < start + length:
+                self._filling = i
                 return address + logical - start, start + length - logical
         raise TraceFormatError("internal: offset outside the reserved chunks")
 
