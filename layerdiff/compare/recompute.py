@@ -32,8 +32,12 @@ def recompute_check(reader: Any) -> schema.RecomputeCheck | None:
         for rank, check in found:
             for d in check["differ"]:
                 differ.append({**d, "rank": rank})
-        return {"calls": sum(c["calls"] for _, c in found), "compared": sum(c["compared"] for _, c in found),
-                "differ": differ}
+        joined: schema.RecomputeCheck = {"calls": sum(c["calls"] for _, c in found),
+                                         "compared": sum(c["compared"] for _, c in found), "differ": differ}
+        damaged = [what for _, check in found for what in check.get("damaged", [])]
+        if damaged:
+            joined["damaged"] = damaged
+        return joined
     return _check(reader)
 
 

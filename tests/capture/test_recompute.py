@@ -272,6 +272,13 @@ def test_damaged_bytes_of_a_recomputed_call_are_named_and_judged_by_their_statis
     assert len(check["damaged"]) == 1 and "do not match their checksum" in check["damaged"][0]
     assert report["b"]["damage"] == check["damaged"] and report["verdict"] == "aligned"
     assert any("is damaged" in p for p in report["trust"]["problems"]), report["trust"]
+    # a run of ranks is checked file by file, and keeps each file's damage
+    from types import SimpleNamespace
+
+    from layerdiff.compare.recompute import recompute_check
+
+    with open_trace(path) as trace:
+        assert recompute_check(SimpleNamespace(files=[trace]))["damaged"] == check["damaged"]
 
 
 class _ScaledGradAdd(torch.autograd.Function):
