@@ -1,11 +1,15 @@
 """Shared fixtures: real traces of the torch_llama recipe, made once per session and cached by arguments."""
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -111,10 +115,72 @@ def run_scripts(root, scripts: dict, timeout=300):
 
 
 def run_cli(*args, cwd=None, timeout=300):
-    """The real CLI in a subprocess: (returncode, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "layerdiff", *map(str, args)], capture_output=True, text=True,
+    """The real CLI in a process of its own: (returncode, stdout, stderr). A run that imports no framework but
+    torch is forked from a warm interpreter (``cli_zygote.py``: torch and transformers imported once per test
+    worker); any other runs in a fresh ``python -m layerdiff``."""
+    argv = [str(a) for a in args]
+    if _torch_only(argv, cwd) and _WARM.usable():
+        return _WARM.run(argv, cwd, timeout)
+    proc = subprocess.run([sys.executable, "-m", "layerdiff", *argv], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+# the other frameworks, as their recipes, flags and scripts name them: such runs must start bare (mindspore before
+# paddle in one process; neither after a torch-only warm start is known to be safe)
+_OTHER_FRAMEWORKS = ("paddle", "mindspore", "mindformers", "msrun")
+
+
+def _torch_only(argv: list[str], cwd) -> bool:
+    """Whether a CLI run names no framework other than torch: in its arguments, or in a script it is given."""
+    for arg in argv:
+        if any(name in arg.lower() for name in _OTHER_FRAMEWORKS):
+            return False
+        script = arg.split(":", 1)[0]
+        if script.endswith(".py"):
+            path = Path(cwd or ".") / script
+            try:
+                text = path.read_text(errors="replace").lower()
+            except OSError:
+                continue
+            if any(name in text for name in _OTHER_FRAMEWORKS):
+                return False
+    return True
+
+
+class _WarmInterpreter:
+    """One ``cli_zygote.py`` per test process, started at its first use and stopped at exit."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.failed = not _installed("torch") or not _installed("transformers")
+
+    def usable(self) -> bool:
+        if self.proc is None and not self.failed:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
+            if self.proc.stdout.readline().strip() != "ready":
+                self.proc.kill()
+                self.proc, self.failed = None, True
+            else:
+                atexit.register(self.proc.kill)
+        return self.proc is not None
+
+    def run(self, argv: list[str], cwd, timeout: float):
+        with tempfile.TemporaryDirectory(prefix="layerdiff-cli-") as d:
+            out, err = Path(d) / "stdout", Path(d) / "stderr"
+            request = {"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": dict(os.environ),
+                       "stdout": str(out), "stderr": str(err), "timeout": timeout}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = json.loads(self.proc.stdout.readline())
+            if reply.get("timeout"):
+                raise subprocess.TimeoutExpired(["layerdiff", *argv], timeout)
+            return reply["code"], out.read_text(errors="replace"), err.read_text(errors="replace")
+
+
+_WARM = _WarmInterpreter()
 
 
 class NumpyTensors:
