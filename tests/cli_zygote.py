@@ -51,7 +51,7 @@ def _child(request: dict) -> None:
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", closefd=False)
         sys.stderr = open(2, "w", closefd=False)
-        sys.argv = [layerdiff.cli.__file__, *request["argv"]]
+        sys.argv = [os.path.join(os.path.dirname(layerdiff.cli.__file__), "__main__.py"), *request["argv"]]
         try:
             code = layerdiff.cli.main()
             code = 0 if code is None else code
