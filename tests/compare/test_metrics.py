@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from layerdiff.compare.metrics import compare_arrays, compare_data, compare_stats
-from layerdiff.tracefile.tensors import as_float, summarize
+from layerdiff.tracefile.tensors import as_float, in_memory_order, summarize
 from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule, precision_floor
 
 
@@ -181,6 +181,21 @@ def test_statistics_of_one_piece_equal_float64_and_warn_nothing(dtype, numel):
     assert stats["min"] == values.min() and stats["max"] == values.max() and stats["nan"] == stats["inf"] == 0
     assert stats["mean"] == pytest.approx(values.mean(), rel=1e-6, abs=1e-6)
     assert stats["l2"] == pytest.approx(math.sqrt(float(values @ values)), rel=2e-6)  # a float32 BLAS dot: ~1e-6
+
+
+def test_transposed_and_strided_tensors_are_summarized_over_their_own_elements():
+    """A permutation of a dense layout is read as a view in memory order; a slice with gaps or a broadcast is not
+    (its elements are not the memory's): either way the statistics are those of the elements it shows."""
+    dense = (np.random.default_rng(3).standard_normal((4, 96, 200)) + 0.5).astype(np.float32)
+    broadcast = np.broadcast_to(dense[:1], (3, 96, 200))
+    for shown in (dense.transpose(0, 2, 1), dense.transpose(2, 0, 1), dense[:, ::2], dense[..., 3:150], broadcast):
+        ordered = in_memory_order(shown)
+        permutation = shown is not broadcast and shown.base is dense and shown.size == dense.size
+        assert (ordered is not shown and ordered.flags.c_contiguous and np.shares_memory(ordered, dense)) == permutation
+        values, stats = shown.astype(np.float64), summarize(shown, "float32")
+        assert stats["numel"] == shown.size and stats["min"] == values.min() and stats["max"] == values.max()
+        assert stats["mean"] == pytest.approx(values.mean(), rel=1e-6)
+        assert stats["l2"] == pytest.approx(math.sqrt((values ** 2).sum()), rel=1e-6)
 
 
 @pytest.mark.parametrize("values", [[1e20, -1e20, 3.0], [3e38] * 5, [1e34] * 60_000, [np.nan, 1.0], [np.inf, -np.inf, 2.0],
