@@ -40,6 +40,7 @@ def _child(request: dict) -> None:
     code = 1
     try:
         os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # as ``python -m`` puts it first (here it was this file's directory)
         os.environ.clear()
         os.environ.update(request["env"])
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY),

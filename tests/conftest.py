@@ -120,7 +120,9 @@ def run_cli(*args, cwd=None, timeout=300):
     worker); any other runs in a fresh ``python -m layerdiff``."""
     argv = [str(a) for a in args]
     if _torch_only(argv, cwd) and _WARM.usable():
-        return _WARM.run(argv, cwd, timeout)
+        done = _WARM.run(argv, cwd, timeout)
+        if done is not None:
+            return done
     proc = subprocess.run([sys.executable, "-m", "layerdiff", *argv], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
@@ -154,8 +156,12 @@ class _WarmInterpreter:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
         self.failed = not _installed("torch") or not _installed("transformers")
+        self.python_path = os.environ.get("PYTHONPATH")
 
     def usable(self) -> bool:
+        """Started, or startable; not where ``PYTHONPATH`` changed since (a fresh interpreter reads it at start)."""
+        if os.environ.get("PYTHONPATH") != self.python_path:
+            return False
         if self.proc is None and not self.failed:
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -167,14 +173,21 @@ class _WarmInterpreter:
                 atexit.register(self.proc.kill)
         return self.proc is not None
 
-    def run(self, argv: list[str], cwd, timeout: float):
+    def run(self, argv: list[str], cwd, timeout: float) -> tuple[int, str, str] | None:
         with tempfile.TemporaryDirectory(prefix="layerdiff-cli-") as d:
             out, err = Path(d) / "stdout", Path(d) / "stderr"
             request = {"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": dict(os.environ),
                        "stdout": str(out), "stderr": str(err), "timeout": timeout}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = json.loads(self.proc.stdout.readline())
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                line = self.proc.stdout.readline()
+            except OSError:  # a broken pipe
+                line = ""
+            if not line:  # the warm interpreter is gone: this run and the next start fresh
+                self.proc, self.failed = None, True
+                return None
+            reply = json.loads(line)
             if reply.get("timeout"):
                 raise subprocess.TimeoutExpired(["layerdiff", *argv], timeout)
             return reply["code"], out.read_text(errors="replace"), err.read_text(errors="replace")
