@@ -264,7 +264,7 @@ def _topology() -> dict:
     """Threads per core and L2 cache per core (Linux), so that figures from different machines can be told apart:
     the same toy step, about 40 ms untraced on both, traced with operations at 2.25x on a 2-vCPU AMD EPYC and at
     3.47x on a 2-core Intel Xeon with an L2 cache per core (tools/bench_ops.py). There, statistics of fresh
-    activations took twice their time on data already in the cache: torch's other thread had written half of it."""
+    activations took twice as long as on data already in the cache: torch's other thread had written half of it."""
     out: dict = {}
     cpu = "/sys/devices/system/cpu/cpu0"
     try:

@@ -149,8 +149,8 @@ def in_memory_order(a: np.ndarray) -> np.ndarray:
     (a transpose, a permute); otherwise ``a`` itself.
 
     Why: statistics do not depend on the order of the elements, and flattening such a view in its own order copies
-    it (a fifth of the tensors a step of a Llama with ``--ops`` summarizes are transposes: 5 M elements, copied at
-    about 40% of their statistics' cost, measured).
+    it. A fifth of the tensors a step of a Llama with ``--ops`` summarizes are not contiguous (5 M elements); read
+    in memory order, their statistics took 4.3 ms a step instead of 5.3 (measured).
     """
     if a.ndim < 2 or a.flags.c_contiguous:
         return a
