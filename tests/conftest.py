@@ -150,17 +150,22 @@ def _torch_only(argv: list[str], cwd) -> bool:
     return True
 
 
+def _startup_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
+
+
 class _WarmInterpreter:
     """One ``cli_zygote.py`` per test process, started at its first use and stopped at exit."""
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
         self.failed = not _installed("torch") or not _installed("transformers")
-        self.python_path = os.environ.get("PYTHONPATH")
+        self.startup = _startup_environment()
 
     def usable(self) -> bool:
-        """Started, or startable; not where ``PYTHONPATH`` changed since (a fresh interpreter reads it at start)."""
-        if os.environ.get("PYTHONPATH") != self.python_path:
+        """Started, or startable; not where a variable the interpreter reads at start (``PYTHONPATH``,
+        ``PYTHONDONTWRITEBYTECODE``, ...) changed since: a forked child would not see the change."""
+        if _startup_environment() != self.startup:
             return False
         if self.proc is None and not self.failed:
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
