@@ -6,8 +6,19 @@ import numpy as np
 import pytest
 
 from layerdiff.compare.metrics import compare_arrays, compare_data, compare_stats
+from layerdiff.tracefile import tensors
 from layerdiff.tracefile.tensors import as_float, in_memory_order, summarize
 from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule, precision_floor
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def statistics_path(request, monkeypatch):
+    """Each statistics test runs on both paths: the C kernel (``fastmoments.c``, where it is built) and numpy's."""
+    if request.param == "numpy":
+        monkeypatch.setattr(tensors, "one_pass_moments", None)
+    elif tensors.one_pass_moments is None:
+        pytest.skip("the C statistics kernel is not built in this install (no C compiler at install time)")
+    return request.param
 
 
 def _reference(a, b):
@@ -127,7 +138,7 @@ def test_stats_comparison():
 
 
 @pytest.mark.parametrize("values, numel", [(1e18, 100_000), (3e38, 3), (-7e37, 200_000)])
-def test_statistics_of_values_whose_float32_squares_overflow(values, numel):
+def test_statistics_of_values_whose_float32_squares_overflow(values, numel, statistics_path):
     """Summed piece by piece in float32, such squares (and sums) overflow: the statistics are then taken in
     float64, and are finite and right."""
     x = np.full(numel, values, np.float32)
@@ -140,7 +151,7 @@ def test_statistics_of_values_whose_float32_squares_overflow(values, numel):
 
 @pytest.mark.parametrize("where", [0, 65_536, 150_000])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_one_nonfinite_value_in_any_piece_is_counted(where, bad):
+def test_one_nonfinite_value_in_any_piece_is_counted(where, bad, statistics_path):
     """A NaN in one piece of many was lost: its piece's NaN min lost to the other pieces' finite ones (a defect of
     the piece-by-piece reduction, caught by the torch path's tests)."""
     x = np.linspace(-2, 3, 200_000, dtype=np.float32)
@@ -153,7 +164,7 @@ def test_one_nonfinite_value_in_any_piece_is_counted(where, bad):
     assert stats["l2"] == pytest.approx(math.sqrt(float(np.dot(finite, finite))), rel=1e-9)
 
 
-def test_statistics_piece_by_piece_equal_float64_over_many_pieces():
+def test_statistics_piece_by_piece_equal_float64_over_many_pieces(statistics_path):
     x = (np.random.default_rng(5).standard_normal(1_000_003) * 3 + 0.25).astype(np.float32)
     stats, wide = summarize(x, "float32"), x.astype(np.float64)
     assert stats["min"] == float(x.min()) and stats["max"] == float(x.max())
@@ -163,7 +174,7 @@ def test_statistics_piece_by_piece_equal_float64_over_many_pieces():
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int64"])
 @pytest.mark.parametrize("numel", [1, 7, 4096, 65_536])
-def test_statistics_of_one_piece_equal_float64_and_warn_nothing(dtype, numel):
+def test_statistics_of_one_piece_equal_float64_and_warn_nothing(dtype, numel, statistics_path):
     """Tensors of one piece take a shorter path (no ``np.errstate``): it must give the same statistics, raise no
     warning, and hand NaN, Inf and sums that would overflow to the full path."""
     rng = np.random.default_rng(numel)
@@ -183,7 +194,7 @@ def test_statistics_of_one_piece_equal_float64_and_warn_nothing(dtype, numel):
     assert stats["l2"] == pytest.approx(math.sqrt(float(values @ values)), rel=2e-6)  # a float32 BLAS dot: ~1e-6
 
 
-def test_transposed_and_strided_tensors_are_summarized_over_their_own_elements():
+def test_transposed_and_strided_tensors_are_summarized_over_their_own_elements(statistics_path):
     """A permutation of a dense layout is read as a view in memory order; a slice with gaps or a broadcast is not
     (its elements are not the memory's): either way the statistics are those of the elements it shows."""
     dense = (np.random.default_rng(3).standard_normal((4, 96, 200)) + 0.5).astype(np.float32)
@@ -200,7 +211,7 @@ def test_transposed_and_strided_tensors_are_summarized_over_their_own_elements()
 
 @pytest.mark.parametrize("values", [[1e20, -1e20, 3.0], [3e38] * 5, [1e34] * 60_000, [np.nan, 1.0], [np.inf, -np.inf, 2.0],
                                     [np.nan, np.inf]])
-def test_one_piece_of_nonfinite_or_overflowing_values_is_summarized_by_the_full_path(values):
+def test_one_piece_of_nonfinite_or_overflowing_values_is_summarized_by_the_full_path(values, statistics_path):
     x = np.array(values, np.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -213,6 +224,52 @@ def test_one_piece_of_nonfinite_or_overflowing_values_is_summarized_by_the_full_
     assert stats["min"] == finite.min() and stats["max"] == finite.max()
     assert stats["mean"] == pytest.approx(finite.mean(), rel=1e-9)
     assert stats["l2"] == pytest.approx(math.sqrt(float(finite @ finite)), rel=1e-9)
+
+
+@pytest.mark.parametrize("numel", [1, 2, 1023, 1024, 1025, 65_535, 65_536, 65_537, 300_001])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_statistics_kernel_agrees_with_numpy_and_float64(numel, dtype, monkeypatch):
+    """Every size around the kernel's block (1024) and its threshold for releasing the GIL (65536)."""
+    if tensors.one_pass_moments is None:
+        pytest.skip("the C statistics kernel is not built in this install (no C compiler at install time)")
+    x = ((np.random.default_rng(numel).standard_normal(numel) - 0.3) * 5).astype(dtype)
+    lo, hi, total, square = tensors.one_pass_moments(x)
+    wide = x.astype(np.float64)
+    assert (lo, hi) == (wide.min(), wide.max())
+    assert total == pytest.approx(wide.sum(), rel=1e-6, abs=1e-6 * np.abs(wide).sum())
+    assert square == pytest.approx(wide @ wide, rel=1e-7)
+    kernel = summarize(x, np.dtype(dtype).name)
+    monkeypatch.setattr(tensors, "one_pass_moments", None)
+    numpy_path = summarize(x, np.dtype(dtype).name)
+    assert kernel.keys() == numpy_path.keys() and (kernel["min"], kernel["max"]) == (numpy_path["min"], numpy_path["max"])
+    assert kernel["mean"] == pytest.approx(numpy_path["mean"], rel=1e-6, abs=1e-7)
+    assert kernel["l2"] == pytest.approx(numpy_path["l2"], rel=1e-6)
+
+
+def test_the_statistics_kernel_leaves_other_buffers_to_numpy():
+    """None for what it does not reduce (integers, half floats, no elements); a strided view is refused, never read
+    as if it were dense; a NaN or infinity makes both sums non-finite, which sends ``summarize`` to numpy's path."""
+    if tensors.one_pass_moments is None:
+        pytest.skip("the C statistics kernel is not built in this install (no C compiler at install time)")
+    for other in (np.arange(10), np.ones(4, np.float16), np.zeros(0, np.float32), b"bytes"):
+        assert tensors.one_pass_moments(other) is None
+    with pytest.raises((ValueError, BufferError)):
+        tensors.one_pass_moments(np.ones((8, 8), np.float32)[:, ::2])
+    for bad in ([np.nan, 1.0, 2.0], [1.0, np.inf], [2.0] * 3000 + [np.nan]):  # non-finite sums: numpy's path counts
+        total, square = tensors.one_pass_moments(np.array(bad, np.float32))[2:]
+        assert not math.isfinite(total) and not math.isfinite(square)
+
+
+def test_the_statistics_kernel_is_built_where_a_compiler_is():
+    """The install builds the kernel wherever a C compiler is found (it is optional only where none is): a build
+    that fails silently would leave every trace at numpy's slower path."""
+    import shutil
+    import sysconfig
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) here: the install takes numpy's path")
+    assert tensors.one_pass_moments is not None, "pip install -e . did not build layerdiff/tracefile/fastmoments.c"
 
 
 def test_a_run_under_autocast_is_judged_at_the_dtype_it_computes_in():

@@ -1,0 +1,92 @@
+/* The statistics of a tensor in one read of its elements: min, max, sum and sum of squares of a C-contiguous float32
+ * or float64 buffer (layerdiff.tracefile.tensors.summarize).
+ *
+ * Why C: numpy needs four passes and four calls for these (two reductions, two dot products), and their per-call
+ * overhead dominates small tensors. Here one pass: a 64K-element float32 tensor in 7.4 us instead of 22.8, a
+ * 256-element one in 0.2 us instead of 4.4; in a traced Llama step, statistics cost about 40% less (measured,
+ * docs/limits.md). Optional: built at install where a C compiler is present; numpy takes the statistics otherwise.
+ *
+ * Precision: sums are taken in the input's type over blocks of 1024 elements (SIMD lanes), the blocks added in
+ * double: float32 sums within ~1e-9 and squares within ~1e-8 of float64 (numpy's path: ~1e-7). NaN and infinity are
+ * not counted here: they make the sums non-finite, and the caller then takes numpy's path, which counts them. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define MULTIVERSIONED __attribute__((target_clones("avx2", "default"))) /* picked at load time by the CPU */
+#else
+#define MULTIVERSIONED
+#endif
+
+#define BLOCK 1024
+#define RELEASE_GIL_FROM 65536 /* elements: below, taking and releasing the GIL costs more than it frees */
+
+#define MOMENTS(NAME, TYPE)                                                                                        \
+    MULTIVERSIONED static void NAME(const TYPE *x, Py_ssize_t n, double *out) {                                    \
+        TYPE lo = x[0], hi = x[0];                                                                                 \
+        double total = 0.0, square = 0.0;                                                                          \
+        for (Py_ssize_t start = 0; start < n; start += BLOCK) {                                                    \
+            Py_ssize_t end = start + BLOCK < n ? start + BLOCK : n;                                                \
+            TYPE low = lo, high = hi, sum = 0, squares = 0;                                                        \
+            _Pragma("omp simd reduction(min : low) reduction(max : high) reduction(+ : sum, squares)")            \
+            for (Py_ssize_t i = start; i < end; i++) {                                                             \
+                TYPE v = x[i];                                                                                     \
+                low = v < low ? v : low;                                                                           \
+                high = v > high ? v : high;                                                                        \
+                sum += v;                                                                                          \
+                squares += v * v;                                                                                  \
+            }                                                                                                      \
+            lo = low;                                                                                              \
+            hi = high;                                                                                             \
+            total += sum;                                                                                          \
+            square += squares;                                                                                     \
+        }                                                                                                          \
+        out[0] = lo;                                                                                               \
+        out[1] = hi;                                                                                               \
+        out[2] = total;                                                                                            \
+        out[3] = square;                                                                                           \
+    }
+
+MOMENTS(moments_float32, float)
+MOMENTS(moments_float64, double)
+
+static PyObject *moments(PyObject *self, PyObject *array) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    Py_ssize_t n = view.itemsize > 0 ? view.len / view.itemsize : 0;
+    const char *format = view.format ? view.format : "B";
+    if (format[0] == '=' || format[0] == '<' || format[0] == '@')
+        format++; /* numpy names a native-order float "f" or "<f" */
+    int single = strcmp(format, "f") == 0 && view.itemsize == 4, wide = strcmp(format, "d") == 0 && view.itemsize == 8;
+    if (n == 0 || !(single || wide)) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE; /* not ours to summarize: the caller's numpy path takes it */
+    }
+    double out[4];
+    if (n >= RELEASE_GIL_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        if (single) moments_float32((const float *)view.buf, n, out);
+        else moments_float64((const double *)view.buf, n, out);
+        Py_END_ALLOW_THREADS
+    } else if (single) {
+        moments_float32((const float *)view.buf, n, out);
+    } else {
+        moments_float64((const double *)view.buf, n, out);
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(dddd)", out[0], out[1], out[2], out[3]);
+}
+
+static PyMethodDef methods[] = {
+    {"moments", moments, METH_O,
+     "moments(array) -> (min, max, sum, sum of squares) of a C-contiguous float32 or float64 buffer, or None for "
+     "another type or no elements. NaN is skipped by min and max but makes the sums NaN."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastmoments",
+                                    "One-pass statistics of float buffers (optional; see summarize).", -1, methods};
+
+PyMODINIT_FUNC PyInit_fastmoments(void) { return PyModule_Create(&module); }

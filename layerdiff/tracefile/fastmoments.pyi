@@ -1,0 +1,3 @@
+from typing import Any
+
+def moments(array: Any, /) -> tuple[float, float, float, float] | None: ...
