@@ -28,7 +28,8 @@ REGENERATE = ("re-running the tool with `--json docs/benchmarks/data/{tool}.json
               "`python tools/bench_pages.py`")
 QUIET_CORES = 0.3  # as tools/benchlib.py: a run is quiet when other processes kept fewer cores busy
 MACHINE_LABELS = {"cores": "CPU cores", "memory_gb": "memory (GB)", "cpu": "CPU", "python": "Python",
-                  "threads_per_core": "threads per core", "l2_per_core": "L2 cache per core"}
+                  "threads_per_core": "threads per core", "l2_per_core": "L2 cache per core",
+                  "stats_kernel": "layerdiff's statistics kernel"}
 
 
 class DataError(ValueError):

@@ -253,11 +253,24 @@ def machine(packages=("numpy", "torch")) -> dict:
     except OSError:
         pass
     info.update(_topology())
+    info["stats_kernel"] = _stats_kernel()
     for name in packages:
         version = package_version(name)
         if version:
             info[name] = version
     return info
+
+
+def _stats_kernel() -> str:
+    """Whether this install of layerdiff has its C statistics kernel (built where a C compiler was present at
+    install): without it, statistics take numpy's four passes, and a traced step costs more (tools/bench_onepass.py)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("layerdiff.tracefile.fastmoments") is not None
+    except ImportError:  # layerdiff itself is not importable here
+        return "layerdiff not importable"
+    return "built" if found else "not built (numpy's path)"
 
 
 def _topology() -> dict:
