@@ -52,7 +52,8 @@
 MOMENTS(moments_float32, float)
 MOMENTS(moments_float64, double)
 
-static PyObject *moments(PyObject *self, PyObject *array) {
+static PyObject *moments(PyObject *module, PyObject *array) {
+    (void)module;
     Py_buffer view;
     if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL;
@@ -86,7 +87,12 @@ static PyMethodDef methods[] = {
      "another type or no elements. NaN is skipped by min and max but makes the sums NaN."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastmoments",
-                                    "One-pass statistics of float buffers (optional; see summarize).", -1, methods};
+static struct PyModuleDef definition = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "fastmoments",
+    .m_doc = "One-pass statistics of float buffers (optional; see layerdiff.tracefile.tensors.summarize).",
+    .m_size = -1,
+    .m_methods = methods,
+};
 
-PyMODINIT_FUNC PyInit_fastmoments(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_fastmoments(void) { return PyModule_Create(&definition); }
