@@ -10,6 +10,7 @@ still fails is returned as failed, with the reason: the caller names it in the r
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import uuid
 from contextlib import contextmanager
@@ -28,6 +29,23 @@ def worker_version(_: Any = None) -> str:
     return __version__
 
 
+@contextmanager
+def _environment_restored() -> Iterator[None]:
+    """The process's environment variables put back as they were on exit. Dask's nanny sets its pre-spawn variables
+    (``PYTHONHASHSEED=6640``) in the environment of the process that starts a local cluster, before each worker it
+    spawns, and never takes them back: an ``align(..., scheduler="local")`` left them in the caller's process (and
+    every process it started later inherited them)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in [key for key in os.environ if key not in before]:
+            del os.environ[key]
+        for key, value in before.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
 class DaskPool:
     """Tasks on the Dask cluster a ``Client`` is connected to."""
 
@@ -39,7 +57,14 @@ class DaskPool:
     @contextmanager
     def connect(cls, scheduler: str, count: int | None) -> Iterator[DaskPool]:
         """A pool on the scheduler at ``scheduler`` (an address or a scheduler file), or on a LocalCluster of
-        ``count`` processes (one per core when None) started here and closed after, for "local"."""
+        ``count`` processes (one per core when None) started here and closed after, for "local". The caller's
+        environment is as it was afterwards (``_environment_restored``)."""
+        with _environment_restored(), cls._connected(scheduler, count) as pool:
+            yield pool
+
+    @classmethod
+    @contextmanager
+    def _connected(cls, scheduler: str, count: int | None) -> Iterator[DaskPool]:
         try:
             import distributed
         except ImportError:

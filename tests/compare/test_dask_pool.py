@@ -35,7 +35,16 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two worker processes (with their nannies) and a client of our own to watch them."""
+    """Two worker processes (with their nannies) and a client of our own to watch them. The environment is put back
+    after (Dask's nanny leaves ``PYTHONHASHSEED`` in it, and the warm CLI interpreter of ``conftest.run_cli`` serves
+    only an unchanged one)."""
+    environment = dict(os.environ)
+    yield from _cluster()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def _cluster():
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                                   scheduler_kwargs={"dashboard_address": ":0"},
                                   silence_logs=logging.CRITICAL) as local, \

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -372,7 +373,9 @@ def test_a_local_dask_cluster_gives_the_local_pools_reports_byte_for_byte(runs, 
     assert (tmp_path / "r.json").read_text() == api.align(runs / "dp_weight", workers=2).to_json()
     monkeypatch.setattr(compare_tasks, "LOCAL_MIN_BYTES", 0)  # a small run: the local pool compares its shards too
     local = api.align(recipe_trace("eps"), runs / "tp_clean", workers=2)
+    environment = dict(os.environ)
     assert local.to_json() == api.align(recipe_trace("eps"), runs / "tp_clean", scheduler="local", workers=2).to_json()
+    assert dict(os.environ) == environment  # Dask's nanny sets PYTHONHASHSEED here; layerdiff puts it back
     assert local.forward["module"] == "model.layers.1.post_attention_layernorm"
 
 
