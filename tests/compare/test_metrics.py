@@ -1,6 +1,7 @@
 """Metrics against float64 references, tolerance judgement, dtype decoding."""
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -269,6 +270,8 @@ def test_the_statistics_kernel_is_built_where_a_compiler_is():
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(compiler) is None:
         pytest.skip(f"no C compiler ({compiler}) here: the install takes numpy's path")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no Python headers (Python.h) here: the install takes numpy's path")
     assert tensors.one_pass_moments is not None, "pip install -e . did not build layerdiff/tracefile/fastmoments.c"
 
 
