@@ -182,8 +182,8 @@ def summarize(stored: np.ndarray, dtype: str) -> dict[str, Any]:
     """min, max, mean, l2 norm and NaN/Inf counts: kept for every tensor in every mode.
 
     NaN/Inf are counted only when a statistic came out non-finite, which keeps the common all-finite case at one
-    read of the data (the C kernel, ``_native``; without it, ``_moments``). Not "when min or max is": a piece's NaN min does not survive ``min()`` with
-    the finite min of another piece, but every sum it enters is NaN.
+    read of the data (the C kernel, ``_native``; without it, ``_moments``). Not "when min or max is": a piece's NaN
+    min does not survive ``min()`` with the finite min of another piece, but every sum it enters is NaN.
     """
     n = int(stored.size)
     stats: dict[str, Any] = {"numel": n, "min": None, "max": None, "mean": None, "l2": None, "nan": 0, "inf": 0}
@@ -192,21 +192,21 @@ def summarize(stored: np.ndarray, dtype: str) -> dict[str, Any]:
     x = np.ascontiguousarray(as_float(in_memory_order(stored), dtype).reshape(-1))
     if x.dtype not in _REDUCED:
         x = x.astype(np.float64)
-    moments = _native(x)
+    moments = _native(x)  # None: not built, or not all finite
+    if moments is None and n <= _PIECE and one_pass_moments is None:
+        moments = _one_piece(x)  # None: not all finite (the kernel, where built, has already said so)
     if moments is None:
-        moments = _one_piece(x) if n <= _PIECE else None  # None: more than a piece, or not all finite
-        if moments is None:
-            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught below, and taken wide
-                moments = _moments(x)
-            if not all(math.isfinite(v) for v in moments):
-                nan, inf = np.isnan(x), np.isinf(x)  # NaN/Inf: counted, then left out of the statistics
-                stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
-                if stats["nan"] or stats["inf"]:
-                    x = x[~(nan | inf)]
-                    if x.size == 0:
-                        return stats
-                # float32 sums could overflow: wide, and pairwise (values this large may cancel each other)
-                moments = _moments(x.astype(np.float64, copy=False), np.add.reduce)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught below, and taken wide
+            moments = _moments(x)
+        if not all(math.isfinite(v) for v in moments):
+            nan, inf = np.isnan(x), np.isinf(x)  # NaN/Inf: counted, then left out of the statistics
+            stats["nan"], stats["inf"] = int(nan.sum()), int(inf.sum())
+            if stats["nan"] or stats["inf"]:
+                x = x[~(nan | inf)]
+                if x.size == 0:
+                    return stats
+            # float32 sums could overflow: wide, and pairwise (values this large may cancel each other)
+            moments = _moments(x.astype(np.float64, copy=False), np.add.reduce)
     lo, hi, total, sq = moments
     stats.update(min=lo, max=hi, mean=total / x.size, l2=math.sqrt(sq))
     return stats
