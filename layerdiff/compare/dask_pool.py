@@ -30,7 +30,7 @@ def worker_version(_: Any = None) -> str:
 
 
 @contextmanager
-def _environment_restored() -> Iterator[None]:
+def environment_restored() -> Iterator[None]:
     """The process's environment variables put back as they were on exit. Dask's nanny sets its pre-spawn variables
     (``PYTHONHASHSEED=6640``) in the environment of the process that starts a local cluster, before each worker it
     spawns, and never takes them back: an ``align(..., scheduler="local")`` left them in the caller's process (and
@@ -58,8 +58,8 @@ class DaskPool:
     def connect(cls, scheduler: str, count: int | None) -> Iterator[DaskPool]:
         """A pool on the scheduler at ``scheduler`` (an address or a scheduler file), or on a LocalCluster of
         ``count`` processes (one per core when None) started here and closed after, for "local". The caller's
-        environment is as it was afterwards (``_environment_restored``)."""
-        with _environment_restored(), cls._connected(scheduler, count) as pool:
+        environment is as it was afterwards (``environment_restored``)."""
+        with environment_restored(), cls._connected(scheduler, count) as pool:
             yield pool
 
     @classmethod

@@ -20,6 +20,7 @@ distributed = pytest.importorskip("distributed")
 
 from layerdiff import api  # noqa: E402
 from layerdiff.compare import tasks as compare_tasks  # noqa: E402
+from layerdiff.compare.dask_pool import environment_restored  # noqa: E402
 from layerdiff.compare.spec import Comparison  # noqa: E402
 from layerdiff.compare.tasks import LocalPool, Workers  # noqa: E402
 from layerdiff.compare.workers import StoredPair, compare_pairs, compare_slices  # noqa: E402
@@ -38,16 +39,10 @@ def cluster():
     """Two worker processes (with their nannies) and a client of our own to watch them. The environment is put back
     after (Dask's nanny leaves ``PYTHONHASHSEED`` in it, and the warm CLI interpreter of ``conftest.run_cli`` serves
     only an unchanged one)."""
-    environment = dict(os.environ)
-    yield from _cluster()
-    os.environ.clear()
-    os.environ.update(environment)
-
-
-def _cluster():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                                  scheduler_kwargs={"dashboard_address": ":0"},
-                                  silence_logs=logging.CRITICAL) as local, \
+    with environment_restored(), \
+            distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                     scheduler_kwargs={"dashboard_address": ":0"},
+                                     silence_logs=logging.CRITICAL) as local, \
             distributed.Client(local, set_as_default=False) as client:
         client.wait_for_workers(2)
         yield local.scheduler_address, client
