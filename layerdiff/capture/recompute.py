@@ -9,16 +9,18 @@ differentiates there) is the backward of the original calls.
 
 Which call a recomputation replays, for a recomputed call whose caller is not recorded: the call of its module
 in this step, not replayed yet, that was given the most of the same input tensors (a checkpoint recomputes on the
-tensors it kept; a mask every microbatch shares tells none apart); else a call in the same caller's call as the
+tensors it kept; a mask every microbatch shares tells none apart; a tensor given to a call and freed since counts
+for none, as a tensor the recomputation makes may take its bytes and its identity); else a call in the same caller's call as the
 one the previous such call replayed (a checkpointed ``forward`` whose children are recomputed one after the other,
 transformers' way); else the latest (backward meets a step's calls last to first). The calls inside it replay
 that call's own calls, in order.
 """
 from __future__ import annotations
 
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 @dataclass
@@ -34,7 +36,8 @@ class StepCalls:
     def __init__(self):
         self.log: list[tuple[str, int, int, int | None, tuple | None]] = []  # (path, call, depth, micro, parent)
         self.of_path: dict[str, list[int]] = {}  # path -> its calls' places in ``log``, in order
-        self.given: dict[Any, list[int]] = {}  # an input tensor's identity -> the places of the calls given it
+        # an input tensor's identity -> (the place of a call given it, a weak reference to the tensor given)
+        self.given: dict[Any, list[tuple[int, weakref.ref]]] = {}
         self.replayed: set[tuple[str, int]] = set()
         self.last_parent: tuple | None = None  # the caller of the call the previous recomputed root replayed
 
@@ -46,19 +49,22 @@ class StepCalls:
         self.last_parent = None
 
     def add(self, path: str, call: int, depth: int, micro: int | None, parent: tuple | None,
-            inputs: Iterable[Any]) -> None:
-        """A call of the forward pass; ``inputs``: its input tensors' identities (None for one without)."""
+            inputs: Iterable[tuple[Any, Any]]) -> None:
+        """A call of the forward pass; ``inputs``: (identity, tensor) of its input tensors (identity None for one
+        without)."""
         place = len(self.log)
         self.of_path.setdefault(path, []).append(place)
-        for identity in inputs:
+        for identity, tensor in inputs:
             if identity is not None:
-                self.given.setdefault(identity, []).append(place)
+                self.given.setdefault(identity, []).append((place, weakref.ref(tensor)))
         self.log.append((path, call, depth, micro, parent))
 
-    def replay_root(self, path: str, inputs: Iterable[Any]) -> tuple[int, int | None, Replay] | None:
+    def replay_root(self, path: str, inputs: Iterable[Any], identify: Callable[[Any], Any]
+                    ) -> tuple[int, int | None, Replay] | None:
         """(call, microbatch, what its calls replay) for a recomputed call of ``path`` that no replayed call
         encloses, given input tensors of identities ``inputs`` (see the module docstring); None when every call of
-        ``path`` in this step was replayed."""
+        ``path`` in this step was replayed. ``identify``: a tensor's identity, to tell a tensor given earlier that
+        still shows those bytes from one freed since."""
         open_places = [place for place in self.of_path.get(path) or ()
                        if (path, self.log[place][1]) not in self.replayed]
         if not open_places:
@@ -66,7 +72,8 @@ class StepCalls:
         # how many of its input tensors each open call was given (a mask every microbatch shares counts for all)
         is_open = set(open_places)
         shared = Counter(place for identity in set(inputs) if identity is not None
-                         for place in self.given.get(identity, ()) if place in is_open)
+                         for place, given in self.given.get(identity, ())
+                         if place in is_open and _still(given(), identity, identify))
         siblings = [place for place in open_places if self.last_parent is not None
                     and self.log[place][4] == self.last_parent]
         if shared:
@@ -92,3 +99,8 @@ class StepCalls:
         call, micro = queue.popleft()
         self.replayed.add((path, call))
         return call, micro
+
+
+def _still(tensor, identity, identify: Callable[[Any], Any]) -> bool:
+    """A tensor given to a call that is alive and shows the bytes it did (its identity is then no other's)."""
+    return tensor is not None and identify(tensor) == identity

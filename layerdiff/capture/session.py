@@ -350,7 +350,8 @@ class TraceSession:
             if replay is not None:
                 replayed = self.step_calls.replay_next(replay, path)
         elif recompute:
-            root = self.step_calls.replay_root(path, (self.tensors.identify(t) for _, t in inputs))
+            root = self.step_calls.replay_root(path, (self.tensors.identify(t) for _, t in inputs),
+                                               self.tensors.identify)
             replayed, replay = (root[:2], root[2]) if root is not None else (None, Replay())
         else:
             self._open_step(scope, stage)
@@ -363,7 +364,7 @@ class TraceSession:
         parent = (caller.path, caller.call) if caller is not None else None
         if not recompute:
             self.step_calls.add(path, call, len(self.stack), self.micro, parent,
-                                (self.tensors.identify(t) for _, t in inputs))
+                                ((self.tensors.identify(t), t) for _, t in inputs))
         frame = CallFrame(path, call, module_type, self.step, self._next_seq(), parent, hparams,
                           scalars=scalars, full=full, arg_names=tuple(arg_names), micro=micro, stage=stage,
                           replay=replay)

@@ -252,6 +252,30 @@ def test_a_tensor_every_microbatch_shares_does_not_decide_which_call_is_replayed
     assert report["recompute"]["b"]["calls"] == 2 * 2 * 4 and report["recompute"]["b"]["differ"] == []
 
 
+def test_a_tensor_freed_since_its_call_does_not_decide_which_call_is_replayed():
+    """A recomputation makes new tensors, and one may take the bytes (so the identity) of a tensor that another
+    microbatch's call was given and that was freed since (reentrant checkpointing keeps no intermediate). It
+    counted for that call: microbatch 0's MLP replayed microbatch 1's, and their gradients swapped (CI saw it
+    once in a whole run; it hangs on where the allocator puts a tensor). Here that reuse is made certain."""
+    from layerdiff.adapters.torch_adapter import identify
+    from layerdiff.capture.recompute import StepCalls
+
+    calls = StepCalls()
+    kept = [torch.randn(2, 8) for _ in range(2)]  # each microbatch's hidden states, kept by its checkpoint
+    freed = torch.randn(2, 8)  # microbatch 1's attention output, freed after its forward
+    freed_identity = identify(freed)
+    for micro, mlp_input in ((0, torch.randn(2, 8)), (1, freed)):
+        calls.add("layer", micro, 0, micro, None, ())
+        calls.add("layer.attn", micro, 1, micro, ("layer", micro), [(identify(kept[micro]), kept[micro])])
+        calls.add("layer.mlp", micro, 1, micro, ("layer", micro), [(identify(mlp_input), mlp_input)])
+    del freed, mlp_input
+    root = calls.replay_root("layer.attn", [identify(kept[0])], identify)
+    assert root is not None and root[:2] == (0, 0)
+    # the recomputed attention output took the freed tensor's bytes: its identity is the one recorded
+    root = calls.replay_root("layer.mlp", [freed_identity], identify)
+    assert root is not None and root[:2] == (0, 0)
+
+
 def test_damaged_bytes_of_a_recomputed_call_are_named_and_judged_by_their_statistics(plain, tmp_path):
     """A recomputed call's stored output damaged after writing (bit rot): align checks the recomputation by the
     statistics the index keeps and names the damage, so "aligned" is not trusted (exit 3), without a traceback."""
