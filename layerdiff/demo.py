@@ -2,10 +2,14 @@
 
 Builds the torch_llama recipe twice (the second with one injected defect), traces both, aligns them and
 shows the report, says whether layerdiff named the module where the defect was injected, and confirms it with
-``layerdiff bisect`` (the candidate re-run on the reference's recorded values).
+``layerdiff bisect`` (the candidate re-run on the reference's recorded values). Where the origin is a module's
+own code, it then does what the report says to do next: traces both runs again with that module's operations
+recorded and shows the operation and the line of code where they part.
 """
 from __future__ import annotations
 
+import re
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -18,13 +22,15 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-def _trace_elsewhere(recipe: str, path: Path, defect: str) -> None:
-    """Trace a recipe with the real CLI in its own process (one framework per process, as users run it)."""
+def _trace_elsewhere(recipe: str, path: Path, defect: str, ops_in: str | None = None) -> None:
+    """Trace a recipe with the real CLI in its own process (one framework per process, as users run it);
+    ``ops_in``: the operations of the modules it matches recorded too."""
     import subprocess
     import sys
 
+    window = ["--ops-in", ops_in] if ops_in else []
     proc = subprocess.run([sys.executable, "-m", "layerdiff", "trace", recipe, "-o", str(path), "-q",
-                           "--arg", f"defect={defect}"], capture_output=True, text=True)
+                           "--arg", f"defect={defect}", *window], capture_output=True, text=True)
     if proc.returncode != 0:
         raise LayerdiffError(f"tracing {recipe} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
 
@@ -38,6 +44,7 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
     from layerdiff.judge.evaluate import align
     from layerdiff.recipes import torch_llama
     from layerdiff.report.jsonio import write_json
+    from layerdiff.report.ops_view import retrace_hint
     from layerdiff.report.terminal import make_console, render
     from layerdiff.tracefile.reader import open_trace
     from layerdiff.tracing import trace
@@ -49,8 +56,10 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
     console = make_console()
     workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="layerdiff-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    paths = {"reference": workdir / "reference.h5", "candidate": workdir / f"candidate_{framework}_{defect}.h5"}
-    for p in list(paths.values()) + [workdir / "report.json"]:
+    paths = {"reference": workdir / "reference.h5", "candidate": workdir / f"candidate_{framework}_{defect}.h5",
+             "reference_ops": workdir / "reference_ops.h5",
+             "candidate_ops": workdir / f"candidate_{framework}_{defect}_ops.h5"}
+    for p in list(paths.values()) + [workdir / "report.json", workdir / "report_ops.json"]:
         if p.exists():
             raise LayerdiffError(f"{p} exists; choose an empty --keep directory")
     direction, expected = torch_llama.DEFECTS[defect]
@@ -80,7 +89,9 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
                   f"[bold]{found['module'] if found else 'nothing'}[/]: "
                   + ("[bold green]correct[/]" if hit else "[bold red]WRONG[/]"))
     confirmed = _confirm_by_replay(console, paths["reference"], framework, defect, workdir, direction, expected)
-    console.print(f"[dim]try: layerdiff demo --defect backward [--framework paddle|mindspore]   "
+    if found is not None and found["module"] and retrace_hint(report, found):
+        _step_into_operations(console, found["module"], direction, framework, defect, paths, workdir)
+    console.print(f"\n[dim]try: layerdiff demo --defect backward [--framework paddle|mindspore]   "
                   f"(defects: {', '.join(torch_llama.DEFECTS)})[/]")
     return 0 if hit and confirmed else 1
 
@@ -107,3 +118,38 @@ def _confirm_by_replay(console: Console, reference: Path, framework: str, defect
                   f"{culprit['description'] if culprit else 'nothing'}[/]: "
                   + ("[bold green]confirmed[/], not inherited" if ok else "[bold red]NOT confirmed[/]"))
     return ok
+
+
+def _step_into_operations(console: Console, module: str, direction: str, framework: str, defect: str,
+                          paths: dict[str, Path], workdir: Path) -> None:
+    """The report's next step, taken: both runs traced again with the operations of the origin's module recorded
+    (``ops=[...]``, ``--ops-in``), aligned, and the origin shown down to its operation and line of code."""
+    from layerdiff.judge.evaluate import align
+    from layerdiff.recipes import torch_llama
+    from layerdiff.report.jsonio import write_json
+    from layerdiff.report.terminal import origin_lines
+    from layerdiff.tracefile.reader import open_trace
+    from layerdiff.tracing import trace
+
+    start = time.perf_counter()
+    window = "^" + re.escape(module) + "$"
+    for path, injected in ((paths["reference_ops"], None), (paths["candidate_ops"], defect)):
+        if framework == "torch" or injected is None:
+            built = torch_llama.build(injected)
+            with trace(built["model"], path, ops=[window]):
+                built["step"]()
+        else:
+            _trace_elsewhere(f"{framework}_llama", path, defect, ops_in=window)
+    with open_trace(paths["reference_ops"]) as a, open_trace(paths["candidate_ops"]) as b:
+        report = align(a, b)
+    write_json(report, workdir / "report_ops.json")
+    found = (report["forward"] if direction == "forward" else report["backward"])["first_divergence"]
+    console.print(f"\n[bold]inside {module}[/], operation by operation: both runs traced again with "
+                  f"--ops-in {shlex.quote(window)} ({time.perf_counter() - start:.1f} s; "
+                  f"{workdir / 'report_ops.json'}):")
+    if found is None:
+        console.print("  [yellow]no operation of it differs: its own code agrees once its operations are "
+                      "compared one by one[/]")
+        return
+    for line in origin_lines(found):
+        console.print("  " + line)

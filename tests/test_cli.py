@@ -119,10 +119,23 @@ def test_trace_target_failure_modes_exit_2(tmp_path):
 
 
 def test_demo_runs_and_names_the_defect():
+    """The module first (its own code), bisect's confirmation, then the step the report proposes, taken: both runs
+    traced again with that module's operations, and the operation and line where they part (the attention's
+    scale, passed to sdpa at the line computed here from transformers' source)."""
+    import inspect
+
+    from transformers.integrations import sdpa_attention
+
     code, out, err = run_cli("demo", "--defect", "owncode")
     assert code == 0, err
     assert "own code between v_proj and o_proj" in out and "correct" in out
     assert "layerdiff bisect re-ran the candidate" in out and "confirmed, not inherited" in out
+    lines = inspect.getsource(sdpa_attention).splitlines()
+    call = next(number for number, line in enumerate(lines, start=1)
+                if "torch.nn.functional.scaled_dot_product_attention(" in line)
+    stepped = out[out.index("inside model.layers.1.self_attn, operation by operation"):]
+    assert f"scaled_dot_product_attention at sdpa_attention.py:{call}" in " ".join(stepped.split())
+    assert "argument kwargs.scale: 0.25 (A) vs 0.3125 (B)" in stepped
 
 
 def test_align_works_without_any_framework_importable(cli_traces):

@@ -88,3 +88,6 @@ def test_demo_with_a_ported_candidate(framework, defect):
     assert code == 0, out + err
     assert f"traced candidate ({framework})" in out and ": correct" in out
     assert "confirmed, not inherited" in out  # the bisect replay agrees
+    if defect == "owncode":  # the origin is the attention's own code: the demo steps into its operations
+        stepped = " ".join(out[out.index("inside model.layers.1.self_attn, operation by operation"):].split())
+        assert "scaled_dot_product_attention" in stepped and f"B {framework}_llama.py:" in stepped
