@@ -10,10 +10,10 @@ differentiates there) is the backward of the original calls.
 Which call a recomputation replays, for a recomputed call whose caller is not recorded: the call of its module
 in this step, not replayed yet, that was given the most of the same input tensors (a checkpoint recomputes on the
 tensors it kept; a mask every microbatch shares tells none apart; a tensor given to a call and freed since counts
-for none, as a tensor the recomputation makes may take its bytes and its identity); else a call in the same caller's call as the
-one the previous such call replayed (a checkpointed ``forward`` whose children are recomputed one after the other,
-transformers' way); else the latest (backward meets a step's calls last to first). The calls inside it replay
-that call's own calls, in order.
+for none, as a tensor the recomputation makes may take its bytes and its identity); else a call in the same
+caller's call as the one the previous such call replayed (a checkpointed ``forward`` whose children are
+recomputed one after the other, transformers' way); else the latest (backward meets a step's calls last to
+first). The calls inside it replay that call's own calls, in order.
 """
 from __future__ import annotations
 
