@@ -59,12 +59,12 @@ class StepCalls:
                 self.given.setdefault(identity, []).append((place, weakref.ref(tensor)))
         self.log.append((path, call, depth, micro, parent))
 
-    def replay_root(self, path: str, inputs: Iterable[Any], identify: Callable[[Any], Any]
+    def replay_root(self, path: str, inputs: Iterable[Any], same: Callable[[Any, Any], bool]
                     ) -> tuple[int, int | None, Replay] | None:
         """(call, microbatch, what its calls replay) for a recomputed call of ``path`` that no replayed call
         encloses, given input tensors of identities ``inputs`` (see the module docstring); None when every call of
-        ``path`` in this step was replayed. ``identify``: a tensor's identity, to tell a tensor given earlier that
-        still shows those bytes from one freed since."""
+        ``path`` in this step was replayed. ``same(tensor, identity)``: a tensor given earlier (None once freed)
+        is alive and still shows the bytes of that identity."""
         open_places = [place for place in self.of_path.get(path) or ()
                        if (path, self.log[place][1]) not in self.replayed]
         if not open_places:
@@ -73,7 +73,7 @@ class StepCalls:
         is_open = set(open_places)
         shared = Counter(place for identity in set(inputs) if identity is not None
                          for place, given in self.given.get(identity, ())
-                         if place in is_open and _still(given(), identity, identify))
+                         if place in is_open and same(given(), identity))
         siblings = [place for place in open_places if self.last_parent is not None
                     and self.log[place][4] == self.last_parent]
         if shared:
@@ -99,8 +99,3 @@ class StepCalls:
         call, micro = queue.popleft()
         self.replayed.add((path, call))
         return call, micro
-
-
-def _still(tensor, identity, identify: Callable[[Any], Any]) -> bool:
-    """A tensor given to a call that is alive and shows the bytes it did (its identity is then no other's)."""
-    return tensor is not None and identify(tensor) == identity

@@ -350,8 +350,7 @@ class TraceSession:
             if replay is not None:
                 replayed = self.step_calls.replay_next(replay, path)
         elif recompute:
-            root = self.step_calls.replay_root(path, (self.tensors.identify(t) for _, t in inputs),
-                                               self.tensors.identify)
+            root = self.step_calls.replay_root(path, (self.tensors.identify(t) for _, t in inputs), self._same)
             replayed, replay = (root[:2], root[2]) if root is not None else (None, Replay())
         else:
             self._open_step(scope, stage)
