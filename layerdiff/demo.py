@@ -21,18 +21,47 @@ from layerdiff.errors import LayerdiffError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from layerdiff.schema import Report
 
-def _trace_elsewhere(recipe: str, path: Path, defect: str, ops_in: str | None = None) -> None:
+
+def _trace_elsewhere(recipe: str, path: Path, defect: str | None, ops_in: str | None = None) -> None:
     """Trace a recipe with the real CLI in its own process (one framework per process, as users run it);
-    ``ops_in``: the operations of the modules it matches recorded too."""
+    ``defect`` None for none; ``ops_in``: the operations of the modules it matches recorded too."""
     import subprocess
     import sys
 
-    window = ["--ops-in", ops_in] if ops_in else []
-    proc = subprocess.run([sys.executable, "-m", "layerdiff", "trace", recipe, "-o", str(path), "-q",
-                           "--arg", f"defect={defect}", *window], capture_output=True, text=True)
+    options = (["--arg", f"defect={defect}"] if defect else []) + (["--ops-in", ops_in] if ops_in else [])
+    proc = subprocess.run([sys.executable, "-m", "layerdiff", "trace", recipe, "-o", str(path), "-q", *options],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise LayerdiffError(f"tracing {recipe} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def _trace_run(path: Path, framework: str, defect: str | None, ops_in: str | None = None) -> None:
+    """One run of the demo's Llama traced to ``path``: torch's in this process, a port in its own
+    (``_trace_elsewhere``); ``defect`` None for the reference; ``ops_in``: the operations of the modules it matches
+    recorded too."""
+    from layerdiff.recipes import torch_llama
+    from layerdiff.tracing import trace
+
+    if framework != "torch":
+        _trace_elsewhere(f"{framework}_llama", path, defect, ops_in)
+        return
+    built = torch_llama.build(defect)
+    with trace(built["model"], path, ops=[ops_in] if ops_in else False):
+        built["step"]()
+
+
+def _aligned(reference: Path, candidate: Path, out: Path) -> Report:
+    """The two traces aligned, the report also written to ``out`` as JSON."""
+    from layerdiff.judge.evaluate import align
+    from layerdiff.report.jsonio import write_json
+    from layerdiff.tracefile.reader import open_trace
+
+    with open_trace(reference) as a, open_trace(candidate) as b:
+        report = align(a, b)
+    write_json(report, out)
+    return report
 
 
 def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "torch") -> int:
@@ -41,13 +70,9 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
         import transformers  # noqa: F401
     except ImportError:
         raise LayerdiffError("the demo needs torch and transformers: pip install 'layerdiff[demo]'") from None
-    from layerdiff.judge.evaluate import align
     from layerdiff.recipes import torch_llama
-    from layerdiff.report.jsonio import write_json
     from layerdiff.report.ops_view import retrace_hint
     from layerdiff.report.terminal import make_console, render
-    from layerdiff.tracefile.reader import open_trace
-    from layerdiff.tracing import trace
 
     if defect not in torch_llama.DEFECTS:
         raise LayerdiffError(f"unknown defect {defect!r}; choose from {', '.join(torch_llama.DEFECTS)}")
@@ -67,20 +92,11 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
     console.print(f"[bold]layerdiff demo[/]: a 2-layer Llama (transformers, built from a config) traced twice; "
                   f"the candidate{where} has one injected defect ([cyan]{defect}[/], {direction}).")
     start = time.perf_counter()
-    built = torch_llama.build(None)
-    with trace(built["model"], paths["reference"]):
-        built["step"]()
+    _trace_run(paths["reference"], "torch", None)
     console.print(f"  traced reference (torch) -> {paths['reference']}")
-    if framework == "torch":
-        built = torch_llama.build(defect)
-        with trace(built["model"], paths["candidate"]):
-            built["step"]()
-    else:
-        _trace_elsewhere(f"{framework}_llama", paths["candidate"], defect)
+    _trace_run(paths["candidate"], framework, defect)
     console.print(f"  traced candidate ({framework}) -> {paths['candidate']}")
-    with open_trace(paths["reference"]) as a, open_trace(paths["candidate"]) as b:
-        report = align(a, b)
-    write_json(report, workdir / "report.json")
+    report = _aligned(paths["reference"], paths["candidate"], workdir / "report.json")
     console.print(f"  aligned in {time.perf_counter() - start:.1f} s total; JSON report: {workdir / 'report.json'}\n")
     render(report, console)
     found = (report["forward"] if direction == "forward" else report["backward"])["first_divergence"]
@@ -124,25 +140,13 @@ def _step_into_operations(console: Console, module: str, direction: str, framewo
                           paths: dict[str, Path], workdir: Path) -> None:
     """The report's next step, taken: both runs traced again with the operations of the origin's module recorded
     (``ops=[...]``, ``--ops-in``), aligned, and the origin shown down to its operation and line of code."""
-    from layerdiff.judge.evaluate import align
-    from layerdiff.recipes import torch_llama
-    from layerdiff.report.jsonio import write_json
     from layerdiff.report.terminal import origin_lines
-    from layerdiff.tracefile.reader import open_trace
-    from layerdiff.tracing import trace
 
     start = time.perf_counter()
     window = "^" + re.escape(module) + "$"
-    for path, injected in ((paths["reference_ops"], None), (paths["candidate_ops"], defect)):
-        if framework == "torch" or injected is None:
-            built = torch_llama.build(injected)
-            with trace(built["model"], path, ops=[window]):
-                built["step"]()
-        else:
-            _trace_elsewhere(f"{framework}_llama", path, defect, ops_in=window)
-    with open_trace(paths["reference_ops"]) as a, open_trace(paths["candidate_ops"]) as b:
-        report = align(a, b)
-    write_json(report, workdir / "report_ops.json")
+    _trace_run(paths["reference_ops"], "torch", None, window)
+    _trace_run(paths["candidate_ops"], framework, defect, window)
+    report = _aligned(paths["reference_ops"], paths["candidate_ops"], workdir / "report_ops.json")
     found = (report["forward"] if direction == "forward" else report["backward"])["first_divergence"]
     console.print(f"\n[bold]inside {module}[/], operation by operation: both runs traced again with "
                   f"--ops-in {shlex.quote(window)} ({time.perf_counter() - start:.1f} s; "
