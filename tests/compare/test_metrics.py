@@ -12,13 +12,15 @@ from layerdiff.tracefile.tensors import as_float, in_memory_order, summarize
 from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule, precision_floor
 
 
-@pytest.fixture(params=["kernel", "numpy"])
+needs_kernel = pytest.mark.skipif(tensors.one_pass_moments is None, reason="the C statistics kernel is not built "
+                                  "in this install (no C compiler at install time)")
+
+
+@pytest.fixture(params=[pytest.param("kernel", marks=needs_kernel), "numpy"])
 def statistics_path(request, monkeypatch):
     """Each statistics test runs on both paths: the C kernel (``fastmoments.c``, where it is built) and numpy's."""
     if request.param == "numpy":
         monkeypatch.setattr(tensors, "one_pass_moments", None)
-    elif tensors.one_pass_moments is None:
-        pytest.skip("the C statistics kernel is not built in this install (no C compiler at install time)")
     return request.param
 
 
@@ -227,12 +229,11 @@ def test_one_piece_of_nonfinite_or_overflowing_values_is_summarized_by_the_full_
     assert stats["l2"] == pytest.approx(math.sqrt(float(finite @ finite)), rel=1e-9)
 
 
+@needs_kernel
 @pytest.mark.parametrize("numel", [1, 2, 1023, 1024, 1025, 65_535, 65_536, 65_537, 300_001])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_statistics_kernel_agrees_with_numpy_and_float64(numel, dtype, monkeypatch):
     """Every size around the kernel's block (1024) and its threshold for releasing the GIL (65536)."""
-    if tensors.one_pass_moments is None:
-        pytest.skip("the C statistics kernel is not built in this install (no C compiler at install time)")
     x = ((np.random.default_rng(numel).standard_normal(numel) - 0.3) * 5).astype(dtype)
     lo, hi, total, square = tensors.one_pass_moments(x)
     wide = x.astype(np.float64)
@@ -247,11 +248,10 @@ def test_the_statistics_kernel_agrees_with_numpy_and_float64(numel, dtype, monke
     assert kernel["l2"] == pytest.approx(numpy_path["l2"], rel=1e-6)
 
 
+@needs_kernel
 def test_the_statistics_kernel_leaves_other_buffers_to_numpy():
     """None for what it does not reduce (integers, half floats, no elements); a strided view is refused, never read
     as if it were dense; a NaN or infinity makes both sums non-finite, which sends ``summarize`` to numpy's path."""
-    if tensors.one_pass_moments is None:
-        pytest.skip("the C statistics kernel is not built in this install (no C compiler at install time)")
     for other in (np.arange(10), np.ones(4, np.float16), np.zeros(0, np.float32), b"bytes"):
         assert tensors.one_pass_moments(other) is None
     with pytest.raises((ValueError, BufferError)):
