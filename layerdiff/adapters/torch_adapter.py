@@ -19,6 +19,7 @@ from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
 from layerdiff.runs.parallel import ParallelLayout
+from layerdiff.tracefile.tensors import stats_at
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -133,7 +134,6 @@ _CPU_STATS_MIN = {torch.float32: 1 << 20, torch.bfloat16: 1 << 17, torch.float16
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         _CPU_STATS_MIN[getattr(torch, _name)] = 1 << 17
-_CPU_STATS_SMALLEST = min(_CPU_STATS_MIN.values())
 _STATS_CHUNK = 1 << 18  # CPU: 1 MB of fp32 per piece, so the second and third pass read it from the cache
 _DEVICE_CHUNK = 1 << 26  # accelerators: bounds the float32/float64 temporaries of a huge tensor
 _NORM_ROW = 1024  # elements per partial sum of squares
@@ -143,14 +143,52 @@ def _on_accelerator(t: torch.Tensor) -> bool:
     return t.device.type not in ("cpu", "meta")
 
 
+# CPU dtypes the C kernel reads where they lie (``stats_at``), below the sizes torch takes
+_READ_IN_PLACE = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel()`` slots from ``data_ptr()`` on, in some order: contiguous, or a
+    permutation of a contiguous layout (a transpose), as statistics may read them."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda dim: dim[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
+def cpu_route(t: torch.Tensor) -> str | None:
+    """Which path takes a CPU tensor's statistics, as measured fastest in a traced step: "torch" (its own
+    reductions: large floating tensors, ``_CPU_STATS_MIN``), "kernel" (the C kernel reads a dense float32, float64
+    or bfloat16 tensor where it lies: ``stats_at``), or None (numpy, from a view of its bytes: other dtypes and
+    layouts)."""
+    n = t.numel()
+    if n >= _CPU_STATS_MIN.get(t.dtype, math.inf):
+        return "torch"
+    if t.dtype in _READ_IN_PLACE and type(t) in _PLAIN and t.layout == torch.strided and not t.is_neg() and \
+            _dense(t):
+        return "kernel"
+    return None
+
+
 def fast_stats(t: torch.Tensor):
-    """The tensor's statistics reduced by torch itself where it lives, or None to let numpy take them on the host.
+    """The tensor's statistics taken where it lies, or None to let numpy take them from a view of its bytes.
 
     Torch takes them for floating tensors on an accelerator (no copy of the tensor leaves the device) and for large
-    enough CPU tensors (``_CPU_STATS_MIN``). A DTensor's are its local shard's, like the bytes ``to_stored`` keeps.
+    enough CPU tensors; the C kernel for smaller dense ones of the dtypes it reads (``cpu_route``). A DTensor's are
+    its local shard's, like the bytes ``to_stored`` keeps.
     """
-    if t.is_cpu and t.numel() < _CPU_STATS_SMALLEST:  # most tensors of a small model: one check
-        return None
+    if t.is_cpu:
+        route = cpu_route(t)
+        if route is None:
+            return None
+        if route == "kernel":
+            return stats_at(t.data_ptr(), t.numel(), _READ_IN_PLACE[t.dtype])  # None: a value not finite (numpy
+            # counts them) or no kernel built
     if not t.is_floating_point() or t.layout != torch.strided or t.is_meta:
         return None
     threshold = 0 if _on_accelerator(t) else _CPU_STATS_MIN.get(t.dtype, math.inf)

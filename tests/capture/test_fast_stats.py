@@ -1,7 +1,8 @@
 """The statistics torch computes itself (one pass per cache-sized piece, no host copy; on an accelerator, where the
 tensor lives) equal numpy's reference summary: on random data of sizes that do and do not fill the last piece, on
-non-contiguous views, for every floating dtype, with NaN/Inf and with squares beyond float32's range; and CPU
-tensors take the path that is faster for them."""
+non-contiguous views, for every floating dtype, with NaN/Inf and with squares beyond float32's range; CPU
+tensors take the path that is faster for them; the C kernel reading a tensor in place gives what it gives for its
+bytes."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from layerdiff.adapters.torch_adapter import fast_stats, framework_stats, to_stored  # noqa: E402
+from layerdiff.adapters.torch_adapter import cpu_route, fast_stats, framework_stats, to_stored  # noqa: E402
 from layerdiff.tracefile.tensors import summarize  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -106,19 +107,46 @@ def test_all_nonfinite_and_squares_beyond_float32():
 
 
 def test_cpu_tensors_take_the_path_measured_faster():
-    """numpy below 1M float32 elements (its one read wins in a traced step); torch for half and 8-bit floats
-    from 128K (numpy widens them in whole-array temporaries first); never for float64, integers or booleans on
-    the CPU."""
-    assert fast_stats(torch.randn(1000)) is None
-    assert fast_stats(torch.randn((1 << 20) - 1)) is None
-    assert fast_stats(torch.randn(1 << 20)) is not None
+    """torch from 1M float32 elements, and for half and 8-bit floats from 128K (numpy widens them in whole-array
+    temporaries first); below, the C kernel reads dense float32, float64 and bfloat16 tensors where they lie;
+    numpy takes the rest (other dtypes and layouts)."""
+    assert cpu_route(torch.randn(1 << 20)) == "torch"
+    assert cpu_route(torch.randn((1 << 20) - 1)) == "kernel"
     for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
-        assert fast_stats(torch.randn((1 << 17) - 1).to(dtype)) is None
-        assert fast_stats(torch.randn(1 << 17).to(dtype)) is not None
-    assert fast_stats(torch.randn(1 << 21, dtype=torch.float64)) is None
-    assert fast_stats(torch.ones(1 << 21, dtype=torch.int64)) is None
-    assert fast_stats(torch.ones(1 << 21, dtype=torch.bool)) is None
+        assert cpu_route(torch.randn(1 << 17).to(dtype)) == "torch"
+    assert cpu_route(torch.randn((1 << 17) - 1).to(torch.bfloat16)) == "kernel"
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        assert cpu_route(torch.randn((1 << 17) - 1).to(dtype)) is None
+    assert cpu_route(torch.randn(1 << 21, dtype=torch.float64)) == "kernel"
+    assert cpu_route(torch.ones(1 << 21, dtype=torch.int64)) is None
+    assert cpu_route(torch.ones(1 << 21, dtype=torch.bool)) is None
+    assert cpu_route(torch.randn(40, 30)[:, ::2]) is None  # not dense: numpy reads the view
+    assert cpu_route(torch.randn(2, 3).expand(4, 2, 3)) is None  # elements shared
     assert fast_stats(torch.empty(1 << 21, device="meta")) is None
+
+
+DENSE = {"contiguous": lambda t: t, "transposed": lambda t: t.reshape(60, 50).t(),
+         "permuted": lambda t: t.reshape(5, 20, 30).permute(2, 0, 1), "offset": lambda t: t[17:],
+         "one row": lambda t: t.reshape(3000, 1)[:, 0]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", list(DENSE))
+def test_the_kernel_reads_a_dense_tensor_where_it_lies_as_summarize_reads_its_bytes(dtype, layout):
+    """Read in place (its address, its count) the statistics are those of the stored bytes: to the bit for float32
+    and float64 (the same kernel, the same values); for bfloat16 (widened as it is read, its sums vectorized
+    otherwise) within float32's rounding. A NaN or an infinity hands the tensor to numpy's path, which counts them."""
+    t = DENSE[layout]((torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 2 - 0.5).to(dtype))
+    assert cpu_route(t) == "kernel"
+    if dtype == torch.bfloat16:
+        _close(fast_stats(t), summarize(*to_stored(t)), rel=1e-6)
+    else:
+        assert fast_stats(t) == summarize(*to_stored(t))
+    _close(fast_stats(t), _reference(t), rel=1e-6 if dtype != torch.bfloat16 else 1e-5)
+    bad = t.clone()
+    bad[(1,) * bad.ndim] = float("nan")
+    assert cpu_route(bad) == "kernel" and fast_stats(bad) is None
+    assert summarize(*to_stored(bad))["nan"] == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
