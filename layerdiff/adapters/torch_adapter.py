@@ -79,8 +79,20 @@ def dtype_name(t: torch.Tensor) -> str | None:
     return _DTYPE_NAMES.get(t.dtype)
 
 
+def bytes_present(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage still holds every element ``t`` addresses. FSDP frees a gathered weight by resizing
+    its storage to nothing, leaving views of it with their sizes and an address into freed memory: read there (a
+    numpy view through DLPack, the C kernel, a device kernel) the process died of a segmentation fault. Such a
+    tensor holds no values any more: nothing reads it, it is not recorded."""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+
+
 def to_stored(t: torch.Tensor):
-    """(numpy array of the tensor's bits, dtype name), or None for dtypes a trace cannot hold."""
+    """(numpy array of the tensor's bits, dtype name), or None for dtypes a trace cannot hold and for a tensor whose
+    bytes are gone (``bytes_present``)."""
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None or t.is_meta:
         return None
@@ -93,8 +105,12 @@ def to_stored(t: torch.Tensor):
         t = t.detach()
         if t.layout != torch.strided:
             t = t.to_dense()
+        if not bytes_present(t):
+            return None
         if t.device.type != "cpu":
             t = t.cpu()
+    if not bytes_present(t):
+        return None
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if name == "bfloat16":
@@ -187,15 +203,18 @@ def fast_stats(t: torch.Tensor):
         if route is None:
             return None
         if route == "kernel":
-            return stats_at(t.data_ptr(), t.numel(), _READ_IN_PLACE[t.dtype])  # None: a value not finite (numpy
-            # counts them) or no kernel built
+            n = t.numel()  # a dense tensor: its n elements from its offset on (``_dense``)
+            if t.untyped_storage().nbytes() < (t.storage_offset() + n) * t.element_size():
+                return None  # its bytes are gone (``bytes_present``): not read
+            return stats_at(t.data_ptr(), n, _READ_IN_PLACE[t.dtype])  # None: a value not finite (numpy counts
+            # them) or no kernel built
     if not t.is_floating_point() or t.layout != torch.strided or t.is_meta:
         return None
     threshold = 0 if _on_accelerator(t) else _CPU_STATS_MIN.get(t.dtype, math.inf)
     if t.numel() < threshold:  # before ``local``: a shard is never larger, and a subclass's is a copy
         return None
     shard = local(t)
-    if shard is None or shard.numel() == 0:
+    if shard is None or shard.numel() == 0 or not bytes_present(shard):
         return None
     if not _on_accelerator(shard):
         return framework_stats(shard) if shard.numel() >= threshold else None
@@ -241,7 +260,7 @@ class DeviceDeferral:
         if t.is_cpu or not _on_accelerator(t) or not t.is_floating_point() or t.layout != torch.strided:
             return None
         shard = local(t)
-        if shard is None or shard.numel() == 0:
+        if shard is None or shard.numel() == 0 or not bytes_present(shard):
             return None
         try:
             return DeviceStats(shard)

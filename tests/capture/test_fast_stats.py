@@ -236,3 +236,28 @@ def test_records_wait_in_order_for_statistics_left_on_the_device(tmp_path):
     with open_trace(tmp_path / "t.h5") as trace:
         assert [r.tensors[1].stats["max"] for r in trace.records] == [2.0, 4.0]
         assert [r.step for r in trace.records] == [0, 1]
+
+
+def test_a_tensor_whose_storage_was_freed_is_never_read(tmp_path):
+    """FSDP frees a gathered weight by resizing its storage to nothing; a view of it keeps its sizes and an address
+    into freed memory. Reading it (numpy's DLPack view, the C kernel) killed the process with a segmentation
+    fault; now it is not read and not recorded, and the rest of the call is."""
+    import layerdiff
+    from layerdiff.tracefile.reader import open_trace
+
+    base = torch.randn(1000)
+    freed = base[10:]
+    base.untyped_storage().resize_(0)
+    assert fast_stats(freed) is None and to_stored(freed) is None
+
+    class KeepsFirst(torch.nn.Module):
+        def forward(self, x, gone):
+            return x * 2
+
+    x = torch.randn(8)
+    with layerdiff.trace(KeepsFirst(), tmp_path / "t.h5", mode="stats", ops=True) as traced:
+        traced.model(x, freed)
+    with open_trace(tmp_path / "t.h5") as trace:
+        call = next(r for r in trace.records if r.kind == "call" and r.phase == "forward")
+        keys = {t.key for t in call.tensors}
+    assert keys == {"args.0", "out"}  # the freed tensor (args.1) left out
