@@ -201,6 +201,9 @@ def fast_stats(t: torch.Tensor):
     its local shard's, like the bytes ``to_stored`` keeps.
     """
     if t.is_cpu:
+        if type(t) not in _PLAIN and _is_dtensor(t):  # its local shard's, taken as that shard's own would be
+            shard = t.to_local()
+            return fast_stats(shard) if type(shard) in _PLAIN else None
         route = cpu_route(t)
         if route is None:
             return None
