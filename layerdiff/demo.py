@@ -21,7 +21,7 @@ from layerdiff.errors import LayerdiffError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from layerdiff.schema import Report
+    from layerdiff.schema import Origin, Report
 
 
 def _trace_elsewhere(recipe: str, path: Path, defect: str | None, ops_in: str | None = None) -> None:
@@ -64,6 +64,11 @@ def _aligned(reference: Path, candidate: Path, out: Path) -> Report:
     return report
 
 
+def _first_divergence(report: Report, direction: str) -> Origin | None:
+    """The report's origin in the direction the injected defect acts in ("forward" or "backward")."""
+    return (report["forward"] if direction == "forward" else report["backward"])["first_divergence"]
+
+
 def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "torch") -> int:
     try:
         import torch  # noqa: F401
@@ -99,7 +104,7 @@ def run_demo(defect: str = "eps", keep: str | None = None, framework: str = "tor
     report = _aligned(paths["reference"], paths["candidate"], workdir / "report.json")
     console.print(f"  aligned in {time.perf_counter() - start:.1f} s total; JSON report: {workdir / 'report.json'}\n")
     render(report, console)
-    found = (report["forward"] if direction == "forward" else report["backward"])["first_divergence"]
+    found = _first_divergence(report, direction)
     hit = found is not None and found["module"] == expected
     console.print(f"\ninjected at [bold]{expected}[/] ({direction}); layerdiff named "
                   f"[bold]{found['module'] if found else 'nothing'}[/]: "
@@ -147,7 +152,7 @@ def _step_into_operations(console: Console, module: str, direction: str, framewo
     _trace_run(paths["reference_ops"], "torch", None, window)
     _trace_run(paths["candidate_ops"], framework, defect, window)
     report = _aligned(paths["reference_ops"], paths["candidate_ops"], workdir / "report_ops.json")
-    found = (report["forward"] if direction == "forward" else report["backward"])["first_divergence"]
+    found = _first_divergence(report, direction)
     console.print(f"\n[bold]inside {module}[/], operation by operation: both runs traced again with "
                   f"--ops-in {shlex.quote(window)} ({time.perf_counter() - start:.1f} s; "
                   f"{workdir / 'report_ops.json'}):")

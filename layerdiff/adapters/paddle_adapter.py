@@ -36,8 +36,7 @@ from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.adapters.frames import running_frame
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import each_named
-from layerdiff.tracefile.tensors import stats_at
-from layerdiff.tracefile.tensors import FLOAT_DTYPES
+from layerdiff.tracefile.tensors import FLOAT_DTYPES, stats_at
 
 _DTYPE_NAMES = {name: name for name in (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",

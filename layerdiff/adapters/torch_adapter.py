@@ -84,10 +84,14 @@ def bytes_present(t: torch.Tensor) -> bool:
     its storage to nothing, leaving views of it with their sizes and an address into freed memory: read there (a
     numpy view through DLPack, the C kernel, a device kernel) the process died of a segmentation fault. Such a
     tensor holds no values any more: nothing reads it, it is not recorded."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return True
-    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
-    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+    if t.is_contiguous():  # most tensors, and every one the kernel reads in place: n elements from the offset on
+        end = t.storage_offset() + n
+    else:
+        end = t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+    return t.untyped_storage().nbytes() >= end * t.element_size()
 
 
 def to_stored(t: torch.Tensor):
@@ -98,6 +102,8 @@ def to_stored(t: torch.Tensor):
         return None
     if type(t) in _PLAIN and t.is_cpu and t.layout == torch.strided:
         t = t.detach()  # the common case (a plain tensor in memory): no conversions to try one by one
+        if not bytes_present(t):
+            return None
     else:
         t = local(t)
         if t is None:
@@ -109,8 +115,6 @@ def to_stored(t: torch.Tensor):
             return None
         if t.device.type != "cpu":
             t = t.cpu()
-    if not bytes_present(t):
-        return None
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if name == "bfloat16":
@@ -208,11 +212,10 @@ def fast_stats(t: torch.Tensor):
         if route is None:
             return None
         if route == "kernel":
-            n = t.numel()  # a dense tensor: its n elements from its offset on (``_dense``)
-            if t.untyped_storage().nbytes() < (t.storage_offset() + n) * t.element_size():
-                return None  # its bytes are gone (``bytes_present``): not read
-            return stats_at(t.data_ptr(), n, _READ_IN_PLACE[t.dtype])  # None: a value not finite (numpy counts
-            # them) or no kernel built
+            if not bytes_present(t):
+                return None
+            return stats_at(t.data_ptr(), t.numel(), _READ_IN_PLACE[t.dtype])  # None: a value not finite (numpy
+            # counts them) or no kernel built
     if not t.is_floating_point() or t.layout != torch.strided or t.is_meta:
         return None
     threshold = 0 if _on_accelerator(t) else _CPU_STATS_MIN.get(t.dtype, math.inf)

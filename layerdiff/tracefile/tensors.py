@@ -156,12 +156,13 @@ def _native(x: np.ndarray) -> tuple[float, float, float, float] | None:
     """``_moments`` of a flat float32/float64 array by the C kernel in one read (``fastmoments.c``: 3x numpy's four
     passes at 64K elements, 25x at 256), or None where it is not built or a value is NaN or infinite (numpy's path
     counts those) or the squares overflow."""
-    if one_pass_moments is None:
-        return None
-    moments = one_pass_moments(x)
-    if moments is None or not math.isfinite(moments[3]):  # finite squares: every value is, and so is the sum
-        return None
-    return moments
+    return _finite(one_pass_moments(x)) if one_pass_moments is not None else None
+
+
+def _finite(moments: tuple[float, float, float, float] | None) -> tuple[float, float, float, float] | None:
+    """The kernel's moments where every value was finite, else None: finite squares say so (and then the sum is
+    finite too)."""
+    return moments if moments is not None and math.isfinite(moments[3]) else None
 
 
 _KERNEL_KINDS = {"float32": 0, "float64": 1, "bfloat16": 2}  # what ``moments_at`` reads where it lies
@@ -179,8 +180,8 @@ def stats_at(address: int, count: int, dtype: str) -> dict[str, Any] | None:
     kind = _KERNEL_KINDS.get(dtype)
     if kind is None or moments_at is None or count <= 0:
         return None
-    moments = moments_at(address, count, kind)
-    if moments is None or not math.isfinite(moments[3]):  # finite squares: every value is, and so is the sum
+    moments = _finite(moments_at(address, count, kind))
+    if moments is None:
         return None
     lo, hi, total, square = moments
     return {"numel": count, "min": lo, "max": hi, "mean": total / count, "l2": math.sqrt(square), "nan": 0, "inf": 0}
