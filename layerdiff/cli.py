@@ -63,11 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "matching): the window a module-level report points at")
     t.add_argument("--compression", choices=["gzip", "lzf"], help="compress tensor data (slower to write)")
     t.add_argument("--flush-interval", type=float, default=1.0, metavar="SECONDS",
-                   help="flush to disk at most this often (0: after every record); a crash keeps what was flushed")
+                   help="the longest a record waits in memory before it is written (compressed traces: their data "
+                        "too); 0: every record is written before the step goes on; a crash keeps what was written")
     t.add_argument("--write-behind", type=float, metavar="MB",
                    help="full mode: tensor bytes go through a ring of this size to a writer thread (O_DIRECT where "
                         "the filesystem allows), so the disk works while the model computes (default 256); a process "
-                        "killed outright loses what is queued: 0 writes every record before the step goes on")
+                        "killed outright loses what is queued, and the records held to be written together (at most "
+                        "256, none older than --flush-interval): 0 writes every record before the step goes on")
     t.add_argument("--steps", type=int, default=1, help="call the step function this many times")
     t.add_argument("--arg", action="append", metavar="NAME=VALUE", help="keyword argument for the target function")
     t.add_argument("--force", action="store_true", help="overwrite an existing output file")

@@ -93,7 +93,7 @@ class Tracer:
             meta["parallel"] = layout
         writer = TraceWriter(self._file_path(ranks), meta, overwrite=options.overwrite,
                              compression=options.compression, flush_interval=options.flush_interval,
-                             write_behind=int(options.write_behind_mb * 2**20))
+                             write_behind=int(options.write_behind_mb * 2**20), held_records=options.held_records)
         self.session = TraceSession(writer, adapter, options.mode)
         # What exists now (the model, the framework, the user's objects) is moved out of the garbage collector's
         # sight while the trace is open: a traced step allocates many short-lived records, and each full
@@ -197,14 +197,15 @@ def trace(model, path, *, forcer=None, **options) -> Tracer:
 
     Options: mode="full"|"stats", backward=True, include/exclude (module-path regexes), layers=(start, end)
     (only blocks start..end-1 of the model's main module list: the second pass of two-pass tracing), overwrite=False,
-    compression=None|"gzip"|"lzf", flush_interval=1.0 (seconds; 0 flushes after every record),
+    compression=None|"gzip"|"lzf", flush_interval=1.0 (seconds a record may wait in memory, held to be encoded and
+    written with others: at most 256 are; 0 writes every record before the step goes on),
     params=True (parameter values and gradients), meta={...} (your own notes, stored in the trace),
     write_behind=MB (full mode: tensor bytes are written by a thread of their own through a ring of this size,
-    256 by default, so the disk works while the model computes; 0 writes every record before the step goes on,
-    for hunting a crash that kills the process outright), ops=True (also every operation that the modules' own
-    code runs: torch functions, tensor methods and operators, custom autograd functions, with their source line
-    and where each input came from) or ops=["REGEX", ...] (only inside the modules whose path matches: the window
-    a module-level report points at).
+    256 by default, so the disk works while the model computes; 0, in either mode, writes every record before the
+    step goes on, for hunting a crash that kills the process outright), ops=True (also every operation that the
+    modules' own code runs: torch functions, tensor methods and operators, custom autograd functions, with their
+    source line and where each input came from) or ops=["REGEX", ...] (only inside the modules whose path
+    matches: the window a module-level report points at).
     """
     return Tracer(model, path, TraceOptions(**options), forcer=forcer)
 

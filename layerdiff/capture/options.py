@@ -10,6 +10,7 @@ from layerdiff.errors import LayerdiffError
 
 MODES = ("full", "stats")
 WRITE_BEHIND_MB = 256  # tensor data a full trace may hold in memory while the disk catches up
+HELD_RECORDS = 256  # records the writer may hold to encode and write together (``TraceWriter``'s held_records)
 Patterns = Union[str, Sequence[str], None]  # one regular expression or several, as given
 
 
@@ -18,11 +19,13 @@ class TraceOptions:
     """``mode`` "full" (values and statistics) or "stats"; ``backward`` taps gradients; ``include``/``exclude``
     module-path regexes; ``layers`` (start, end) keeps blocks start..end-1 of the model's main module list;
     ``params`` records parameter values and gradients; ``compression`` None, "gzip" or "lzf"; ``flush_interval``
-    seconds (compressed traces); ``write_behind`` MB of tensor bytes a writer thread may hold (None: 256 in full
-    mode, 0 in stats mode); ``overwrite`` replaces an existing file; ``meta`` the user's notes. ``strict_filters``
-    refuses filters that keep no module and ``one_process`` a run spread over ranks (bisect's own runs). ``ops``
-    records the operations inside module calls: True in every module, or patterns for the modules to record them
-    in (``include``'s matching: a module and everything inside it)."""
+    seconds: how long a record may wait in memory (0: none waits); ``write_behind`` MB of tensor bytes a writer
+    thread may hold (None: 256 in full mode, 0 in stats mode), and 0 also writes each record before the step goes
+    on (otherwise up to ``HELD_RECORDS`` are held and written together); ``overwrite`` replaces an existing file;
+    ``meta`` the user's notes. ``strict_filters`` refuses filters that keep no module and ``one_process`` a run
+    spread over ranks (bisect's own runs). ``ops`` records the operations inside module calls: True in every
+    module, or patterns for the modules to record them in (``include``'s matching: a module and everything inside
+    it)."""
 
     mode: str = "full"
     backward: bool = True
@@ -62,6 +65,12 @@ class TraceOptions:
         if self.write_behind is not None:
             return self.write_behind
         return WRITE_BEHIND_MB if self.mode == "full" else 0
+
+    @property
+    def held_records(self) -> int:
+        """How many records the writer may hold: none where the user asked for every record in the file before
+        the step goes on (``write_behind=0`` or ``flush_interval=0``)."""
+        return 0 if self.write_behind == 0 or self.flush_interval == 0 else HELD_RECORDS
 
     def recorded(self) -> dict[str, Any]:
         """The options as the trace's metadata keeps them (``meta["options"]``, read back by bisect)."""

@@ -120,7 +120,8 @@ def show(path, records: bool = False, nan: bool = False, ops: str | None = None)
             console.print(f"a run of {info['ranks']} ranks, shown merged (shards joined by placement, data-parallel "
                           "shares along the batch)")
         status = info["status"] if info["status"] != "interrupted" else \
-            "interrupted (the writing process died; records up to its last flush)"
+            "interrupted (the writing process died; records up to its last write: trace with --write-behind 0 " \
+            "to keep every record up to a kill)"
         console.print(f"status: {status}")
         for damage in info["damage"]:
             console.print(f"[bold red]DAMAGED: {escape(damage)}[/]")

@@ -167,6 +167,20 @@ def test_every_trace_is_written_in_one_format_version_with_or_without_operations
         assert reader.ops and not reader.damage and reader.unverified == 0
 
 
+def test_records_held_and_written_together_are_those_written_one_at_a_time(tmp_path, whole):
+    """The writer holds records and encodes them later (``held_records``): nothing the tracer hands over changes
+    after it is handed (entries shared between records, producers, arguments), so the index is the one written
+    record by record (``write_behind=0``)."""
+    built = recipe.build()
+    with layerdiff.trace(built["model"], tmp_path / "each.h5", ops=True, write_behind=0) as tracer:
+        built["step"]()
+        assert tracer.session.writer.held_records == 0
+    _, records, ops, meta = whole
+    assert meta["options"]["write_behind"] > 0  # the fixture's trace held its records
+    with open_trace(tmp_path / "each.h5") as each:
+        assert each.records == records and each.ops == ops and len(ops) > 100
+
+
 def test_trace_restores_what_it_wrapped(tmp_path):
     apply = torch.autograd.Function.__dict__["apply"]
     traced(tmp_path / "r.h5")

@@ -27,8 +27,9 @@ from layerdiff.tracefile.writer import TraceWriter
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")]
 
-MODES = {"inline": {}, "behind": {"write_behind": 1 << 20}, "lzf": {"compression": "lzf", "flush_interval": 0.002}}
-KILLS = {"inline": (55, 30), "behind": (55, 30), "lzf": (25, 15)}  # (at random moments, at lines): 210 in all
+MODES = {"inline": {}, "behind": {"write_behind": 1 << 20}, "lzf": {"compression": "lzf", "flush_interval": 0.002},
+         "held": {"held_records": 4}}
+KILLS = {"inline": (55, 30), "behind": (55, 30), "lzf": (25, 15), "held": (25, 15)}  # (at random moments, at lines)
 RECORDS = 30
 FINISHED = 1 << 40  # what the counter says once the trace is closed
 VALUES = np.random.default_rng(7).standard_normal(60_000, dtype=np.float32)
