@@ -1,6 +1,7 @@
 """Writing a trace: tensor bytes and index lines straight into chunks reserved ahead of them."""
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import fcntl
@@ -281,6 +282,8 @@ class TraceWriter:
         self._held: list[dict] = []
         self._held_since = 0.0  # when the oldest record held was handed over
         self._timer = _HeldTimer(self) if self.held_records else None
+        if self.held_records:  # a program that ends without closing the trace still writes what it holds
+            atexit.register(self.flush)
         self.records_written = 0  # records whose lines are in the file
         self.records_handed = 0  # records handed to ``write_record`` (in the file, or queued for it)
         self.tensor_bytes = 0
@@ -415,6 +418,7 @@ class TraceWriter:
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.stop()  # before the lock: it may be waiting for it
+            atexit.unregister(self.flush)
         with self._lock:
             if self.closed:
                 return

@@ -101,6 +101,28 @@ def test_an_exception_loses_no_record_held(tmp_path):
         assert not reader.crashed and [r.path for r in reader.records] == ["p0", "p1", "p2"]
 
 
+UNCLOSED = """
+import sys
+import numpy as np
+from layerdiff.tracefile.writer import TraceWriter
+
+writer = TraceWriter(sys.argv[1], {"case": "unclosed"}, held_records=1000, flush_interval=60)
+for i in range(3):
+    entry = writer.write_tensor(np.full(10, i, dtype=np.float32), "float32", store_data=False)
+    writer.write_record({"kind": "param", "path": f"p{i}", "module": "", "call": 0, "step": 0, "seq": i,
+                         "tensors": [{**entry, "role": "param", "key": "value"}]})
+print(writer.records_written)
+"""
+
+
+def test_a_program_that_ends_without_closing_the_trace_writes_what_it_held(tmp_path):
+    path = tmp_path / "unclosed.h5"
+    proc = subprocess.run([sys.executable, "-c", UNCLOSED, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "0", proc.stderr
+    with open_trace(path) as reader:
+        assert reader.crashed and [r.path for r in reader.records] == ["p0", "p1", "p2"]
+
+
 def test_what_holds_records_and_what_writes_each_at_once():
     assert TraceOptions(mode="stats").held_records == HELD_RECORDS
     assert TraceOptions(mode="full").held_records == HELD_RECORDS
