@@ -282,8 +282,9 @@ class TraceWriter:
         self._held: list[dict] = []
         self._held_since = 0.0  # when the oldest record held was handed over
         self._timer = _HeldTimer(self) if self.held_records else None
+        self._pid = os.getpid()
         if self.held_records:  # a program that ends without closing the trace still writes what it holds
-            atexit.register(self.flush)
+            atexit.register(self._flush_at_exit)
         self.records_written = 0  # records whose lines are in the file
         self.records_handed = 0  # records handed to ``write_record`` (in the file, or queued for it)
         self.tensor_bytes = 0
@@ -404,6 +405,12 @@ class TraceWriter:
                 self._file.flush()
             self._last_flush = time.perf_counter()
 
+    def _flush_at_exit(self):
+        """``flush`` as the interpreter exits, in the process that opened the trace only: a child forked while it was
+        open holds a copy of the records held, and of HDF5's state, that are not its own to write."""
+        if os.getpid() == self._pid:
+            self.flush()
+
     def amend_meta(self, change: Callable[[dict], dict]) -> None:
         """The run's metadata replaced by ``change(metadata)``: facts learned while the run goes on."""
         with self._lock:
@@ -418,7 +425,7 @@ class TraceWriter:
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.stop()  # before the lock: it may be waiting for it
-            atexit.unregister(self.flush)
+            atexit.unregister(self._flush_at_exit)
         with self._lock:
             if self.closed:
                 return

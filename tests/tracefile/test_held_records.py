@@ -123,6 +123,33 @@ def test_a_program_that_ends_without_closing_the_trace_writes_what_it_held(tmp_p
         assert reader.crashed and [r.path for r in reader.records] == ["p0", "p1", "p2"]
 
 
+FORKED = """
+import os, sys
+import numpy as np
+from layerdiff.tracefile.writer import TraceWriter
+
+writer = TraceWriter(sys.argv[1], {"case": "forked"}, held_records=1000, flush_interval=60)
+for i in range(3):
+    entry = writer.write_tensor(np.full(10, i, dtype=np.float32), "float32", store_data=False)
+    writer.write_record({"kind": "param", "path": f"p{i}", "module": "", "call": 0, "step": 0, "seq": i,
+                         "tensors": [{**entry, "role": "param", "key": "value"}]})
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a child ending normally: its exit runs the handlers it inherited
+os.waitpid(pid, 0)
+print(os.path.getsize(sys.argv[1]), writer.records_written, flush=True)
+os._exit(0)  # the parent killed without its exit handlers: what the child wrote shows
+"""
+
+
+def test_a_forked_child_that_exits_writes_none_of_the_records_its_parent_held(tmp_path):
+    path = tmp_path / "forked.h5"
+    proc = subprocess.run([sys.executable, "-c", FORKED, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split()[1] == "0", proc.stderr
+    with open_trace(path) as reader:
+        assert reader.crashed and reader.records == [] and not reader.damage
+
+
 def test_what_holds_records_and_what_writes_each_at_once():
     assert TraceOptions(mode="stats").held_records == HELD_RECORDS
     assert TraceOptions(mode="full").held_records == HELD_RECORDS
