@@ -367,6 +367,12 @@ class TraceWriter:
                 self._held = held + self._held  # kept: the next record handed over meets the error again
                 raise
 
+    def due_in(self) -> float:
+        """Seconds until the oldest record held has waited ``flush_interval`` (the interval itself when none is)."""
+        if not self._held:
+            return self.flush_interval
+        return max(0.0, self._held_since + self.flush_interval - time.perf_counter())
+
     def write_stale(self):
         """Write the records held longer than ``flush_interval`` (``_HeldTimer``'s call)."""
         with self._lock:
@@ -464,9 +470,9 @@ class TraceWriter:
 
 
 class _HeldTimer:
-    """A thread that wakes every ``flush_interval`` seconds and has the writer write the records it has held that
-    long: a program that stops handing records over (a hang in a collective, a long evaluation) keeps none in
-    memory only."""
+    """A thread that wakes when the oldest record held has waited ``flush_interval`` seconds (every interval when
+    none is held) and has the writer write the records held that long: a program that stops handing records over
+    (a hang in a collective, a long evaluation) keeps none in memory only."""
 
     def __init__(self, writer: TraceWriter):
         self.stopped = threading.Event()
@@ -474,7 +480,7 @@ class _HeldTimer:
         self.thread.start()
 
     def _run(self, writer: TraceWriter):
-        while not self.stopped.wait(min(writer.flush_interval, threading.TIMEOUT_MAX)):
+        while not self.stopped.wait(min(writer.due_in(), threading.TIMEOUT_MAX)):
             try:
                 writer.write_stale()
             except Exception:  # noqa: BLE001 - the step's next record meets the same error and raises it
