@@ -354,7 +354,7 @@ class TraceWriter:
             if not held:
                 self._held_since = time.perf_counter()
             held.append(record)
-            if len(held) >= self.held_records or time.perf_counter() - self._held_since >= self.flush_interval:
+            if len(held) >= self.held_records or self.due_in() == 0:
                 self._write_held()
 
     def _write_held(self):
@@ -376,7 +376,7 @@ class TraceWriter:
     def write_stale(self):
         """Write the records held longer than ``flush_interval`` (``_HeldTimer``'s call)."""
         with self._lock:
-            if self._held and not self.closed and time.perf_counter() - self._held_since >= self.flush_interval:
+            if self._held and not self.closed and self.due_in() == 0:
                 self._write_held()
 
     def _put_lines(self, lines: list[bytes]):

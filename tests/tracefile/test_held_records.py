@@ -45,19 +45,25 @@ def test_held_records_make_the_file_records_written_one_at_a_time_make(tmp_path,
             assert np.array_equal(held.tensor(rec.tensors[0]), VALUES[:100 + 37 * int(rec.path[1:])])
 
 
-HANG = '''
-import sys, time
+def _program(flush_interval: float, then: str) -> str:
+    """A program that opens a writer holding up to 1000 records, hands it three (p0, p1, p2), then runs ``then``."""
+    return f"""
+import os, sys, time
 import numpy as np
 from layerdiff.tracefile.writer import TraceWriter
 
-writer = TraceWriter(sys.argv[1], {"case": "hang"}, held_records=1000, flush_interval=0.2)
+writer = TraceWriter(sys.argv[1], {{"case": "held"}}, held_records=1000, flush_interval={flush_interval})
 for i in range(3):
     entry = writer.write_tensor(np.full(10, i, dtype=np.float32), "float32", store_data=False)
-    writer.write_record({"kind": "param", "path": f"p{i}", "module": "", "call": 0, "step": 0, "seq": i,
-                         "tensors": [{**entry, "role": "param", "key": "value"}]})
+    writer.write_record({{"kind": "param", "path": f"p{{i}}", "module": "", "call": 0, "step": 0, "seq": i,
+                         "tensors": [{{**entry, "role": "param", "key": "value"}}]}})
+{then}"""
+
+
+HANG = _program(0.2, """
 print(writer.records_written, flush=True)
 time.sleep(600)  # a hang: no record is handed over again
-'''
+""")
 
 
 def test_records_held_past_the_flush_interval_reach_the_file_while_the_program_hangs(tmp_path):
@@ -76,21 +82,12 @@ def test_records_held_past_the_flush_interval_reach_the_file_while_the_program_h
         assert [r.tensors[0].stats["max"] for r in reader.records] == [0.0, 1.0, 2.0]
 
 
-RAISE = '''
-import sys
-import numpy as np
-from layerdiff.tracefile.writer import TraceWriter
-
-writer = TraceWriter(sys.argv[1], {"case": "raise"}, held_records=1000, flush_interval=60)
+RAISE = _program(60, """
 try:
-    for i in range(3):
-        entry = writer.write_tensor(np.full(10, i, dtype=np.float32), "float32", store_data=False)
-        writer.write_record({"kind": "param", "path": f"p{i}", "module": "", "call": 0, "step": 0, "seq": i,
-                             "tensors": [{**entry, "role": "param", "key": "value"}]})
     raise ValueError("the model failed")
 finally:
     writer.close({"kind": "end", "status": "error"})
-'''
+""")
 
 
 def test_an_exception_loses_no_record_held(tmp_path):
@@ -101,18 +98,9 @@ def test_an_exception_loses_no_record_held(tmp_path):
         assert not reader.crashed and [r.path for r in reader.records] == ["p0", "p1", "p2"]
 
 
-UNCLOSED = """
-import sys
-import numpy as np
-from layerdiff.tracefile.writer import TraceWriter
-
-writer = TraceWriter(sys.argv[1], {"case": "unclosed"}, held_records=1000, flush_interval=60)
-for i in range(3):
-    entry = writer.write_tensor(np.full(10, i, dtype=np.float32), "float32", store_data=False)
-    writer.write_record({"kind": "param", "path": f"p{i}", "module": "", "call": 0, "step": 0, "seq": i,
-                         "tensors": [{**entry, "role": "param", "key": "value"}]})
+UNCLOSED = _program(60, """
 print(writer.records_written)
-"""
+""")
 
 
 def test_a_program_that_ends_without_closing_the_trace_writes_what_it_held(tmp_path):
@@ -123,23 +111,14 @@ def test_a_program_that_ends_without_closing_the_trace_writes_what_it_held(tmp_p
         assert reader.crashed and [r.path for r in reader.records] == ["p0", "p1", "p2"]
 
 
-FORKED = """
-import os, sys
-import numpy as np
-from layerdiff.tracefile.writer import TraceWriter
-
-writer = TraceWriter(sys.argv[1], {"case": "forked"}, held_records=1000, flush_interval=60)
-for i in range(3):
-    entry = writer.write_tensor(np.full(10, i, dtype=np.float32), "float32", store_data=False)
-    writer.write_record({"kind": "param", "path": f"p{i}", "module": "", "call": 0, "step": 0, "seq": i,
-                         "tensors": [{**entry, "role": "param", "key": "value"}]})
+FORKED = _program(60, """
 pid = os.fork()
 if pid == 0:
     sys.exit(0)  # a child ending normally: its exit runs the handlers it inherited
 os.waitpid(pid, 0)
 print(os.path.getsize(sys.argv[1]), writer.records_written, flush=True)
 os._exit(0)  # the parent killed without its exit handlers: what the child wrote shows
-"""
+""")
 
 
 def test_a_forked_child_that_exits_writes_none_of_the_records_its_parent_held(tmp_path):
