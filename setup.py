@@ -6,12 +6,16 @@ from setuptools.command.build_ext import build_ext
 
 
 class BuildExt(build_ext):
-    """Optimizing flags for compilers that take them (GCC, Clang); others build the kernel with their defaults."""
+    """Optimizing flags for compilers that take them (GCC, Clang); others build the kernel with their defaults.
+    ``-ffinite-math-only -fno-signed-zeros``: the kernel's results are used only where every value was finite (a
+    NaN or infinity makes its sums non-finite, at run time, and numpy's path takes over), and without them Clang
+    leaves its min and max unvectorized (9x slower than GCC's build, 3x slower than numpy's path). Compile flags
+    only: nothing of them reaches the link, which could change the process's floating-point modes."""
 
     def build_extensions(self):
         if self.compiler.compiler_type == "unix":
             for extension in self.extensions:
-                extension.extra_compile_args = ["-O3", "-fopenmp-simd"]
+                extension.extra_compile_args = ["-O3", "-fopenmp-simd", "-ffinite-math-only", "-fno-signed-zeros"]
         super().build_extensions()
 
 

@@ -8,22 +8,28 @@
  * 256-element one in 0.2 us instead of 4.4; in a traced Llama step, statistics cost about 40% less (measured,
  * docs/limits.md). Optional: built at install where a C compiler is present; numpy takes the statistics otherwise.
  *
- * Precision: sums are taken in the input's type over blocks of 1024 elements (SIMD lanes), the blocks added in
- * double: float32 sums within ~1e-9 and squares within ~1e-8 of float64 (numpy's path: ~1e-7). NaN and infinity are
- * not counted here: they make the sums non-finite, and the caller then takes numpy's path, which counts them. */
+ * Precision: sums are taken in the input's type over blocks of 256 elements (SIMD lanes), the blocks added in
+ * double. Float32 sums of random values come within ~5e-8 of float64 (relative to the sum of magnitudes) and squares
+ * within ~7e-8, from 1 to 1M elements, in GCC's build and Clang's; values all alike, whose roundings add up rather
+ * than cancel, within ~3e-7. Blocks of 1024 were 3% faster and left Clang's squares of random values 2.7e-7 off.
+ *
+ * NaN and infinity are not counted here: they make the sums non-finite, and the caller then takes numpy's path,
+ * which counts them. So the file is built as if no value were NaN, infinite or a negative zero (setup.py): min and
+ * max are then free to be vectorized (Clang vectorizes those reductions only so: 9x slower without), and where a
+ * value is not finite they are not used. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#if defined(__x86_64__) && defined(__linux__) && (!defined(__clang__) || __clang_major__ >= 14)
 #define MULTIVERSIONED __attribute__((target_clones("avx2", "default"))) /* picked at load time by the CPU */
 #else
 #define MULTIVERSIONED
 #endif
 
-#define BLOCK 1024
+#define BLOCK 256
 #define RELEASE_GIL_FROM 65536 /* elements: below, taking and releasing the GIL costs more than it frees */
 
 #define MOMENTS(NAME, STORED, TYPE, LOAD)                                                                           \
@@ -127,7 +133,7 @@ static PyObject *moments_at(PyObject *module, PyObject *const *args, Py_ssize_t 
 static PyMethodDef methods[] = {
     {"moments", moments, METH_O,
      "moments(array) -> (min, max, sum, sum of squares) of a C-contiguous float32 or float64 buffer, or None for "
-     "another type or no elements. NaN is skipped by min and max but makes the sums NaN."},
+     "another type or no elements. A NaN or infinity makes the sums non-finite (min and max are then not to be used)."},
     {"moments_at", (PyCFunction)(void (*)(void))moments_at, METH_FASTCALL,
      "moments_at(address, count, kind) -> the same of count elements at address: kind 0 float32, 1 float64, "
      "2 bfloat16; None for no elements or another kind. The caller vouches for the memory."},
