@@ -1,5 +1,13 @@
 """Metrics against float64 references, tolerance judgement, dtype decoding."""
+from __future__ import annotations
+
+import importlib.util
 import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -229,17 +237,48 @@ def test_one_piece_of_nonfinite_or_overflowing_values_is_summarized_by_the_full_
     assert stats["l2"] == pytest.approx(math.sqrt(float(finite @ finite)), rel=1e-9)
 
 
+def _kernel_input(numel: int, dtype) -> np.ndarray:
+    return ((np.random.default_rng(numel).standard_normal(numel) - 0.3) * 5).astype(dtype)
+
+
+def _assert_moments_match_float64(moments, x: np.ndarray, *context) -> None:
+    """A kernel's (min, max, sum, sum of squares) of ``x`` against float64's."""
+    lo, hi, total, square = moments(x)
+    wide = x.astype(np.float64)
+    assert (lo, hi) == (wide.min(), wide.max()), context
+    assert total == pytest.approx(wide.sum(), rel=1e-7, abs=1e-7 * np.abs(wide).sum()), context
+    assert square == pytest.approx(wide @ wide, rel=1e-7), context
+
+
+def _assert_nonfinite_sums(moments, *context) -> None:
+    """A NaN or infinity anywhere makes both sums non-finite (numpy's path then counts it), the kernel being built
+    as if every value were finite."""
+    cases = [np.array(bad, np.float32) for bad in ([np.nan, 1.0, 2.0], [1.0, np.inf], [2.0] * 3000 + [np.nan])]
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.linspace(-2, 3, 3000, dtype=np.float32)
+        x[1234] = bad
+        cases.append(x)
+    for x in cases:
+        total, square = moments(x)[2:]
+        assert not math.isfinite(total) and not math.isfinite(square), (context, x[~np.isfinite(x)])
+
+
+def _why_no_kernel_builds(compiler: str) -> str | None:
+    """Why ``compiler`` cannot build the kernel here (None: it can)."""
+    if shutil.which(compiler) is None:
+        return f"no C compiler ({compiler}) here"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "no Python headers (Python.h) here"
+    return None
+
+
 @needs_kernel
 @pytest.mark.parametrize("numel", [1, 2, 255, 256, 257, 1025, 65_535, 65_536, 65_537, 300_001])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_statistics_kernel_agrees_with_numpy_and_float64(numel, dtype, monkeypatch):
     """Every size around the kernel's block (256) and its threshold for releasing the GIL (65536)."""
-    x = ((np.random.default_rng(numel).standard_normal(numel) - 0.3) * 5).astype(dtype)
-    lo, hi, total, square = tensors.one_pass_moments(x)
-    wide = x.astype(np.float64)
-    assert (lo, hi) == (wide.min(), wide.max())
-    assert total == pytest.approx(wide.sum(), rel=1e-6, abs=1e-6 * np.abs(wide).sum())
-    assert square == pytest.approx(wide @ wide, rel=1e-7)
+    x = _kernel_input(numel, dtype)
+    _assert_moments_match_float64(tensors.one_pass_moments, x)
     kernel = summarize(x, np.dtype(dtype).name)
     monkeypatch.setattr(tensors, "one_pass_moments", None)
     numpy_path = summarize(x, np.dtype(dtype).name)
@@ -256,22 +295,15 @@ def test_the_statistics_kernel_leaves_other_buffers_to_numpy():
         assert tensors.one_pass_moments(other) is None
     with pytest.raises((ValueError, BufferError)):
         tensors.one_pass_moments(np.ones((8, 8), np.float32)[:, ::2])
-    for bad in ([np.nan, 1.0, 2.0], [1.0, np.inf], [2.0] * 3000 + [np.nan]):  # non-finite sums: numpy's path counts
-        total, square = tensors.one_pass_moments(np.array(bad, np.float32))[2:]
-        assert not math.isfinite(total) and not math.isfinite(square)
+    _assert_nonfinite_sums(tensors.one_pass_moments)
 
 
 def test_the_statistics_kernel_is_built_where_a_compiler_is():
     """The install builds the kernel wherever a C compiler is found (it is optional only where none is): a build
     that fails silently would leave every trace at numpy's slower path."""
-    import shutil
-    import sysconfig
-
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C compiler ({compiler}) here: the install takes numpy's path")
-    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
-        pytest.skip("no Python headers (Python.h) here: the install takes numpy's path")
+    reason = _why_no_kernel_builds((sysconfig.get_config_var("CC") or "cc").split()[0])
+    if reason:
+        pytest.skip(f"{reason}: the install takes numpy's path")
     assert tensors.one_pass_moments is not None, "pip install -e . did not build layerdiff/tracefile/fastmoments.c"
 
 
@@ -280,40 +312,22 @@ def test_the_kernel_as_each_compiler_here_builds_it_agrees_with_float64(compiler
     """The kernel built with setup.py's flags by GCC and by Clang (the compiler of macOS): before its flags, Clang's
     build left min and max unvectorized (9x slower than GCC's, 3x slower than numpy's path) and, with blocks of
     1024, its squares 2.7e-7 off."""
-    import importlib.util
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    import sysconfig
-
     root = Path(tensors.__file__).parents[2]
-    if shutil.which(compiler) is None or not (root / "setup.py").exists():
-        pytest.skip(f"no {compiler} here, or layerdiff is not installed from its sources")
-    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
-        pytest.skip("no Python headers (Python.h) here: no kernel can be built")
+    reason = _why_no_kernel_builds(compiler)
+    if reason or not (root / "setup.py").exists():
+        pytest.skip(reason or "layerdiff is not installed from its sources")
     build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
                             "--build-temp", str(tmp_path / "temp")], cwd=root, env={**os.environ, "CC": compiler},
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-2000:]
-    built = next((tmp_path / "lib").rglob("fastmoments*"))
-    spec = importlib.util.spec_from_file_location("fastmoments", built)
+    spec = importlib.util.spec_from_file_location("fastmoments", next((tmp_path / "lib").rglob("fastmoments*")))
     assert spec is not None and spec.loader is not None
     kernel = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernel)
     for numel in (1, 255, 256, 257, 4097, 65_537, 300_001):
         for dtype in (np.float32, np.float64):
-            x = ((np.random.default_rng(numel).standard_normal(numel) - 0.3) * 5).astype(dtype)
-            lo, hi, total, square = kernel.moments(x)
-            wide = x.astype(np.float64)
-            assert (lo, hi) == (wide.min(), wide.max()), (compiler, numel, dtype)
-            assert total == pytest.approx(wide.sum(), rel=1e-7, abs=1e-7 * np.abs(wide).sum()), (compiler, numel)
-            assert square == pytest.approx(wide @ wide, rel=1e-7), (compiler, numel, dtype)
-    for bad in (np.nan, np.inf, -np.inf):  # built as if every value were finite: a bad one still shows in the sums
-        x = np.linspace(-2, 3, 3000, dtype=np.float32)
-        x[1234] = bad
-        assert not any(math.isfinite(v) for v in kernel.moments(x)[2:]), (compiler, bad)
+            _assert_moments_match_float64(kernel.moments, _kernel_input(numel, dtype), compiler, numel, dtype)
+    _assert_nonfinite_sums(kernel.moments, compiler)
 
 
 def test_a_run_under_autocast_is_judged_at_the_dtype_it_computes_in():
