@@ -12,12 +12,16 @@ from typing import Any, Callable
 import numpy as np
 
 one_pass_moments: Callable[[np.ndarray], tuple[float, float, float, float] | None] | None
-moments_at: Callable[[int, int, int], tuple[float, float, float, float] | None] | None
+moments_at: Callable[..., tuple[float, float, float, float] | None] | None
+threads_shared: Callable[[], int]
 try:  # the optional C kernel (fastmoments.c), built at install where a C compiler is present
     from layerdiff.tracefile import fastmoments
     one_pass_moments, moments_at = fastmoments.moments, fastmoments.moments_at
+    # a kernel built before it could share threads (a checkout updated without a rebuild) reads on one
+    threads_shared = getattr(fastmoments, "threads_shared", lambda: 1)
 except ImportError:  # numpy takes every statistic, with the same results to ~1e-7
     one_pass_moments = moments_at = None
+    threads_shared = lambda: 1  # noqa: E731
 
 # Logical dtype name -> numpy dtype of the stored bits.
 STORAGE_DTYPES = {
@@ -166,9 +170,10 @@ def _finite(moments: tuple[float, float, float, float] | None) -> tuple[float, f
 
 
 _KERNEL_KINDS = {"float32": 0, "float64": 1, "bfloat16": 2}  # what ``moments_at`` reads where it lies
+_SHARES = moments_at is not None and hasattr(fastmoments, "threads_shared")  # the kernel takes ``share_threads``
 
 
-def stats_at(address: int, count: int, dtype: str) -> dict[str, Any] | None:
+def stats_at(address: int, count: int, dtype: str, share_threads: bool = False) -> dict[str, Any] | None:
     """``summarize``'s statistics of ``count`` elements of ``dtype`` lying back to back from ``address`` (a
     framework's dense CPU tensor), read where they lie by the C kernel; None where the kernel is not built, the
     dtype is not one it reads, or a value is not finite (``summarize`` then counts NaN/Inf).
@@ -176,11 +181,17 @@ def stats_at(address: int, count: int, dtype: str) -> dict[str, Any] | None:
     Why: a numpy view of a tensor (DLPack) cost 2.7 us and the rest of ``summarize``'s path 2 us more, most of a
     small tensor's summary; a traced step of a small Llama with ``--ops`` summarizes ~450 of them. The caller
     vouches for the memory: a plain dense tensor's own, alive during the call.
+
+    ``share_threads``: a large tensor is read by the threads of the OpenMP runtime the process has loaded, each
+    reading the share that is still in its core's cache (``fastmoments.c``). The framework adapter says so where
+    its framework runs its operations on that runtime (torch's ATen): the threads are then its own, idle between
+    operations, and no thread is started for layerdiff alone. Same results with any number of threads.
     """
     kind = _KERNEL_KINDS.get(dtype)
     if kind is None or moments_at is None or count <= 0:
         return None
-    moments = _finite(moments_at(address, count, kind))
+    moments = _finite(moments_at(address, count, kind, True) if share_threads and _SHARES else
+                      moments_at(address, count, kind))
     if moments is None:
         return None
     lo, hi, total, square = moments

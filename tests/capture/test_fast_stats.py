@@ -6,6 +6,8 @@ bytes."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from layerdiff.adapters.torch_adapter import cpu_route, fast_stats, framework_stats, to_stored  # noqa: E402
+from layerdiff.tracefile import tensors  # noqa: E402
 from layerdiff.tracefile.tensors import summarize  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -147,6 +150,62 @@ def test_the_kernel_reads_a_dense_tensor_where_it_lies_as_summarize_reads_its_by
     bad[(1,) * bad.ndim] = float("nan")
     assert cpu_route(bad) == "kernel" and fast_stats(bad) is None
     assert summarize(*to_stored(bad))["nan"] == 1
+
+
+needs_kernel = pytest.mark.skipif(tensors.moments_at is None, reason="the C kernel is not built here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_a_large_tensor_read_by_torchs_threads_has_the_statistics_one_thread_gives(dtype):
+    """From 32K elements on the kernel reads a tensor with the threads of the OpenMP runtime torch runs on (each
+    its share, still in its core's cache). Its statistics are the same to the bit with all of torch's threads or
+    one, shared or not, and (float32, float64) as ``summarize`` gives its bytes; sizes around the threshold, chunks
+    cut short, a transpose."""
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert tensors.threads_shared() == min(torch.get_num_threads(), 8)
+    threads = torch.get_num_threads()
+    for numel, layout in ((32_767, None), (32_768, None), (65_537, None), (300_001, None), (640 * 512, "t")):
+        t = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3 - 1).to(dtype)
+        if layout == "t":
+            t = t.reshape(640, 512).t()
+        shared = fast_stats(t)
+        alone = tensors.stats_at(t.data_ptr(), numel, str(dtype).split(".")[1], share_threads=False)
+        try:
+            torch.set_num_threads(1)
+            one_thread = fast_stats(t)
+        finally:
+            torch.set_num_threads(threads)
+        assert shared == alone == one_thread, (numel, layout)
+        if dtype != torch.bfloat16:
+            assert shared == summarize(*to_stored(t)), (numel, layout)
+        _close(shared, _reference(t), rel=1e-6 if dtype != torch.bfloat16 else 1e-5)
+
+
+@needs_kernel
+def test_the_kernel_shares_only_a_runtime_the_process_already_loaded():
+    """Without torch, asking to share threads loads no OpenMP runtime and starts no thread: the kernel reads alone.
+    Imported before torch, it finds torch's runtime once torch is loaded."""
+    script = (
+        "import os, numpy as np\n"
+        "from layerdiff.tracefile import tensors\n"
+        "def runtimes():\n"
+        "    return sum(('gomp' in line or 'iomp5' in line) for line in open('/proc/self/maps'))\n"
+        "def threads():\n"
+        "    return len(os.listdir('/proc/self/task'))\n"
+        "x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)\n"
+        "before = (runtimes(), threads())\n"
+        "got = tensors.stats_at(x.ctypes.data, x.size, 'float32', share_threads=True)\n"
+        "assert got == tensors.stats_at(x.ctypes.data, x.size, 'float32'), got\n"
+        "assert (runtimes(), threads()) == before and tensors.threads_shared() == 1, (before, runtimes(), threads())\n"
+        "import torch\n"
+        "if 'parallel backend: OpenMP' in torch.__config__.parallel_info():\n"
+        "    assert tensors.threads_shared() == min(torch.get_num_threads(), 8), tensors.threads_shared()\n"
+        "print('ok')\n")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("threads are shared on Linux only")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
