@@ -327,7 +327,6 @@ class Hooks(ModuleHooks):
         # the caller sees (and differentiates through) the change as it would without the tap
         for alias, original in changed:
             paddle.assign(alias, output=original)
-        frame.versions = []
         return bool(changed)
 
     def param_version(self, p):

@@ -362,23 +362,12 @@ class ModuleHooks:
             scope = None
             recompute = False
             if not session.stack:
-                here = sys._getframe()
-                if self.machinery_call(here):
+                opens = self._root_call(sys._getframe())  # never a local: a frame holding itself lives until the
+                # garbage collector's full pass, and with it every frame out from it and their values (the model's
+                # outputs, its inputs)
+                if opens is None:
                     return None  # not the model's work: neither it nor what it calls is recorded
-                # activation checkpointing replaying calls of this step in its backward: no new step
-                recompute = session.step >= 0 and self.recomputing(here)
-                if not recompute:
-                    if session.step < 0:
-                        self.first_call(here)
-                    scope = self.declared_step or self.adapter.step_scope(here)
-                    if scope is None and isinstance(self.model, ModelParts):
-                        session.warn("several modules traced together, called outside a pipeline schedule: their "
-                                     "calls are not told apart by stage (trace the stage modules a schedule runs on "
-                                     "a rank)")
-                    if session.starts_step(scope):
-                        if scope is not None:  # first: the stage it says each part is tags the parameters' records
-                            self.scheduled_step(scope)
-                        self.start_step()
+                recompute, scope = opens
             step = session.step + (0 if session.stack or recompute or not session.starts_step(scope) else 1)
             autocast = self.adapter.autocast_dtypes()
             if autocast:
@@ -423,6 +412,27 @@ class ModuleHooks:
             return replace_tensors(args, is_tensor, swap), replace_tensors(kwargs, is_tensor, swap)
 
         return hook
+
+    def _root_call(self, here) -> tuple[bool, Any] | None:
+        """A root call opening (``here``: its pre-hook's frame): None when it is the framework's machinery rather
+        than the model's work; else whether activation checkpointing recomputes this step's calls in it (no new
+        step), and the scope that says which step it belongs to (``TraceSession.starts_step``), the step started."""
+        session = self.session
+        if self.machinery_call(here):
+            return None
+        if session.step >= 0 and self.recomputing(here):
+            return True, None
+        if session.step < 0:
+            self.first_call(here)
+        scope = self.declared_step or self.adapter.step_scope(here)
+        if scope is None and isinstance(self.model, ModelParts):
+            session.warn("several modules traced together, called outside a pipeline schedule: their calls are not "
+                         "told apart by stage (trace the stage modules a schedule runs on a rank)")
+        if session.starts_step(scope):
+            if scope is not None:  # first: the stage it says each part is tags the parameters' records
+                self.scheduled_step(scope)
+            self.start_step()
+        return False, scope
 
     def _open_for_ops(self, ops: OpCapture, frame, module, path: str, tensors: list) -> None:
         """A call opened under ``ops`` tracing: where its inputs came from in the caller's code, and whether its own
@@ -487,7 +497,13 @@ class ModuleHooks:
             entries = session.end_call(frame, tensors, scalars)
             if path in self.tied_in_module and self._taps_enabled() and self.record_params:
                 self.watch_param_uses(frame, module, [t for _, t in tensors])
-            if self.check_in_place(frame):
+            modified = self.check_in_place(frame)
+            # the inputs watched are let go with the call: the frame lives on in its gradient taps' closures until
+            # backward frees them, and a reference cycle (torch's multi-gradient hooks on a composite operation's
+            # tensors) held a whole step's graph, and so every call's inputs, until the garbage collector's
+            # rare full pass: the toy's ``--ops`` trace grew from 500 to 900 MB over 35 steps, page-faulting
+            frame.versions = []
+            if modified:
                 self.no_input_taps.add(path)
                 session.warn(f"{path} modifies its input in place: {self.in_place_consequence}")
             forced = self._forced(frame, "output", tensors, entries)

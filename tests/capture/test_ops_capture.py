@@ -4,6 +4,7 @@ recorded producer, and the windows. Real transformers Llama (built from a config
 ``recipes/torch_llama_ops.py``."""
 from __future__ import annotations
 
+import gc
 import inspect
 
 import conftest
@@ -179,6 +180,71 @@ def test_records_held_and_written_together_are_those_written_one_at_a_time(tmp_p
     assert meta["options"]["write_behind"] > 0  # the fixture's trace held its records
     with open_trace(tmp_path / "each.h5") as each:
         assert each.records == records and each.ops == ops and len(ops) > 100
+
+
+class _Product(torch.autograd.Function):
+    """A custom function of two differentiable inputs: tapped, its input gradients collected together."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad * b, grad * a
+
+
+class _ProductModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Product.apply(self.linear(x), x.tanh()).pow(2).sum()
+
+
+def _garbage_of(step) -> list:
+    """What ``step`` leaves that only the garbage collector would free (reference cycles)."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        step()
+        gc.collect()
+        return list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_a_traced_step_leaves_no_reference_cycle(tmp_path):
+    """With every operation recorded, forward and backward, a step's graph, frames and tensors are freed when its
+    references go, not at the garbage collector's rare full pass. Before, torch's multi-gradient hook on a
+    composite operation (the loss) and a frame that held itself kept each step's graph, and every call's inputs,
+    until then: the benchmark toy's process grew from 500 to 900 MB over 35 steps, page-faulting. The gradients
+    collected together for a custom function of two inputs are still autograd's."""
+    built = recipe.build()
+    with layerdiff.trace(built["model"], tmp_path / "llama.h5", ops=True):
+        built["step"]()
+        assert _garbage_of(built["step"]) == []
+    torch.manual_seed(0)
+    model, x = _ProductModel(), torch.randn(4, 8, requires_grad=True)
+    with layerdiff.trace(model, tmp_path / "product.h5", ops=True, mode="full"):
+        model(x).backward()
+        assert _garbage_of(lambda: model(x).backward()) == []
+    a, b = model.linear(x), x.tanh()
+    grad = 2 * a * b
+    with open_trace(tmp_path / "product.h5") as trace:
+        backward = [op for op in trace.ops if op.phase == "backward" and op.name == "_Product.apply"]
+        assert len(backward) == 2  # each step's
+        for op in backward:
+            got = {t.key: trace.tensor(t) for t in op.tensors if t.role == "grad_input"}
+            assert got.keys() == {"args.0", "args.1"}
+            assert torch.allclose(torch.from_numpy(got["args.0"]), (grad * b).detach(), rtol=1e-6)
+            assert torch.allclose(torch.from_numpy(got["args.1"]), (grad * a).detach(), rtol=1e-6)
 
 
 def test_trace_restores_what_it_wrapped(tmp_path):
