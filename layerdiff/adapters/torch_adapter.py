@@ -19,7 +19,7 @@ from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
 from layerdiff.runs.parallel import ParallelLayout
-from layerdiff.tracefile.tensors import stats_at
+from layerdiff.tracefile.tensors import SHARES_THREADS, stats_at
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -146,12 +146,19 @@ def version(t: torch.Tensor) -> int | None:
 
 _MAX_GRAPH_WALK = 512  # autograd nodes visited per call of a module that owns a tied weight
 _FLOAT_BASES = (torch.float32, torch.float64)  # reduced as they are; narrower floats are widened to float32
-# Elements from which a CPU tensor's statistics are torch's own reductions rather than the C kernel's or numpy's
-# (measured in a traced step: the one read wins below 1M float32 elements; float16 and 8-bit floats, which numpy
-# must first widen in whole-array temporaries, are 1.1x (128K) to 3x (8M) faster in torch; bfloat16, which the
-# kernel reads in place as fast as float32 (17 us at 128K, 210 us at 1M, against torch's 156 and 737 on 2 cores),
-# goes to torch where float32 does). Tensors on an accelerator (CUDA, NPU, XPU, MPS) always are: their statistics
-# are reduced where they live; four numbers cross to the host.
+# whether ATen runs its CPU operations on OpenMP's threads: the kernel then reads a large tensor with those threads,
+# each the share it wrote (``stats_at``): a traced Llama step with ``--ops`` 2.66x -> 2.45x the untraced step
+_OPENMP_ATEN = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+# Whether the C kernel takes the statistics of float32 and bfloat16 CPU tensors of any size: where it reads them with
+# torch's threads it beats torch's reductions at every size (float32: 69 us against 323 at 1M elements, 1.5 ms
+# against 5.0 at 16M; bfloat16: 3.0 ms against 9.8 at 16M; a traced step of a Llama with 16M-element logits: the
+# module-level trace's cost 92 -> 64 ms). Alone, one thread against torch's two, it wins below 1M elements only.
+KERNEL_READS_ANY_SIZE = _OPENMP_ATEN and SHARES_THREADS
+# Elements from which a CPU tensor's statistics are torch's own reductions rather than numpy's or the C kernel's
+# (measured in a traced step: float16 and 8-bit floats, which numpy must first widen in whole-array temporaries, are
+# 1.1x (128K) to 3x (8M) faster in torch; float32 and bfloat16 from 1M elements, where the kernel does not read them in
+# place with torch's threads: ``KERNEL_READS_ANY_SIZE``). Tensors on an accelerator (CUDA, NPU, XPU, MPS) always are:
+# their statistics are reduced where they live; four numbers cross to the host.
 _CPU_STATS_MIN = {torch.float32: 1 << 20, torch.bfloat16: 1 << 20, torch.float16: 1 << 17}
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
@@ -167,9 +174,6 @@ def _on_accelerator(t: torch.Tensor) -> bool:
 
 # CPU dtypes the C kernel reads where they lie (``stats_at``), below the sizes torch takes
 _READ_IN_PLACE = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
-# whether ATen runs its CPU operations on OpenMP's threads: the kernel then reads a large tensor with those threads,
-# each the share it wrote (``stats_at``): a traced Llama step with ``--ops`` 2.49x -> 2.32x the untraced step
-_OPENMP_ATEN = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -190,14 +194,15 @@ def cpu_route(t: torch.Tensor) -> str | None:
     """Which path takes a CPU tensor's statistics, as measured fastest in a traced step: "torch" (its own
     reductions: large floating tensors, ``_CPU_STATS_MIN``), "kernel" (the C kernel reads a dense float32, float64
     or bfloat16 tensor where it lies: ``stats_at``), or None (numpy, from a view of its bytes: other dtypes and
-    layouts)."""
-    n = t.numel()
-    if n >= _CPU_STATS_MIN.get(t.dtype, math.inf):
+    layouts). A dense float32 or bfloat16 tensor of any size is the kernel's where it reads with torch's threads
+    (``KERNEL_READS_ANY_SIZE``)."""
+    large = t.numel() >= _CPU_STATS_MIN.get(t.dtype, math.inf)
+    if large and not KERNEL_READS_ANY_SIZE:
         return "torch"
     if t.dtype in _READ_IN_PLACE and type(t) in _PLAIN and t.layout == torch.strided and not t.is_neg() and \
             _dense(t):
         return "kernel"
-    return None
+    return "torch" if large else None
 
 
 def fast_stats(t: torch.Tensor):
@@ -217,8 +222,10 @@ def fast_stats(t: torch.Tensor):
         if route == "kernel":
             if not bytes_present(t):
                 return None
-            # None: a value not finite (numpy counts them) or no kernel built
-            return stats_at(t.data_ptr(), t.numel(), _READ_IN_PLACE[t.dtype], _OPENMP_ATEN)
+            stats = stats_at(t.data_ptr(), t.numel(), _READ_IN_PLACE[t.dtype], _OPENMP_ATEN)
+            if stats is not None or t.numel() < _CPU_STATS_MIN.get(t.dtype, math.inf):
+                return stats  # None: a value not finite (numpy counts them) or no kernel built
+            return framework_stats(t)  # a large one holding NaN or Inf: torch counts them, where numpy would copy it
     if not t.is_floating_point() or t.layout != torch.strided or t.is_meta:
         return None
     threshold = 0 if _on_accelerator(t) else _CPU_STATS_MIN.get(t.dtype, math.inf)

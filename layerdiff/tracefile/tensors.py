@@ -170,7 +170,8 @@ def _finite(moments: tuple[float, float, float, float] | None) -> tuple[float, f
 
 
 _KERNEL_KINDS = {"float32": 0, "float64": 1, "bfloat16": 2}  # what ``moments_at`` reads where it lies
-_SHARES = moments_at is not None and hasattr(fastmoments, "threads_shared")  # the kernel takes ``share_threads``
+# the kernel is built and takes ``share_threads`` (a framework's threads read a large tensor with it)
+SHARES_THREADS = moments_at is not None and hasattr(fastmoments, "threads_shared")
 
 
 def stats_at(address: int, count: int, dtype: str, share_threads: bool = False) -> dict[str, Any] | None:
@@ -190,7 +191,7 @@ def stats_at(address: int, count: int, dtype: str, share_threads: bool = False) 
     kind = _KERNEL_KINDS.get(dtype)
     if kind is None or moments_at is None or count <= 0:
         return None
-    moments = _finite(moments_at(address, count, kind, True) if share_threads and _SHARES else
+    moments = _finite(moments_at(address, count, kind, True) if share_threads and SHARES_THREADS else
                       moments_at(address, count, kind))
     if moments is None:
         return None
