@@ -1,8 +1,10 @@
 """What the statistics kernel (layerdiff/tracefile/fastmoments.c: min, max, sum and sum of squares in one read)
 saves, tensor size by tensor size: ``summarize`` with the kernel, the same without it (numpy's four passes, the path
-of an install built without a C compiler), and the torch statistics a torch trace takes for large CPU tensors
-(``torch_adapter.framework_stats``, torch's own threads, from 1M float32 elements). Data already in the cache, as
-a microbenchmark; what it saves in a traced step is in tools/bench_ops.py.
+of an install built without a C compiler), the kernel reading a torch tensor where it lies with torch's OpenMP
+threads (``stats_at(..., share_threads=True)``: what a torch trace takes for dense CPU tensors), and torch's own
+reductions (``torch_adapter.framework_stats``: what it takes for large views, and from 1M float32 elements where the
+kernel cannot share torch's threads). Data already in the cache, as a microbenchmark; what it saves in a traced
+step is in tools/bench_ops.py.
 
     python tools/bench_onepass.py            # 256 to 16M elements, best of 5
     python tools/bench_onepass.py --quick    # three sizes, best of 3 (checks the tool)
@@ -31,9 +33,10 @@ TITLE = "The one-pass statistics kernel"
 METHOD = """The statistics every trace keeps of every tensor (min, max, mean, L2 norm), of one float32 array of each
 size: layerdiff's `summarize` with its C kernel (layerdiff/tracefile/fastmoments.c: one read, SIMD, built at install
 where a C compiler is present), the same without it (numpy's four passes: what an install without a compiler
-takes), and torch's own multi-threaded reductions (`framework_stats`, which a torch trace takes for CPU tensors from
-1M float32 elements up). Each figure is the best of N timed loops of repeated calls on the same array (data in the
-cache where it fits); the three results are checked to agree."""
+takes), the kernel reading the torch tensor where it lies with torch's OpenMP threads (`stats_at` sharing them: what
+a torch trace takes for dense CPU tensors of any size), and torch's own multi-threaded reductions (`framework_stats`:
+what it takes for large strided views). Each figure is the best of N timed loops of repeated calls on the same array
+(data in the cache where it fits); the four results are checked to agree."""
 SIZES = (256, 4096, 65_536, 262_144, 1 << 20, 1 << 24)
 QUICK_SIZES = (256, 65_536, 1 << 20)
 REPEATS = 5
@@ -89,28 +92,36 @@ def main():
         with numpy_only():
             numpy_path = best_call(lambda: tensors.summarize(array, "float32"), repeats)
             expected = tensors.summarize(array, "float32")
+        shared = best_call(lambda: tensors.stats_at(tensor.data_ptr(), size, "float32", share_threads=True), repeats)
         by_torch = best_call(lambda: framework_stats(tensor), repeats)
         got, torch_stats = tensors.summarize(array, "float32"), framework_stats(tensor)
-        agree = all(got[k] == expected[k] == torch_stats[k] for k in ("min", "max", "numel")) and all(
+        in_place = tensors.stats_at(tensor.data_ptr(), size, "float32", share_threads=True)
+        agree = in_place == got and all(
+            got[k] == expected[k] == torch_stats[k] for k in ("min", "max", "numel")) and all(
             math.isclose(got[k], expected[k], rel_tol=1e-6, abs_tol=1e-7) and
             math.isclose(got[k], torch_stats[k], rel_tol=1e-6, abs_tol=1e-7) for k in ("mean", "l2"))
-        line = {"elements": size, "kernel_s": kernel, "numpy_s": numpy_path, "torch_s": by_torch,
+        line = {"elements": size, "kernel_s": kernel, "numpy_s": numpy_path, "shared_s": shared, "torch_s": by_torch,
                 "numpy_over_kernel": numpy_path / kernel, "agree": agree}
         results.append(line)
-        rows.append([f"{size:,}", shown(kernel), shown(numpy_path), shown(by_torch), f"{numpy_path / kernel:.1f}x",
-                     "yes" if agree else "NO"])
-        print(f"{size:>11,} float32: kernel {shown(kernel):>9}  numpy {shown(numpy_path):>9}  torch "
-              f"{shown(by_torch):>9}  numpy/kernel {numpy_path / kernel:5.1f}x  agree {agree}", flush=True)
+        rows.append([f"{size:,}", shown(kernel), shown(numpy_path), shown(shared), shown(by_torch),
+                     f"{numpy_path / kernel:.1f}x", "yes" if agree else "NO"])
+        print(f"{size:>11,} float32: kernel {shown(kernel):>9}  numpy {shown(numpy_path):>9}  kernel with torch's "
+              f"threads {shown(shared):>9}  torch {shown(by_torch):>9}  numpy/kernel {numpy_path / kernel:5.1f}x  "
+              f"agree {agree}", flush=True)
     middle = next(r for r in results if r["elements"] == 65_536)
+    largest = results[-1]
     headline = (f"64K float32 elements: kernel {shown(middle['kernel_s'])}, numpy {shown(middle['numpy_s'])} "
-                f"({middle['numpy_over_kernel']:.1f}x); torch threads {shown(middle['torch_s'])}")
+                f"({middle['numpy_over_kernel']:.1f}x); {largest['elements']:,}: the kernel with torch's threads "
+                f"{shown(largest['shared_s'])}, torch's reductions {shown(largest['torch_s'])}")
     if args.json:
-        note = (f"best of {repeats} loops; torch ran {torch.get_num_threads()} threads. 'agree': the three give the "
-                "same min and max, and mean and L2 norm within 1e-6.")
+        note = (f"best of {repeats} loops; torch ran {torch.get_num_threads()} threads. 'agree': the four give the "
+                "same min and max, and mean and L2 norm within 1e-6 (the kernel's two paths: the same to the bit).")
         run.write(args.json, quick=args.quick or repeats < REPEATS, headline=headline,
                   tables=[benchlib.table("summarize, per float32 array", ["elements", "kernel (one read)",
-                                                                            "numpy (four passes)", "torch statistics",
-                                                                            "numpy / kernel", "agree"], rows, note)],
+                                                                            "numpy (four passes)",
+                                                                            "kernel, torch's threads",
+                                                                            "torch statistics", "numpy / kernel",
+                                                                            "agree"], rows, note)],
                   results={"repeats": repeats, "torch_threads": torch.get_num_threads(), "sizes": results})
     if not all(r["agree"] for r in results):
         raise SystemExit("the kernel's statistics disagree with numpy's or torch's (see above)")
