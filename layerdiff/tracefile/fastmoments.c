@@ -31,6 +31,7 @@
 #define SHARES_THREADS 1
 #include <dlfcn.h>
 #include <link.h>
+#include <pthread.h>
 #include <stddef.h>
 #endif
 #include <math.h>
@@ -145,8 +146,16 @@ static int loads_changed(struct dl_phdr_info *info, size_t size, void *changed) 
     return 1; /* the first object says it: no walk over the rest */
 }
 
+/* Set in a child forked from this process: GNU's runtime is not fork-safe (a team the parent used waits forever for
+ * its threads, which the child does not have), so a forked child reads alone. */
+static int forked;
+
+static void in_forked_child(void) { forked = 1; }
+
 /* Threads the runtime would lend a tensor now (its own setting: torch.set_num_threads sets it); 1 without one. */
 static int shared_threads(void) {
+    if (forked)
+        return 1;
     if (runtime.parallel == NULL) {
         int changed = 0, found = 0;
         dl_iterate_phdr(loads_changed, &changed);
@@ -303,4 +312,9 @@ static struct PyModuleDef definition = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit_fastmoments(void) { return PyModule_Create(&definition); }
+PyMODINIT_FUNC PyInit_fastmoments(void) {
+#ifdef SHARES_THREADS
+    pthread_atfork(NULL, NULL, in_forked_child);
+#endif
+    return PyModule_Create(&definition);
+}

@@ -219,6 +219,27 @@ def test_the_kernel_shares_only_a_runtime_the_process_already_loaded():
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
+@needs_kernel
+def test_a_child_forked_after_torch_ran_reads_alone_and_does_not_hang():
+    """GNU's OpenMP runtime is not fork-safe: in a child forked after the parent's threads ran, a parallel region waits
+    forever for them. The kernel reads alone there (the same statistics), where sharing threads hung the child."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("threads are shared on Linux only")
+    script = (
+        "import os, torch\n"
+        "from layerdiff.tracefile import tensors\n"
+        "t = torch.randn(1 << 20)\n"
+        "(t * 2).sum()\n"
+        "want = tensors.stats_at(t.data_ptr(), t.numel(), 'float32', share_threads=True)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    got = tensors.stats_at(t.data_ptr(), t.numel(), 'float32', share_threads=True)\n"
+        "    os._exit(0 if got == want and tensors.threads_shared() == 1 else 3)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "0", (run.stdout, run.stderr[-2000:])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_recorded_statistics_equal_the_stored_bytes_over_a_whole_model(tmp_path, dtype):
     """A full trace of a transformers Llama whose logits and embedding (and their gradients) are large (1M elements
