@@ -262,7 +262,8 @@ def _all_gradients(tensors: list, callback: Callable[[list], None]) -> None:
 def gradients() -> OpGradients:
     """An operation's gradients in torch: one autograd node's hook where the operation is one node
     (``_one_step``); otherwise inputs through ``view_as`` (an identity node of their own, so the gradient there
-    is this operation's contribution) and ``torch.autograd.graph.register_multi_grad_hook``."""
+    is this operation's contribution), their gradients taken by a tensor hook (one tensor) or ``_all_gradients``
+    (several)."""
     def on_gradients(tensors: list, callback: Callable[[list], None]) -> None:
         if len(tensors) == 1:  # most: a tensor hook, which holds nothing of the graph
             def single(grad: torch.Tensor) -> None:
