@@ -34,6 +34,12 @@ import layerdiff
 # Idempotent and safe to race (files are written atomically), so every xdist worker may run it.
 compileall.compile_dir(os.path.dirname(layerdiff.__file__), quiet=1)
 
+from layerdiff.tracefile import tensors as _tensors  # noqa: E402
+
+# tests of the C statistics kernel (``fastmoments.c``): skipped, with the reason shown, in an install without it
+needs_kernel = pytest.mark.skipif(_tensors.moments_at is None, reason="the C statistics kernel is not built in this "
+                                  "install (no C compiler at install time)")
+
 # markers (registered in pyproject.toml) -> the module that must be installed; files that need a framework
 # throughout also call pytest.importorskip at module level, this covers single marked tests
 FRAMEWORK_MODULES = {"torch": "torch", "paddle": "paddle", "mindspore": "mindspore", "megatron": "megatron.core"}

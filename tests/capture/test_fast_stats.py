@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import needs_kernel  # noqa: E402
 from layerdiff.adapters.torch_adapter import (KERNEL_READS_ANY_SIZE, cpu_route, fast_stats,  # noqa: E402
                                              framework_stats, to_stored)
 from layerdiff.tracefile import tensors  # noqa: E402
@@ -161,9 +162,6 @@ def test_the_kernel_reads_a_dense_tensor_where_it_lies_as_summarize_reads_its_by
     bad[(1,) * bad.ndim] = float("nan")
     assert cpu_route(bad) == "kernel" and fast_stats(bad) is None
     assert summarize(*to_stored(bad))["nan"] == 1
-
-
-needs_kernel = pytest.mark.skipif(tensors.moments_at is None, reason="the C kernel is not built here")
 
 
 @needs_kernel

@@ -14,14 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import needs_kernel
 from layerdiff.compare.metrics import compare_arrays, compare_data, compare_stats
 from layerdiff.tracefile import tensors
 from layerdiff.tracefile.tensors import as_float, in_memory_order, summarize
 from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule, precision_floor
-
-
-needs_kernel = pytest.mark.skipif(tensors.one_pass_moments is None, reason="the C statistics kernel is not built "
-                                  "in this install (no C compiler at install time)")
 
 
 @pytest.fixture(params=[pytest.param("kernel", marks=needs_kernel), "numpy"])
