@@ -47,9 +47,13 @@ def test_the_framework_free_tests_pass_with_every_framework_blocked():
     blocked = ["torch", "paddle", "mindspore", "megatron", "transformers"]
     code = (f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n"
             "import pytest\n"
-            f"rc = pytest.main(['-q', '-p', 'no:xdist', '-p', 'no:cacheprovider', '-o', 'addopts=', *{FRAMEWORK_FREE_TESTS!r}])\n"
+            f"rc = pytest.main(['-q', '-rs', '-p', 'no:xdist', '-p', 'no:cacheprovider', '-o', 'addopts=', "
+            f"*{FRAMEWORK_FREE_TESTS!r}])\n"
             f"assert all(sys.modules.get(name) is None for name in {blocked!r}), 'a framework was imported'\n"
             "sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    assert " passed" in done.stdout, done.stdout[-2000:]
+    # none skipped for want of a framework (a test skipped where this machine lacks a C compiler is not one)
+    skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert not [line for line in skips if "import" in line or any(name in line for name in blocked)], skips

@@ -19,7 +19,7 @@ from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
 from layerdiff.runs.parallel import ParallelLayout
-from layerdiff.tracefile.tensors import SHARES_THREADS, stats_at
+from layerdiff.tracefile.tensors import SHARES_THREADS, moments_strided, stats_at, stats_strided
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -172,6 +172,7 @@ def _on_accelerator(t: torch.Tensor) -> bool:
     return t.device.type not in ("cpu", "meta")
 
 
+_GATHERS = moments_strided is not None  # the kernel reads tensors that are not dense (built with ``moments_strided``)
 # CPU dtypes the C kernel reads where they lie (``stats_at``), below the sizes torch takes
 _READ_IN_PLACE = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
@@ -193,15 +194,18 @@ def _dense(t: torch.Tensor) -> bool:
 def cpu_route(t: torch.Tensor) -> str | None:
     """Which path takes a CPU tensor's statistics, as measured fastest in a traced step: "torch" (its own
     reductions: large floating tensors, ``_CPU_STATS_MIN``), "kernel" (the C kernel reads a dense float32, float64
-    or bfloat16 tensor where it lies: ``stats_at``), or None (numpy, from a view of its bytes: other dtypes and
-    layouts). A dense float32 or bfloat16 tensor of any size is the kernel's where it reads with torch's threads
-    (``KERNEL_READS_ANY_SIZE``)."""
+    or bfloat16 tensor where it lies: ``stats_at``), "strided" (it gathers a smaller one that is not dense, a
+    slice, where it lies: ``stats_strided``), or None (numpy, from a view of its bytes: other dtypes, a tensor
+    whose elements share memory). A dense float32 or bfloat16 tensor of any size is the kernel's where it reads
+    with torch's threads (``KERNEL_READS_ANY_SIZE``)."""
     large = t.numel() >= _CPU_STATS_MIN.get(t.dtype, math.inf)
     if large and not KERNEL_READS_ANY_SIZE:
         return "torch"
-    if t.dtype in _READ_IN_PLACE and type(t) in _PLAIN and t.layout == torch.strided and not t.is_neg() and \
-            _dense(t):
-        return "kernel"
+    if t.dtype in _READ_IN_PLACE and type(t) in _PLAIN and t.layout == torch.strided and not t.is_neg():
+        if _dense(t):
+            return "kernel"
+        if not large and _GATHERS and 0 not in t.stride():
+            return "strided"
     return "torch" if large else None
 
 
@@ -209,8 +213,8 @@ def fast_stats(t: torch.Tensor):
     """The tensor's statistics taken where it lies, or None to let numpy take them from a view of its bytes.
 
     Torch takes them for floating tensors on an accelerator (no copy of the tensor leaves the device) and for large
-    enough CPU tensors; the C kernel for smaller dense ones of the dtypes it reads (``cpu_route``). A DTensor's are
-    its local shard's, like the bytes ``to_stored`` keeps.
+    enough CPU tensors; the C kernel for the others of the dtypes it reads, dense or smaller slices (``cpu_route``).
+    A DTensor's are its local shard's, like the bytes ``to_stored`` keeps.
     """
     if t.is_cpu:
         if type(t) not in _PLAIN and _is_dtensor(t):  # its local shard's, taken as that shard's own would be
@@ -219,6 +223,9 @@ def fast_stats(t: torch.Tensor):
         route = cpu_route(t)
         if route is None:
             return None
+        if route == "strided":
+            return stats_strided(t.data_ptr(), _READ_IN_PLACE[t.dtype], tuple(t.shape), t.stride()) \
+                if bytes_present(t) else None  # None: a value not finite (numpy counts them)
         if route == "kernel":
             if not bytes_present(t):
                 return None

@@ -1,7 +1,8 @@
 /* The statistics of a tensor in one read of its elements: min, max, sum and sum of squares of a C-contiguous float32
  * or float64 buffer (``moments``: layerdiff.tracefile.tensors.summarize), or of float32, float64 or bfloat16
  * elements at an address a framework adapter hands over for a dense tensor it holds (``moments_at``:
- * layerdiff.tracefile.tensors.stats_at, read where they lie, with no numpy view and no widened copy).
+ * layerdiff.tracefile.tensors.stats_at, read where they lie, with no numpy view and no widened copy), or for a slice of
+ * one with its sizes and strides (``moments_strided``: tensors.stats_strided).
  *
  * Why C: numpy needs four passes and four calls for these (two reductions, two dot products), and their per-call
  * overhead dominates small tensors. Here one pass: a 64K-element float32 tensor in 7.4 us instead of 22.8, a
@@ -280,6 +281,157 @@ static PyObject *moments_at(PyObject *module, PyObject *const *args, Py_ssize_t 
     return Py_BuildValue("(dddd)", out[0], out[1], out[2], out[3]);
 }
 
+/* A tensor that is not dense (a slice: the halves ``rotate_half`` takes of each head, every other column) read where it
+ * lies: its runs of elements are gathered, in memory order, into blocks of BLOCK elements, each block read as a dense
+ * one is (``moments_of``), the blocks' moments added in order. Why: numpy took 70 us for a 32K-element float32 slice
+ * (a copy to make it contiguous, then four passes), 32 of them a traced Llama step. Dims of size 1 are dropped and
+ * dims that continue one another merged, so a run is as long as the layout allows. */
+#define MAX_DIMS 25
+
+typedef struct {
+    int kind;
+    size_t itemsize;
+    unsigned char block[BLOCK * sizeof(double)];
+    Py_ssize_t filled; /* elements in block */
+    Py_ssize_t blocks; /* blocks read so far */
+    double out[4];
+} Gathered;
+
+static void read_block(Gathered *g) {
+    double part[4];
+    moments_of(g->kind, (const char *)g->block, 0, g->filled, part);
+    if (g->blocks++ == 0) {
+        memcpy(g->out, part, sizeof part);
+    } else {
+        g->out[0] = part[0] < g->out[0] ? part[0] : g->out[0];
+        g->out[1] = part[1] > g->out[1] ? part[1] : g->out[1];
+        g->out[2] += part[2];
+        g->out[3] += part[3];
+    }
+    g->filled = 0;
+}
+
+/* ``count`` elements ``stride`` elements apart from ``at`` into the blocks. */
+static void gather_run(Gathered *g, const char *at, Py_ssize_t count, Py_ssize_t stride) {
+    while (count > 0) {
+        Py_ssize_t take = BLOCK - g->filled < count ? BLOCK - g->filled : count;
+        unsigned char *to = g->block + g->filled * g->itemsize;
+        if (stride == 1) {
+            memcpy(to, at, (size_t)take * g->itemsize);
+        } else {
+            for (Py_ssize_t i = 0; i < take; i++)
+                memcpy(to + i * g->itemsize, at + i * stride * (Py_ssize_t)g->itemsize, g->itemsize);
+        }
+        g->filled += take;
+        at += take * stride * (Py_ssize_t)g->itemsize;
+        count -= take;
+        if (g->filled == BLOCK)
+            read_block(g);
+    }
+}
+
+static void gather_all(Gathered *g, const char *address, int ndim, const Py_ssize_t *sizes, const Py_ssize_t *strides) {
+    Py_ssize_t index[MAX_DIMS] = {0};
+    int inner = ndim - 1;
+    for (;;) {
+        const char *at = address;
+        for (int d = 0; d < inner; d++)
+            at += index[d] * strides[d] * (Py_ssize_t)g->itemsize;
+        gather_run(g, at, sizes[inner], strides[inner]);
+        int d = inner - 1;
+        while (d >= 0 && ++index[d] == sizes[d])
+            index[d--] = 0;
+        if (d < 0)
+            break;
+    }
+    if (g->filled)
+        read_block(g);
+}
+
+static int as_sizes(PyObject *sequence, Py_ssize_t *into, int *ndim) {
+    PyObject *items = PySequence_Fast(sequence, "sizes and strides must be sequences of integers");
+    if (items == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    if (n > MAX_DIMS) {
+        Py_DECREF(items);
+        *ndim = -1;
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        into[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(items, i));
+        if (into[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(items);
+            return -1;
+        }
+    }
+    Py_DECREF(items);
+    *ndim = (int)n;
+    return 0;
+}
+
+static PyObject *moments_strided(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "moments_strided(address, kind, sizes, strides) takes 4 arguments");
+        return NULL;
+    }
+    void *address = PyLong_AsVoidPtr(args[0]);
+    long kind = PyLong_AsLong(args[1]);
+    Py_ssize_t sizes[MAX_DIMS], strides[MAX_DIMS];
+    int ndim = 0, nstrides = 0;
+    if (PyErr_Occurred() || as_sizes(args[2], sizes, &ndim) < 0 || as_sizes(args[3], strides, &nstrides) < 0)
+        return NULL;
+    if (address == NULL || kind < AT_FLOAT32 || kind > AT_BFLOAT16 || ndim < 0 || ndim != nstrides)
+        Py_RETURN_NONE;
+    /* dims of size 1 dropped; the rest ordered by stride, largest first (statistics do not depend on the order); a
+     * dim merged into the one before it where it continues it; a stride of 0 (an expanded tensor) or below is not
+     * read here */
+    Py_ssize_t n = 1;
+    int kept = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (sizes[d] <= 0)
+            Py_RETURN_NONE;
+        n *= sizes[d];
+        if (sizes[d] == 1)
+            continue;
+        Py_ssize_t size = sizes[d], stride = strides[d];
+        if (stride <= 0)
+            Py_RETURN_NONE;
+        int at = kept++;
+        while (at > 0 && strides[at - 1] < stride) {
+            sizes[at] = sizes[at - 1];
+            strides[at] = strides[at - 1];
+            at--;
+        }
+        sizes[at] = size;
+        strides[at] = stride;
+    }
+    int merged = 0;
+    for (int d = 0; d < kept; d++) {
+        if (merged > 0 && strides[merged - 1] == strides[d] * sizes[d]) {
+            sizes[merged - 1] *= sizes[d];
+            strides[merged - 1] = strides[d];
+        } else {
+            sizes[merged] = sizes[d];
+            strides[merged] = strides[d];
+            merged++;
+        }
+    }
+    if (merged == 0) { /* one element */
+        sizes[0] = 1;
+        strides[0] = 1;
+        merged = 1;
+    }
+    Gathered g = {.kind = (int)kind, .itemsize = kind == AT_FLOAT32 ? 4 : kind == AT_FLOAT64 ? 8 : 2};
+    int release = n >= RELEASE_GIL_FROM;
+    PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
+    gather_all(&g, address, merged, sizes, strides);
+    if (release)
+        PyEval_RestoreThread(saved);
+    return Py_BuildValue("(dddd)", g.out[0], g.out[1], g.out[2], g.out[3]);
+}
+
 /* How many threads ``moments_at`` would share now: 1 where no OpenMP runtime is loaded (or none can be shared). */
 static PyObject *threads_shared(PyObject *module, PyObject *unused) {
     (void)module;
@@ -299,6 +451,10 @@ static PyMethodDef methods[] = {
      "moments_at(address, count, kind, share_threads=False) -> the same of count elements at address: kind 0 float32, "
      "1 float64, 2 bfloat16; None for no elements or another kind. The caller vouches for the memory. share_threads: "
      "a large tensor is read by the threads of the OpenMP runtime already loaded in the process, if any."},
+    {"moments_strided", (PyCFunction)(void (*)(void))moments_strided, METH_FASTCALL,
+     "moments_strided(address, kind, sizes, strides) -> the same of a tensor laid out with those sizes and strides (in "
+     "elements) from address; None where a stride is 0 or negative, or there are more than 25 dims. The caller "
+     "vouches for the memory."},
     {"threads_shared", threads_shared, METH_NOARGS,
      "threads_shared() -> how many threads moments_at(..., share_threads=True) reads a large tensor with now (1: none "
      "shared)."},

@@ -13,14 +13,16 @@ import numpy as np
 
 one_pass_moments: Callable[[np.ndarray], tuple[float, float, float, float] | None] | None
 moments_at: Callable[..., tuple[float, float, float, float] | None] | None
+moments_strided: Callable[..., tuple[float, float, float, float] | None] | None
 threads_shared: Callable[[], int]
 try:  # the optional C kernel (fastmoments.c), built at install where a C compiler is present
     from layerdiff.tracefile import fastmoments
     one_pass_moments, moments_at = fastmoments.moments, fastmoments.moments_at
-    # a kernel built before it could share threads (a checkout updated without a rebuild) reads on one
+    # a kernel built before it could share threads or read strided tensors (a checkout updated without a rebuild)
     threads_shared = getattr(fastmoments, "threads_shared", lambda: 1)
+    moments_strided = getattr(fastmoments, "moments_strided", None)
 except ImportError:  # numpy takes every statistic, with the same results to ~1e-7
-    one_pass_moments = moments_at = None
+    one_pass_moments = moments_at = moments_strided = None
     threads_shared = lambda: 1  # noqa: E731
 
 # Logical dtype name -> numpy dtype of the stored bits.
@@ -191,8 +193,29 @@ def stats_at(address: int, count: int, dtype: str, share_threads: bool = False) 
     kind = _KERNEL_KINDS.get(dtype)
     if kind is None or moments_at is None or count <= 0:
         return None
-    moments = _finite(moments_at(address, count, kind, True) if share_threads and SHARES_THREADS else
-                      moments_at(address, count, kind))
+    return _stats(moments_at(address, count, kind, True) if share_threads and SHARES_THREADS else
+                  moments_at(address, count, kind), count)
+
+
+def stats_strided(address: int, dtype: str, sizes: tuple[int, ...], strides: tuple[int, ...]) -> dict[str, Any] | None:
+    """``stats_at`` for a tensor that is not dense (a slice: ``x[..., :half]``, every other column), laid out from
+    ``address`` with ``sizes`` and ``strides`` (in elements, none 0): the kernel gathers its runs where they lie.
+    None where the kernel cannot (not built, another dtype, a value not finite). Why: numpy copied such a slice to
+    make it contiguous, then took four passes: 70 us for a 32K-element float32 slice, 28 with the kernel alone."""
+    kind = _KERNEL_KINDS.get(dtype)
+    if kind is None or moments_strided is None:
+        return None
+    count = 1
+    for size in sizes:
+        count *= size
+    if count <= 0:
+        return None
+    return _stats(moments_strided(address, kind, sizes, strides), count)
+
+
+def _stats(moments: tuple[float, float, float, float] | None, count: int) -> dict[str, Any] | None:
+    """A record's statistics from the kernel's moments of ``count`` finite values (None where one was not)."""
+    moments = _finite(moments)
     if moments is None:
         return None
     lo, hi, total, square = moments
