@@ -19,7 +19,7 @@ from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
 from layerdiff.runs.parallel import ParallelLayout
-from layerdiff.tracefile.tensors import SHARES_THREADS, moments_strided, stats_at, stats_strided
+from layerdiff.tracefile.tensors import READS_SLICES, SHARES_THREADS, stats_at, stats_strided
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -172,7 +172,6 @@ def _on_accelerator(t: torch.Tensor) -> bool:
     return t.device.type not in ("cpu", "meta")
 
 
-_GATHERS = moments_strided is not None  # the kernel reads tensors that are not dense (built with ``moments_strided``)
 # CPU dtypes the C kernel reads where they lie (``stats_at``), below the sizes torch takes
 _READ_IN_PLACE = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
@@ -204,7 +203,7 @@ def cpu_route(t: torch.Tensor) -> str | None:
     if t.dtype in _READ_IN_PLACE and type(t) in _PLAIN and t.layout == torch.strided and not t.is_neg():
         if _dense(t):
             return "kernel"
-        if not large and _GATHERS and 0 not in t.stride():
+        if not large and READS_SLICES and 0 not in t.stride():
             return "strided"
     return "torch" if large else None
 
@@ -224,8 +223,10 @@ def fast_stats(t: torch.Tensor):
         if route is None:
             return None
         if route == "strided":
-            return stats_strided(t.data_ptr(), _READ_IN_PLACE[t.dtype], tuple(t.shape), t.stride()) \
-                if bytes_present(t) else None  # None: a value not finite (numpy counts them)
+            if not bytes_present(t):
+                return None
+            # None: a value not finite (numpy counts them)
+            return stats_strided(t.data_ptr(), _READ_IN_PLACE[t.dtype], tuple(t.shape), t.stride())
         if route == "kernel":
             if not bytes_present(t):
                 return None

@@ -171,6 +171,14 @@ static int shared_threads(void) {
 }
 #endif
 
+/* The moments of two pieces of a tensor as one: ``part``'s added to ``out``'s, in that order. */
+static void add_moments(double *out, const double *part) {
+    out[0] = part[0] < out[0] ? part[0] : out[0];
+    out[1] = part[1] > out[1] ? part[1] : out[1];
+    out[2] += part[2];
+    out[3] += part[3];
+}
+
 /* A large tensor (SHARE_FROM elements on) is read in CHUNKS pieces whose moments are added in order, whoever reads
  * them: shared or not, with any number of threads, its statistics are the same to the last bit. */
 typedef struct {
@@ -208,13 +216,8 @@ static void moments_chunked(int kind, const char *address, Py_ssize_t n, int thr
         for (int c = 0; c < CHUNKS; c++)
             read_chunk(&chunked, c);
     memcpy(out, chunked.out[0], 4 * sizeof(double));
-    for (int c = 1; c < CHUNKS; c++) {
-        double *part = chunked.out[c];
-        out[0] = part[0] < out[0] ? part[0] : out[0];
-        out[1] = part[1] > out[1] ? part[1] : out[1];
-        out[2] += part[2];
-        out[3] += part[3];
-    }
+    for (int c = 1; c < CHUNKS; c++)
+        add_moments(out, chunked.out[c]);
 }
 
 /* The moments of n elements of ``kind`` at address (with the GIL released for large ones), ``threads`` reading a
@@ -300,14 +303,10 @@ typedef struct {
 static void read_block(Gathered *g) {
     double part[4];
     moments_of(g->kind, (const char *)g->block, 0, g->filled, part);
-    if (g->blocks++ == 0) {
+    if (g->blocks++ == 0)
         memcpy(g->out, part, sizeof part);
-    } else {
-        g->out[0] = part[0] < g->out[0] ? part[0] : g->out[0];
-        g->out[1] = part[1] > g->out[1] ? part[1] : g->out[1];
-        g->out[2] += part[2];
-        g->out[3] += part[3];
-    }
+    else
+        add_moments(g->out, part);
     g->filled = 0;
 }
 

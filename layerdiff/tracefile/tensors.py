@@ -174,6 +174,7 @@ def _finite(moments: tuple[float, float, float, float] | None) -> tuple[float, f
 _KERNEL_KINDS = {"float32": 0, "float64": 1, "bfloat16": 2}  # what ``moments_at`` reads where it lies
 # the kernel is built and takes ``share_threads`` (a framework's threads read a large tensor with it)
 SHARES_THREADS = moments_at is not None and hasattr(fastmoments, "threads_shared")
+READS_SLICES = moments_strided is not None  # the kernel is built with ``moments_strided`` (``stats_strided``)
 
 
 def stats_at(address: int, count: int, dtype: str, share_threads: bool = False) -> dict[str, Any] | None:
@@ -205,9 +206,7 @@ def stats_strided(address: int, dtype: str, sizes: tuple[int, ...], strides: tup
     kind = _KERNEL_KINDS.get(dtype)
     if kind is None or moments_strided is None:
         return None
-    count = 1
-    for size in sizes:
-        count *= size
+    count = math.prod(sizes)
     if count <= 0:
         return None
     return _stats(moments_strided(address, kind, sizes, strides), count)
