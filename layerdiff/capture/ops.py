@@ -277,8 +277,7 @@ class OpCapture:
             return out  # no gradients; a view or a copy (its gradient is its output's); an input handed back
         if tapped or grads.one_step is None:
             self._watch_gradients(op, tapped, outputs, grads)
-        elif not grads.one_step(inputs, outputs, lambda grad_in, grad_out: session.op_grads(
-                op, grad_out, grad_in, same_values=same)):
+        elif not grads.one_step(inputs, outputs, _OpGradients(session, op)):
             self.composite.add(name)  # its next calls are tapped; this one reports its output gradients only
             self._watch_gradients(op, [], outputs, grads)
         return out
@@ -312,6 +311,19 @@ class OpCapture:
         grads.on_gradients([t for _, t in wanted], on_outputs)
         if tapped:
             grads.on_gradients([t for _, t in tapped], on_inputs)
+
+
+class _OpGradients:
+    """``one_step``'s callback: the operation's backward to its record. One object, not a closure and its cells (a
+    step holds one per operation until its backward: fewer objects for the garbage collector to pass over)."""
+
+    __slots__ = ("session", "op")
+
+    def __init__(self, session: Any, op: OpFrame) -> None:
+        self.session, self.op = session, op
+
+    def __call__(self, grad_inputs: list, grad_outputs: list) -> None:
+        self.session.op_grads(self.op, grad_outputs, grad_inputs)
 
 
 def _hands_back(inputs: list, outputs: list) -> bool:
