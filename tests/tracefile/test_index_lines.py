@@ -1,10 +1,12 @@
 """The trace index's JSON lines (no framework): orjson's text reads back as the standard library's would, also
 for values orjson cannot write the same way; lines written one pwrite each land where the reader finds them,
-across the reserve's growth and interleaved with tensor bytes."""
+across the reserve's growth and interleaved with tensor bytes; a closed trace gives its reserve's unused tail back."""
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -85,3 +87,28 @@ def test_index_lines_land_where_the_reader_finds_them_across_reserve_growth(tmp_
     with open_trace(tmp_path / "t.h5") as trace:
         assert trace.records == expected and None not in expected
         assert trace.end.status == "complete"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reserve's tail is given back by Linux's fallocate")
+def test_a_closed_trace_keeps_on_disk_only_what_it_holds(tmp_path):
+    """The reserves double as they fill (up to 16 MB a growth): a trace holding 6 MB of lines and 20 MB of tensor
+    bytes reserved up to 8 MB and 32 MB. Closed, it gives the unused tails back: its disk blocks are what it holds,
+    plus HDF5's metadata."""
+    rng = np.random.default_rng(5)
+    path = tmp_path / "t.h5"
+    writer = TraceWriter(path, {"case": "reserve"})
+    lines = data = 0
+    for i in range(7000):
+        tensors = []
+        if i % 350 == 0:
+            entry = writer.write_tensor(rng.standard_normal(250_000, dtype=np.float32), "float32", store_data=True)
+            tensors, data = [{**entry, "role": "param", "key": "value"}], data + entry["nbytes"]
+        record = {"kind": "param", "path": f"p{i}", "module": "x" * 800, "call": 0, "step": 0, "seq": i,
+                  "tensors": tensors}
+        writer.write_record(record)
+        lines += len(encode_line(record)) + 20  # the line, its checksum
+    writer.close({"kind": "end", "status": "complete"})
+    on_disk = os.stat(path).st_blocks * 512
+    assert lines + data <= on_disk <= lines + data + (2 << 20), (on_disk, lines, data)
+    with open_trace(path) as trace:
+        assert len(trace.records) == 7000
