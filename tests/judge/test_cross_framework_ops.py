@@ -10,7 +10,8 @@ with the operations of one decoder block recorded on both sides (``--ops-in``).
   with PaddleFormers' own lines, and a port's replacement of one of its helpers is named at the port's line;
 - Paddle's and MindSpore's functions are what they were after a trace that raised.
 
-The runs are traced by the CLI in processes of their own (one framework per process); ``align`` runs here.
+The runs are traced by the CLI in processes of their own (one framework per process: a port's runs share one);
+``align`` runs in its own too.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import conftest
 import pytest
@@ -54,6 +56,34 @@ def trace(root: Path, name: str, target: str, *args: str, window: str = BLOCK) -
     return out
 
 
+# made in a process of its own, by the CLI's ``main`` once per trace: the framework is imported once for them all
+TRACE_ALL = """
+import json
+import sys
+
+from layerdiff.cli import main
+
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    if code:
+        sys.exit(f"{argv}: exit {code}")
+"""
+
+
+def trace_all(root: Path, runs: dict[str, tuple[str, ...]], window: str = BLOCK) -> dict[str, Path]:
+    """``trace`` of each {name: (target, *args)}, all in one process (a framework's import is seconds: MindSpore's
+    alone ~5 s, once per run before)."""
+    outs = {name: root / f"{name}.h5" for name in runs}
+    argvs = [["trace", target, *args, "-o", str(outs[name]), "--ops-in", window, "--mode", "stats"]
+             for name, (target, *args) in runs.items()]
+    done = subprocess.run([sys.executable, "-c", TRACE_ALL, json.dumps(argvs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return outs
+
+
 def align(root: Path, a: Path, b: Path) -> dict:
     report = root / f"{a.stem}-{b.stem}.json"
     done = subprocess.run([sys.executable, "-m", "layerdiff", "align", str(a), str(b), "--json", str(report)],
@@ -79,10 +109,29 @@ def hf_llama(tmp_path_factory) -> tuple[Path, Path]:
     return root, trace(root, "hf", "torch_llama", "--arg", "attn=eager")
 
 
+DEFECTS = ["constant", "helper", "norm", "dtype", "function"]
+
+
+@pytest.fixture(scope="module")
+def port_traces(hf_llama) -> Callable[[str], dict[str | None, Path]]:
+    """The port's clean trace (None) and one per own-code defect, made at the first test that asks for them."""
+    root, _ = hf_llama
+    made: dict[str, dict[str | None, Path]] = {}
+
+    def of(port: str) -> dict[str | None, Path]:
+        if port not in made:
+            runs = {port: (port,), **{f"{port}-{d}": (port, "--arg", f"defect={d}") for d in DEFECTS}}
+            outs = trace_all(root, runs)
+            made[port] = {None: outs[port], **{d: outs[f"{port}-{d}"] for d in DEFECTS}}
+        return made[port]
+
+    return of
+
+
 @pytest.mark.parametrize("port", PORTS)
-def test_a_port_aligns_with_transformers_operation_by_operation(hf_llama, port):
+def test_a_port_aligns_with_transformers_operation_by_operation(hf_llama, port_traces, port):
     root, reference = hf_llama
-    report = align(root, reference, trace(root, port, port))
+    report = align(root, reference, port_traces(port)[None])
     assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
     rows = op_rows(report)
     pairs = {(r["op"]["kind"], r["op_b"]["kind"]) for r in rows}
@@ -95,13 +144,13 @@ def test_a_port_aligns_with_transformers_operation_by_operation(hf_llama, port):
     assert len(backward) >= 20 and all(t["passed"] for r in backward for t in r["tensors"])
 
 
-@pytest.mark.parametrize("defect", ["constant", "helper", "norm", "dtype", "function"])
+@pytest.mark.parametrize("defect", DEFECTS)
 @pytest.mark.parametrize("port", PORTS)
-def test_an_own_code_defect_in_a_port_is_named_at_its_line(hf_llama, port, defect):
+def test_an_own_code_defect_in_a_port_is_named_at_its_line(hf_llama, port_traces, port, defect):
     from layerdiff.recipes import llama_shared
 
     root, reference = hf_llama
-    report = align(root, reference, trace(root, f"{port}-{defect}", port, "--arg", f"defect={defect}"))
+    report = align(root, reference, port_traces(port)[defect])
     phase = llama_shared.CODE_DEFECTS[defect]
     origin = report[phase]["first_divergence"]
     assert origin is not None and origin["where"] in ("op", "op_input"), origin
