@@ -147,6 +147,33 @@ def run_cli(*args, cwd=None, timeout=300):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+# several CLI runs in one fresh interpreter, one after the other: ``main`` once per run
+_CLI_RUNS = """
+import json
+import sys
+
+from layerdiff.cli import main
+
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    if code:
+        sys.exit(f"{argv}: exit {code}")
+"""
+
+
+def run_cli_runs(*runs: list, timeout=600) -> tuple[int, str, str]:
+    """The real CLI's runs (each a list of arguments) in one fresh interpreter, in order, stopping at the first
+    that fails: (returncode, stdout, stderr). For runs of one framework other than torch, whose import alone is
+    seconds (MindSpore's ~5 s): it is imported once for them all."""
+    argvs = [[str(a) for a in run] for run in runs]
+    proc = subprocess.run([sys.executable, "-c", _CLI_RUNS, json.dumps(argvs)], capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 # the other frameworks, as their recipes, flags and scripts name them: such runs must start bare (mindspore before
 # paddle in one process; neither after a torch-only warm start is known to be safe)
 _OTHER_FRAMEWORKS = ("paddle", "mindspore", "mindformers", "msrun")

@@ -56,31 +56,13 @@ def trace(root: Path, name: str, target: str, *args: str, window: str = BLOCK) -
     return out
 
 
-# made in a process of its own, by the CLI's ``main`` once per trace: the framework is imported once for them all
-TRACE_ALL = """
-import json
-import sys
-
-from layerdiff.cli import main
-
-for argv in json.loads(sys.argv[1]):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    if code:
-        sys.exit(f"{argv}: exit {code}")
-"""
-
-
 def trace_all(root: Path, runs: dict[str, tuple[str, ...]], window: str = BLOCK) -> dict[str, Path]:
-    """``trace`` of each {name: (target, *args)}, all in one process (a framework's import is seconds: MindSpore's
-    alone ~5 s, once per run before)."""
+    """``trace`` of each {name: (target, *args)}, all in one process (``conftest.run_cli_runs``: a framework's
+    import is seconds, MindSpore's alone ~5 s, once per run before)."""
     outs = {name: root / f"{name}.h5" for name in runs}
-    argvs = [["trace", target, *args, "-o", str(outs[name]), "--ops-in", window, "--mode", "stats"]
-             for name, (target, *args) in runs.items()]
-    done = subprocess.run([sys.executable, "-c", TRACE_ALL, json.dumps(argvs)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    code, _, err = conftest.run_cli_runs(*(["trace", target, *args, "-o", outs[name], "--ops-in", window, "--mode",
+                                            "stats"] for name, (target, *args) in runs.items()))
+    assert code == 0, err[-2000:]
     return outs
 
 
