@@ -220,16 +220,11 @@ def fast_stats(t: torch.Tensor):
             shard = t.to_local()
             return fast_stats(shard) if type(shard) in _PLAIN else None
         route = cpu_route(t)
-        if route is None:
+        if route is None or (route != "torch" and not bytes_present(t)):  # the kernel reads only bytes still there
             return None
-        if route == "strided":
-            if not bytes_present(t):
-                return None
-            # None: a value not finite (numpy counts them)
+        if route == "strided":  # None: a value not finite (numpy counts them)
             return stats_strided(t.data_ptr(), _READ_IN_PLACE[t.dtype], tuple(t.shape), t.stride())
         if route == "kernel":
-            if not bytes_present(t):
-                return None
             stats = stats_at(t.data_ptr(), t.numel(), _READ_IN_PLACE[t.dtype], _OPENMP_ATEN)
             if stats is not None or t.numel() < _CPU_STATS_MIN.get(t.dtype, math.inf):
                 return stats  # None: a value not finite (numpy counts them) or no kernel built

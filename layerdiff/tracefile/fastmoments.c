@@ -294,8 +294,8 @@ static PyObject *moments_at(PyObject *module, PyObject *const *args, Py_ssize_t 
 typedef struct {
     int kind;
     size_t itemsize;
-    unsigned char block[BLOCK * sizeof(double)];
-    Py_ssize_t filled; /* elements in block */
+    double block[BLOCK]; /* BLOCK elements of ``kind`` gathered back to back (doubles: aligned for every kind) */
+    Py_ssize_t filled;   /* elements in block */
     Py_ssize_t blocks; /* blocks read so far */
     double out[4];
 } Gathered;
@@ -314,7 +314,7 @@ static void read_block(Gathered *g) {
 static void gather_run(Gathered *g, const char *at, Py_ssize_t count, Py_ssize_t stride) {
     while (count > 0) {
         Py_ssize_t take = BLOCK - g->filled < count ? BLOCK - g->filled : count;
-        unsigned char *to = g->block + g->filled * g->itemsize;
+        unsigned char *to = (unsigned char *)g->block + g->filled * g->itemsize;
         if (stride == 1) {
             memcpy(to, at, (size_t)take * g->itemsize);
         } else {
