@@ -235,8 +235,9 @@ def interleaved(steps: int, rounds: int) -> dict:
     for _ in range(rounds):
         for mode in TARGET_MODES:
             r = run_mode(mode, steps, 1)
-            if "error" in r or "error" in pooled.get(mode, {}):
-                pooled.setdefault(mode, r)
+            if "error" in r:  # any round that fails: the mode reports its error, not the rounds left
+                pooled[mode] = r
+            if "error" in pooled.get(mode, {}):
                 continue
             kept = pooled.setdefault(mode, {**r, "untraced": [], "traced": [], "processes": 0})
             kept.update({k: v for k, v in r.items() if k not in ("untraced", "traced")})
