@@ -91,6 +91,12 @@ class FrameworkAdapter(ABC):
         computed from those dtypes' results: they are judged at that dtype's tolerance (``precision_floor``)."""
         return []
 
+    def random_state(self) -> str | None:
+        """A fingerprint of the framework's random generators now (``metadata``'s ``rng_state``), or None where the
+        adapter cannot take one. Taken around each root call: a forward that left it as it was drew no random
+        numbers (no dropout mask), and two runs' other random states then explain nothing (``rng_drawn``)."""
+        return None
+
     def describe(self, t: Any) -> tuple[str, list[int]]:
         """(dtype name, shape) of the tensor as ``to_stored`` keeps it (of what ``fast_stats`` summarized): lets
         "stats" mode skip the host copy."""

@@ -849,6 +849,7 @@ class TorchAdapter(FrameworkAdapter):
     fast_stats = staticmethod(fast_stats)
     describe = staticmethod(describe)
     autocast_dtypes = staticmethod(autocast_dtypes)
+    random_state = staticmethod(rng_state)
     placement = staticmethod(placement)
     metadata = staticmethod(metadata)
     distributed = staticmethod(distributed)

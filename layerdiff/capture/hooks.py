@@ -107,6 +107,7 @@ class ModuleHooks:
         self.busy = 0  # > 0 while a hook runs: the framework calls layerdiff's own code makes are no operations
         self.ops: OpCapture | None = None  # ``ops`` tracing: made by ``capture_ops`` (see ``capture.ops``)
         self.resumed_ops: dict[int, Any] = {}  # id(recomputed call's frame) -> interception resumed for it
+        self.random_before: str | None = None  # the random generators' fingerprint when the root call opened
         self.call_hooks: dict[int, tuple[Callable, Callable]] = {}  # id(module) -> its (pre-hook, post-hook)
         self.bare = 0  # > 0 while a call runs without gradient taps or forced values (``checkpointed_forward``)
         self.op_windows: OpWindows | None = None
@@ -368,6 +369,7 @@ class ModuleHooks:
                 if opens is None:
                     return None  # not the model's work: neither it nor what it calls is recorded
                 recompute, scope = opens
+                self.random_before = None if recompute else self.adapter.random_state()
             step = session.step + (0 if session.stack or recompute or not session.starts_step(scope) else 1)
             autocast = self.adapter.autocast_dtypes()
             if autocast:
@@ -495,6 +497,9 @@ class ModuleHooks:
             if ops is not None:
                 ops.producers.drop(frame)
             entries = session.end_call(frame, tensors, scalars)
+            if not session.stack and self.random_before is not None:  # a root call's forward ended
+                session.saw_random(self.adapter.random_state() != self.random_before)
+                self.random_before = None
             if path in self.tied_in_module and self._taps_enabled() and self.record_params:
                 self.watch_param_uses(frame, module, [t for _, t in tensors])
             modified = self.check_in_place(frame)

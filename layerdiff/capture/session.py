@@ -171,6 +171,7 @@ class TraceSession:
         self.failure: dict | None = None
         self.warnings: list[str] = []
         self.autocast: set[str] = set()  # dtypes automatic mixed precision computed in, in any call
+        self.random_drawn: bool | None = None  # whether a root call's forward drew random numbers (None: not known)
         self.started = time.time()
         self.deferred: list[DeferredStats] = []  # statistics still on the device ...
         self.queued: list[dict] = []  # ... and the records that wait for them, in order
@@ -297,6 +298,11 @@ class TraceSession:
         if hit is not None:
             hit[0].append(weakref.ref(alias))
             self._seen_object(alias, hit[1])
+
+    def saw_random(self, drawn: bool) -> None:
+        """A root call's forward ended having drawn from the framework's random generators, or not
+        (``FrameworkAdapter.random_state``): the end record says whether any did (``rng_drawn``)."""
+        self.random_drawn = bool(self.random_drawn) or drawn
 
     def warn(self, message: str):
         if message not in self.warnings:
@@ -603,4 +609,6 @@ class TraceSession:
                "warnings": self.warnings}
         if self.autocast:
             end["autocast_dtypes"] = sorted(self.autocast)
+        if self.random_drawn is not None:
+            end["rng_drawn"] = self.random_drawn
         self.writer.close(end)

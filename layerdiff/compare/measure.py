@@ -648,14 +648,17 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
             "first_nonfinite": {"a": first_nonfinite(reader_a.records, ops=reader_a.ops),
                                 "b": first_nonfinite(reader_b.records, ops=reader_b.ops)},
-            "settings": settings_report(_with_autocast(reader_a), _with_autocast(reader_b)),
+            "settings": settings_report(_run_settings(reader_a), _run_settings(reader_b)),
             "config_diff": _config_diff(reader_a.meta, reader_b.meta), "not_compared": not_compared,
             "recompute": recomputed}
 
 
-def _with_autocast(reader) -> dict:
-    """A trace's settings, with what automatic mixed precision computed in (known only once the run ended)."""
-    return {**reader.meta, "autocast_dtypes": list(reader.end.autocast_dtypes) if reader.end else []}
+def _run_settings(reader) -> dict:
+    """A trace's settings, with what is known only once the run ended: what automatic mixed precision computed in,
+    and whether its forward drew random numbers."""
+    end = reader.end
+    return {**reader.meta, "autocast_dtypes": list(end.autocast_dtypes) if end else [],
+            "rng_drawn": end.rng_drawn if end else None}
 
 
 def _config_diff(meta_a: dict, meta_b: dict) -> list | None:

@@ -62,11 +62,14 @@ def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[S
 
 
 def _matters(key: str, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> bool:
-    """The random state matters only where a run trains (dropout draws from it) and the seeds do not already
-    differ (which says it)."""
+    """The random state matters only where a run trains (dropout draws from it), the seeds do not already differ
+    (which says it), and a run's forward drew random numbers at all (``rng_drawn``: a Llama of transformers
+    trains with dropout 0 and draws none; unknown in older traces, and then it may have)."""
     if key != "rng_state":
         return True
-    return bool(meta_a.get("training") or meta_b.get("training")) and meta_a.get("seed") == meta_b.get("seed")
+    drawn = meta_a.get("rng_drawn") is not False or meta_b.get("rng_drawn") is not False
+    return bool(meta_a.get("training") or meta_b.get("training")) and meta_a.get("seed") == meta_b.get("seed") \
+        and drawn
 
 
 def settings_report(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> dict[str, Any]:

@@ -239,6 +239,8 @@ class EndRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, t
     failure: Optional[dict[str, Any]] = None
     warnings: list[Any] = []
     autocast_dtypes: list[str] = []  # what automatic mixed precision computed in (torch.autocast), in any call
+    # whether the model's forward drew from the framework's random generators in any call (None: not known)
+    rng_drawn: Optional[bool] = None
     steps: Optional[Count] = None
     records: Optional[Count] = None
     tensor_bytes: Optional[Count] = None

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from layerdiff.compare.settings import differing_settings, settings_report
+from layerdiff.tracefile.reader import open_trace
 
 
 def _meta(**kw):
@@ -38,6 +39,14 @@ def test_the_random_state_is_listed_where_a_run_trains_with_the_same_seed():
     assert [d.key for d in differing_settings(a, {**b, "seed": 1})] == ["seed"]  # the seeds say it already
 
 
+def test_the_random_state_is_not_listed_where_neither_forward_drew_random_numbers():
+    a, b = _meta(rng_state="95d8", training=True), _meta(rng_state="9168", training=True)
+    assert differing_settings({**a, "rng_drawn": False}, {**b, "rng_drawn": False}) == []
+    for drawn in (True, None):  # one run drew (dropout), or a trace too old to say
+        assert [d.key for d in differing_settings({**a, "rng_drawn": False}, {**b, "rng_drawn": drawn})] == \
+            ["rng_state"]
+
+
 @pytest.mark.torch
 def test_dropout_drawn_from_another_random_state_is_explained(tmp_path):
     """Two traces of GPT-2 in training mode (dropout 0.1) in one process, the second after the first consumed the
@@ -57,6 +66,41 @@ def test_dropout_drawn_from_another_random_state_is_explained(tmp_path):
     report = align_files(tmp_path / "a.h5", tmp_path / "b.h5")
     assert report["verdict"] == "divergent"
     assert [d["key"] for d in report["settings"]["differ"]] == ["rng_state"]
+    for name in ("a", "b"):
+        with open_trace(tmp_path / f"{name}.h5") as trace:
+            assert trace.end.rng_drawn is True  # its dropout drew the masks
+
+
+@pytest.mark.torch
+def test_another_random_state_is_not_blamed_where_the_forward_draws_no_random_numbers(tmp_path):
+    """A transformers Llama built from a config trains with attention dropout 0: its forward draws nothing, so two
+    runs whose generators were consumed differently are the same run, and the report says nothing of it (the demo
+    listed the random state first, a false lead)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import layerdiff
+    from conftest import align_files
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.arange(16).reshape(2, 8)
+    states = []
+    for name in ("a", "b"):
+        torch.rand(3)  # the generator consumed between the runs, as another order of initialization would
+        states.append(torch.get_rng_state())
+        model.zero_grad(set_to_none=True)
+        with layerdiff.trace(model, tmp_path / f"{name}.h5"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert torch.equal(torch.get_rng_state(), states[-1])  # nothing drew from it while the trace was open
+    assert model.training and not torch.equal(states[0], states[1])
+    report = align_files(tmp_path / "a.h5", tmp_path / "b.h5")
+    assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
+    assert report["settings"]["differ"] == []
+    for name in ("a", "b"):
+        with open_trace(tmp_path / f"{name}.h5") as trace:
+            assert trace.meta["rng_state"] and trace.end.rng_drawn is False
 
 
 def test_notes_are_carried():
