@@ -85,7 +85,9 @@ KEYS = {
                   "`grad_uses_differ` (users of a tied weight whose own gradient contribution differs).",
         "growth": "How the error grows (the block table): forward calls at the depth that shows the model's "
                   "blocks, plus the origin's ancestors and siblings; each `{\"module\", \"call\", \"type\", "
-                  "\"depth\", \"passed\", \"max_abs\", \"rel\", \"cosine\", \"origin\"}`.",
+                  "\"depth\", \"passed\", \"max_abs\", \"rel\", \"cosine\", \"origin\"}`, and `\"nonfinite\"`: "
+                  "how many elements are NaN or infinite in one run and not in the other, in the output ranked "
+                  "worst (its other metrics are over the finite values; the terminal shows `NaN/Inf xN`).",
     },
     "RunSummary": {
         "path": "The trace file, or the directory of a multi-rank run.",

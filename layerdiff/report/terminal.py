@@ -120,8 +120,9 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
         lines.append(f"{lead}{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/] differs: {as_text(tensor['reason'])}")
         m = tensor.get("metrics") or {}
         if m.get("basis") == "data":
+            over = "  (over the values finite in both)" if m.get("nonfinite_mismatch") else ""
             lines.append(f"max abs {fmt_number(m.get('max_abs'))}  mean abs {fmt_number(m.get('mean_abs'))}  "
-                         f"max rel {fmt_number(m.get('max_rel'))}  cosine {fmt_cos(m.get('cosine'))}")
+                         f"max rel {fmt_number(m.get('max_rel'))}  cosine {fmt_cos(m.get('cosine'))}{over}")
         if origin.get("ranks"):
             ranks = origin["ranks"]
             lines.append(f"[yellow]on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
@@ -357,8 +358,10 @@ def _render_growth(report: View, console: Console):
         style = "bold red" if r["origin"] else ("" if r["passed"] else "red")
         mark = Text("<- origin", style="bold red") if r["origin"] else Text("ok" if r["passed"] else "x",
                                                                             style="green" if r["passed"] else "red")
-        table.add_row(Text(indent + name, style=style), as_text(r["type"] or ""), fmt_number(r["max_abs"]), fmt_number(r["rel"]),
-                      fmt_cos(r["cosine"]), mark)
+        nonfinite = r.get("nonfinite") or 0  # its other metrics are over the finite values: 0 and 1 would hide it
+        table.add_row(Text(indent + name, style=style), as_text(r["type"] or ""),
+                      f"NaN/Inf x{nonfinite}" if nonfinite else fmt_number(r["max_abs"]),
+                      "-" if nonfinite else fmt_number(r["rel"]), "-" if nonfinite else fmt_cos(r["cosine"]), mark)
     console.print(table)
 
 

@@ -70,6 +70,28 @@ def test_nan_origin_is_reported_for_the_candidate_only(recipe_trace, align_paths
     assert (nan["module"], nan["phase"], nan["nan"]) == ("model.layers.1.mlp.gate_proj", "forward", 1)
 
 
+
+def test_the_block_table_shows_where_nan_spreads_not_zeros(recipe_trace, align_paths):
+    """A NaN in one run only: the tensor's other metrics are over the values finite in both (0 and cosine 1 at
+    the origin), so the block table says how many elements are NaN or infinite in one run only, and the origin's
+    metrics say what they are over."""
+    from rich.console import Console
+
+    from layerdiff.report.terminal import render
+
+    report = align_paths(recipe_trace(), recipe_trace("nan"))
+    rows = {row["module"]: row for row in report["growth"]}
+    origin = rows["model.layers.1.mlp.gate_proj"]
+    assert origin["origin"] and origin["nonfinite"] == 1 and origin["max_abs"] == 0
+    assert rows["model.layers.0"]["nonfinite"] == 0 and rows["model.layers.1.mlp.down_proj"]["nonfinite"] > 1
+    console = Console(record=True, width=200)
+    render(report, console)
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "model.layers.1.mlp.gate_proj" in line and "<- origin" in line)
+    assert row.split()[2:] == ["NaN/Inf", "x1", "-", "-", "<-", "origin"], row
+    assert "(over the values finite in both)" in text
+
+
 @pytest.mark.parametrize("variant", [None, "reimpl"])
 def test_clean_pairs_raise_no_alarm(recipe_trace, align_paths, variant):
     """Same model twice, and an honest fp32 reimplementation (eager attention, RMSNorm by division)."""
