@@ -47,18 +47,44 @@ class SettingDiff:
     why: str
 
 
+# what says nothing across frameworks: each its own versions, and its own random generators (a port's weights are
+# transferred, and no seed of one framework draws the other's dropout masks)
+_OWN_TO_A_FRAMEWORK = frozenset({"framework_version", "seed", "rng_state"})
+
+
 def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[SettingDiff]:
     """Settings both runs recorded with different values, plus environment variables and framework flags set
-    differently (set on one side only counts)."""
+    differently (set on one side only counts). Between two frameworks, only what means the same in both."""
+    same_framework = meta_a.get("framework") == meta_b.get("framework")
     out = [SettingDiff(key, meta_a[key], meta_b[key], why) for key, why in WHY.items()
-           if key in meta_a and key in meta_b and meta_a[key] != meta_b[key] and _matters(key, meta_a, meta_b)]
-    if meta_a.get("framework") == meta_b.get("framework"):
+           if key in meta_a and key in meta_b and (same_framework or key not in _OWN_TO_A_FRAMEWORK)
+           and _differ(key, meta_a[key], meta_b[key], same_framework) and _matters(key, meta_a, meta_b)]
+    if same_framework:
         for group, why in (("env", _ENV_WHY), ("flags", _FLAG_WHY)):
             a, b = meta_a.get(group) or {}, meta_b.get(group) or {}
             if isinstance(a, dict) and isinstance(b, dict):
                 out += [SettingDiff(key, a.get(key), b.get(key), why) for key in sorted(set(a) | set(b))
                         if a.get(key) != b.get(key)]
     return out
+
+
+def _differ(key: str, a: Any, b: Any, same_framework: bool) -> bool:
+    """Whether two runs' values of a setting differ; devices across frameworks by their kind (Paddle's
+    ``Place(gpu:0)`` is torch's ``cuda:0``; MindSpore names its target alone)."""
+    if key == "devices" and not same_framework and isinstance(a, list) and isinstance(b, list):
+        return _device_kinds(a) != _device_kinds(b)
+    return bool(a != b)
+
+
+def _device_kinds(devices: list) -> set[str]:
+    kinds = set()
+    for device in devices:
+        name = str(device).lower()
+        if name.startswith("place(") and name.endswith(")"):
+            name = name[len("place("):-1]
+        kind = name.partition(":")[0]
+        kinds.add("cuda" if kind in ("gpu", "gpu_pinned") else "cpu" if kind == "cpu_pinned" else kind)
+    return kinds
 
 
 def _matters(key: str, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> bool:

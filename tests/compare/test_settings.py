@@ -28,8 +28,23 @@ def test_only_what_differs_is_listed_with_why():
 def test_keys_of_one_framework_only_are_not_compared_across_frameworks():
     paddle = {"framework": "paddle", "framework_version": "3.3.1", "seed": 0, "flags": {"FLAGS_cudnn_deterministic": True},
               "env": {"FLAGS_x": "1"}}
-    keys = [d.key for d in differing_settings(_meta(), paddle)]
-    assert keys == ["framework_version"]  # seeds agree; torch's switches have no Paddle counterpart
+    assert differing_settings(_meta(), paddle) == []  # torch's switches have no Paddle counterpart
+
+
+def test_across_frameworks_only_what_means_the_same_in_both_is_compared():
+    """A port's versions, seeds and random states are each its framework's own (the weights are transferred): the
+    demo's Paddle candidate listed all three against torch, and its devices as Place(cpu) against cpu."""
+    torch = _meta(devices=["cpu"], seed=8638558908101672717, rng_state="95d8", training=True, num_threads=2)
+    paddle = {"framework": "paddle", "framework_version": "3.3.1", "seed": 4174675697016615, "devices": ["Place(cpu)"],
+              "training": True, "num_threads": 1}
+    assert [(d.key, d.a, d.b) for d in differing_settings(torch, paddle)] == [("num_threads", 2, 1)]
+    mindspore = {"framework": "mindspore", "framework_version": "2.10.0", "seed": None, "devices": ["gpu"],
+                 "training": True, "num_threads": 2}
+    assert [d.key for d in differing_settings(torch, mindspore)] == ["devices"]  # a CPU run against a GPU one
+    assert differing_settings({**torch, "devices": ["cuda:0"]}, {**paddle, "devices": ["Place(gpu:0)"],
+                                                                  "num_threads": 2}) == []
+    # within one framework a seed against none is a difference (one run unseeded)
+    assert [d.key for d in differing_settings({**mindspore, "seed": 1}, mindspore)] == ["seed"]
 
 
 def test_the_random_state_is_listed_where_a_run_trains_with_the_same_seed():
