@@ -76,7 +76,7 @@ def _differ(key: str, a: Any, b: Any, same_framework: bool) -> bool:
     return bool(a != b)
 
 
-def _device_kinds(devices: list) -> set[str]:
+def _device_kinds(devices: list[Any]) -> set[str]:
     kinds = set()
     for device in devices:
         name = str(device).lower()
