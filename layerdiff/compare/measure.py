@@ -648,9 +648,18 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
             "only_a": [_short(r) for r in matching.only_a], "only_b": [_short(r) for r in matching.only_b],
             "first_nonfinite": {"a": first_nonfinite(reader_a.records, ops=reader_a.ops),
                                 "b": first_nonfinite(reader_b.records, ops=reader_b.ops)},
-            "settings": settings_report(_run_settings(reader_a), _run_settings(reader_b)),
+            "settings": settings_report(_run_settings(reader_a), _run_settings(reader_b), _same_weights(records)),
             "config_diff": _config_diff(reader_a.meta, reader_b.meta), "not_compared": not_compared,
             "recompute": recomputed}
+
+
+def _same_weights(records: list[schema.Row]) -> bool:
+    """Whether the two runs' parameters were found identical when first recorded (their values or, in stats
+    traces, their statistics): then no seed explains an initialization."""
+    params = [r for r in records if r["kind"] == "param"]
+    first = min((r["step"] for r in params), default=None)  # later values differ by their training, not a seed
+    values = [t for r in params if r["step"] == first for t in r["tensors"]]
+    return bool(values) and all(t["metrics"].get("identical") for t in values)
 
 
 def _run_settings(reader) -> dict:

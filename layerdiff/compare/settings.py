@@ -52,13 +52,16 @@ class SettingDiff:
 _OWN_TO_A_FRAMEWORK = frozenset({"framework_version", "seed", "rng_state"})
 
 
-def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[SettingDiff]:
+def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any],
+                       same_weights: bool = False) -> list[SettingDiff]:
     """Settings both runs recorded with different values, plus environment variables and framework flags set
-    differently (set on one side only counts). Between two frameworks, only what means the same in both."""
+    differently (set on one side only counts). Between two frameworks, only what means the same in both.
+    ``same_weights``: the runs' parameters were found identical (then a seed explains no initialization)."""
     same_framework = meta_a.get("framework") == meta_b.get("framework")
     out = [SettingDiff(key, meta_a[key], meta_b[key], why) for key, why in WHY.items()
            if key in meta_a and key in meta_b and (same_framework or key not in _OWN_TO_A_FRAMEWORK)
-           and _differ(key, meta_a[key], meta_b[key], same_framework) and _matters(key, meta_a, meta_b)]
+           and _differ(key, meta_a[key], meta_b[key], same_framework)
+           and _matters(key, meta_a, meta_b, same_weights)]
     if same_framework:
         for group, why in (("env", _ENV_WHY), ("flags", _FLAG_WHY)):
             a, b = meta_a.get(group) or {}, meta_b.get(group) or {}
@@ -87,18 +90,21 @@ def _device_kinds(devices: list[Any]) -> set[str]:
     return kinds
 
 
-def _matters(key: str, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> bool:
-    """The random state matters only where a run trains (dropout draws from it), the seeds do not already differ
-    (which says it), and a run's forward drew random numbers at all (``rng_drawn``: a Llama of transformers
-    trains with dropout 0 and draws none; unknown in older traces, and then it may have)."""
-    if key != "rng_state":
+def _matters(key: str, meta_a: dict[str, Any], meta_b: dict[str, Any], same_weights: bool) -> bool:
+    """The seed and the random state matter only where a run's forward drew random numbers at all (``rng_drawn``:
+    a Llama of transformers trains with dropout 0 and draws none; unknown in older traces, and then it may have);
+    the seed also where the weights differ (its initialization). The random state, besides, only where a run
+    trains (dropout draws from it) and the seeds do not already differ (which says it)."""
+    if key not in ("seed", "rng_state"):
         return True
     drawn = meta_a.get("rng_drawn") is not False or meta_b.get("rng_drawn") is not False
+    if key == "seed":
+        return drawn or not same_weights
     return bool(meta_a.get("training") or meta_b.get("training")) and meta_a.get("seed") == meta_b.get("seed") \
         and drawn
 
 
-def settings_report(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> dict[str, Any]:
+def settings_report(meta_a: dict[str, Any], meta_b: dict[str, Any], same_weights: bool = False) -> dict[str, Any]:
     """``report["settings"]``: what differs, and each run's own notes (``meta={...}`` given to trace)."""
-    return {"differ": [asdict(d) for d in differing_settings(meta_a, meta_b)],
+    return {"differ": [asdict(d) for d in differing_settings(meta_a, meta_b, same_weights)],
             "notes": {"a": meta_a.get("user") or {}, "b": meta_b.get("user") or {}}}
