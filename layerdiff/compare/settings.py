@@ -47,9 +47,10 @@ class SettingDiff:
     why: str
 
 
-# what says nothing across frameworks: each its own versions, and its own random generators (a port's weights are
-# transferred, and no seed of one framework draws the other's dropout masks)
-_OWN_TO_A_FRAMEWORK = frozenset({"framework_version", "seed", "rng_state"})
+# what says nothing across frameworks: each its own versions, its own random generators (a port's weights are
+# transferred, and no seed of one framework draws the other's dropout masks) and its own kernels, which split their
+# reductions over threads their own way
+_OWN_TO_A_FRAMEWORK = frozenset({"framework_version", "seed", "rng_state", "num_threads"})
 
 
 def differing_settings(meta_a: dict[str, Any], meta_b: dict[str, Any],

@@ -47,12 +47,12 @@ def test_across_frameworks_only_what_means_the_same_in_both_is_compared():
     torch = _meta(devices=["cpu"], seed=8638558908101672717, rng_state="95d8", training=True, num_threads=2)
     paddle = {"framework": "paddle", "framework_version": "3.3.1", "seed": 4174675697016615, "devices": ["Place(cpu)"],
               "training": True, "num_threads": 1}
-    assert [(d.key, d.a, d.b) for d in differing_settings(torch, paddle)] == [("num_threads", 2, 1)]
+    assert differing_settings(torch, paddle) == []  # its thread count too: other kernels split their work
+    assert [d.key for d in differing_settings(torch, {**paddle, "training": False})] == ["training"]
     mindspore = {"framework": "mindspore", "framework_version": "2.10.0", "seed": None, "devices": ["gpu"],
                  "training": True, "num_threads": 2}
     assert [d.key for d in differing_settings(torch, mindspore)] == ["devices"]  # a CPU run against a GPU one
-    assert differing_settings({**torch, "devices": ["cuda:0"]}, {**paddle, "devices": ["Place(gpu:0)"],
-                                                                  "num_threads": 2}) == []
+    assert differing_settings({**torch, "devices": ["cuda:0"]}, {**paddle, "devices": ["Place(gpu:0)"]}) == []
     # within one framework a seed against none is a difference (one run unseeded)
     assert [d.key for d in differing_settings({**mindspore, "seed": 1}, mindspore)] == ["seed"]
 
