@@ -101,6 +101,13 @@ def row_status(row: View) -> str:
     return "ok"
 
 
+def _window(paths: str) -> str:
+    """The ``--ops-in`` pattern of a module, or of the modules of one run that stand for it together (B's
+    ``a + b`` where a port splits or fuses it)."""
+    parts = [re.escape(p) for p in paths.split(" + ")]
+    return "^" + (parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")") + "$"
+
+
 def retrace_hint(report: View, origin: View) -> list[str]:
     """Where the origin is a module's own code and no operations were recorded there: the commands that trace both
     runs again with ``--ops-in`` on that module (or the Python form, for runs traced from Python)."""
@@ -111,14 +118,18 @@ def retrace_hint(report: View, origin: View) -> list[str]:
     if any(r.get("ops") is not None for r in calls) or \
             any(r.get("family_a") in _FRAMEWORK_LEAVES for r in calls):  # nn.Linear: its operations are torch's
         return []
-    pattern = "^" + re.escape(path) + "$"
+    patterns = {"a": _window(path), "b": _window(origin.get("path_b") or path)}  # B may name it otherwise (a port)
     lines = []
     for side in ("a", "b"):
         run = report.get(side) or {}
         target = run.get("target")
+        pattern = patterns[side]
         if not target:
-            return [f"to see the operation and line: trace both runs again with "
-                    f"layerdiff.trace(model, path, ops=[{pattern!r}]) (or --ops-in {shlex.quote(pattern)})"]
+            if patterns["a"] == patterns["b"]:
+                return [f"to see the operation and line: trace both runs again with "
+                        f"layerdiff.trace(model, path, ops=[{pattern!r}]) (or --ops-in {shlex.quote(pattern)})"]
+            return [f"to see the operation and line: trace both runs again with layerdiff.trace(model, path, ops=[...]) "
+                    f"(or --ops-in): A with ops=[{patterns['a']!r}], B with ops=[{patterns['b']!r}]"]
         out = str(run.get("path") or f"{side}.h5")
         out = re.sub(r"(\.h5)?$", "_ops.h5", out, count=1)
         args = " ".join(f"--arg {shlex.quote(f'{k}={v}')}" for k, v in (run.get("target_args") or {}).items())

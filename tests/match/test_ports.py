@@ -184,6 +184,26 @@ def test_megatron_defects_named_in_hf_names(ports, defect):
                                                                     "model.layers.1.post_attention_layernorm"]
 
 
+def test_the_retrace_hint_names_each_runs_own_module(ports):
+    """Megatron names HF's ``model.rotary_emb`` ``rotary_pos_emb``: the hint that records the origin's operations
+    gives each run the window of its own module (B's was A's, which matches none of Megatron's modules)."""
+    import ast
+    import re
+
+    from layerdiff.report.ops_view import retrace_hint
+
+    report = align_files(ports / "hf.h5", ports / "mg_rotary.h5")
+    origin = report["forward"]["first_divergence"]
+    assert (origin["module"], origin["path_b"]) == ("model.rotary_emb", "rotary_pos_emb")
+    hint = " ".join(retrace_hint(report, origin))
+    windows = [(side, ast.literal_eval(quoted)) for side, quoted in re.findall(r"([AB]) with ops=\[('.+?')\]", hint)]
+    assert [side for side, _ in windows] == ["A", "B"], hint
+    for (side, pattern), trace in zip(windows, ("hf.h5", "mg_rotary.h5")):
+        with open_trace(ports / trace) as t:
+            matched = {r.path for r in t.records if r.kind == "call" and re.search(pattern, r.path)}
+        assert matched == {origin["module"] if side == "A" else origin["path_b"]}, (side, pattern, matched)
+
+
 def test_megatron_operations_align_with_hf(ports):
     """Operations recorded in both: Megatron's [s, b, heads, d] against HF's [b, heads, s, d] (head_dim equal to
     the sequence length here: dimensions of one size keep their order), its [s, b, groups, heads * d] split of the
