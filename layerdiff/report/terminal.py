@@ -297,9 +297,11 @@ def _render_module_ops(report: View, origin: View, console: Console):
 
     table = Table(title=f"operations of {origin.get('module') or '<root>'} ({origin.get('phase')}), A | B "
                         f"(lines of {files['a']} | {files['b']})", title_justify="left", box=None, pad_edge=False)
-    for col in ("#", "operation (A)", "line A", "B", "line B", "max rel", ""):
-        table.add_column(col, no_wrap=True)
-    table.add_column("code (B)", no_wrap=True, overflow="ellipsis", max_width=60)
+    # short columns keep their width on a narrow terminal (the origin's mark, a line number); the code gives way
+    for col, least in (("#", 2), ("operation (A)", 12), ("line A", 6), ("B", 12), ("line B", 6), ("max rel", 7),
+                       ("", 9)):
+        table.add_column(col, no_wrap=True, min_width=least)
+    table.add_column("code (B)", no_wrap=True, overflow="ellipsis", max_width=60, min_width=10)
     for r in rows:
         a, b = r.get("op") or {}, r.get("op_b") or {}
         rel = max((t["metrics"].get("max_rel") or 0 for t in r.get("tensors", ()) if t.get("metrics")
