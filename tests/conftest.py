@@ -147,31 +147,56 @@ def run_cli(*args, cwd=None, timeout=300):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-# several CLI runs in one fresh interpreter, one after the other: ``main`` once per run
+# several CLI runs in one fresh interpreter, one after the other: ``main`` once per run, each run's exit code and
+# output written as JSON to the file named second; the first that fails stops the rest where asked (third)
 _CLI_RUNS = """
+import contextlib
+import io
 import json
 import sys
 
 from layerdiff.cli import main
 
+results = []
 for argv in json.loads(sys.argv[1]):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    if code:
-        sys.exit(f"{argv}: exit {code}")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    results.append((code or 0, out.getvalue(), err.getvalue()))
+    if code and sys.argv[3] == "stop":
+        break
+with open(sys.argv[2], "w") as f:
+    json.dump(results, f)
 """
 
 
+def run_cli_each(*runs: list, timeout=600) -> list[tuple[int, str, str]]:
+    """The real CLI's runs (each a list of arguments) in one fresh interpreter, in order: (returncode, stdout,
+    stderr) of each. For runs of one framework other than torch, whose import alone is seconds (MindSpore's ~5 s):
+    it is imported once for them all."""
+    return _cli_runs(runs, stop=False, timeout=timeout)[0]
+
+
 def run_cli_runs(*runs: list, timeout=600) -> tuple[int, str, str]:
-    """The real CLI's runs (each a list of arguments) in one fresh interpreter, in order, stopping at the first
-    that fails: (returncode, stdout, stderr). For runs of one framework other than torch, whose import alone is
-    seconds (MindSpore's ~5 s): it is imported once for them all."""
+    """``run_cli_each``, stopping at the first run that fails: (returncode, stdout, stderr) of them together."""
+    results, proc = _cli_runs(runs, stop=True, timeout=timeout)
+    failed = next((r for r in results if r[0]), None)
+    return (failed[0] if failed else 0, "".join(r[1] for r in results),
+            "".join(r[2] for r in results) + proc.stderr)
+
+
+def _cli_runs(runs: tuple, stop: bool, timeout: float) -> tuple[list, subprocess.CompletedProcess]:
+    """[(returncode, stdout, stderr)] of each run made, and the interpreter's own process."""
     argvs = [[str(a) for a in run] for run in runs]
-    proc = subprocess.run([sys.executable, "-c", _CLI_RUNS, json.dumps(argvs)], capture_output=True, text=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout, proc.stderr
+    with tempfile.TemporaryDirectory() as scratch:
+        results = Path(scratch) / "results.json"
+        proc = subprocess.run([sys.executable, "-c", _CLI_RUNS, json.dumps(argvs), str(results),
+                               "stop" if stop else "all"], capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and results.exists(), f"the CLI runs' interpreter died:\n{proc.stderr[-4000:]}"
+        return [tuple(r) for r in json.loads(results.read_text())], proc
 
 
 # the other frameworks, as their recipes, flags and scripts name them: such runs must start bare (mindspore before

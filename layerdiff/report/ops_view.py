@@ -128,8 +128,8 @@ def retrace_hint(report: View, origin: View) -> list[str]:
             if patterns["a"] == patterns["b"]:
                 return [f"to see the operation and line: trace both runs again with "
                         f"layerdiff.trace(model, path, ops=[{pattern!r}]) (or --ops-in {shlex.quote(pattern)})"]
-            return [f"to see the operation and line: trace both runs again with layerdiff.trace(model, path, ops=[...]) "
-                    f"(or --ops-in): A with ops=[{patterns['a']!r}], B with ops=[{patterns['b']!r}]"]
+            return [f"to see the operation and line: trace both runs again with layerdiff.trace(model, path, "
+                    f"ops=[...]) (or --ops-in): A with ops=[{patterns['a']!r}], B with ops=[{patterns['b']!r}]"]
         out = str(run.get("path") or f"{side}.h5")
         out = re.sub(r"(\.h5)?$", "_ops.h5", out, count=1)
         args = " ".join(f"--arg {shlex.quote(f'{k}={v}')}" for k, v in (run.get("target_args") or {}).items())

@@ -1,15 +1,14 @@
 """layerdiff bisect across frameworks: a reference traced in one framework replayed into a candidate in another,
-for every pair. Each side runs in its own process through the real CLI (one framework per process)."""
+for every pair, through the real CLI. Each framework runs in a process of its own (the bisects into one framework
+together)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_each
 from layerdiff.recipes.llama_shared import DEFECTS, FAILURES
 
 pytest.importorskip("torch")
@@ -31,31 +30,34 @@ assert {defect for *_, defect in CASES} >= set(DEFECTS)
 ORIGINS = {**DEFECTS, **FAILURES}
 
 
-def _cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "layerdiff", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
 @pytest.fixture(scope="module")
 def bisected(tmp_path_factory):
-    """{case: (exit code, result JSON, stderr, work dir)}, two processes at a time."""
+    """{case: (exit code, result JSON, stderr, work dir)}. The bisects into one framework run in one interpreter
+    (``conftest.run_cli_each``: the framework imported once for them), the two frameworks' at the same time."""
     root = tmp_path_factory.mktemp("bisect_frameworks")
     with ThreadPoolExecutor(2) as pool:
-        refs = list(pool.map(lambda fw: _cli("trace", f"{fw}_llama", "-o", root / f"ref_{fw}.h5", "-q"),
+        refs = list(pool.map(lambda fw: run_cli_each(["trace", f"{fw}_llama", "-o", root / f"ref_{fw}.h5", "-q"])[0],
                              ("torch", "paddle", "mindspore")))
         assert all(code == 0 for code, _, _ in refs), refs
 
-        def run(case):
+        def name(case):
             ref, cand, defect = case
-            name = f"{ref}_{cand}_{defect}"
-            args = ["bisect", root / f"ref_{ref}.h5", f"{cand}_llama", "--workdir", root / name,
-                    "--json", root / f"{name}.json", "-q"] + (["--arg", f"defect={defect}"] if defect else [])
-            code, out, err = _cli(*args)
-            result = json.loads((root / f"{name}.json").read_text()) if code in (0, 1) else None
-            return case, (code, result, err, root / name)
+            return f"{ref}_{cand}_{defect}"
 
-        return dict(pool.map(run, CASES))
+        def bisect(case):
+            ref, cand, defect = case
+            return ["bisect", root / f"ref_{ref}.h5", f"{cand}_llama", "--workdir", root / name(case),
+                    "--json", root / f"{name(case)}.json", "-q"] + (["--arg", f"defect={defect}"] if defect else [])
+
+        groups = [[case for case in CASES if case[1] == framework] for framework in ("paddle", "mindspore")]
+        assert sum(map(len, groups)) == len(CASES)
+        done = pool.map(lambda group: run_cli_each(*map(bisect, group)), groups)
+        results = {}
+        for group, ran in zip(groups, done):
+            for case, (code, _, err) in zip(group, ran):
+                result = json.loads((root / f"{name(case)}.json").read_text()) if code in (0, 1) else None
+                results[case] = (code, result, err, root / name(case))
+        return results
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
