@@ -24,6 +24,7 @@ Paddle APIs used, and why:
 """
 from __future__ import annotations
 
+import array
 import math
 import os
 import platform
@@ -401,6 +402,22 @@ def _flags() -> dict:
     return out
 
 
+def rng_state() -> str | None:
+    """A fingerprint of Paddle's random generators' state now (each one's pickling state: its seed, offset and
+    engine), as torch's adapter takes one: a forward that left it as it was drew no dropout mask. None where this
+    Paddle's generators cannot say."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    try:
+        for state in paddle.get_rng_state():
+            for part in state.__getstate__():  # a list of ints: packed, 3x faster than its text
+                digest.update(array.array("q", part).tobytes() if isinstance(part, list) else repr(part).encode())
+    except (AttributeError, TypeError, OverflowError, RuntimeError):
+        return None
+    return digest.hexdigest()
+
+
 def metadata(model) -> dict:
     """Framework, devices, dtypes, seeds and determinism flags: what explains most 'same model' mismatches."""
     params = list(model.parameters())
@@ -421,6 +438,9 @@ def metadata(model) -> dict:
         meta["seed"] = int(paddle.get_rng_state()[0].current_seed())
     except Exception:
         pass
+    random = rng_state()
+    if random is not None:
+        meta["rng_state"] = random
     flags = _flags()
     meta["flags"] = flags
     for flag in ("FLAGS_cudnn_deterministic", "FLAGS_embedding_deterministic"):
@@ -447,6 +467,7 @@ class PaddleAdapter(FrameworkAdapter):
     describe = staticmethod(describe)
     fast_stats = staticmethod(fast_stats)
     autocast_dtypes = staticmethod(autocast_dtypes)
+    random_state = staticmethod(rng_state)
     placement = staticmethod(placement)
     metadata = staticmethod(metadata)
     distributed = staticmethod(distributed)

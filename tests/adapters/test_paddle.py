@@ -119,6 +119,11 @@ results["inplace"] = {
     "lin_out": np.asarray(net.b1.lin(paddle.to_tensor(x0))).tolist(),
 }
 
+# -- a forward that draws dropout masks from the random generators: its trace says so -------------------------
+dropping = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+with layerdiff.trace(dropping, out / "paddle_dropout.h5"):
+    dropping(paddle.randn([4, 8])).sum().backward()  # the input's draw is outside the model's call: not counted
+
 # -- a layer that raises is recorded as the failure --------------------------------------------------------
 class Boom(nn.Layer):
     def forward(self, x):
@@ -230,6 +235,15 @@ def test_two_paddle_runs_align(traces):
     _assert_clean(report)
     rows = [t for r in report["records"] for t in r["tensors"]]
     assert rows and all(t["metrics"]["identical"] for t in rows)  # same process, same kernels: same bits
+
+
+def test_a_paddle_trace_says_whether_its_forward_drew_random_numbers(traces):
+    """Paddle's generators are fingerprinted as torch's are (``rng_state``), around each root call: its dropout
+    drew (an unseeded run's seed then matters), the recipe's Llama drew nothing (its seed, different in each
+    process, is no lead)."""
+    with open_trace(_path(traces, "paddle_dropout")) as dropout, open_trace(_path(traces, "paddle_clean")) as clean:
+        assert dropout.end.rng_drawn is True and clean.end.rng_drawn is False
+        assert dropout.meta["rng_state"] and clean.meta["rng_state"]
 
 
 def test_paddle_port_aligns_with_torch(traces):
