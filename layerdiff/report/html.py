@@ -40,10 +40,13 @@ def _number(x) -> str:
 
 
 def _rel(row: View) -> float | None:
-    """A record's largest relative error over its tensors (max abs diff / the reference's max |value|)."""
+    """A record's largest relative error over its tensors (max abs diff / the reference's max |value|); inf where a
+    value is NaN or infinite in one run only (its other metrics are over the finite values)."""
     worst = None
     for t in row.get("tensors", ()):
         m = t.get("metrics") or {}
+        if m.get("nonfinite_mismatch"):
+            return math.inf
         diff, ref = m.get("max_abs"), m.get("ref_max_abs")
         if isinstance(diff, (int, float)) and isinstance(ref, (int, float)) and math.isfinite(diff):
             rel = diff / ref if ref > 0 else (0.0 if diff == 0 else 1.0)
@@ -69,20 +72,28 @@ def error_plot(report: View, width: int = 1000, height: int = 260) -> str:
     """An SVG line plot of each call's relative error (log scale) in execution order, forward and backward."""
     pad_l, pad_b, pad_t = 60, 28, 14
     series = {phase: _series(report, phase) for phase in ("forward", "backward")}
-    values = [rel for s in series.values() for _, rel, _ in s if rel > 0]
-    if not values:
+    values = [rel for s in series.values() for _, rel, _ in s if 0 < rel < math.inf]
+    nonfinite = any(rel == math.inf for s in series.values() for _, rel, _ in s)
+    if not values and not nonfinite:
         return "<p class='dim'>no tensor differs: nothing to plot</p>"
-    low = math.floor(math.log10(max(min(values), 1e-12)))
-    high = max(math.ceil(math.log10(max(values))), low + 1)
+    low = math.floor(math.log10(max(min(values), 1e-12))) if values else -6
+    high = max(math.ceil(math.log10(max(values))), low + 1) if values else 0
     n = max(len(s) for s in series.values())
+    nan_row = pad_t + 4  # NaN/Inf in one run only: a row of their own, above the scale
+    pad_t += 22 if nonfinite else 0
     plot_w, plot_h = width - pad_l - 10, height - pad_b - pad_t
 
     def xy(i, rel):
+        x = pad_l + plot_w * (i / max(n - 1, 1))
+        if rel == math.inf:
+            return x, nan_row
         y = math.log10(max(rel, 10.0 ** low))
-        return pad_l + plot_w * (i / max(n - 1, 1)), pad_t + plot_h * (1 - (y - low) / (high - low))
+        return x, pad_t + plot_h * (1 - (y - low) / (high - low))
 
     parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img' "
              "aria-label='relative error by module call'>"]
+    if nonfinite:
+        parts.append(f"<text x='{pad_l - 6}' y='{nan_row + 4}' font-size='11' text-anchor='end'>NaN/Inf</text>")
     for e in range(low, high + 1):
         _, y = xy(0, 10.0 ** e)
         parts.append(f"<line x1='{pad_l}' x2='{width - 10}' y1='{y:.1f}' y2='{y:.1f}' stroke='#eee'/>"
@@ -97,8 +108,9 @@ def error_plot(report: View, width: int = 1000, height: int = 260) -> str:
         for i, (module, rel, is_origin) in enumerate(points):
             x, y = xy(i, rel)
             r, fill = (5, "#b00020") if is_origin else (2, colors[phase])
+            value = "NaN/Inf in one run only" if rel == math.inf else f"{rel:.3g}"
             parts.append(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='{r}' fill='{fill}'><title>{escape(phase)} "
-                         f"{escape(module)}: {rel:.3g}</title></circle>")
+                         f"{escape(module)}: {value}</title></circle>")
     parts.append(f"<text x='{pad_l}' y='{height - 6}' font-size='11'>module calls in execution order "
                  "(blue: forward, orange: backward; red dot: origin); y: max abs diff / max |A|</text></svg>")
     return "".join(parts)
@@ -180,18 +192,24 @@ def _tree(report: View, phase: str) -> str:
         parent = tuple(r["parent"]) if r.get("parent") else None
         children.setdefault((r.get("step", 0), parent), []).append(r)
 
-    def node(r) -> str:
+    def node(r) -> tuple[str, bool]:
+        """The call's HTML, and whether it and every call inside it agree."""
         ok = row_passed(r)
         is_origin = r["path"] == origin.get("module") and r.get("step", 0) == origin.get("step", 0)
-        mark = "<span class='ok'>ok</span>" if ok else "<span class='bad'>differs</span>"
+        inside = [node(c) for c in children.get((r.get("step", 0), (r["path"], r["call"])), ())]
+        whole = ok and all(agree for _, agree in inside)
+        # a call whose own tensors agree but a call inside it differs (backward's root: the loss's gradient is 1)
+        mark = ("<span class='ok'>ok</span>" if whole else "<span class='bad'>differs inside</span>") if ok \
+            else "<span class='bad'>differs</span>"
         label = escape(r["path"] or "<root>") + (f" #{r['call']}" if r.get("call") else "")
-        kids = "".join(node(c) for c in children.get((r.get("step", 0), (r["path"], r["call"])), ()))
-        return (f"<details class='{'is-origin' if is_origin else ''}'{' open' if is_origin or not ok else ''}>"
+        kids = "".join(html for html, _ in inside)
+        return (f"<details class='{'is-origin' if is_origin else ''}'{' open' if is_origin or not whole else ''}>"
                 f"<summary>{label} <span class='dim'>{escape(str(r.get('type_a') or ''))}</span> {mark}"
-                f"{' <b class=bad>&larr; origin</b>' if is_origin else ''}</summary>{_tensor_table(r)}{kids}</details>")
+                f"{' <b class=bad>&larr; origin</b>' if is_origin else ''}</summary>{_tensor_table(r)}{kids}</details>",
+                whole)
 
     roots = [r for (step, parent), rs in children.items() if parent is None for r in rs]
-    return "<div class='tree'>" + "".join(node(r) for r in roots) + "</div>"
+    return "<div class='tree'>" + "".join(node(r)[0] for r in roots) + "</div>"
 
 
 def _settings(report: View) -> str:

@@ -98,3 +98,20 @@ def test_an_operation_origin_shows_both_runs_lines_of_code(tmp_path):
     rendered = _Page()
     rendered.feed(dom)
     assert "Operations of model.layers.1.self_attn" in " ".join("".join(rendered.text).split())
+
+
+def test_nan_in_one_run_is_plotted_and_a_tree_says_what_differs_inside(recipe_trace, tmp_path):
+    """A NaN born in the candidate: the plot drew nothing ('no tensor differs': every finite metric agrees) and the
+    backward tree's root said 'ok' (the loss's gradient is 1) over 79 tensors that differ. NaN/Inf in one run only
+    get a row of their own above the scale, and a call whose own tensors agree says when one inside it differs."""
+    out = tmp_path / "nan.html"
+    code, _, err = run_cli("align", recipe_trace(), recipe_trace("nan"), "--html", out, "-q")
+    assert code == 1, err
+    html = out.read_text()
+    plot = html[html.index("<svg"):html.index("</svg>")]
+    assert ">NaN/Inf</text>" in plot and "model.layers.1.mlp.gate_proj: NaN/Inf in one run only" in plot
+    tree = html[html.index("Module tree (backward)"):]
+    parsed = _Page()
+    parsed.feed(tree)
+    text = " ".join(" ".join(parsed.text).split())
+    assert text.startswith("Module tree (backward) <root> LlamaForCausalLM differs inside"), text[:200]
