@@ -11,7 +11,7 @@ from rich.tree import Tree
 from layerdiff.compare.nonfinite import first_nonfinite
 from layerdiff.errors import LayerdiffError
 from layerdiff.report.ops_view import code_at, short_source
-from layerdiff.report.terminal import make_console
+from layerdiff.report.terminal import fmt_number, make_console
 from layerdiff.runs.ranks import open_run
 from layerdiff.tracefile.records import CallRecord, EndRecord
 
@@ -101,11 +101,20 @@ def op_table(ops, pattern: str) -> Table:
     table = Table(title="operations (forward)", title_justify="left", box=None)
     for col in ("module", "call", "#", "operation", "line", "function", "inputs -> outputs"):
         table.add_column(col)
+    # what each made, as its output's statistics say: where values blow up, or a NaN appears, reads down the column
+    table.add_column("output max |x|", justify="right")
+    table.add_column("NaN/Inf", justify="right")
     for op in sorted((op for op in ops if op.phase == "forward" and wanted.search(op.path)), key=lambda op: op.begin):
         shapes = " ".join(str(t.shape) for t in op.tensors if t.role == "input") + " -> " + \
             " ".join(str(t.shape) for t in op.tensors if t.role == "output")
+        outputs = [t.stats for t in op.tensors if t.role == "output" and t.stats and not t.undefined]
+        largest = [max(abs(s["min"]), abs(s["max"])) for s in outputs
+                   if isinstance(s.get("min"), (int, float)) and isinstance(s.get("max"), (int, float))]
+        nonfinite = sum(s.get("nan", 0) + s.get("inf", 0) for s in outputs)
         table.add_row(escape(op.path or "<root>"), str(op.call), str(op.index), escape(op.name),
-                      escape(short_source(op.source)), escape(op.function or ""), shapes)
+                      escape(short_source(op.source)), escape(op.function or ""), shapes,
+                      fmt_number(float(max(largest))) if largest else "-",
+                      f"[bold red]{nonfinite}[/]" if nonfinite else "0" if outputs else "-")
     return table
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import re
 
 import conftest
 import pytest
@@ -271,3 +272,17 @@ def test_cli_ops_flags_show_and_bad_input(tmp_path, whole):
     code, out, err = run_cli("show", tmp_path / "n.h5", "--nan")
     line = marked_line("defect: nan").rpartition("/")[2]
     assert code == 0 and f"born in torch.rsqrt at {line}" in " ".join(out.split()), out
+    # the operations' listing says what each made: the NaN appears at that operation, none before it in its call
+    from rich.console import Console
+
+    from layerdiff.report.show_trace import op_table
+
+    console = Console(record=True, width=300)
+    with open_trace(tmp_path / "n.h5") as trace:
+        born = min((op for op in trace.ops if op.phase == "forward" and op.source.endswith(line)
+                    and any(t.role == "output" and t.stats.get("nan") for t in op.tensors)), key=lambda op: op.begin)
+        console.print(op_table(trace.ops, "^" + re.escape(born.path) + "$"))
+    rows = [r.split() for r in console.export_text().splitlines() if r.split()[:1] == [born.path]]
+    counts = [int(r[-1]) for r in rows]
+    assert counts[:born.index] == [0] * born.index and counts[born.index] > 0, rows
+    assert rows[born.index][3] == "torch.rsqrt", rows
