@@ -177,15 +177,21 @@ def evaluate_replay(measurements: schema.Report, policy: TolerancePolicy | None 
     forward.sort(key=lambda s: s["order"])
     backward.sort(key=lambda s: s["order"])
     amp = amplification(free_report)
-    own_forward = {(s["module"], s["call"]) for s in forward}
+    # a segment's error is its module's own: in its own code it shows on a child's input (replay forces the
+    # child's output, so the module's output agrees), not on the module's output
+    segment_error: dict[tuple, float] = {}
+    for segment in forward:
+        key = (segment["module"], segment["call"])
+        segment_error[key] = max(segment_error.get(key, 0.0), segment["rel_error"])
     modules = []
     for row in sorted((r for r in rows if r["kind"] == "call" and r["phase"] == "forward"), key=lambda r: r["begin"]):
         key = (row["path"], row["call"])
         outs = [t for t in row["tensors"] if t["role"] == "output"]
-        own = max((relative_error(t["metrics"]) for t in outs), default=None)
+        errors = [relative_error(t["metrics"]) for t in outs] + ([segment_error[key]] if key in segment_error else [])
+        own = max(errors, default=None)
         modules.append({"module": row["path"], "call": row["call"], "type": row.get("type_a"),
                         "depth": row["path"].count(".") + 1 if row["path"] else 0,
-                        "own_rel": own, "own_error": key in own_forward, **amp.get(key, {})})
+                        "own_rel": own, "own_error": key in segment_error, **amp.get(key, {})})
     result: dict[str, Any] = {"kind": "replay", "a": kept["a"], "b": kept["b"], "map": kept.get("map"),
               "tolerances": policy.describe(),
               "forward": {"segments": forward, "culprit": forward[0] if forward else None},

@@ -63,6 +63,18 @@ def test_inherited_divergence_shows_no_own_error_but_its_amplification(recipe_tr
     assert math.isinf(origin["amplification"])  # exact inputs, differing outputs
 
 
+def test_an_own_code_error_is_its_modules_own_in_the_amplification_table(recipe_trace, tmp_path):
+    """A defect in self_attn's own code shows on o_proj's input under replay, and self_attn's output (o_proj's,
+    forced to the reference's) agrees: the table said 'own (replay) 0' beside '<- own error'. The module's own
+    error is its segment's."""
+    result = replay(recipe_trace(), tmp_path, defect="owncode")
+    segment = result["forward"]["culprit"]
+    assert segment["where"] == "own_code" and segment["module"] == DEFECTS["owncode"][1]
+    own = {m["module"]: m for m in result["modules"]}[segment["module"]]
+    assert own["own_error"] and own["own_rel"] == segment["rel_error"] > 1e-3, own
+    assert [m["module"] for m in result["modules"] if m["own_error"]] == [segment["module"]]
+
+
 def test_crash_is_localized_and_reproduced_on_the_reference_inputs(recipe_trace, tmp_path):
     result = replay(recipe_trace(), tmp_path, defect="crash")
     culprit = result["forward"]["culprit"]
