@@ -158,7 +158,7 @@ def growth_table(rows: list[schema.Row], origin: schema.Origin | None, max_rows:
                       "rel": worst and relative_error(worst["metrics"]),
                       "cosine": worst and worst["metrics"].get("cosine"),
                       # elements NaN or infinite in one run only: the other metrics are over finite values
-                      "nonfinite": worst["metrics"].get("nonfinite_mismatch") or 0 if worst else 0,
+                      "nonfinite": (worst["metrics"].get("nonfinite_mismatch") or 0) if worst else 0,
                       "origin": bool(origin and r["path"] == origin["module"] and r["call"] == origin.get("call"))})
     return table
 
