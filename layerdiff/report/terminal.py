@@ -428,7 +428,10 @@ def _render_footer(report: View, console: Console):
     p = report.get("params", {})
     if p.get("compared"):
         notes.append(f"parameters: {len(p['differ'])} of {p['compared']} differ"
-                     + (f" (first: {p['differ'][0]})" if p["differ"] else ""))
+                     + (f" (first: {p['differ'][0]})" if p["differ"] else "")
+                     # their gradients too: a backward defect leaves every value alike and the gradients not
+                     + (f"; their gradients: {len(p.get('grads_differ') or [])} of {p['grads_compared']} differ"
+                        if p.get("grads_compared") else ""))
     if report.get("only_a") or report.get("only_b"):
         def names(rs):
             return ", ".join(sorted({r["path"] or "<root>" for r in rs})[:3])

@@ -143,3 +143,19 @@ def test_per_module_tolerance_rule_silences_only_that_module(recipe_trace, align
     report = align_paths(recipe_trace(), recipe_trace("eps"), Comparison(policy=loose))
     origin = report["forward"]["first_divergence"]
     assert origin is not None and origin["module"] != DEFECTS["eps"][1]
+
+
+def test_the_footer_counts_the_parameters_gradients_that_differ(recipe_trace, align_paths):
+    """A backward defect leaves every parameter's value alike: the footer said 'parameters: 0 of 21 differ' and
+    nothing of the gradients that do."""
+    from rich.console import Console
+
+    from layerdiff.report.terminal import render
+
+    report = align_paths(recipe_trace(), recipe_trace("backward"))
+    params = report["params"]
+    assert not params["differ"] and params["grads_differ"]
+    console = Console(record=True, width=200)
+    render(report, console)
+    assert (f"parameters: 0 of {params['compared']} differ; their gradients: {len(params['grads_differ'])} of "
+            f"{params['grads_compared']} differ") in console.export_text()
