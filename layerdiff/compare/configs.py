@@ -79,8 +79,9 @@ class CanonicalConfig:
 
 
 def read_config(path) -> CanonicalConfig:
-    """A Megatron-LM launch script or args file (``--num-layers 24 ...``), a MindSpore Transformers YAML, or an
-    HF / PaddleFormers ``config.json``; anything else is one ``LayerdiffError``."""
+    """A Megatron-LM launch script or args file (``--num-layers 24 ...``) or YAML (``--yaml-cfg``: one with a
+    ``language_model`` section), a MindSpore Transformers YAML, or an HF / PaddleFormers ``config.json``; anything
+    else is one ``LayerdiffError``."""
     path = Path(path)
     try:
         if path.stat().st_size > _MAX_FILE:
@@ -93,7 +94,10 @@ def read_config(path) -> CanonicalConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise LayerdiffError(f"{path}: cannot read it as text ({type(exc).__name__})") from None
     if path.suffix in (".yaml", ".yml"):
-        return _from_mindformers(path, _yaml(path, text))
+        data = _yaml(path, text)
+        if isinstance(data.get("language_model"), dict):  # Megatron-LM's --yaml-cfg
+            return _from_megatron_yaml(path, data)
+        return _from_mindformers(path, data)
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -119,6 +123,21 @@ def from_megatron_args(args: dict, source: str) -> CanonicalConfig:
         if flags.get(name) is False:
             del flags[name]
     return _from_megatron(Path(source), flags)
+
+
+def _from_megatron_yaml(path: Path, data: dict) -> CanonicalConfig:
+    """A Megatron-LM YAML (``--yaml-cfg``): the arguments at its top level, the model's in ``language_model``
+    (named as ``TransformerConfig`` names them), ``model_parallel`` and the like set aside; null is "not set", as
+    an absent flag."""
+    args = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    args.update(data["language_model"])
+    if "num_moe_experts" in args:  # TransformerConfig's name for --num-experts
+        args.setdefault("num_experts", args.pop("num_moe_experts"))
+    if str(args.get("activation_func", "")).lower() == "swiglu":  # the model's own spelling of --swiglu
+        args["swiglu"] = True
+        del args["activation_func"]
+        args.pop("gated_linear_unit", None)  # what swiglu is
+    return from_megatron_args({k: v for k, v in args.items() if v is not None}, str(path))
 
 
 def from_values(values: dict, kind: str, source: str = "trace") -> CanonicalConfig:

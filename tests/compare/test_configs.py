@@ -79,6 +79,40 @@ parallel_config:
   model_parallel: 2
 """
 
+# Megatron-LM's YAML (``--yaml-cfg``): the model's hyper-parameters in ``language_model``, named as TransformerConfig
+# names them, the rest of the arguments at the top level, null for "not set"
+MEGATRON_YAML = """
+language_model:
+  num_layers: 32
+  hidden_size: 4096
+  ffn_hidden_size: 11008
+  num_attention_heads: 32
+  num_query_groups: 8
+  kv_channels: null
+  layernorm_epsilon: 1.e-5
+  add_bias_linear: False
+  add_qkv_bias: False
+  gated_linear_unit: True
+  activation_func: swiglu
+  normalization: RMSNorm
+  attention_dropout: 0.0
+  hidden_dropout: 0.0
+  init_method_std: 0.02
+  num_moe_experts: null
+model_parallel:
+  tensor_model_parallel_size: 2
+  bf16: True
+micro_batch_size: 1
+group_query_attention: True
+untie_embeddings_and_output_weights: True
+position_embedding_type: rope
+rotary_base: 10000
+max_position_embeddings: 4096
+seq_length: 4096
+vocab_size: 32000
+lr: 1.0e-4
+"""
+
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096,
       "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
@@ -97,10 +131,12 @@ def _write(tmp_path, name, text):
 def configs(tmp_path):
     return {"megatron": _write(tmp_path, "pretrain_llama.sh", MEGATRON),
             "mindformers": _write(tmp_path, "llama.yaml", MINDFORMERS),
+            "megatron_yaml": _write(tmp_path, "gpt_config.yaml", MEGATRON_YAML),
             "hf": _write(tmp_path, "config.json", json.dumps(HF))}
 
 
-PAIRS = [("megatron", "mindformers"), ("megatron", "hf"), ("mindformers", "hf")]
+PAIRS = [("megatron", "mindformers"), ("megatron", "hf"), ("mindformers", "hf"), ("megatron_yaml", "megatron"),
+         ("megatron_yaml", "mindformers"), ("megatron_yaml", "hf")]
 
 
 @pytest.mark.parametrize("a,b", PAIRS)
@@ -116,11 +152,15 @@ def _planted(tmp_path, kind):
     if kind == "megatron":  # rotary base, set through a shell variable
         return _write(tmp_path, "planted.sh", MEGATRON.replace("ROTARY_BASE=10000", "ROTARY_BASE=500000")), \
             "rotary_base"
+    if kind == "megatron_yaml":  # eps, as TransformerConfig names it
+        return _write(tmp_path, "planted_megatron.yaml", MEGATRON_YAML.replace("layernorm_epsilon: 1.e-5",
+                                                                               "layernorm_epsilon: 1.e-6")), \
+            "norm_epsilon"
     return _write(tmp_path, "planted.yaml", MINDFORMERS.replace("add_bias_linear: False", "add_bias_linear: True")), \
         "add_bias_linear"
 
 
-@pytest.mark.parametrize("kind", ["hf", "megatron", "mindformers"])
+@pytest.mark.parametrize("kind", ["hf", "megatron", "mindformers", "megatron_yaml"])
 def test_one_planted_difference_is_found_and_nothing_else(configs, tmp_path, kind):
     planted, key = _planted(tmp_path, kind)
     for other in (k for k in configs if k != kind):
