@@ -25,7 +25,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_tolerance_flags(p):
+def _add_tolerance_flags(p, outputs: str = "--json file"):
+    """The tolerance flags, and the report's: ``outputs``, what ``--force`` may overwrite, as its help says."""
     g = p.add_argument_group("tolerances (default: per dtype; docs/concepts/tolerances.md)")
     g.add_argument("--atol", type=float, help="absolute tolerance for every floating dtype")
     g.add_argument("--rtol", type=float, help="tolerance relative to the reference tensor's max |value|")
@@ -33,7 +34,7 @@ def _add_tolerance_flags(p):
     g.add_argument("--tol", action="append", default=[], metavar="REGEX:atol=..,rtol=..,cos=..",
                    help="override for module paths matching REGEX (first matching rule wins; repeatable)")
     p.add_argument("--json", metavar="FILE", help="write the full JSON report (refuses to overwrite; see --force)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    p.add_argument("--force", action="store_true", help=f"overwrite an existing {outputs}")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar; print only the verdict line")
 
 
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention_mask with zeros, tensors that lead with [batch, seq] are compared where it is 1)")
     a.add_argument("--rules", action="append", metavar="FILE.toml",
                    help="extra naming/fusion/transform rules on top of the built-in ones (docs/concepts/rule-files.md)")
-    _add_tolerance_flags(a)
+    _add_tolerance_flags(a, "--json, --html or --save-map file")
 
     r = sub.add_parser("report", help="re-judge a saved JSON report under other tolerances (no traces needed)")
     r.add_argument("report", help="JSON written by `layerdiff align --json`")
