@@ -310,8 +310,10 @@ def cmd_trace(args) -> int:
     finally:
         progress.close()
     writer = tracer.writer
-    print(f"wrote {writer.path}: {writer.records_written - 1} records, {writer.tensor_bytes / 1e6:.1f} MB of "
-          f"tensors ({args.mode} mode)")  # records as `show` counts them: the end marker is not one
+    held = f"{writer.tensor_bytes / 1e6:.1f} MB of tensors" if writer.tensor_bytes or args.mode != "stats" else \
+        "statistics of every tensor"  # a stats trace stores no tensor: "0.0 MB of tensors" read as nothing kept
+    records = writer.records_written - 1  # as `show` counts them: the end marker is not one
+    print(f"wrote {writer.path}: {records} records, {held} ({args.mode} mode)")
     return EXIT_OK
 
 
