@@ -11,10 +11,10 @@ The model is the benchmark toy of issue 28: transformers' LlamaForCausalLM from 
 of 2 x 128 tokens. Each mode runs in a fresh interpreter of its own (msprobe's debugger is one per process): the
 untraced step is timed first in that process, then the traced one, alternating blocks; the ratio is the traced
 median over the untraced median of the same process. The modes the targets compare run a round each in turn, in a
-fresh interpreter per round, and their rounds are pooled (``interleaved``). Modes: layerdiff's module-level `stats` trace, the same with
-every operation recorded (``ops=True``), with the operations of one decoder block recorded (``ops=[block]``), and
-msprobe (mindstudio-probe) `statistics` dumps at level L0 (modules) and L1 (APIs). Per-operation cost = (operations
-trace - module trace) / operation records per step.
+fresh interpreter per round, and their rounds are pooled (``interleaved``). Modes: layerdiff's module-level `stats`
+trace, the same with every operation recorded (``ops=True``), with the operations of one decoder block recorded
+(``ops=[block]``), and msprobe (mindstudio-probe) `statistics` dumps at level L0 (modules) and L1 (APIs).
+Per-operation cost = (operations trace - module trace) / operation records per step.
 """
 from __future__ import annotations
 
@@ -234,10 +234,11 @@ def interleaved(steps: int, rounds: int) -> dict:
     pooled: dict = {}
     for _ in range(rounds):
         for mode in TARGET_MODES:
-            r = run_mode(mode, steps, 1)
-            if "error" in r:  # any round that fails: the mode reports its error, not the rounds left
-                pooled[mode] = r
             if "error" in pooled.get(mode, {}):
+                continue  # a round of it failed: it is not run again
+            r = run_mode(mode, steps, 1)
+            if "error" in r:  # the mode reports its error, not the rounds before
+                pooled[mode] = r
                 continue
             kept = pooled.setdefault(mode, {**r, "untraced": [], "traced": [], "processes": 0})
             kept.update({k: v for k, v in r.items() if k not in ("untraced", "traced")})
