@@ -202,6 +202,13 @@ SAME_VALUES = frozenset({"view", "reshape", "view_as", "reshape_as", "transpose"
 # held, so their values (and statistics: possibly NaN) are no evidence, until an operation writes them
 UNDEFINED_VALUES = frozenset({"empty", "empty_like", "new_empty", "empty_strided"})
 
+# in-place operations that write every element of their first argument without reading it (an initializer, a fill, a
+# copy into it): what that argument held before is no evidence (the memory ``torch.empty`` handed a new parameter)
+OVERWRITES = frozenset({"uniform", "normal", "kaiming_uniform", "kaiming_normal", "xavier_uniform", "xavier_normal",
+                        "trunc_normal", "orthogonal", "sparse", "constant", "ones", "zeros", "eye", "dirac", "zero",
+                        "fill", "copy", "random", "exponential", "geometric", "cauchy", "log_normal", "bernoulli",
+                        "set"})
+
 
 @dataclass
 class OpCapture:
@@ -247,7 +254,8 @@ class OpCapture:
         _top_arguments(args, kwargs, is_tensor, self.scalar, inputs, scalars)
         stack = session.stack
         producers = {key: self.producers.lookup(frame, t, stack) for key, t in inputs}
-        op = session.begin_op(frame, name, scalars, inputs, producers, *located)
+        op = session.begin_op(frame, name, scalars, inputs, producers, *located,
+                              overwrites=name.in_place and name.kind in OVERWRITES)
         grads = self.gradients if self.gradients is not None and not name.in_place and \
             self.gradients.enabled() else None
         tapped: list[tuple[str, Any]] = []

@@ -460,12 +460,16 @@ class TraceSession:
 
     # -- operations inside a call (``ops`` tracing; see ``capture.ops``) ------------------------------------
     def begin_op(self, frame: CallFrame, name: OpName, args: dict, inputs, producers: dict, source: str | None,
-                 function: str | None) -> OpFrame:
-        """The operation's inputs are written now, before it runs (it may modify them in place)."""
+                 function: str | None, overwrites: bool = False) -> OpFrame:
+        """The operation's inputs are written now, before it runs (it may modify them in place). ``overwrites``:
+        it writes all of its first input without reading it (``uniform_``, ``fill_``): that entry says its values
+        are no evidence."""
         index = frame.ops or 0
         frame.ops = index + 1
-        return OpFrame(frame, index, name, self._next_seq(), self._entries("input", inputs, frame.full), args,
-                       producers, source, function)
+        entries = self._entries("input", inputs, frame.full)
+        if overwrites and entries and inputs and entries[0]["key"] == inputs[0][0]:
+            entries[0]["undefined"] = True  # a fresh dict: the tensor's own entry, shared, is left as it was
+        return OpFrame(frame, index, name, self._next_seq(), entries, args, producers, source, function)
 
     def _op_record(self, op: OpFrame, phase: str, begin: int, tensors: list[dict], **extra) -> dict:
         frame = op.frame
