@@ -176,6 +176,31 @@ class Producers:
         self.by_frame.clear()
 
 
+class Unwritten:
+    """The tensors allocated and not yet written, and views of them, by identity: each stays no evidence (its entries
+    say ``undefined``) until an in-place operation writes that tensor itself. A write through one of its views
+    (``key_states[..., :n].copy_(k)`` into a ``new_empty``) leaves the rest of it as the memory held."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, weakref.ref] = {}
+
+    def __contains__(self, tensor: Any) -> bool:
+        ref = self.refs.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def add(self, tensor: Any) -> None:
+        try:
+            self.refs[id(tensor)] = weakref.ref(tensor)
+        except TypeError:  # no weak reference: its identity cannot be trusted later
+            return
+        if len(self.refs) > 1024:
+            self.refs = {k: ref for k, ref in self.refs.items() if ref() is not None}
+
+    def discard(self, tensor: Any) -> None:
+        if tensor in self:
+            del self.refs[id(tensor)]
+
+
 @dataclass
 class OpGradients:
     """The framework's part of an operation's backward. ``one_step(inputs, outputs, callback)``: where the
@@ -201,6 +226,13 @@ SAME_VALUES = frozenset({"view", "reshape", "view_as", "reshape_as", "transpose"
 # operations that allocate their output without writing it (``torch.empty_like``): its bytes are whatever the memory
 # held, so their values (and statistics: possibly NaN) are no evidence, until an operation writes them
 UNDEFINED_VALUES = frozenset({"empty", "empty_like", "new_empty", "empty_strided"})
+
+# operations whose output holds some of their first input's values as they are (a view, a slice, a copy): of a tensor
+# allocated and not yet written, that output is no evidence either (``key_states[..., :n]`` of a ``new_empty``,
+# before ``copy_`` fills it through that slice)
+LAYOUTS = SAME_VALUES | {"getitem", "select", "narrow", "slice", "split", "split_with_sizes", "tensor_split",
+                         "chunk", "unbind", "expand", "expand_as", "diagonal", "as_strided", "unfold", "hsplit",
+                         "vsplit", "view_as_real", "view_as_complex"}
 
 # in-place operations that write every element of their first argument without reading it (an initializer, a fill, a
 # copy into it): what that argument held before is no evidence (the memory ``torch.empty`` handed a new parameter)
@@ -228,6 +260,7 @@ class OpCapture:
     depth: int = 0  # > 0 inside an operation: what it calls is part of it
     stats: dict[str, int] = field(default_factory=lambda: {"ops": 0})
     composite: set[OpName] = field(default_factory=set)  # found to be several autograd steps: tapped from then on
+    unwritten: Unwritten = field(default_factory=lambda: Unwritten())
     # a context in which the interceptor works again where the framework turned it off around model code it runs
     # (activation checkpointing recomputing inside backward); set by the adapter's ``intercept_ops``
     resumed: Callable[[], ContextManager[Any]] = contextlib.nullcontext
@@ -254,8 +287,11 @@ class OpCapture:
         _top_arguments(args, kwargs, is_tensor, self.scalar, inputs, scalars)
         stack = session.stack
         producers = {key: self.producers.lookup(frame, t, stack) for key, t in inputs}
-        op = session.begin_op(frame, name, scalars, inputs, producers, *located,
-                              overwrites=name.in_place and name.kind in OVERWRITES)
+        unwritten = self.unwritten
+        undefined_in = {key for key, t in inputs if t in unwritten} if unwritten.refs else set()
+        if name.in_place and inputs and name.kind in OVERWRITES:
+            undefined_in.add(inputs[0][0])
+        op = session.begin_op(frame, name, scalars, inputs, producers, *located, undefined_inputs=undefined_in)
         grads = self.gradients if self.gradients is not None and not name.in_place and \
             self.gradients.enabled() else None
         tapped: list[tuple[str, Any]] = []
@@ -277,7 +313,14 @@ class OpCapture:
         else:
             walk(out, "out", is_tensor, lambda k, t: outputs.append((k, t)), None)
         same = name.kind in SAME_VALUES
-        session.end_op(op, outputs, same_values=same, undefined=name.kind in UNDEFINED_VALUES)
+        if name.in_place and inputs:
+            unwritten.discard(inputs[0][1])  # written itself (a write through one of its views is not enough)
+        undefined = name.kind in UNDEFINED_VALUES or (
+            not name.in_place and name.kind in LAYOUTS and bool(inputs) and inputs[0][0] in undefined_in)
+        session.end_op(op, outputs, same_values=same, undefined=undefined)
+        if undefined:
+            for _, t in outputs:
+                unwritten.add(t)
         self.stats["ops"] += 1
         for key, t in outputs:
             self.producers.register(frame, t, {"kind": "op", "index": op.index, "key": key})

@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -460,15 +461,17 @@ class TraceSession:
 
     # -- operations inside a call (``ops`` tracing; see ``capture.ops``) ------------------------------------
     def begin_op(self, frame: CallFrame, name: OpName, args: dict, inputs, producers: dict, source: str | None,
-                 function: str | None, overwrites: bool = False) -> OpFrame:
-        """The operation's inputs are written now, before it runs (it may modify them in place). ``overwrites``:
-        it writes all of its first input without reading it (``uniform_``, ``fill_``): that entry says its values
-        are no evidence."""
+                 function: str | None, undefined_inputs: Collection[str] = ()) -> OpFrame:
+        """The operation's inputs are written now, before it runs (it may modify them in place).
+        ``undefined_inputs``: the keys of those whose values are no evidence (allocated and not yet written; what
+        ``uniform_`` or ``fill_`` overwrites without reading it): their entries say so."""
         index = frame.ops or 0
         frame.ops = index + 1
         entries = self._entries("input", inputs, frame.full)
-        if overwrites and entries and inputs and entries[0]["key"] == inputs[0][0]:
-            entries[0]["undefined"] = True  # a fresh dict: the tensor's own entry, shared, is left as it was
+        if undefined_inputs:
+            for entry in entries:
+                if entry["key"] in undefined_inputs:
+                    entry["undefined"] = True  # a fresh dict: the tensor's own entry, shared, is left as it was
         return OpFrame(frame, index, name, self._next_seq(), entries, args, producers, source, function)
 
     def _op_record(self, op: OpFrame, phase: str, begin: int, tensors: list[dict], **extra) -> dict:

@@ -1,5 +1,6 @@
-"""An operation that writes all of its first argument without reading it (an initializer, ``fill_``, ``copy_``) makes
-no difference out of what that argument held before.
+"""What memory held before model code wrote it makes no difference: an operation that writes all of its first argument
+without reading it (an initializer, ``fill_``, ``copy_``), and a tensor allocated unwritten (``new_empty``) until it
+is written itself, views of it included.
 
 Found by tools/sweep_hf.py: transformers' BigBird switches from block-sparse to full attention inside its forward
 when the sequence is short, building new attention modules there. ``nn.Linear``'s constructor takes its weight from
@@ -62,6 +63,52 @@ def test_modules_built_in_a_forward_neither_alarm_nor_hide_a_perturbed_weight(bi
     assert align_files(big_bird / "a.h5", big_bird / "b.h5")["verdict"] == "aligned"
     origin = align_files(big_bird / "a.h5", big_bird / "perturbed.h5")["forward"]["first_divergence"]
     assert origin["module"] == QUERY, origin["description"]
+
+
+MINICPM3_QUERY = "model.layers.1.self_attn.q_a_proj"
+
+
+@pytest.fixture(scope="module")
+def minicpm3(tmp_path_factory):
+    """MiniCPM3's latent attention fills ``key_states = kv_nope.new_empty(...)`` through two slices
+    (``key_states[..., :n].copy_(k_nope)``, then ``key_states[..., n:].copy_(k_rot)``); compared, the slices' and the
+    half-written tensor's garbage named layer 0's slicing as the origin of a weight perturbed in layer 1."""
+    root = tmp_path_factory.mktemp("minicpm3")
+    config = transformers.AutoConfig.for_model(
+        "minicpm3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, max_position_embeddings=64)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    for name, perturbed in (("a", False), ("b", False), ("perturbed", True)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        if perturbed:
+            with torch.no_grad():
+                model.get_submodule(MINICPM3_QUERY).weight.mul_(1 + 1e-3)
+        with layerdiff.trace(model, root / f"{name}.h5", ops=True):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return root
+
+
+@pytest.mark.slow
+def test_a_tensor_written_through_its_slices_stays_undefined_until_written_itself(minicpm3):
+    with open_trace(minicpm3 / "a.h5") as trace:
+        ops = [op for op in trace.ops if op.phase == "forward" and op.path == "model.layers.0.self_attn"]
+    start = next(i for i, op in enumerate(ops) if op.name == "Tensor.new_empty")
+    slices = [op for op in ops[start:] if op.name == "Tensor.__getitem__"][:2]
+    copies = [op for op in ops[start:] if op.name == "Tensor.copy_"][:2]
+    assert len(slices) == 2 and len(copies) == 2
+    for op in slices:  # the tensor (half-written before the second) and each slice of it: no evidence
+        assert [t.undefined for t in op.tensors if t.key in ("args.0", "out")] == [True, True], op.index
+    for op in copies:  # what each copy wrote: evidence
+        assert not [t for t in op.tensors if t.role == "output" and t.undefined], op.index
+
+
+@pytest.mark.slow
+def test_a_tensor_written_through_its_slices_neither_alarms_nor_hides_a_perturbed_weight(minicpm3):
+    assert align_files(minicpm3 / "a.h5", minicpm3 / "b.h5")["verdict"] == "aligned"
+    origin = align_files(minicpm3 / "a.h5", minicpm3 / "perturbed.h5")["forward"]["first_divergence"]
+    assert origin["module"] == MINICPM3_QUERY, origin["description"]
 
 
 class _Scratch(torch.nn.Module):
