@@ -286,7 +286,8 @@ class OriginOp(TypedDict, total=False):
     """The operation a divergence starts at (``ops`` tracing): A's ``name``, ``kind``, ``index`` in its module
     call, ``source`` ("FILE:LINE") and ``function``; the non-tensor arguments the runs set differently (``args_diff``: {argument: [A, B]}); the ``metrics`` of its first
     failing tensor; B's counterpart (``name_b``, ``index_b``, ``source_b``, ``function_b``).
-    ``wrong_input``: the operation's inputs differ while what made them agrees: the code passed it another tensor."""
+    ``wrong_input``: the operation's inputs differ while what made them agrees: the code passed it another tensor;
+    ``unknown_maker``: that input was made where nothing was recorded (so nothing says what made it agrees)."""
     name: str
     kind: str
     index: Optional[Int64]  # None: an operation only B runs (``only_b``)
@@ -299,6 +300,7 @@ class OriginOp(TypedDict, total=False):
     source_b: Optional[str]
     function_b: Optional[str]
     wrong_input: bool
+    unknown_maker: bool
     dtype_diff: List[Optional[str]]
     only_a: List[Any]
     only_b: List[Any]

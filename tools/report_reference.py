@@ -317,6 +317,9 @@ KEYS = {
         "function_b": "The function it is in, in B.",
         "wrong_input": "The operation's input differs while whatever made that input agrees: the code passed it "
                        "another tensor (the origin's `where` is `op_input`).",
+        "unknown_maker": "With `wrong_input`: that input was made where nothing was recorded (before the traced "
+                         "call, or outside model code), so nothing says that what made it agrees; present only when "
+                         "true.",
         "dtype_diff": "`[A's dtype, B's dtype]` of its output, when the operation changed the precision (the "
                       "operations after it agree only under the lower precision's tolerance).",
         "only_a": "`op_input`: A's operations without a counterpart in B, run before this one in the same call, "

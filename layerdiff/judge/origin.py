@@ -139,11 +139,16 @@ def _at(info: dict) -> str:
     return where + (f" ({info['function']})" if info.get("function") else "")
 
 
-def describe_op(path: str, info: dict, wrong_input: bool, info_b: dict | None = None) -> str:
+def describe_op(path: str, info: dict, wrong_input: bool, info_b: dict | None = None,
+                unknown_maker: bool = False) -> str:
     """``model.layers.1.self_attn: Tensor.mul at modeling_llama.py:193 (eager_attention_forward)``, and B's line
-    where it is another."""
+    where it is another. ``unknown_maker``: the differing input of a ``wrong_input`` origin was made where nothing
+    was recorded, so nothing says that what made it agrees."""
     in_b = f"; in B{_at(info_b)}" if info_b and info_b.get("source") and info_b.get("source") != info.get("source") \
         else ""
+    if wrong_input and unknown_maker:
+        return (f"{path or '<root>'}: the tensor passed to {info['name']}{_at(info)} differs; it was made where "
+                f"nothing was recorded (before the traced call, or outside model code){in_b}")
     if wrong_input:
         return (f"{path or '<root>'}: the tensor passed to {info['name']}{_at(info)} differs, though what made it "
                 f"agrees{in_b}")
@@ -232,7 +237,11 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
         "metrics": bad["metrics"] if bad else None, "name_b": info_b.get("name"), "index_b": info_b.get("index"),
         "source_b": info_b.get("source"), "function_b": info_b.get("function"), "wrong_input": wrong_input}
     module = next((n for n in reversed(chain) if n.kind == "module"), None)
-    description = describe_op(row["path"], dict(info), wrong_input, dict(info_b))
+    maker = (info.get("producers") or {}).get(bad["key"]) if bad is not None else None
+    unknown_maker = wrong_input and (maker or {}).get("kind", "unknown") == "unknown"
+    if unknown_maker:
+        op["unknown_maker"] = True
+    description = describe_op(row["path"], dict(info), wrong_input, dict(info_b), unknown_maker=unknown_maker)
     if out is not None and not wrong_input:
         op["dtype_diff"] = [out.get("dtype_a"), out.get("dtype_b")]
         description += f": its output is {out.get('dtype_a')} in A, {out.get('dtype_b')} in B"

@@ -112,7 +112,8 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
                      "(gradient clipping, scaling, accumulation)")
     elif tensor:
         if where == "op_input":
-            lead = "what made its input agrees; "
+            lead = "where its input was made was not recorded; " if (origin.get("op") or {}).get("unknown_maker") \
+                else "what made its input agrees; "
         elif origin["phase"] == "forward":
             lead = "inputs agree; " if where in ("module", "op") else "its children agree up to here; "
         else:

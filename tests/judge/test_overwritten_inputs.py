@@ -146,3 +146,30 @@ def test_what_a_fill_or_copy_overwrites_is_not_compared(tmp_path, held_b):
                                    for r in fills)
     origin = align_files(tmp_path / "a.h5", tmp_path / "perturbed.h5")["forward"]["first_divergence"]
     assert origin["module"] == "linear", origin["description"]  # not fill_, whose scratch held another value
+
+
+class _Reads(torch.nn.Module):
+    """Reads a tensor it keeps (made before the trace: no producer) that differs between the runs."""
+
+    def __init__(self, held: float):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.kept = torch.full((2, 4), held)
+
+    def forward(self, x):
+        return self.linear(x) + self.kept
+
+
+def test_an_input_made_where_nothing_was_recorded_is_not_said_to_agree(tmp_path):
+    """Unlike what is overwritten, what is read counts: the origin is the operation that reads it, and it does not
+    claim that what made the input agrees, which nothing recorded."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    for name, held in (("a", 1.0), ("b", 0.0)):
+        torch.manual_seed(0)
+        model = _Reads(held)
+        with layerdiff.trace(model, tmp_path / f"{name}.h5", ops=True):
+            model(x).sum().backward()
+    origin = align_files(tmp_path / "a.h5", tmp_path / "b.h5")["forward"]["first_divergence"]
+    assert origin["where"] == "op_input" and origin["op"]["name"] == "Tensor.add", origin["description"]
+    assert origin["op"]["unknown_maker"] and "nothing was recorded" in origin["description"]
+    assert "what made it agrees" not in origin["description"]
