@@ -173,7 +173,8 @@ KEYS = {
         "reason": "Why it passed or failed, in words.",
         "tolerance": "The tolerance it was judged by.",
         "ranks": "Multi-rank runs: the ranks whose shard or copy is off.",
-        "hint": "A likely cause (the ranks' copies differ but add up to the reference's: a missing all-reduce).",
+        "hint": "A likely cause: the ranks' copies differ but add up to the reference's (a missing all-reduce), or an "
+                "integer or boolean tensor made by a choice (top-k, argmax) differs (near-ties under rounding).",
         "one_sided": "An input given to one run only; it fails.",
         "inherited": "Against a run in another precision: over its tolerance, but judged agreeing, its error no more "
                      "than 4x the largest among what it was computed from ([Inherited](#inherited)).",
@@ -287,7 +288,7 @@ KEYS = {
         "description": "The origin in words, as the terminal prints it.",
         "tensor": "The first failing tensor, with its metrics.",
         "ranks": "Multi-rank runs: the ranks whose shard or copy is off.",
-        "hint": "A likely cause (a missing all-reduce).",
+        "hint": "A likely cause (a missing all-reduce; a choice such as top-k flipped by near-ties).",
         "hparam_diff": "Hyper-parameters that differ: name to `[A, B]` (`epsilon`/`variance_epsilon` count as "
                        "`eps`), and `type` when the module type changed.",
         "param_diffs": "The origin's own parameters whose values (backward: gradients) differ.",

@@ -65,6 +65,15 @@ def judge_rows(measurements: schema.Report, policy: TolerancePolicy) -> list[sch
     return inherit(rows, floor) if floor is not None else rows  # a change of precision: error carried is no fault
 
 
+DISCRETE_HINT = ("an integer or boolean tensor, made by a choice (top-k, argmax, sort, a threshold): inputs that agree "
+                 "only within tolerance, as under another precision, choose otherwise where they are nearly tied; "
+                 "if few positions differ, that is rounding, not the code")
+
+
+def _discrete(dtype: str | None) -> bool:
+    return bool(dtype) and (dtype == "bool" or dtype.startswith(("int", "uint")))
+
+
 def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
             floor: str | None = None) -> schema.TensorResult:
     tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"], floor)
@@ -74,6 +83,9 @@ def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
     t.pop("hint", None)
     t.pop("inherited", None)  # judged again below, under these tolerances
     t.pop("accumulated", None)
+    if not passed and tensor["role"] in ("output", "input") and _discrete(tensor["dtype_a"]) and \
+            _discrete(tensor["dtype_b"]):
+        t["hint"] = DISCRETE_HINT
     per_rank = tensor["metrics"].get("ranks")
     if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
         t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]

@@ -128,6 +128,8 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
             ranks = origin["ranks"]
             lines.append(f"[yellow]on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
                          + (f": {as_text(origin['hint'])}" if origin.get("hint") else "") + "[/]")
+        elif origin.get("hint"):
+            lines.append(f"[yellow]{as_text(origin['hint'])}[/]")
         path_b = origin.get("path_b")
         if path_b is not None and (path_b != origin["module"] or m.get("note")):
             lines.append(f"[dim]in B: {as_text(path_b or '<root>')}" + (f" ({as_text(m['note'])})" if m.get("note") else "")

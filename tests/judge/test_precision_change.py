@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import align_files, marked_line
+from conftest import align_files, marked_line, run_cli
 
 torch = pytest.importorskip("torch")
 
@@ -191,3 +191,31 @@ def test_float16_against_float32_with_an_additive_causal_mask(architectures):
     mask = next(t for r in report["records"] if r["path"] == "model.layers.0" for t in r["tensors"]
                 if t["key"] == "kwargs.attention_mask")
     assert mask["metrics"]["max_abs"] == 0 and mask["passed"], mask
+
+
+def test_a_choice_flipped_by_near_ties_names_its_likely_cause(tmp_path):
+    """FlexOlmo's router returns the experts it chose (integers). With three experts' router rows equal up to 1e-4,
+    float32 tells them apart and bfloat16 ties them: the experts chosen differ while the router's inputs agree within
+    bfloat16's tolerance. The origin is the router, and it says that a choice over nearly tied values flipped."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "flex_olmo", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+        eos_token_id=2)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        router = model.model.layers[0].mlp.gate.weight
+        with torch.no_grad():
+            router[1], router[2] = router[0] * (1 + 1e-4), router[0] * (1 - 1e-4)
+        model.to(dtype)
+        with layerdiff.trace(model, tmp_path / f"{name}.h5"):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    origin = align_files(tmp_path / "fp32.h5", tmp_path / "bf16.h5")["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.0.mlp.gate" and origin["where"] == "module", origin["description"]
+    assert origin["tensor"]["key"] == "out.2"  # the experts chosen
+    assert "choice" in origin["hint"] and "nearly tied" in origin["hint"]
+    code, out, _ = run_cli("align", tmp_path / "fp32.h5", tmp_path / "bf16.h5")
+    assert code == 1 and "nearly tied" in " ".join(out.split())
