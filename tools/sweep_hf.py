@@ -16,7 +16,10 @@ The model runs in eval mode, one forward with labels (no cache) and one backward
 - **clean**: two runs of the same model and inputs align (no false alarm);
 - **defect**: one run with the weight of the second layer's first weight matrix (``nn.Linear``, ``Conv1D``; one
   that ran and that no other module shares) scaled by 1 + 1e-3; the report's forward origin must be that module;
-- **ops clean** / **ops defect**: the same with every operation recorded (``ops=True``).
+- **ops clean** / **ops defect**: the same with every operation recorded (``ops=True``);
+- **bf16**: the model cast to bfloat16 against its float32 run (the parity workflow's change of precision): aligned
+  ("ok"), or what the report says instead: rounding that accumulated with no call at fault, a choice (top-k routing)
+  flipped where scores are nearly tied, or the origin it names.
 
 An architecture that its tiny config cannot build or run untraced is counted apart ("not run"): that is the generic
 config's limit, not layerdiff's. Everything else is layerdiff's result.
@@ -45,13 +48,14 @@ METHOD = ("Each causal-LM model type that the installed transformers registers (
           "with labels (no cache) and backward on 2 x 12 tokens. clean: two traced runs of the same model align. "
           "defect: one run with the weight of the second layer's first weight matrix (nn.Linear or transformers' "
           "Conv1D, one that ran and is not shared) scaled by 1 + 1e-3; the forward origin must be that module. "
-          "ops: the same with every operation recorded (ops=True). 'not run': the tiny config could not build or "
-          "run the model untraced (the sweep's limit, not layerdiff's).")
+          "ops: the same with every operation recorded (ops=True). bf16: the model cast to bfloat16 against its "
+          "float32 run, module level: 'ok' when aligned, else what the report says. 'not run': the tiny config "
+          "could not build or run the model untraced (the sweep's limit, not layerdiff's).")
 SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64, max_position_embeddings=64, head_dim=8, pad_token_id=0, bos_token_id=1,
              eos_token_id=2)
 MAX_PARAMS = 20_000_000
-CHECKS = ("clean", "defect", "ops clean", "ops defect")
+CHECKS = ("clean", "defect", "ops clean", "ops defect", "bf16")
 TIMEOUT_S = 300
 
 
@@ -211,7 +215,34 @@ def _checks(model_type: str, result: dict, work: Path) -> None:
                 result[prefix + check] = _check(check, reference, traced, ops, target)
             except Exception as exc:  # noqa: BLE001
                 result[prefix + check] = f"error: {_error(exc)}"
+    try:
+        result["bf16"] = _precision(build, work / "a0.h5", work, ids)
+    except Exception as exc:  # noqa: BLE001
+        result["bf16"] = f"error: {_error(exc)}"
     result["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def _precision(build, reference: Path, work: Path, ids) -> str:
+    """The model cast to bfloat16 against its float32 run (``reference``, module level): aligned, or what the report
+    says."""
+    import torch
+
+    import layerdiff
+    from layerdiff.api import align
+
+    model = build().to(torch.bfloat16)
+    path = work / "bf16.h5"
+    with layerdiff.trace(model, path):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    report = align(reference, path).data
+    if report["verdict"] == "aligned":
+        return "ok"
+    origin = report["forward"].get("first_divergence") or report["backward"].get("first_divergence") or {}
+    if origin.get("where") == "accumulated":
+        return "rounding accumulated (no call at fault)"
+    if origin.get("hint") and "choice" in origin["hint"]:
+        return f"choice flipped at {origin.get('module')}"
+    return f"named: {_origin_text(report)}"
 
 
 def _check(check: str, reference: Path, traced, ops: bool, target: str | None) -> str:
