@@ -71,7 +71,7 @@ DISCRETE_HINT = ("an integer or boolean tensor, made by a choice (top-k, argmax,
 
 
 def _discrete(dtype: str | None) -> bool:
-    return bool(dtype) and (dtype == "bool" or dtype.startswith(("int", "uint")))
+    return dtype is not None and (dtype == "bool" or dtype.startswith(("int", "uint")))
 
 
 def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
