@@ -53,6 +53,24 @@ def _installed(module):
         return False
 
 
+# The files that take longest (their fixtures build real models and launch ranks), longest first, as measured: the
+# two test workers take whole files (``--dist loadfile``) in collection order (``--no-loadscope-reorder``: not by
+# their number of tests), so these start first and the last files to run are short ones, not a minute-long one on
+# one worker while the other waits. Other files keep their order after these.
+LONGEST_FIRST = ("tests/runs/test_megatron_parallel.py", "tests/runs/test_ranks_other_stacks.py",
+                 "tests/runs/test_distributed.py", "tests/runs/test_torch_parallel.py", "tests/test_layers.py",
+                 "tests/match/test_ports.py", "tests/replay/test_bisect_frameworks.py",
+                 "tests/adapters/test_mindspore.py", "tests/tracefile/test_crash_safety.py",
+                 "tests/match/test_crossframework.py", "tests/judge/test_cross_framework_ops.py",
+                 "tests/tracefile/test_kill_points.py", "tests/checkpoints/test_dist_checkpoint.py",
+                 "tests/capture/test_compiled.py", "tests/replay/test_bisect.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))  # stable: the rest in order
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     for mark, module in FRAMEWORK_MODULES.items():
