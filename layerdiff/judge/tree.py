@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping
 
 from layerdiff import schema
-from layerdiff.compare.tolerance import TolerancePolicy, judge, precision_floor
+from layerdiff.compare.tolerance import TolerancePolicy, dtype_class, judge, precision_floor
 from layerdiff.judge.inherited import inherit
 from layerdiff.match.mapping import collapse_indices
 from layerdiff.schema import IN_ROLES, OUT_ROLES
@@ -70,10 +70,6 @@ DISCRETE_HINT = ("an integer or boolean tensor, made by a choice (top-k, argmax,
                  "if few positions differ, that is rounding, not the code")
 
 
-def _discrete(dtype: str | None) -> bool:
-    return dtype is not None and (dtype == "bool" or dtype.startswith(("int", "uint")))
-
-
 def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
             floor: str | None = None) -> schema.TensorResult:
     tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"], floor)
@@ -83,8 +79,8 @@ def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
     t.pop("hint", None)
     t.pop("inherited", None)  # judged again below, under these tolerances
     t.pop("accumulated", None)
-    if not passed and tensor["role"] in ("output", "input") and _discrete(tensor["dtype_a"]) and \
-            _discrete(tensor["dtype_b"]):
+    if not passed and tensor["role"] in ("output", "input") and \
+            dtype_class(tensor["dtype_a"], tensor["dtype_b"]) == "exact":  # integers or booleans
         t["hint"] = DISCRETE_HINT
     per_rank = tensor["metrics"].get("ranks")
     if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
