@@ -230,15 +230,18 @@ def _precision(build, reference: Path, work: Path, ids) -> str:
     import layerdiff
     from layerdiff.api import align
 
-    model = build().to(torch.bfloat16)
-    try:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    except Exception as exc:  # noqa: BLE001 - the model's own code, untraced: not layerdiff's
-        return f"not run: the model fails in bfloat16 untraced ({_error(exc)})"
-    model = build().to(torch.bfloat16)
     path = work / "bf16.h5"
-    with layerdiff.trace(model, path):
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    try:
+        model = build().to(torch.bfloat16)
+        with layerdiff.trace(model, path):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    except Exception as exc:  # noqa: BLE001 - whose failure it is: the same run untraced tells
+        try:
+            model = build().to(torch.bfloat16)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        except Exception:  # noqa: BLE001 - the model's own code, untraced: not layerdiff's
+            return f"not run: the model fails in bfloat16 untraced ({_error(exc)})"
+        raise
     report = align(reference, path).data
     if report["verdict"] == "aligned":
         return "ok"
