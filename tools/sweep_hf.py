@@ -139,6 +139,40 @@ def _target(model, ran: set[int]) -> str | None:
     return None
 
 
+def tiny_model(model_type: str, step, attempts: tuple = ATTEMPTS, **overrides):
+    """The model type built from the first of ``attempts`` (tiny configs, with ``overrides`` set on the config)
+    that builds and runs ``step(model)`` untraced: (config, model in eval mode, ids of the modules that ran,
+    parameter count); or why none did (the first attempt's error, or its size over ``MAX_PARAMS``)."""
+    import torch
+    from torch.nn.modules.module import register_module_forward_hook
+    from transformers import AutoModelForCausalLM
+
+    failures = []
+    for small in attempts:
+        try:
+            config = _config(model_type, small)
+            for key, value in overrides.items():
+                setattr(config, key, value)
+            with torch.device("meta"):
+                params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            if params > MAX_PARAMS:
+                failures.append(f"{params / 1e6:.0f}M parameters with the tiny config")
+                continue
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).eval()
+            ran: set[int] = set()
+            hook = register_module_forward_hook(lambda module, args, out: ran.add(id(module)))
+            try:
+                step(model)
+            finally:
+                hook.remove()
+            model.zero_grad(set_to_none=True)
+            return config, model, ran, params
+        except Exception as exc:  # noqa: BLE001 - the generic tiny config's limit, reported
+            failures.append(_error(exc))
+    return failures[0]
+
+
 def worker(model_type: str, out: Path) -> None:
     """One architecture in this interpreter; its result to ``out`` as JSON."""
     import warnings
@@ -154,36 +188,21 @@ def worker(model_type: str, out: Path) -> None:
 
 def _checks(model_type: str, result: dict, work: Path) -> None:
     import torch
-    from torch.nn.modules.module import register_module_forward_hook
     from transformers import AutoModelForCausalLM
 
     import layerdiff
 
     t0 = time.perf_counter()
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    failures = []
-    for small in ATTEMPTS:
-        try:
-            config = _config(model_type, small)
-            with torch.device("meta"):
-                params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-            if params > MAX_PARAMS:
-                failures.append(f"{params / 1e6:.0f}M parameters with the tiny config")
-                continue
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config).eval()
-            ran: set[int] = set()
-            hook = register_module_forward_hook(lambda module, args, out: ran.add(id(module)))
-            try:
-                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            finally:
-                hook.remove()
-            break
-        except Exception as exc:  # noqa: BLE001 - the generic tiny config's limit, reported
-            failures.append(_error(exc))
-    else:
-        result["not_run"] = failures[0]
+
+    def step(model) -> None:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    built = tiny_model(model_type, step)
+    if isinstance(built, str):
+        result["not_run"] = built
         return
+    config, model, ran, params = built
 
     def build():
         torch.manual_seed(0)

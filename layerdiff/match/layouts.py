@@ -258,6 +258,32 @@ def relate_shapes(shape_a, shape_b, swap_leading: "bool | TokenOrder" = False) -
         return ShapeRelation("mismatch", a, b)
 
 
+def layouts_relate(shape_a, shape_b) -> bool:
+    """Whether two shapes hold their elements in a relation ``relate_shapes`` knows to compare by: the same shape,
+    a permutation, broadcasting, or a reshape that only merges or splits neighbouring dimensions (one side's running
+    products of its dimensions are among the other's). Not two equal element counts alone: [1, 12, 8] against
+    [2, 4, 12] compares nothing with its counterpart once flattened.
+
+    Why: equal statistics are strong evidence that two operations of different kinds are one (a port's ``einsum``
+    against ``matmul``), but not when their layouts are unrelated. A rotary embedding's ``cat`` of one batch held the
+    same values, in another order, as the other side's ``matmul`` over two batches, and was paired with it."""
+    relation = relate_shapes(shape_a, shape_b)
+    if relation.kind in ("same", "permute", "broadcast"):
+        return True
+    if relation.kind != "reshape":
+        return False
+    running_a, running_b = _running_products(shape_a), _running_products(shape_b)
+    return running_a <= running_b or running_b <= running_a
+
+
+def _running_products(shape) -> set[int]:
+    out, product = set(), 1
+    for size in _squeezed(shape):
+        product *= size
+        out.add(product)
+    return out
+
+
 def _tokens_reordered(a: tuple, b: tuple, order: TokenOrder) -> ShapeRelation | None:
     """A and B both lead with the step's tokens ([b, s], [s, b] or flattened), in opposite orders: B's tokens
     viewed as B orders them and swapped into A's order."""

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from layerdiff.match.layouts import layouts_relate
 from layerdiff.match.mapping import ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
 from layerdiff.match.pairing import TensorPair
@@ -111,6 +112,18 @@ def values_agree(a: TensorEntry, b: TensorEntry) -> bool:
     return abs(l2a - l2b) <= _AGREE_REL * max(abs(l2a), abs(l2b)) + 1e-30
 
 
+def _telling(a: TensorEntry | None, b: TensorEntry | None) -> bool:
+    """Whether two outputs whose statistics agree say, by that alone, that operations of other kinds are one (a
+    port's ``einsum`` against ``matmul``): floating values that are not all equal, in layouts that relate. A mask
+    (booleans, integers) or a constant shares its statistics with too many others: HF's attention mask made by
+    ``&`` of index functions, against a port's made by ``__setitem__`` into zeros, were paired on their counts of
+    True, and the two codes' other steps then read as the port passing wrong tensors. Layouts: see
+    ``layouts_relate``."""
+    if a is None or b is None or dtype_kind(a.dtype) != "float" or a.stats.get("min") == a.stats.get("max"):
+        return False
+    return layouts_relate(a.shape, b.shape)
+
+
 class _Evidence:
     """What the alignment knows of two operations: their canonical kinds and outputs."""
 
@@ -128,12 +141,13 @@ class _Evidence:
     def pair(self, i: int, j: int) -> float | None:
         """The score of pairing A's i-th with B's j-th; None where nothing says they are one operation."""
         same_kind = self.kinds_a[i] == self.kinds_b[j]
-        agree = self.agree(i, j)
-        if agree:
-            return 6.0 if same_kind else 4.0
+        oa, ob = self.out_a[i], self.out_b[j]
+        if self.agree(i, j):
+            if same_kind:
+                return 6.0
+            return 4.0 if _telling(oa, ob) else None
         if not same_kind:
             return None
-        oa, ob = self.out_a[i], self.out_b[j]
         return 1.0 if oa is not None and ob is not None and list(oa.shape) == list(ob.shape) else 0.5
 
     def gap_a(self, i: int) -> float:
