@@ -52,7 +52,9 @@ METHOD = ("Each causal-LM model type that the installed PaddleFormers ships and 
           "or run the model untraced.")
 CHECKS = ("weights", "logits", "clean", "defect", "ops clean", "ops defect")
 TIMEOUT_S = 300
-STEP = ("one forward on ``ids``, cross entropy of each position against the next token (float32), backward")
+# what a port's config needs beyond transformers' dictionary to build the same model: PaddleFormers' ERNIE 4.5 MoE
+# adds a multi-token-prediction block by default, which transformers' model does not have
+PORT_CONFIG = {"ernie4_5_moe": {"num_nextn_predict_layers": 0}}
 
 
 def paddleformers_types() -> list[str]:
@@ -101,6 +103,25 @@ def torch_side(model_type: str, work: Path) -> dict:
     return {"params": params, "target": sweep_hf._target(model, ran)}
 
 
+def torch_back(model_type: str, work: Path) -> dict:
+    """The weights' way back: the Paddle model's export (``back.safetensors``) imported into a transformers model
+    of the same config, exported again: bit for bit the weights that went out?"""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from layerdiff.checkpoints.transfer import export_weights, import_weights, read_weights
+
+    config = CONFIG_MAPPING[model_type].from_dict(json.loads((work / "config.json").read_text()))
+    model = AutoModelForCausalLM.from_config(config)
+    import_weights(model, work / "back.safetensors")
+    export_weights(model, work / "again.safetensors", overwrite=True)
+    sent, again = read_weights(work / "weights.safetensors"), read_weights(work / "again.safetensors")
+    differ = [n for n in sent if n not in again or not np.array_equal(sent[n][0], again[n][0])]
+    return {"weights": "ok" if not differ and len(again) == len(sent) else
+            f"{len(differ)} of {len(sent)} differ after the round trip (e.g. {differ[:2]})"}
+
+
 # -- the Paddle side -----------------------------------------------------------------------------------------
 
 def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
@@ -121,7 +142,8 @@ def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
 
     module = importlib.import_module(f"paddleformers.transformers.{model_type}")
     classes = [getattr(module, n) for n in dir(module) if n.endswith("ForCausalLM")]
-    config = CONFIG_MAPPING[model_type].from_dict(json.loads((work / "config.json").read_text()))
+    config = CONFIG_MAPPING[model_type].from_dict({**json.loads((work / "config.json").read_text()),
+                                                   **PORT_CONFIG.get(model_type, {})})
     config._attn_implementation = "eager"
     ids = paddle.to_tensor(np.load(work / "ids.npy"))
 
@@ -139,7 +161,7 @@ def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
 
     result: dict = {}
     try:
-        model, imported = build()
+        model, _ = build()
         step(model)
     except Exception as exc:  # noqa: BLE001 - reported: the weights did not cross, or the port does not run
         result["not_run"] = f"paddle: {sweep_hf._error(exc)}"
@@ -148,10 +170,6 @@ def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
         logits = model(input_ids=ids, use_cache=False, return_dict=True).logits.astype("float32")
     np.save(work / "logits_b.npy", logits.numpy())
     export_weights(model, work / "back.safetensors", overwrite=True)
-    sent, back = read_weights(work / "weights.safetensors"), read_weights(work / "back.safetensors")
-    differ = [n for n in sent if n not in back or not np.array_equal(sent[n][0], back[n][0])]
-    result["weights"] = "ok" if not differ and len(back) == len(sent) == imported else \
-        f"{len(differ)} of {len(sent)} differ after the round trip (e.g. {differ[:2]})"
     for ops in (False, True):
         for defect in (False, True):
             name = f"pf{'_ops' if ops else ''}{'_bad' if defect else ''}"
@@ -178,7 +196,9 @@ def worker(side: str, model_type: str, work: Path, target: str | None) -> None:
     warnings.filterwarnings("ignore")
     out: dict = {}
     try:
-        out = torch_side(model_type, work) if side == "torch" else paddle_side(model_type, work, target)
+        sides = {"torch": lambda: torch_side(model_type, work), "back": lambda: torch_back(model_type, work),
+                 "paddle": lambda: paddle_side(model_type, work, target)}
+        out = sides[side]()
     except Exception as exc:  # noqa: BLE001 - the side's own failure, reported
         out = {"not_run": f"{side}: {sweep_hf._error(exc)}"}
     finally:
@@ -212,7 +232,8 @@ def run_type(model_type: str) -> dict:
         ported = _side("paddle", model_type, work, made.get("target"))
         if "not_run" in ported:
             return {**result, **ported}
-        result["weights"] = ported["weights"]
+        back = _side("back", model_type, work)
+        result["weights"] = back.get("weights") or back["not_run"]
         differ = _logits(work)
         result["logits"] = differ
         for ops in (False, True):

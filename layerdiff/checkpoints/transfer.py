@@ -50,6 +50,12 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
     params = adapter.parameters(model)
     stored = rules.param_homes(state)  # a fused norm's weight (linear_qkv.layer_norm_weight) where it belongs
     state = {home: state[name] for home, name in stored.items()}
+    own_names = {canonical_param_name(rename(name)) for name, _, _ in params}
+    for name, pieces in per_expert_names(state).items():  # stacked experts for a model that keeps them apart
+        if name not in own_names:
+            array, dtype = state.pop(name)
+            state.update({piece: (array[e], dtype) for e, piece in enumerate(pieces)})
+            stored.update({piece: name for piece in pieces})
     stacked = {}  # model parameter -> the names of its per-expert pieces
     if all(canonical_param_name(rename(name)) in state for name, _, _ in params):
         plan = {name: ParamSource(name, "same", (canonical_param_name(rename(name)),)) for name, _, _ in params}
@@ -126,6 +132,27 @@ def _stacked_experts(entries) -> set:
                 and not {leaf for leaf, _ in params} & {"weight", "bias"}):  # a Conv1d's weight is 3-D too
             found.add(path)
     return found
+
+
+def per_expert_names(state: dict) -> dict[str, list[str]]:
+    """{a stacked experts tensor of ``state``: the names of its experts' own weights}: transformers 5 keeps each
+    projection of all experts in one 3-D tensor (``mlp.experts.gate_up_proj`` [experts, 2 x ffn, hidden]) where
+    checkpoints and other frameworks' models keep a linear per expert (``mlp.experts.3.gate_up_proj.weight``, which
+    the rule set splits into gate and up like any fused projection). Found as ``_stacked_experts`` finds them in
+    a model: 3-D tensors, not a ``weight`` or ``bias``, with as many experts as their siblings."""
+    by_module: dict[str, list[str]] = {}
+    for name in state:
+        module, _, leaf = name.rpartition(".")
+        by_module.setdefault(module, []).append(name)
+    out = {}
+    for module, names in by_module.items():
+        shapes = [tuple(state[n][0].shape) for n in names]
+        leaves = {n.rpartition(".")[2] for n in names}
+        if all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1 and shapes[0][0] > 1 and \
+                not leaves & {"weight", "bias"}:
+            for n in names:
+                out[n] = [f"{module}.{e}.{n.rpartition('.')[2]}.weight" for e in range(shapes[0][0])]
+    return out
 
 
 def _per_expert(entries, experts: set) -> list:
