@@ -78,6 +78,28 @@ def expert_shard(state: dict, model) -> dict:
     return out
 
 
+def routers_on_cpu(model) -> None:
+    """Every MoE layer's ``TopKRouter`` of a GPTModel computes its logits on the CPU with ``F.linear`` (the same
+    logits; its own ``gating`` moves the weight to CUDA and needs Transformer Engine)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for layer in model.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if isinstance(router, TopKRouter):
+            router.__class__ = _cpu_router_class(type(router))
+
+
+def _cpu_router_class(base: type) -> type:
+    class CPUTopKRouter(base):  # type: ignore[misc, valid-type]
+        """``TopKRouter`` whose logits stay on the CPU and need no Transformer Engine."""
+
+        def gating(self, input):
+            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+            return F.linear(input.to(dtype), self.weight.to(dtype))
+
+    return CPUTopKRouter
+
+
 def megatron_model(state: dict, ep: int = 1, dp: int = 1):
     import warnings
 
@@ -85,17 +107,9 @@ def megatron_model(state: dict, ep: int = 1, dp: int = 1):
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from layerdiff.recipes import megatron_llama
-
-    class CPUTopKRouter(TopKRouter):
-        """``TopKRouter`` whose logits stay on the CPU and need no Transformer Engine."""
-
-        def gating(self, input):
-            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
-            return F.linear(input.to(dtype), self.weight.to(dtype))
 
     if ep * dp == 1:
         megatron_llama.init_cpu_megatron(1)
@@ -118,8 +132,7 @@ def megatron_model(state: dict, ep: int = 1, dp: int = 1):
     model = GPTModel(config, spec, vocab_size=c["vocab"], max_sequence_length=256, position_embedding_type="rope",
                      rotary_base=c["rope_theta"], share_embeddings_and_output_weights=False)
     model.rotary_pos_emb.__class__ = megatron_llama.CPURotaryEmbedding
-    for layer in model.decoder.layers:
-        layer.mlp.router.__class__ = CPUTopKRouter
+    routers_on_cpu(model)
     missing, unexpected = model.load_state_dict(expert_shard(state, model), strict=False)
     assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
     return model

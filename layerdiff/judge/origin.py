@@ -28,7 +28,7 @@ def _locate(node: Node, chain: list):
     for child in node.children:
         if not child.inputs_ok:
             return node, "own_code", previous, child, chain
-        if not child.outputs_ok or not child.subtree_ok():
+        if not child.outputs_ok or not child.modules_ok():
             found = _locate(child, chain)
             if found:
                 return found

@@ -47,6 +47,15 @@ class Node:
     def subtree_ok(self) -> bool:
         return self.inputs_ok and self.outputs_ok and all(c.subtree_ok() for c in self.children)
 
+    def modules_ok(self) -> bool:
+        """``subtree_ok`` over the module calls alone: an operation that differs inside a call whose modules all
+        agree is a formulation that comes back together (transformers' router takes the top-k of probabilities,
+        Megatron's of logits, then a softmax of those: the same weights come out), not a divergence that a later
+        module inherits. A phase's verdict does not count it either."""
+        if self.kind == "op":
+            return True
+        return self.inputs_ok and self.outputs_ok and all(c.modules_ok() for c in self.children)
+
 
 def node_key(row: schema.Row) -> NodeKey:
     """A row's place in the tree: its module call, and for an operation its index in that call's code."""

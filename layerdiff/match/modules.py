@@ -167,6 +167,9 @@ def from_params(params) -> dict:
         infos[module].params.append(ParamInfo(canonical_param_name(name).rpartition(".")[2], tuple(shape),
                                               Fingerprint.of_stats(stats)))
     _link_children(infos)
+    for info in infos.values():
+        if info.local == "gate" and info.parent is not None and f"{info.parent}.experts" in infos:
+            info.type = "Router"  # a checkpoint names no types: an MoE layer's "gate" beside its "experts"
     return infos
 
 

@@ -1,7 +1,8 @@
 """A mixture-of-experts port: transformers' Mixtral against a Megatron-core GPTModel with MoE layers, same weights,
 traced in one subprocess. The routers hand on their choice differently (top-k scores and indices vs dense
 probabilities and a routing map; Megatron flattens tokens sequence-first), and the pair still aligns with no
-flags; a router defect is named at the router, an expert defect at the MoE block."""
+flags; a router defect is named at the router, an expert defect at the MoE block, with every operation recorded
+too (the routers' operations differ: transformers takes the top-k of probabilities, Megatron of logits)."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,10 @@ for mode in ("full", "stats"):
         built = megatron_moe.build(**kwargs)
         with layerdiff.trace(built["model"], f"{out}/{name}{'_stats' * (mode == 'stats')}.h5", mode=mode):
             built["step"]()
+for name, kwargs in (("hf", {"impl": "hf"}), ("mg", {}), ("expert", {"defect": "expert"})):
+    built = megatron_moe.build(**kwargs)
+    with layerdiff.trace(built["model"], f"{out}/{name}_ops.h5", ops=True):
+        built["step"]()
 with torch.no_grad():
     diff = (megatron_moe.build(impl="hf")["logits"]() - megatron_moe.build()["logits"]()).abs().max().item()
 json.dump({"logits_max_abs": diff}, open(f"{out}/parity.json", "w"))
@@ -61,3 +66,12 @@ def test_moe_defects_are_named_in_the_hf_names(moe, defect, mode):
     assert align_files(moe / f"hf{mode}.h5", moe / f"mg{mode}.h5")["verdict"] == "aligned"
     report = align_files(moe / f"hf{mode}.h5", moe / f"{defect}{mode}.h5")
     assert report[direction]["first_divergence"]["module"] == origin, report[direction]["first_divergence"]
+
+
+def test_an_expert_defect_is_named_past_routers_whose_operations_differ(moe):
+    """With operations recorded, layer 0's routers differ inside (top-k of probabilities against top-k of logits,
+    then a softmax) and agree at their outputs: that is no origin for layer 1's expert defect."""
+    assert align_files(moe / "hf_ops.h5", moe / "mg_ops.h5")["verdict"] == "aligned"
+    report = align_files(moe / "hf_ops.h5", moe / "expert_ops.h5")
+    origin = report["forward"]["first_divergence"]
+    assert origin["module"].startswith("model.layers.1.mlp"), origin["description"]

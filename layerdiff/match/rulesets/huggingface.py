@@ -12,6 +12,8 @@ RULES = {
         "up": ["up_proj"],
         "down": ["down_proj"],
         "gate_up": ["gate_up_proj"],
+        "q_norm": ["q_norm"],  # Qwen3, OLMo 2, Gemma 3: a norm over each query head (and key head) before rotary
+        "k_norm": ["k_norm"],
         "attn_norm": ["input_layernorm", "ln_1", "self_attn_layer_norm"],
         "mlp_norm": ["post_attention_layernorm", "ln_2"],
         "final_norm": ["norm", "ln_f", "final_norm"],

@@ -13,6 +13,8 @@ RULES = {
         "gate_up": ["linear_fc1"],
         "down": ["linear_fc2"],
         "mlp_norm": ["pre_mlp_layernorm"],
+        "q_norm": ["q_layernorm"],  # qk_layernorm (Qwen3's q_norm and k_norm)
+        "k_norm": ["k_layernorm"],
         "final_norm": ["final_layernorm"],
         "embed": ["word_embeddings"],
         "lm_head": ["output_layer"],

@@ -1,0 +1,93 @@
+"""Recipe: a Megatron-core ``GPTModel`` configured from a transformers config, as Megatron-Bridge configures one for
+that architecture, on one CPU rank (``megatron_llama``'s CPU arrangements). Its weights are the user's to set:
+``layerdiff.checkpoints.transfer.transfer_weights(hf_model, model)`` does it with no map.
+
+    from layerdiff.recipes import megatron_like_hf
+    model = megatron_like_hf.build(hf_model.config, ids.shape, qk_layernorm=True)   # Qwen3
+    transfer_weights(hf_model, model)
+    logits = megatron_like_hf.logits(model, ids)                                     # [b, s, vocab]
+
+What is taken from the config: sizes, heads and query groups, head dim, RMSNorm epsilon, rotary base, tied
+embeddings, and experts (``num_local_experts`` or ``num_experts``, top-k, the experts' width, a shared expert with
+its sigmoid gate, softmax over all experts first where ``norm_topk_prob`` is false). What the config does not say
+and Megatron-Bridge sets per architecture comes as keyword options (``add_qkv_bias=True`` for Qwen2,
+``qk_layernorm=True`` for Qwen3). SiLU-gated MLP, no linear biases, dropout 0, fp32, every fusion off (no
+Transformer Engine, no CUDA).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from layerdiff.recipes import megatron_llama, megatron_moe
+except ImportError:  # loaded as a file
+    import megatron_llama
+    import megatron_moe
+
+with warnings.catch_warnings():  # "Transformer Engine / Apex not installed": expected, the local spec uses neither
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def build(config, shape: tuple[int, int], **options) -> GPTModel:
+    """A GPTModel of ``config``'s architecture for inputs of ``shape`` (batch, sequence); ``options``: more
+    TransformerConfig fields (``qk_layernorm`` also picks the layer spec's query-key norms)."""
+    megatron_llama.init_cpu_megatron(1)
+    rope = getattr(config, "rope_parameters", None) or {}
+    base = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    experts = experts_options(config)
+    transformer = TransformerConfig(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
+        kv_channels=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        ffn_hidden_size=config.intermediate_size, normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps,
+        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, cuda_graph_scope=[],
+        **options, **experts)
+    spec = get_gpt_layer_local_spec(num_experts=experts.get("num_moe_experts"), moe_grouped_gemm=False,
+                                    normalization="RMSNorm", qk_layernorm=options.get("qk_layernorm", False))
+    model = GPTModel(transformer, spec, vocab_size=config.vocab_size,
+                     max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
+                     rotary_base=base, share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings",
+                                                                                        False)))
+    model.rotary_pos_emb.__class__ = megatron_llama.CPURotaryEmbedding
+    model.rotary_pos_emb.rotary_base = base
+    megatron_moe.routers_on_cpu(model)
+    batch, seq = shape
+    megatron_llama.reserve_attention_buffer(batch * config.num_attention_heads * seq * seq)
+    return model
+
+
+def experts_options(config) -> dict:
+    """Megatron's MoE options for a transformers config with experts, as Megatron-Bridge sets them: top-k of the
+    router's scores renormalized (Mixtral) or softmax over all experts first (Qwen2-MoE: ``norm_topk_prob``
+    false), a shared expert with its sigmoid gate, the token dispatcher that runs on one CPU rank, and no auxiliary
+    loss (transformers adds none without ``output_router_logits``)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not experts:
+        return {}
+    out = dict(num_moe_experts=experts, moe_router_topk=config.num_experts_per_tok,
+               moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+               moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    if not getattr(config, "norm_topk_prob", True):
+        out["moe_router_pre_softmax"] = True
+    shared = getattr(config, "shared_expert_intermediate_size", 0)
+    if shared:
+        out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return out
+
+
+def logits(model: GPTModel, ids: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits [b, s, vocab] for ``ids`` [b, s]: positions 0.., a causal mask (True = masked, made here:
+    Megatron's default one is built on CUDA)."""
+    batch, seq = ids.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    return model(ids, positions, mask)
