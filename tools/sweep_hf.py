@@ -331,30 +331,48 @@ def main(argv=None) -> int:
 
     types = args.types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     run = benchlib.BenchRun("sweep_hf", TITLE, METHOD, packages=("numpy", "torch", "transformers"))
-    results = []
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for result in pool.map(run_type, types):
-            results.append(result)
-            print(_line(result), flush=True)
+    results = run_all(types, run_type, args.jobs, CHECKS)
     ran = [r for r in results if "not_run" not in r]
     passed = {check: sum(r.get(check) == "ok" for r in ran) for check in CHECKS}
     headline = (f"{len(ran)} of {len(results)} architectures ran with the tiny config; " +
                 ", ".join(f"{check} {n}/{len(ran)}" for check, n in passed.items()))
     print(headline)
     if args.json:
-        rows = [[r["type"], *(r.get(check, "-") for check in CHECKS), r.get("target") or "-"] for r in ran]
-        skipped = [[r["type"], r["not_run"]] for r in results if "not_run" in r]
-        run.write(args.json, quick=bool(args.types), headline=headline,
-                  tables=[benchlib.table("Architectures that ran", ["type", *CHECKS, "perturbed module"], rows),
-                          benchlib.table("Not run (the tiny config's limit)", ["type", "why"], skipped)],
-                  results={"architectures": results, "passed": passed, "ran": len(ran)})
+        write_results(run, args.json, bool(args.types), headline, CHECKS, results, "the tiny config's limit",
+                      passed=passed)
     return 0
 
 
-def _line(result: dict) -> str:
+def run_all(types: list[str], run_one, jobs: int, checks: tuple) -> list[dict]:
+    """``run_one(type)`` for each type, ``jobs`` at once; each result printed as it comes (every sweep's driver)."""
+    results = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for result in pool.map(run_one, types):
+            results.append(result)
+            print(result_line(result, checks), flush=True)
+    return results
+
+
+def result_line(result: dict, checks: tuple) -> str:
     if "not_run" in result:
-        return f"{result['type']:28} not run: {result['not_run']}"
-    return f"{result['type']:28} " + "  ".join(f"{check}: {result.get(check, '-')}" for check in CHECKS)
+        return f"{result['type']:20} not run: {result['not_run']}"
+    return f"{result['type']:20} " + "  ".join(f"{check}: {result.get(check, '-')}" for check in checks)
+
+
+def write_results(run, path: str, quick: bool, headline: str, checks: tuple, results: list[dict], not_run_why: str,
+                  **more) -> None:
+    """A sweep's JSON for its page: a row per architecture that ran (its checks, and the module it perturbed where
+    it names one), the others with why they did not run; ``more``: figures for the results."""
+    ran = [r for r in results if "not_run" not in r]
+    target = any(r.get("target") for r in ran)
+    rows = [[r["type"], *(r.get(check, "-") for check in checks), *([r.get("target") or "-"] if target else [])]
+            for r in ran]
+    skipped = [[r["type"], r["not_run"]] for r in results if "not_run" in r]
+    run.write(path, quick=quick, headline=headline,
+              tables=[benchlib.table("Architectures that ran",
+                                     ["type", *checks, *(["perturbed module"] if target else [])], rows),
+                      benchlib.table(f"Not run ({not_run_why})", ["type", "why"], skipped)],
+              results={"architectures": results, "ran": len(ran), **more})
 
 
 if __name__ == "__main__":

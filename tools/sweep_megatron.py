@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -176,11 +175,7 @@ def main(argv=None) -> int:
     types = args.types or list(MEGATRON)
     run = benchlib.BenchRun("sweep_megatron", TITLE, METHOD, packages=("numpy", "torch", "transformers",
                                                                        "megatron-core"))
-    results = []
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for result in pool.map(run_type, types):
-            results.append(result)
-            print(sweep_paddleformers._line(result), flush=True)
+    results = sweep_hf.run_all(types, run_type, args.jobs, CHECKS)
     ran = [r for r in results if "not_run" not in r]
     same = [r for r in ran if r.get("logits", "").startswith("agree")]
     passed = {check: sum(r.get(check) == "ok" for r in same) for check in CHECKS if check != "logits"}
@@ -188,12 +183,8 @@ def main(argv=None) -> int:
                 f"transformers' logits: " + ", ".join(f"{check} {n}/{len(same)}" for check, n in passed.items()))
     print(headline)
     if args.json:
-        rows = [[r["type"], *(r.get(check, "-") for check in CHECKS)] for r in ran]
-        skipped = [[r["type"], r["not_run"]] for r in results if "not_run" in r]
-        run.write(args.json, quick=bool(args.types), headline=headline,
-                  tables=[benchlib.table("Architectures that ran", ["type", *CHECKS], rows),
-                          benchlib.table("Not run", ["type", "why"], skipped)],
-                  results={"architectures": results, "passed": passed, "ran": len(ran), "same_logits": len(same)})
+        sweep_hf.write_results(run, args.json, bool(args.types), headline, CHECKS, results,
+                               "Megatron could not take it", passed=passed, same_logits=len(same))
     return 0
 
 

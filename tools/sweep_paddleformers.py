@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -299,11 +298,7 @@ def main(argv=None) -> int:
     types = args.types or paddleformers_types()
     run = benchlib.BenchRun("sweep_paddleformers", TITLE, METHOD,
                             packages=("numpy", "torch", "transformers", "paddlepaddle", "paddleformers"))
-    results = []
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for result in pool.map(run_type, types):
-            results.append(result)
-            print(_line(result), flush=True)
+    results = sweep_hf.run_all(types, run_type, args.jobs, CHECKS)
     ran = [r for r in results if "not_run" not in r]
     same = [r for r in ran if r.get("logits", "").startswith("agree")]
     differ = [r for r in ran if r not in same]
@@ -316,20 +311,10 @@ def main(argv=None) -> int:
                 f"reported divergent in {detected} of {2 * len(differ)} alignments")
     print(headline)
     if args.json:
-        rows = [[r["type"], *(r.get(check, "-") for check in CHECKS), r.get("target") or "-"] for r in ran]
-        skipped = [[r["type"], r["not_run"]] for r in results if "not_run" in r]
-        run.write(args.json, quick=bool(args.types), headline=headline,
-                  tables=[benchlib.table("Architectures that ran", ["type", *CHECKS, "perturbed module"], rows),
-                          benchlib.table("Not run (one side could not build or run it)", ["type", "why"], skipped)],
-                  results={"architectures": results, "passed": passed, "ran": len(ran), "same_logits": len(same),
-                           "other_logits": [r["type"] for r in differ]})
+        sweep_hf.write_results(run, args.json, bool(args.types), headline, CHECKS, results,
+                               "one side could not build or run it", passed=passed, same_logits=len(same),
+                               other_logits=[r["type"] for r in differ])
     return 0
-
-
-def _line(result: dict) -> str:
-    if "not_run" in result:
-        return f"{result['type']:16} not run: {result['not_run']}"
-    return f"{result['type']:16} " + "  ".join(f"{check}: {result.get(check, '-')}" for check in CHECKS)
 
 
 if __name__ == "__main__":
