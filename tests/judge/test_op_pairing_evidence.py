@@ -65,6 +65,7 @@ def rotary_runs(tmp_path_factory):
             for name, port, perturbed in (("hf", False, False), ("port", True, False), ("bad", True, True))}
 
 
+@pytest.mark.slow
 def test_a_rotary_embedding_computed_over_the_batch_aligns_operation_by_operation(rotary_runs):
     report = align_files(rotary_runs["hf"], rotary_runs["port"])
     assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
@@ -74,6 +75,7 @@ def test_a_rotary_embedding_computed_over_the_batch_aligns_operation_by_operatio
     assert ("cat", "matmul") not in {(r["op"]["kind"], r["op_b"]["kind"]) for r in rotary}
 
 
+@pytest.mark.slow
 def test_a_weight_perturbed_behind_that_rotary_embedding_is_named_where_it_is(rotary_runs):
     report = align_files(rotary_runs["hf"], rotary_runs["bad"])
     origin = report["forward"]["first_divergence"]

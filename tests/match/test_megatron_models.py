@@ -1,0 +1,126 @@
+"""transformers' models against Megatron-core GPTModels, in one subprocess.
+
+A mixture-of-experts port: transformers' Mixtral against a GPTModel with MoE layers, same weights. The routers hand
+on their choice differently (top-k scores and indices vs dense probabilities and a routing map; Megatron flattens
+tokens sequence-first), and the pair still aligns with no flags; a router defect is named at the router, an expert
+defect at the MoE block, with every operation recorded too (the routers' operations differ: transformers takes the
+top-k of probabilities, Megatron of logits). And GPTModels configured from transformers configs
+(``recipes/megatron_like_hf.py``): the weights go there and back with no map."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import align_files, run_scripts
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.torch]
+
+pytest.importorskip("megatron.core")
+
+# GPTModels configured from transformers configs (recipes/megatron_like_hf.py), weights moved with no map
+LIKE_HF = """
+import json, sys
+import numpy as np, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from layerdiff.checkpoints.transfer import neutral_state, transfer_weights
+from layerdiff.recipes import megatron_like_hf
+
+SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, intermediate_size=64, max_position_embeddings=64)
+out = {}
+ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num_local_experts": 4})):
+    megatron_options = {k: v for k, v in options.items() if k != "num_local_experts"}
+    hf_options = {k: v for k, v in options.items() if k not in megatron_options}
+    config = AutoConfig.for_model(model_type, **SIZES, **hf_options)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
+    moved = transfer_weights(hf, mg)
+    back = AutoModelForCausalLM.from_config(config)
+    transfer_weights(mg, back)
+    before, after = neutral_state(hf), neutral_state(back)
+    with torch.no_grad():
+        diff = (hf(input_ids=ids).logits - megatron_like_hf.logits(mg, ids)).abs().max().item()
+    out[model_type] = {"moved": moved, "logits_max_abs": diff, "names": sorted(n for n, _ in mg.named_parameters()),
+                       "same": sorted(before) == sorted(after) and all(np.array_equal(before[n][0], after[n][0])
+                                                                       for n in before)}
+json.dump(out, open(f"{sys.argv[1]}/like_hf.json", "w"))
+"""
+
+SCRIPT = """
+import json, sys
+import torch
+import layerdiff
+from layerdiff.recipes import megatron_moe
+
+out = sys.argv[1]
+runs = {"hf": {"impl": "hf"}, "mg": {}, "router": {"defect": "router"}, "expert": {"defect": "expert"}}
+for mode in ("full", "stats"):
+    for name, kwargs in runs.items():
+        built = megatron_moe.build(**kwargs)
+        with layerdiff.trace(built["model"], f"{out}/{name}{'_stats' * (mode == 'stats')}.h5", mode=mode):
+            built["step"]()
+for name, kwargs in (("hf", {"impl": "hf"}), ("mg", {}), ("expert", {"defect": "expert"})):
+    built = megatron_moe.build(**kwargs)
+    with layerdiff.trace(built["model"], f"{out}/{name}_ops.h5", ops=True):
+        built["step"]()
+with torch.no_grad():
+    diff = (megatron_moe.build(impl="hf")["logits"]() - megatron_moe.build()["logits"]()).abs().max().item()
+json.dump({"logits_max_abs": diff}, open(f"{out}/parity.json", "w"))
+""" + LIKE_HF
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    run_scripts(root, {"moe": SCRIPT}, timeout=600)
+    return root
+
+
+def test_mixtral_and_megatron_moe_agree_and_align_with_no_flags(moe):
+    assert json.loads((moe / "parity.json").read_text())["logits_max_abs"] < 1e-6
+    report = align_files(moe / "hf.h5", moe / "mg.h5")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    router = next(r for r in report["records"] if r["path"] == "model.layers.0.mlp.gate" and r["phase"] == "forward")
+    compared = {(t["role"], t["key"]): t for t in router["tensors"] if t.get("metrics")}
+    # the flattened tokens reordered; the top-k scores and choices spread over the experts; all of it agrees
+    assert set(compared) >= {("input", "args.0"), ("output", "out.1"), ("output", "out.2")}
+    assert all(t["passed"] for t in compared.values())
+
+
+@pytest.mark.parametrize("mode", ["", "_stats"])
+@pytest.mark.parametrize("defect", ["router", "expert"])
+def test_moe_defects_are_named_in_the_hf_names(moe, defect, mode):
+    # in statistics traces too: the spread scores' statistics follow from the scores' (zeros for the rest)
+    from layerdiff.recipes.megatron_moe import DEFECTS
+
+    direction, origin = DEFECTS[defect]
+    assert align_files(moe / f"hf{mode}.h5", moe / f"mg{mode}.h5")["verdict"] == "aligned"
+    report = align_files(moe / f"hf{mode}.h5", moe / f"{defect}{mode}.h5")
+    assert report[direction]["first_divergence"]["module"] == origin, report[direction]["first_divergence"]
+
+
+def test_an_expert_defect_is_named_past_routers_whose_operations_differ(moe):
+    """With operations recorded, layer 0's routers differ inside (top-k of probabilities against top-k of logits,
+    then a softmax) and agree at their outputs: that is no origin for layer 1's expert defect."""
+    assert align_files(moe / "hf_ops.h5", moe / "mg_ops.h5")["verdict"] == "aligned"
+    report = align_files(moe / "hf_ops.h5", moe / "expert_ops.h5")
+    origin = report["forward"]["first_divergence"]
+    assert origin["module"].startswith("model.layers.1.mlp"), origin["description"]
+
+
+@pytest.mark.parametrize("model_type, megatron_only", [
+    ("qwen3", "decoder.layers.1.self_attention.k_layernorm.weight"),
+    ("mixtral", "decoder.layers.1.mlp.router.weight")])
+def test_weights_cross_into_megatron_and_back_with_no_map(moe, model_type, megatron_only):
+    """Qwen3's query-key norms (Megatron's ``q_layernorm``/``k_layernorm``) and Mixtral's router (a checkpoint
+    names no types: its ``gate`` is known by its place beside the experts) cross with ``transfer_weights`` and no
+    map, and back; the two compute the same logits. Found by ``tools/sweep_megatron.py``."""
+    result = json.loads((moe / "like_hf.json").read_text())[model_type]
+    assert megatron_only in result["names"]
+    assert result["moved"] == len(result["names"])
+    assert result["logits_max_abs"] < 1e-5
+    assert result["same"]
