@@ -98,12 +98,13 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
     """{model parameter (or per-expert piece): its source} from matching the model's modules with the state's,
     group counts, and {model parameter: its per-expert pieces}."""
     source_infos = modules.from_params([(n, a.shape, summarize(a, d)) for n, (a, d) in state.items()])
-    entries = adapter.module_entries(model)
+    entries, moved = _moved_home(adapter.module_entries(model), rules)
     experts = _stacked_experts(entries) if adapter.name == "torch" else set()
     mapping = match_modules(source_infos, modules.from_model(_per_expert(entries, experts)), rules, rename)
     own, stacked = {}, {}
     for name, tensor, module_type in params:
         shape = tuple(tensor.shape)
+        name = moved.get(name, name)
         module, _, leaf = name.rpartition(".")
         if module in experts:
             stacked[name] = [f"{module}.{e}.{leaf}.weight" for e in range(shape[0])]
@@ -119,7 +120,34 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
             parts_parent = src.name.rpartition(".")[0].rpartition(".")[0]
             groups[src.name] = paramplan.group_count(src, rules, [hparams.get(src.fused_module), hparams.get(
                 fused_parent), hparams.get(parts_parent)], load=lambda n: state[n][0])
-    return {s.name: s for s in sources}, groups, stacked
+    plan = {s.name: s for s in sources}
+    for name, home in moved.items():
+        if home in plan:
+            plan[name] = plan.pop(home)
+    return plan, groups, stacked
+
+
+def _moved_home(entries, rules: RuleSet) -> tuple[list, dict[str, str]]:
+    """``entries`` with each parameter that the rule set's ``moved_params`` says belongs elsewhere shown in the
+    module where it belongs (Megatron's ``shared_experts.gate_weight`` as a linear ``shared_expert_gate``, as
+    transformers keeps it), right after the module that holds it; and {parameter: its name there}."""
+    out: list = []
+    moved: dict[str, str] = {}
+    for path, type_name, hparams, params in entries:
+        kept: list = []
+        homes: list = []
+        for leaf, shape in params:
+            name = f"{path}.{leaf}" if path else leaf
+            home = rules.param_home(name)
+            if home == name:
+                kept.append((leaf, shape))
+            else:
+                moved[name] = home
+                module, _, home_leaf = home.rpartition(".")
+                homes.append((module, "Linear", {}, [(home_leaf, shape)]))
+        out.append((path, type_name, hparams, kept))
+        out += homes
+    return out, moved
 
 
 def _stacked_experts(entries) -> set:

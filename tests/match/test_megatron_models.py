@@ -30,8 +30,10 @@ SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_
              head_dim=8, intermediate_size=64, max_position_embeddings=64)
 out = {}
 ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num_local_experts": 4})):
-    megatron_options = {k: v for k, v in options.items() if k != "num_local_experts"}
+for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num_local_experts": 4}),
+                            ("qwen2_moe", {"add_qkv_bias": True, "num_experts": 4, "moe_intermediate_size": 32,
+                                           "shared_expert_intermediate_size": 32})):
+    megatron_options = {k: v for k, v in options.items() if k in ("qk_layernorm", "add_qkv_bias")}
     hf_options = {k: v for k, v in options.items() if k not in megatron_options}
     config = AutoConfig.for_model(model_type, **SIZES, **hf_options)
     config._attn_implementation = "eager"
@@ -114,10 +116,12 @@ def test_an_expert_defect_is_named_past_routers_whose_operations_differ(moe):
 
 @pytest.mark.parametrize("model_type, megatron_only", [
     ("qwen3", "decoder.layers.1.self_attention.k_layernorm.weight"),
-    ("mixtral", "decoder.layers.1.mlp.router.weight")])
+    ("mixtral", "decoder.layers.1.mlp.router.weight"),
+    ("qwen2_moe", "decoder.layers.1.mlp.shared_experts.gate_weight")])
 def test_weights_cross_into_megatron_and_back_with_no_map(moe, model_type, megatron_only):
-    """Qwen3's query-key norms (Megatron's ``q_layernorm``/``k_layernorm``) and Mixtral's router (a checkpoint
-    names no types: its ``gate`` is known by its place beside the experts) cross with ``transfer_weights`` and no
+    """Qwen3's query-key norms (Megatron's ``q_layernorm``/``k_layernorm``), Mixtral's router (a checkpoint names
+    no types: its ``gate`` is known by its place beside the experts) and Qwen2-MoE's shared-expert gate (a linear
+    of its own in transformers, Megatron's ``shared_experts.gate_weight``) cross with ``transfer_weights`` and no
     map, and back; the two compute the same logits. Found by ``tools/sweep_megatron.py``."""
     result = json.loads((moe / "like_hf.json").read_text())[model_type]
     assert megatron_only in result["names"]

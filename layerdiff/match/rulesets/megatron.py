@@ -40,5 +40,8 @@ RULES = {
     # Transformer Engine fuses each norm into the linear after it; Megatron's own checkpoints name the local
     # spec's norms this way too (its sharded_state_dict_keys_map)
     "moved_params": {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
-                     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."},
+                     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+                     # the shared expert's sigmoid gate ([1, hidden]): a parameter of SharedExpertMLP, where
+                     # transformers' Qwen2-MoE keeps a linear of its own beside the shared expert
+                     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight"},
 }
