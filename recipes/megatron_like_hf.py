@@ -12,14 +12,13 @@ embeddings, and experts (``num_local_experts`` or ``num_experts``, top-k, the ex
 its sigmoid gate, softmax over all experts first where ``norm_topk_prob`` is false). What the config does not say
 and Megatron-Bridge sets per architecture comes as keyword options (``add_qkv_bias=True`` for Qwen2,
 ``qk_layernorm=True`` for Qwen3). SiLU-gated MLP, no linear biases, dropout 0, fp32, every fusion off (no
-Transformer Engine, no CUDA).
+Transformer Engine, no CUDA): ``megatron_llama.transformer_config``.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 try:
     from layerdiff.recipes import megatron_llama, megatron_moe
@@ -31,7 +30,6 @@ with warnings.catch_warnings():  # "Transformer Engine / Apex not installed": ex
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def build(config, shape: tuple[int, int], **options) -> GPTModel:
@@ -41,15 +39,11 @@ def build(config, shape: tuple[int, int], **options) -> GPTModel:
     rope = getattr(config, "rope_parameters", None) or {}
     base = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
     experts = experts_options(config)
-    transformer = TransformerConfig(
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
-        kv_channels=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        ffn_hidden_size=config.intermediate_size, normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps,
-        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, cuda_graph_scope=[],
+    sizes = {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
+             "kv_heads": config.num_key_value_heads, "intermediate": config.intermediate_size,
+             "eps": config.rms_norm_eps}
+    transformer = megatron_llama.transformer_config(
+        sizes, kv_channels=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         **options, **experts)
     spec = get_gpt_layer_local_spec(num_experts=experts.get("num_moe_experts"), moe_grouped_gemm=False,
                                     normalization="RMSNorm", qk_layernorm=options.get("qk_layernorm", False))
@@ -85,9 +79,6 @@ def experts_options(config) -> dict:
 
 
 def logits(model: GPTModel, ids: torch.Tensor) -> torch.Tensor:
-    """``model``'s logits [b, s, vocab] for ``ids`` [b, s]: positions 0.., a causal mask (True = masked, made here:
-    Megatron's default one is built on CUDA)."""
-    batch, seq = ids.shape
-    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-    return model(ids, positions, mask)
+    """``model``'s logits [b, s, vocab] for ``ids`` [b, s]: positions 0.., a causal mask
+    (``megatron_llama.positions_and_mask``)."""
+    return model(ids, *megatron_llama.positions_and_mask(*ids.shape))

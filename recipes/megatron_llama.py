@@ -174,6 +174,13 @@ def megatron_shard(state: dict, tp: int, rank: int) -> dict:
     return out
 
 
+def positions_and_mask(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTModel's position ids [batch, seq] (0..) and causal attention mask (True = masked), made on the CPU:
+    Megatron's default mask is built on CUDA."""
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    return positions, torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
 def reserve_attention_buffer(numel: int, dtype=torch.float32):
     """DotProductAttention takes its score buffer ([b * heads, s, s], only the ``input`` of a beta=0 baddbmm)
     from Megatron's global memory buffer, which allocates on CUDA when too small: pre-fill it on the CPU."""
@@ -280,8 +287,7 @@ def build(defect: str | None = None, *, layers: int = 2, hidden: int = 64, heads
     _inject(model, defect, cfg)
     reserve_attention_buffer(batch * cfg["heads"] * seq * seq)
     input_ids = torch.from_numpy(shared.input_ids(cfg, batch, seq, seed))
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
-    attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+    position_ids, attention_mask = positions_and_mask(batch, seq)
     labels = F.pad(input_ids, (0, 1), value=-100)[:, 1:].reshape(-1)  # as transformers' ForCausalLMLoss
     if tp > 1:  # vocab-parallel logits: Megatron's cross entropy, averaged over the labelled positions
         loss_mask = (labels != -100).view(batch, seq).float()

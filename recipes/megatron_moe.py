@@ -17,6 +17,8 @@ Transformer Engine, so ``CPUTopKRouter`` computes the same logits with ``F.linea
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -89,6 +91,7 @@ def routers_on_cpu(model) -> None:
             router.__class__ = _cpu_router_class(type(router))
 
 
+@functools.cache
 def _cpu_router_class(base: type) -> type:
     class CPUTopKRouter(base):  # type: ignore[misc, valid-type]
         """``TopKRouter`` whose logits stay on the CPU and need no Transformer Engine."""
@@ -107,7 +110,6 @@ def megatron_model(state: dict, ep: int = 1, dp: int = 1):
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
 
         from layerdiff.recipes import megatron_llama
 
@@ -118,16 +120,9 @@ def megatron_model(state: dict, ep: int = 1, dp: int = 1):
 
         megatron_parallel.init_parallel(1, 1, ep=ep, dp=dp)
     c = CONFIG
-    config = TransformerConfig(
-        num_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
-        num_query_groups=c["kv_heads"], ffn_hidden_size=c["ffn"], moe_ffn_hidden_size=c["ffn"],
-        num_moe_experts=c["experts"], moe_router_topk=c["top_k"], moe_token_dispatcher_type="allgather",
-        expert_model_parallel_size=ep,
-        normalization="RMSNorm",
-        layernorm_epsilon=c["eps"], add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False, cuda_graph_scope=[])
+    config = megatron_llama.transformer_config(
+        {**c, "intermediate": c["ffn"]}, moe_ffn_hidden_size=c["ffn"], num_moe_experts=c["experts"],
+        moe_router_topk=c["top_k"], moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)
     spec = get_gpt_layer_local_spec(num_experts=c["experts"], moe_grouped_gemm=False, normalization="RMSNorm")
     model = GPTModel(config, spec, vocab_size=c["vocab"], max_sequence_length=256, position_embedding_type="rope",
                      rotary_base=c["rope_theta"], share_embeddings_and_output_weights=False)
@@ -163,8 +158,7 @@ def build(defect: str | None = None, *, impl: str = "megatron", batch: int = 2, 
         if dp > 1:
             return _data_parallel(model, ids, seq, dp, defect)
         megatron_llama.reserve_attention_buffer(batch * CONFIG["heads"] * seq * seq)
-        positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+        positions, mask = megatron_llama.positions_and_mask(batch, seq)
 
         def logits():
             return model(ids, positions, mask)
@@ -203,8 +197,7 @@ def _data_parallel(model, ids: torch.Tensor, seq: int, dp: int, defect: str | No
     rank = parallel_state.get_data_parallel_rank()
     mine = ids.split(ids.shape[0] // dp)[rank]
     megatron_llama.reserve_attention_buffer(mine.shape[0] * CONFIG["heads"] * seq * seq)
-    positions = torch.arange(seq).unsqueeze(0).expand(mine.shape[0], -1)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    positions, mask = megatron_llama.positions_and_mask(mine.shape[0], seq)
 
     def forward_step(data, model):
         batch = next(data)

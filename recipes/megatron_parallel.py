@@ -265,8 +265,7 @@ def build(defect: str | None = None, *, layers: int = 4, tp: int = 1, pp: int = 
     share = batch // dp  # each data-parallel rank runs its share of the batch, in order of its rank
     input_ids = input_ids[parallel_state.get_data_parallel_rank() * share:][:share]
     micro = share // microbatches
-    position_ids = torch.arange(seq).unsqueeze(0).expand(micro, -1)
-    attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+    position_ids, attention_mask = base.positions_and_mask(micro, seq)
 
     def forward_step(data, model):
         """The user's forward-step function: one microbatch through the model, and the loss on it."""

@@ -144,7 +144,7 @@ def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
     from paddleformers.transformers.auto.configuration import CONFIG_MAPPING
 
     import layerdiff
-    from layerdiff.checkpoints.transfer import export_weights, import_weights, read_weights
+    from layerdiff.checkpoints.transfer import export_weights, import_weights
 
     module = importlib.import_module(f"paddleformers.transformers.{model_type}")
     classes = [getattr(module, n) for n in dir(module) if n.endswith("ForCausalLM")]
@@ -157,8 +157,8 @@ def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
         paddle.seed(0)
         model = classes[0](config)
         model.eval()
-        imported = import_weights(model, work / "weights.safetensors")
-        return model, imported
+        import_weights(model, work / "weights.safetensors")
+        return model
 
     def step(model) -> None:
         logits = model(input_ids=ids, use_cache=False, return_dict=True).logits.astype("float32")
@@ -167,7 +167,7 @@ def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
 
     result: dict = {}
     try:
-        model, _ = build()
+        model = build()
         step(model)
     except Exception as exc:  # noqa: BLE001 - reported: the weights did not cross, or the port does not run
         result["not_run"] = f"paddle: {sweep_hf._error(exc)}"
@@ -180,7 +180,7 @@ def paddle_side(model_type: str, work: Path, target: str | None) -> dict:
         for defect in (False, True):
             name = f"pf{'_ops' if ops else ''}{'_bad' if defect else ''}"
             try:
-                model, _ = build()
+                model = build()
                 if defect:
                     if target is None:
                         continue

@@ -57,7 +57,7 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
             state.update({piece: (array[e], dtype) for e, piece in enumerate(pieces)})
             stored.update({piece: name for piece in pieces})
     stacked = {}  # model parameter -> the names of its per-expert pieces
-    if all(canonical_param_name(rename(name)) in state for name, _, _ in params):
+    if own_names <= state.keys():
         plan = {name: ParamSource(name, "same", (canonical_param_name(rename(name)),)) for name, _, _ in params}
         groups = {}
     else:
@@ -153,34 +153,28 @@ def _moved_home(entries, rules: RuleSet) -> tuple[list, dict[str, str]]:
 def _stacked_experts(entries) -> set:
     """Modules that keep each projection of all their experts in one 3-D parameter (transformers 5's
     ``MixtralExperts``: ``gate_up_proj`` [experts, 2 x ffn, hidden], ``down_proj``), PyTorch layout per expert."""
-    found = set()
-    for path, _, _, params in entries:
-        shapes = [tuple(shape) for _, shape in params]
-        if (params and all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1 and shapes[0][0] > 1
-                and not {leaf for leaf, _ in params} & {"weight", "bias"}):  # a Conv1d's weight is 3-D too
-            found.add(path)
-    return found
+    return {path for path, _, _, params in entries if _stacks_experts(params)}
+
+
+def _stacks_experts(params: list) -> bool:
+    """Whether a module's [(leaf, shape)] are stacked experts: 3-D, as many experts in each, not a ``weight`` or
+    ``bias`` (a Conv1d's weight is 3-D too)."""
+    shapes = [tuple(shape) for _, shape in params]
+    return bool(params) and all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1 and \
+        shapes[0][0] > 1 and not {leaf for leaf, _ in params} & {"weight", "bias"}
 
 
 def per_expert_names(state: dict) -> dict[str, list[str]]:
     """{a stacked experts tensor of ``state``: the names of its experts' own weights}: transformers 5 keeps each
     projection of all experts in one 3-D tensor (``mlp.experts.gate_up_proj`` [experts, 2 x ffn, hidden]) where
     checkpoints and other frameworks' models keep a linear per expert (``mlp.experts.3.gate_up_proj.weight``, which
-    the rule set splits into gate and up like any fused projection). Found as ``_stacked_experts`` finds them in
-    a model: 3-D tensors, not a ``weight`` or ``bias``, with as many experts as their siblings."""
-    by_module: dict[str, list[str]] = {}
-    for name in state:
+    the rule set splits into gate and up like any fused projection). Found as in a model (``_stacks_experts``)."""
+    by_module: dict[str, list[tuple[str, tuple]]] = {}
+    for name, (array, _) in state.items():
         module, _, leaf = name.rpartition(".")
-        by_module.setdefault(module, []).append(name)
-    out = {}
-    for module, names in by_module.items():
-        shapes = [tuple(state[n][0].shape) for n in names]
-        leaves = {n.rpartition(".")[2] for n in names}
-        if all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1 and shapes[0][0] > 1 and \
-                not leaves & {"weight", "bias"}:
-            for n in names:
-                out[n] = [f"{module}.{e}.{n.rpartition('.')[2]}.weight" for e in range(shapes[0][0])]
-    return out
+        by_module.setdefault(module, []).append((leaf, array.shape))
+    return {f"{module}.{leaf}": [f"{module}.{e}.{leaf}.weight" for e in range(shape[0])]
+            for module, params in by_module.items() if _stacks_experts(params) for leaf, shape in params}
 
 
 def _per_expert(entries, experts: set) -> list:
