@@ -84,6 +84,8 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
             sources = [_with_absorbed(first, match, side_b, mapping)]
         pair = _pair(ra, tuple(sources), match, links)
         _not_recorded(pair, sources[0], match)
+        if isinstance(ra, CallRecord) and match.fused_side is None:
+            _runs_moved_work(pair, match, side_a, side_b, mapping)
         result.pairs.append(pair)
     result.only_b = [rb for rb in side_b.records if id(rb) not in used]
     _mark_dropped(result.pairs)
@@ -185,6 +187,61 @@ def _not_recorded(pair: RecordPair, rb, match: Match):
         pair.skipped.append(f"{item} (computed {where}, not recorded there: compared where it is)")
         if match.inside and item.startswith("input:"):
             pair.inputs_inside = match.inside
+
+
+# what differs by design when a module runs another module's work inside itself, after its own or before it
+_CHANGED_BY_WORK = {"after": ("output", "grad_output", "grad_input"), "before": ("input", "grad_input")}
+
+
+def _runs_moved_work(pair: RecordPair, match: Match, side_a: TraceSide, side_b: TraceSide,
+                     mapping: ModuleMapping) -> None:
+    """A module holding a parameter that the rule set says belongs to another module (``moved_params``), which the
+    other run has outside this module's counterpart, runs that module's work inside itself: Megatron's
+    ``shared_experts`` applies its ``gate_weight`` sigmoid gate to its own result, where transformers' Qwen2-MoE
+    gates ``shared_expert``'s result with ``shared_expert_gate`` in the MoE block's code (after: the results
+    differ); Transformer Engine's linear applies the norm before it (before: the inputs differ). Which, the other run
+    says: whether it calls that module after the counterpart or before. What differs by design is not compared
+    (the module around them compares what both runs hold); the rest is."""
+    for side, other, own, theirs, for_other in ((side_a, side_b, match.a[0], match.b[0], mapping.for_a),
+                                                (side_b, side_a, match.b[0], match.a[0], mapping.for_b)):
+        for home in _moved_homes(side, own):
+            parent, _, local = home.rpartition(".")
+            counterpart = for_other(parent)
+            if counterpart is None:
+                continue
+            there = [f"{p}.{local}" for p in (counterpart.b if side is side_a else counterpart.a)]
+            calls = [(other.calls.get(("forward", p, 0)), p) for p in there
+                     if p != theirs and not p.startswith(theirs + ".")]
+            mine = other.calls.get(("forward", theirs, 0))
+            found = [(rec, p) for rec, p in calls if rec is not None]
+            if not found or mine is None:
+                continue
+            rec, path = found[0]
+            when = "after" if rec.begin > mine.begin else "before"
+            who, whom = ("A", "B") if side is side_a else ("B", "A")
+            why = (f"{who}'s {own} also runs {whom}'s {path} ({when} its own work; a parameter of it is that "
+                   f"module's): a different tensor by design, compared where both runs hold it")
+            kept = []
+            for tp in pair.tensors:
+                if tp.role in _CHANGED_BY_WORK[when]:
+                    pair.skipped.append(f"{tp.role}:{tp.key} ({why})")
+                else:
+                    kept.append(tp)
+            pair.tensors = kept
+            return
+
+
+def _moved_homes(side: TraceSide, module: str) -> list[str]:
+    """The modules where the parameters of ``module`` belong by the rule set's ``moved_params``, where that is
+    outside ``module`` itself."""
+    homes = []
+    for kind, owner, leaf, _ in side.params:
+        if kind != "param" or owner != module:
+            continue
+        home = side.rules.param_home(f"{module}.{leaf}").rpartition(".")[0]
+        if home != module and not home.startswith(module + ".") and home not in homes:
+            homes.append(home)
+    return homes
 
 
 def _pair(ra: Record, sources: tuple, match: Match, links: FusedLinks) -> RecordPair:

@@ -31,7 +31,7 @@ SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_
 out = {}
 ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num_local_experts": 4}),
-                            ("qwen2_moe", {"add_qkv_bias": True, "num_experts": 4, "moe_intermediate_size": 32,
+                            ("qwen2_moe", {"add_qkv_bias": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                            "shared_expert_intermediate_size": 32})):
     megatron_options = {k: v for k, v in options.items() if k in ("qk_layernorm", "add_qkv_bias")}
     hf_options = {k: v for k, v in options.items() if k not in megatron_options}
@@ -49,6 +49,23 @@ for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num
     out[model_type] = {"moved": moved, "logits_max_abs": diff, "names": sorted(n for n, _ in mg.named_parameters()),
                        "same": sorted(before) == sorted(after) and all(np.array_equal(before[n][0], after[n][0])
                                                                        for n in before)}
+    if model_type == "qwen2_moe":  # traced: Megatron's shared expert applies its gate inside itself
+        import layerdiff
+        import torch.nn.functional as F
+
+        def step(logits):
+            F.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
+
+        with layerdiff.trace(hf, f"{sys.argv[1]}/qwen2_moe_hf.h5"):
+            step(hf(input_ids=ids).logits)
+        for name in ("clean", "gate"):
+            mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
+            transfer_weights(hf, mg)
+            if name == "gate":
+                with torch.no_grad():
+                    mg.decoder.layers[1].mlp.shared_experts.gate_weight.mul_(1.01)
+            with layerdiff.trace(mg, f"{sys.argv[1]}/qwen2_moe_{name}.h5"):
+                step(megatron_like_hf.logits(mg, ids))
 json.dump(out, open(f"{sys.argv[1]}/like_hf.json", "w"))
 """
 
@@ -128,3 +145,19 @@ def test_weights_cross_into_megatron_and_back_with_no_map(moe, model_type, megat
     assert result["moved"] == len(result["names"])
     assert result["logits_max_abs"] < 1e-5
     assert result["same"]
+
+
+def test_a_shared_expert_that_applies_its_gate_inside_aligns(moe):
+    """Megatron's ``shared_experts`` applies the shared expert's sigmoid gate (its ``gate_weight``, transformers'
+    ``shared_expert_gate``) to its own result; transformers gates ``shared_expert``'s result in the MoE block's
+    code. The two modules' results are different tensors by design: their inputs are compared, their results and
+    gradients are not (the MoE block compares what both hold), so the port aligns, and a defect in the gate is named
+    at the MoE block. Before, every Qwen2-MoE port was reported divergent at layer 0's shared expert."""
+    report = align_files(moe / "qwen2_moe_hf.h5", moe / "qwen2_moe_clean.h5")
+    assert report["verdict"] == "aligned", (report["forward"], report["backward"])
+    shared = next(r for r in report["records"] if r["path"] == "model.layers.0.mlp.shared_expert"
+                  and r["phase"] == "forward")
+    assert [t["role"] for t in shared["tensors"]] == ["input"] and all(t["passed"] for t in shared["tensors"])
+    assert any(s.startswith("output:") and "mlp.shared_expert_gate" in s for s in shared["skipped"]), shared
+    report = align_files(moe / "qwen2_moe_hf.h5", moe / "qwen2_moe_gate.h5")
+    assert report["forward"]["first_divergence"]["module"] == "model.layers.1.mlp", report["forward"]
