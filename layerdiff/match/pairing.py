@@ -21,7 +21,7 @@ from layerdiff.match.layouts import relate_shapes
 from layerdiff.match.mapping import Match, ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
 from layerdiff.match.sides import ROLE_ORDER, TraceSide, token_order, torch_shape
-from layerdiff.tracefile.records import CallRecord, Record, TensorEntry
+from layerdiff.tracefile.records import CallRecord, ParamRecord, Record, TensorEntry
 
 HIDDEN_NAMES = {"hidden_states", "hidden_state", "hidden", "x", "xs", "input", "input_", "inputs", "input_tensor", "h"}
 _POSITIONAL = re.compile(r"^(args\.\d+|out)(\.\d+)*$")
@@ -75,6 +75,11 @@ def match_records(side_a: TraceSide, side_b: TraceSide, mapping: ModuleMapping) 
             twin = twins[0]
             twins = [_inside(ra, twin if isinstance(twin, CallRecord) else None, match, side_b)]
         sources = [s for s in twins if s is not None]
+        if not sources and isinstance(ra, ParamRecord):
+            moved = side_b.home_twin(ra, side_a, lambda path: (m.b if (m := mapping.for_a(path)) else ()))
+            if moved is not None and id(moved) not in used:
+                match, twins, sources = Match((ra.module_path,), (moved.module_path,), None, 1.0,
+                                              ("moved_params",)), [moved], [moved]
         if match is None or not sources or len(sources) < len(twins):
             result.only_a.append(ra)
             continue

@@ -32,6 +32,8 @@ class TraceSide:
         self.labels_shifted = self.rules.labels_shifted(self.model_class)
         self.calls: dict[tuple, CallRecord] = {}
         self.params: dict[tuple, ParamRecord] = {}
+        # parameters kept in another module than the one they belong to (``moved_params``), by where they belong
+        self.moved: dict[tuple, ParamRecord] = {}
         self.types: dict[str, str | None] = {}
         self.children: dict[str, list[str]] = {}  # forward
         self.backward_children: dict[str, list[str]] = {}  # modules seen in backward only, under their parent
@@ -49,6 +51,10 @@ class TraceSide:
                 module = r.module_path
                 leaf = canonical_param_name(r.path).rpartition(".")[2]
                 self.params.setdefault((r.kind, module, leaf, r.call), r)
+                home = self.rules.param_home(r.path) if self.rules.moved_params else r.path
+                if home != r.path:
+                    home_module, _, home_leaf = home.rpartition(".")
+                    self.moved.setdefault((r.kind, home_module, home_leaf, r.call), r)
                 if r.module_type:
                     self.types.setdefault(module, r.module_type)
         self.tokens = self._token_shape()
@@ -67,6 +73,22 @@ class TraceSide:
             return self.calls.get((rec.phase, path, rec.call))
         leaf = canonical_param_name(rec.path).rpartition(".")[2]
         return self.params.get((rec.kind, path, leaf, rec.call))
+
+    def home_twin(self, rec: ParamRecord, other: TraceSide, counterparts) -> ParamRecord | None:
+        """This side's record of the parameter that ``rec`` (a parameter record of ``other``) is, where one of the
+        two runs keeps it in another module than the one it belongs to (the rule set's ``moved_params``: Megatron's
+        ``shared_experts.gate_weight`` is transformers' ``shared_expert_gate.weight``). ``counterparts(path)``: this
+        side's modules matched to ``other``'s module ``path``; the parameter's module is found through its
+        parent's."""
+        home = other.rules.param_home(rec.path)
+        module, _, leaf = home.rpartition(".")
+        parent, _, local = module.rpartition(".")
+        for here in counterparts(parent):
+            key = (rec.kind, f"{here}.{local}", leaf, rec.call)
+            found = self.params.get(key) or self.moved.get(key)
+            if found is not None and found.module_path != rec.module_path:
+                return found
+        return None
 
     def hparams(self, path: str) -> dict:
         rec = self.calls.get(("forward", path, 0))

@@ -152,12 +152,17 @@ def test_a_shared_expert_that_applies_its_gate_inside_aligns(moe):
     ``shared_expert_gate``) to its own result; transformers gates ``shared_expert``'s result in the MoE block's
     code. The two modules' results are different tensors by design: their inputs are compared, their results and
     gradients are not (the MoE block compares what both hold), so the port aligns, and a defect in the gate is named
-    at the MoE block. Before, every Qwen2-MoE port was reported divergent at layer 0's shared expert."""
+    at the MoE block, its weight compared with ``shared_expert_gate``'s and named. Before, every Qwen2-MoE port was
+    reported divergent at layer 0's shared expert, and the gate's weight was compared with nothing."""
     report = align_files(moe / "qwen2_moe_hf.h5", moe / "qwen2_moe_clean.h5")
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
     shared = next(r for r in report["records"] if r["path"] == "model.layers.0.mlp.shared_expert"
                   and r["phase"] == "forward")
     assert [t["role"] for t in shared["tensors"]] == ["input"] and all(t["passed"] for t in shared["tensors"])
     assert any(s.startswith("output:") and "mlp.shared_expert_gate" in s for s in shared["skipped"]), shared
+    gate = next(r for r in report["records"] if r["kind"] == "param"
+                and r["path"] == "model.layers.0.mlp.shared_expert_gate.weight")
+    assert gate["path_b"] == "decoder.layers.0.mlp.shared_experts.gate_weight"  # compared where it belongs
     report = align_files(moe / "qwen2_moe_hf.h5", moe / "qwen2_moe_gate.h5")
     assert report["forward"]["first_divergence"]["module"] == "model.layers.1.mlp", report["forward"]
+    assert report["params"]["differ"] == ["model.layers.1.mlp.shared_expert_gate.weight"]
