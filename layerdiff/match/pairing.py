@@ -324,7 +324,9 @@ def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, 
         indices = _chosen_experts(top_side, top_rec, tokens, experts)
         if indices is None or _chosen_experts(dense_side, dense_rec, tokens, experts) is not None:
             continue  # both hand on top-k indices: the same form, compared tensor by tensor
-        scores = next((t for t in top if dtype_kind(t.dtype) == "float" and t.shape == indices.shape), None)
+        # the scores of the choices: the last float output of the indices' shape (transformers hands on logits,
+        # scores, indices; where every expert is chosen, the logits have that shape too)
+        scores = next((t for t in reversed(top) if dtype_kind(t.dtype) == "float" and t.shape == indices.shape), None)
         if scores is None:
             continue
         spread = Operand((scores, indices), op="topk_dense", sizes=(experts,))
@@ -344,11 +346,12 @@ def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, 
 
 
 def _chosen_experts(side: TraceSide, rec: Record, tokens: int, experts: int) -> TensorEntry | None:
-    """The expert indices ([tokens, k], k < experts) among the outputs of ``rec``'s forward call."""
+    """The expert indices ([tokens, k], k <= experts: a router may choose every expert) among the outputs of
+    ``rec``'s forward call."""
     forward = side.calls.get(("forward", rec.path, rec.call))
     tensors = forward.tensors if forward is not None else []
     return next((t for t in tensors if t.role == "output" and dtype_kind(t.dtype) == "int"
-                 and len(t.shape) == 2 and t.shape[0] == tokens and t.shape[1] < experts), None)
+                 and len(t.shape) == 2 and t.shape[0] == tokens and t.shape[1] <= experts), None)
 
 
 def _shifted_labels(tp: TensorPair, ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide) -> TensorPair:

@@ -31,7 +31,7 @@ SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_
 out = {}
 ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num_local_experts": 4}),
-                            ("qwen2_moe", {"add_qkv_bias": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                            ("qwen2_moe", {"add_qkv_bias": True, "num_experts": 4, "moe_intermediate_size": 32,
                                            "shared_expert_intermediate_size": 32})):
     megatron_options = {k: v for k, v in options.items() if k in ("qk_layernorm", "add_qkv_bias")}
     hf_options = {k: v for k, v in options.items() if k not in megatron_options}
@@ -153,13 +153,18 @@ def test_a_shared_expert_that_applies_its_gate_inside_aligns(moe):
     code. The two modules' results are different tensors by design: their inputs are compared, their results and
     gradients are not (the MoE block compares what both hold), so the port aligns, and a defect in the gate is named
     at the MoE block, its weight compared with ``shared_expert_gate``'s and named. Before, every Qwen2-MoE port was
-    reported divergent at layer 0's shared expert, and the gate's weight was compared with nothing."""
+    reported divergent at layer 0's shared expert, and the gate's weight was compared with nothing. And a router
+    that chooses every expert (top-k = experts) hands on its scores sorted: spread over the experts, as for any k."""
     report = align_files(moe / "qwen2_moe_hf.h5", moe / "qwen2_moe_clean.h5")
     assert report["verdict"] == "aligned", (report["forward"], report["backward"])
     shared = next(r for r in report["records"] if r["path"] == "model.layers.0.mlp.shared_expert"
                   and r["phase"] == "forward")
     assert [t["role"] for t in shared["tensors"]] == ["input"] and all(t["passed"] for t in shared["tensors"])
     assert any(s.startswith("output:") and "mlp.shared_expert_gate" in s for s in shared["skipped"]), shared
+    # Qwen2-MoE's default top-4 of these 4 experts: every expert chosen, the scores in transformers' sorted order
+    router = next(r for r in report["records"] if r["path"] == "model.layers.0.mlp.gate" and r["phase"] == "forward")
+    spread = {(t["key"], t.get("key_b")): t["passed"] for t in router["tensors"] if t["role"] == "output"}
+    assert spread == {("out.1", "out.0"): True, ("out.2", "out.1"): True}  # scores to probabilities, choices to map
     gate = next(r for r in report["records"] if r["kind"] == "param"
                 and r["path"] == "model.layers.0.mlp.shared_expert_gate.weight")
     assert gate["path_b"] == "decoder.layers.0.mlp.shared_experts.gate_weight"  # compared where it belongs
