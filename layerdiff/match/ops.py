@@ -31,6 +31,7 @@ from layerdiff.tracefile.records import OpRecord, Producer, TensorEntry
 
 _PASS_THROUGH_GAP = -0.1  # leaving a cast or a view unpaired
 _GAP = -1.0
+_UNLIKE = 0.1  # one kind of operation on other kinds of values: paired only where nothing likelier is at hand
 _LARGEST_GRID = 250_000  # cells of the alignment table; beyond it, a matching of kinds (difflib) aligns
 _AGREE_REL = 1e-3  # summary statistics this close: the same values, as evidence for pairing (not for judging)
 
@@ -112,6 +113,16 @@ def values_agree(a: TensorEntry, b: TensorEntry) -> bool:
     return abs(l2a - l2b) <= _AGREE_REL * max(abs(l2a), abs(l2b)) + 1e-30
 
 
+def _made_from(op: OpRecord) -> tuple[str | None, str | None]:
+    """The kinds of values (float, int, bool) an operation takes in its first tensor input and gives in its first
+    output: what tells two operations of one kind apart when their values cannot (position ids cast to float
+    against a frequency table cast to float, in two rotary embeddings that compute other values)."""
+    first_in = next((t for t in op.tensors if t.role == "input"), None)
+    out = first_output(op)
+    return (dtype_kind(first_in.dtype) if first_in is not None else None,
+            dtype_kind(out.dtype) if out is not None else None)
+
+
 def _telling(a: TensorEntry | None, b: TensorEntry | None) -> bool:
     """Whether two outputs whose statistics agree say, by that alone, that operations of other kinds are one (a
     port's ``einsum`` against ``matmul``): floating values that are not all equal, in layouts that relate. A mask
@@ -133,6 +144,8 @@ class _Evidence:
         self.kinds_b = [rules.op_kind(op.op) for op in ops_b]
         self.out_a = [first_output(op) for op in ops_a]
         self.out_b = [first_output(op) for op in ops_b]
+        self.made_a = [_made_from(op) for op in ops_a]
+        self.made_b = [_made_from(op) for op in ops_b]
 
     def agree(self, i: int, j: int) -> bool:
         oa, ob = self.out_a[i], self.out_b[j]
@@ -148,6 +161,11 @@ class _Evidence:
             return 4.0 if _telling(oa, ob) else None
         if not same_kind:
             return None
+        if self.made_a[i] != self.made_b[j]:
+            return _UNLIKE  # integers made floats against floats made floats: most likely two operations
+        if self.kinds_a[i] in self.rules.pass_through_ops and oa is not None and ob is not None and \
+                not layouts_relate(oa.shape, ob.shape):
+            return None  # a cast or a view of other values in another layout: leaving both unpaired costs little
         return 1.0 if oa is not None and ob is not None and list(oa.shape) == list(ob.shape) else 0.5
 
     def gap_a(self, i: int) -> float:

@@ -116,6 +116,9 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
                 else "what made its input agrees; "
         elif origin["phase"] == "forward":
             lead = "inputs agree; " if where in ("module", "op") else "its children agree up to here; "
+            unpaired = [k for k in (origin.get("unpaired") or {}).get("a", []) if k.startswith("input:")]
+            if where == "op" and unpaired:  # an input one run computes otherwise: no counterpart to compare with
+                lead = f"inputs agree where they pair ({', '.join(unpaired)} has no counterpart in B); "
         else:
             lead = "gradient w.r.t. outputs agrees; " if where in ("module", "op") else "children agree up to here; "
         lines.append(f"{lead}{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/] differs: {as_text(tensor['reason'])}")

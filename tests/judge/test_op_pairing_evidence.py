@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from conftest import align_files
+from conftest import align_files, run_cli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,6 +32,14 @@ def batch_rotary(self, x, position_ids):
     inv_freq = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
     positions = position_ids[:, None, :].float()
     freqs = (inv_freq.float() @ positions.float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def positions_times_frequencies(self, x, position_ids):
+    """transformers' Gemma 3 rotary embedding (``Gemma3RotaryEmbedding.forward``), written for this Llama: the
+    positions (integers made floats) times the inverse frequencies (floats made floats), no matmul."""
+    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
@@ -117,3 +125,35 @@ def test_masks_built_two_ways_are_not_paired_on_their_counts_of_true(tmp_path):
     assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
     pairs = {(r["op"]["kind"], r["op_b"]["kind"]) for r in report["records"] if r["kind"] == "op"}
     assert not any(a != b and "setitem" in (a, b) for a, b in pairs), pairs
+
+
+def test_frequencies_that_differ_are_named_at_their_cast_in_both_formulations(tmp_path):
+    """Found by ``tools/sweep_paddleformers.py`` (Gemma 3, gpt-oss): transformers multiplies the positions by the
+    inverse frequencies, PaddleFormers takes a matmul of both, and its frequencies are other values (built from the
+    config otherwise). Both runs cast the positions (integers) and the frequencies (floats) to float: the
+    frequencies' casts are paired, and named, not a cast of the positions against a cast of the frequencies
+    (which had been named, and called inputs that agree)."""
+    import inspect
+
+    runs = {}
+    for name, formulation, scale in (("mul", positions_times_frequencies, 1.0), ("matmul", batch_rotary, 1.01)):
+        model = _llama()
+        rotary = model.model.rotary_emb
+        rotary.forward = types.MethodType(formulation, rotary)
+        rotary.inv_freq.mul_(scale)  # another rotary base: other frequencies
+        ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+        with layerdiff.trace(model, tmp_path / f"{name}.h5", ops=True):
+            model(input_ids=ids, labels=ids).loss.backward()
+        runs[name] = tmp_path / f"{name}.h5"
+    origin = align_files(runs["mul"], runs["matmul"])["forward"]["first_divergence"]
+    op = origin["op"]
+    lines, first = inspect.getsourcelines(positions_times_frequencies)
+    line_a = first + next(i for i, text in enumerate(lines) if "self.inv_freq.to(" in text)
+    assert origin["module"] == "model.rotary_emb" and op["kind"] == "to", origin["description"]
+    assert op["source"].endswith(f"test_op_pairing_evidence.py:{line_a}"), op
+    path_b, _, line_b = op["source_b"].rpartition(":")
+    text_b = open(path_b).read().splitlines()[int(line_b) - 1]
+    assert op["name_b"] == "Tensor.float" and "inv_freq" in text_b, (op, text_b)
+    # the frequencies come from operations only B runs (its expand to the batch): their inputs are not called agreed
+    code, out, _ = run_cli("align", runs["mul"], runs["matmul"])
+    assert code == 1 and "inputs agree where they pair (input:args.0 has no counterpart in B)" in out, out
