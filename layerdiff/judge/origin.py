@@ -106,6 +106,10 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
     if families[0] == families[1] and row.get("type_a") != row.get("type_b") and row.get("type_b"):
         same_family_types = [row.get("type_a"), row.get("type_b")]  # NewGELU vs GELU: worth a look
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
+    if where == "own_code":  # a module inside it that the other run has no module for runs in its own code there
+        paired = {n.row["path"] for n in _module_subtree(node)}
+        prefix = f"{row['path']}." if row["path"] else ""
+        own += [p for p in params if not p["passed"] and p["module"] not in paired and p["module"].startswith(prefix)]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
             "where": where, "between": [after.row["path"] if after else None, before.row["path"] if before else None],
             "description": describe_origin(node, where, after, before, _partial_ranks(bad)) + (
@@ -118,6 +122,17 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "class_diff": same_family_types,
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
+
+
+def _module_subtree(node: Node) -> list[Node]:
+    """The module calls inside ``node`` that the two runs pair, ``node`` included."""
+    out, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if current.kind == "module":
+            out.append(current)
+            stack.extend(current.children)
+    return out
 
 
 def _tensor_name(tensors: list[Judged]) -> str:
