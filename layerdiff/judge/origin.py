@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping
 
 from layerdiff import schema
-from layerdiff.judge.tree import Judged, Node
+from layerdiff.judge.tree import DISCRETE_HINT, Judged, Node
 from layerdiff.match.ops import arguments_diff
 from layerdiff.match.rules import builtin
 
@@ -117,11 +117,22 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
                 f"{'A' if handed[0]['reason'].endswith('A only') else 'B'} only" if handed else ""),
             "tensor": {"role": bad["role"], "key": bad["key"], "reason": bad["reason"], "metrics": bad["metrics"]}
             if bad else None,
-            "ranks": _origin_ranks(row, bad), "hint": bad.get("hint") if bad else None,
+            "ranks": _origin_ranks(row, bad), "hint": _hint(bad, node),
             "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
             "class_diff": same_family_types,
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
+
+
+def _hint(bad: Judged | None, node: Node) -> str | None:
+    """What may explain the origin's tensor: its own hint, or, where a choice among the call's outputs flipped too
+    (a router's experts), that choice's: the scores handed on with the experts follow from which were chosen."""
+    if bad is None:
+        return None
+    if bad.get("hint") or bad["role"] != "output":
+        return bad.get("hint")
+    choice = next((t for t in node.outs if not t["passed"] and t.get("hint") == DISCRETE_HINT), None)
+    return f"{choice['key']} differs too: {DISCRETE_HINT}" if choice is not None else None
 
 
 def _module_subtree(node: Node) -> list[Node]:

@@ -219,3 +219,29 @@ def test_a_choice_flipped_by_near_ties_names_its_likely_cause(tmp_path):
     assert "choice" in origin["hint"] and "nearly tied" in origin["hint"]
     code, out, _ = run_cli("align", tmp_path / "fp32.h5", tmp_path / "bf16.h5")
     assert code == 1 and "nearly tied" in " ".join(out.split())
+
+
+def test_scores_that_follow_a_flipped_choice_say_so(tmp_path):
+    """PhiMoE's router hands on the scores of the experts it chose (floats) before the experts (integers): with
+    nearly tied router rows, bfloat16 chooses other experts, and the first output over its tolerance is the scores
+    that follow from that choice. The origin says that the choice flipped too (found by ``tools/sweep_hf.py``:
+    its bfloat16 run was "named" at the router with no word of the choice)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "phimoe", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        router = model.model.layers[0].mlp.router.weight
+        with torch.no_grad():
+            router[1], router[2] = router[0] * (1 + 1e-4), router[0] * (1 - 1e-4)
+        model.to(dtype)
+        with layerdiff.trace(model, tmp_path / f"{name}.h5"):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    origin = align_files(tmp_path / "fp32.h5", tmp_path / "bf16.h5")["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.0.mlp.router" and origin["where"] == "module", origin["description"]
+    assert origin["tensor"]["key"] == "out.1"  # the scores, floats
+    assert origin["hint"].startswith("out.2 differs too") and "nearly tied" in origin["hint"], origin["hint"]
