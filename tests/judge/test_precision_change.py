@@ -193,31 +193,40 @@ def test_float16_against_float32_with_an_additive_causal_mask(architectures):
     assert mask["metrics"]["max_abs"] == 0 and mask["passed"], mask
 
 
+def _nearly_tied_router_runs(tmp_path, model_type: str, router: str, **experts):
+    """A tiny transformers MoE whose first router's rows for three experts are equal up to 1e-4, traced in float32
+    and in bfloat16 (which ties them): the two traces' paths."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=64, num_experts_per_tok=2, **experts)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    paths = []
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        weight = model.get_submodule(router).weight
+        with torch.no_grad():
+            weight[1], weight[2] = weight[0] * (1 + 1e-4), weight[0] * (1 - 1e-4)
+        model.to(dtype)
+        paths.append(tmp_path / f"{name}.h5")
+        with layerdiff.trace(model, paths[-1]):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return paths
+
+
 def test_a_choice_flipped_by_near_ties_names_its_likely_cause(tmp_path):
     """FlexOlmo's router returns the experts it chose (integers). With three experts' router rows equal up to 1e-4,
     float32 tells them apart and bfloat16 ties them: the experts chosen differ while the router's inputs agree within
     bfloat16's tolerance. The origin is the router, and it says that a choice over nearly tied values flipped."""
-    import transformers
-
-    config = transformers.AutoConfig.for_model(
-        "flex_olmo", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
-        eos_token_id=2)
-    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        router = model.model.layers[0].mlp.gate.weight
-        with torch.no_grad():
-            router[1], router[2] = router[0] * (1 + 1e-4), router[0] * (1 - 1e-4)
-        model.to(dtype)
-        with layerdiff.trace(model, tmp_path / f"{name}.h5"):
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    origin = align_files(tmp_path / "fp32.h5", tmp_path / "bf16.h5")["forward"]["first_divergence"]
+    fp32, bf16 = _nearly_tied_router_runs(tmp_path, "flex_olmo", "model.layers.0.mlp.gate", num_experts=4,
+                                          pad_token_id=0, eos_token_id=2)
+    origin = align_files(fp32, bf16)["forward"]["first_divergence"]
     assert origin["module"] == "model.layers.0.mlp.gate" and origin["where"] == "module", origin["description"]
     assert origin["tensor"]["key"] == "out.2"  # the experts chosen
     assert "choice" in origin["hint"] and "nearly tied" in origin["hint"]
-    code, out, _ = run_cli("align", tmp_path / "fp32.h5", tmp_path / "bf16.h5")
+    code, out, _ = run_cli("align", fp32, bf16)
     assert code == 1 and "nearly tied" in " ".join(out.split())
 
 
@@ -226,22 +235,8 @@ def test_scores_that_follow_a_flipped_choice_say_so(tmp_path):
     nearly tied router rows, bfloat16 chooses other experts, and the first output over its tolerance is the scores
     that follow from that choice. The origin says that the choice flipped too (found by ``tools/sweep_hf.py``:
     its bfloat16 run was "named" at the router with no word of the choice)."""
-    import transformers
-
-    config = transformers.AutoConfig.for_model(
-        "phimoe", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)
-    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        router = model.model.layers[0].mlp.router.weight
-        with torch.no_grad():
-            router[1], router[2] = router[0] * (1 + 1e-4), router[0] * (1 - 1e-4)
-        model.to(dtype)
-        with layerdiff.trace(model, tmp_path / f"{name}.h5"):
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    origin = align_files(tmp_path / "fp32.h5", tmp_path / "bf16.h5")["forward"]["first_divergence"]
+    fp32, bf16 = _nearly_tied_router_runs(tmp_path, "phimoe", "model.layers.0.mlp.router", num_local_experts=4)
+    origin = align_files(fp32, bf16)["forward"]["first_divergence"]
     assert origin["module"] == "model.layers.0.mlp.router" and origin["where"] == "module", origin["description"]
     assert origin["tensor"]["key"] == "out.1"  # the scores, floats
     assert origin["hint"].startswith("out.2 differs too") and "nearly tied" in origin["hint"], origin["hint"]
