@@ -107,7 +107,7 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
         same_family_types = [row.get("type_a"), row.get("type_b")]  # NewGELU vs GELU: worth a look
     own = [p for p in params if p["module"] == row["path"] and not p["passed"]]
     if where == "own_code":  # a module inside it that the other run has no module for runs in its own code there
-        paired = {n.row["path"] for n in _module_subtree(node)}
+        paired = {n.row["path"] for n in (node, *_descendants(node))}
         prefix = f"{row['path']}." if row["path"] else ""
         own += [p for p in params if not p["passed"] and p["module"] not in paired and p["module"].startswith(prefix)]
     return {"module": row["path"], "call": row["call"], "step": row["step"], "type": row.get("type_a"),
@@ -133,17 +133,6 @@ def _hint(bad: Judged | None, node: Node) -> str | None:
         return bad.get("hint")
     choice = next((t for t in node.outs if not t["passed"] and t.get("hint") == DISCRETE_HINT), None)
     return f"{choice['key']} differs too: {DISCRETE_HINT}" if choice is not None else None
-
-
-def _module_subtree(node: Node) -> list[Node]:
-    """The module calls inside ``node`` that the two runs pair, ``node`` included."""
-    out, stack = [], [node]
-    while stack:
-        current = stack.pop()
-        if current.kind == "module":
-            out.append(current)
-            stack.extend(current.children)
-    return out
 
 
 def _tensor_name(tensors: list[Judged]) -> str:

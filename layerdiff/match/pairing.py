@@ -209,19 +209,18 @@ def _runs_moved_work(pair: RecordPair, match: Match, side_a: TraceSide, side_b: 
     (the module around them compares what both runs hold); the rest is."""
     for side, other, own, theirs, for_other in ((side_a, side_b, match.a[0], match.b[0], mapping.for_a),
                                                 (side_b, side_a, match.b[0], match.a[0], mapping.for_b)):
-        for home in _moved_homes(side, own):
+        mine = other.calls.get(("forward", theirs, 0))
+        if mine is None:
+            continue
+        for home in side.moved_homes.get(own, ()):
             parent, _, local = home.rpartition(".")
             counterpart = for_other(parent)
-            if counterpart is None:
+            there = [f"{p}.{local}" for p in (counterpart.b if side is side_a else counterpart.a)] if counterpart else []
+            found = next(((rec, p) for p in there if p != theirs and not p.startswith(theirs + ".")
+                          and (rec := other.calls.get(("forward", p, 0))) is not None), None)
+            if found is None:
                 continue
-            there = [f"{p}.{local}" for p in (counterpart.b if side is side_a else counterpart.a)]
-            calls = [(other.calls.get(("forward", p, 0)), p) for p in there
-                     if p != theirs and not p.startswith(theirs + ".")]
-            mine = other.calls.get(("forward", theirs, 0))
-            found = [(rec, p) for rec, p in calls if rec is not None]
-            if not found or mine is None:
-                continue
-            rec, path = found[0]
+            rec, path = found
             when = "after" if rec.begin > mine.begin else "before"
             who, whom = ("A", "B") if side is side_a else ("B", "A")
             why = (f"{who}'s {own} also runs {whom}'s {path} ({when} its own work; a parameter of it is that "
@@ -234,19 +233,6 @@ def _runs_moved_work(pair: RecordPair, match: Match, side_a: TraceSide, side_b: 
                     kept.append(tp)
             pair.tensors = kept
             return
-
-
-def _moved_homes(side: TraceSide, module: str) -> list[str]:
-    """The modules where the parameters of ``module`` belong by the rule set's ``moved_params``, where that is
-    outside ``module`` itself."""
-    homes = []
-    for kind, owner, leaf, _ in side.params:
-        if kind != "param" or owner != module:
-            continue
-        home = side.rules.param_home(f"{module}.{leaf}").rpartition(".")[0]
-        if home != module and not home.startswith(module + ".") and home not in homes:
-            homes.append(home)
-    return homes
 
 
 def _pair(ra: Record, sources: tuple, match: Match, links: FusedLinks) -> RecordPair:

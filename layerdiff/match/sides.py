@@ -34,6 +34,8 @@ class TraceSide:
         self.params: dict[tuple, ParamRecord] = {}
         # parameters kept in another module than the one they belong to (``moved_params``), by where they belong
         self.moved: dict[tuple, ParamRecord] = {}
+        # module -> the modules outside it where parameters it keeps belong: it runs their work inside itself
+        self.moved_homes: dict[str, list[str]] = {}
         self.types: dict[str, str | None] = {}
         self.children: dict[str, list[str]] = {}  # forward
         self.backward_children: dict[str, list[str]] = {}  # modules seen in backward only, under their parent
@@ -55,6 +57,9 @@ class TraceSide:
                 if home != r.path:
                     home_module, _, home_leaf = home.rpartition(".")
                     self.moved.setdefault((r.kind, home_module, home_leaf, r.call), r)
+                    homes = self.moved_homes.setdefault(module, [])
+                    if home_module not in homes and not (home_module + ".").startswith(module + "."):
+                        homes.append(home_module)
                 if r.module_type:
                     self.types.setdefault(module, r.module_type)
         self.tokens = self._token_shape()
