@@ -57,6 +57,8 @@ class Metrics(TypedDict, total=False):
     ranks: Dict[str, Any]  # per-rank metrics ("0", "1", ...) and "sum" of a run spread over ranks
     microbatches: Dict[str, Any]  # per-microbatch metrics ("0", "1", ...) of a step whose microbatches were joined
     damaged: str  # a side's stored bytes do not match their checksum: compared by statistics instead
+    zero_mismatch: Int64  # values: positions zero in one run only (a mask that chose otherwise); absent when none
+    rel_l2_elsewhere: Number  # values: ``rel_l2`` over the other positions (present with ``zero_mismatch``)
 
 
 class Tolerance(TypedDict, total=False):

@@ -19,7 +19,8 @@ The model runs in eval mode, one forward with labels (no cache) and one backward
 - **ops clean** / **ops defect**: the same with every operation recorded (``ops=True``);
 - **bf16**: the model cast to bfloat16 against its float32 run (the parity workflow's change of precision): aligned
   ("ok"), or what the report says instead: rounding that accumulated with no call at fault, a choice (top-k routing)
-  flipped where scores are nearly tied, or the origin it names.
+  flipped where scores are nearly tied, large inputs' rounding amplified (a softmax of large scores), or the origin
+  it names.
 
 An architecture that its tiny config cannot build or run untraced is counted apart ("not run"): that is the generic
 config's limit, not layerdiff's. Everything else is layerdiff's result.
@@ -269,6 +270,8 @@ def _precision(build, reference: Path, work: Path, ids) -> str:
         return "rounding accumulated (no call at fault)"
     if origin.get("hint") and "choice" in origin["hint"]:
         return f"choice flipped at {origin.get('module')}"
+    if origin.get("hint") and "large inputs rounded" in origin["hint"]:
+        return f"large inputs' rounding amplified at {origin.get('module')}"
     return f"named: {_origin_text(report)}"
 
 

@@ -44,10 +44,14 @@ class DataAccumulator:
         self.dd = self.ds = self.aa = self.bb = 0.0
         self.nonfinite_mismatch = 0
         self.nonfinite = 0
+        # positions zero in one run only (a mask that chose otherwise: a ReLU's, a threshold's), and the sums of
+        # |A - B|^2 and |A|^2 over the other positions (summed apart: the difference of the totals would cancel)
+        self.zero_mismatch = 0
+        self.dd_rest = self.aa_rest = 0.0
         self._scratch: dict = {}
 
     _SUMS = ("n", "max_abs", "sum_abs", "max_rel", "ref_max", "dd", "ds", "aa", "bb", "nonfinite_mismatch",
-             "nonfinite")
+             "nonfinite", "zero_mismatch", "dd_rest", "aa_rest")
 
     def state(self) -> dict:
         """The running sums as plain numbers (what a worker process sends back)."""
@@ -62,7 +66,8 @@ class DataAccumulator:
 
     def merge(self, other: DataAccumulator):
         """Add the sums of another slice of the same pair of tensors."""
-        for name in ("n", "sum_abs", "dd", "ds", "aa", "bb", "nonfinite_mismatch", "nonfinite"):
+        for name in ("n", "sum_abs", "dd", "ds", "aa", "bb", "nonfinite_mismatch", "nonfinite", "zero_mismatch",
+                     "dd_rest", "aa_rest"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("max_abs", "max_rel", "ref_max"):
             setattr(self, name, max(getattr(self, name), getattr(other, name)))
@@ -102,12 +107,29 @@ class DataAccumulator:
         np.abs(d, out=d)
         block_max = float(d.max())
         if block_max == 0.0:
+            self.aa_rest += aa
             return
         self.max_abs = max(self.max_abs, block_max)
         self.sum_abs += _sum(d)
         np.abs(a, out=s)
         np.divide(d, s, out=s)  # |a-b| / |a|: inf where a == 0 != b, nan (ignored) where both are 0
-        self.max_rel = max(self.max_rel, float(np.fmax.reduce(s)))
+        block_rel = float(np.fmax.reduce(s))
+        self.max_rel = max(self.max_rel, block_rel)
+        # where one side is zero and the other not, |a-b| / |a| is 1 or inf: only then are they looked for
+        if block_rel < 1.0 or not self._zeros_one_sided(a, b, d):
+            self.dd_rest += dd
+            self.aa_rest += aa
+
+    def _zeros_one_sided(self, a, b, d) -> bool:
+        """Counts the positions zero in one run only and sums the others' squares; False where there are none."""
+        rest = (a == 0) == (b == 0)
+        count = rest.size - int(np.count_nonzero(rest))
+        if count:
+            d_rest, a_rest = d[rest].astype(np.float64), a[rest].astype(np.float64)
+            self.zero_mismatch += count
+            self.dd_rest += float(np.dot(d_rest, d_rest))
+            self.aa_rest += float(np.dot(a_rest, a_rest))
+        return bool(count)
 
     def _block_nonfinite(self, a, b):
         """A block whose values overflow float32's squares, or are NaN/Inf: in float64, NaN/Inf counted, and a
@@ -133,10 +155,15 @@ class DataAccumulator:
             cosine = 1.0 if na == nb else 0.0  # both all-zero agree; one all-zero does not
         identical = self.max_abs == 0.0 and self.nonfinite_mismatch == 0
         rel_l2 = 0.0 if identical or self.dd == 0 else (math.sqrt(self.dd) / na if na > 0 else math.inf)
-        return {"basis": "data", "identical": identical, "max_abs": self.max_abs,
-                "mean_abs": self.sum_abs / max(self.n - self.nonfinite, 1), "max_rel": self.max_rel,
-                "cosine": 1.0 if identical else cosine, "rel_l2": rel_l2, "ref_max_abs": self.ref_max,
-                "nonfinite_mismatch": self.nonfinite_mismatch, "numel": self.n}
+        out: Metrics = {"basis": "data", "identical": identical, "max_abs": self.max_abs,
+                        "mean_abs": self.sum_abs / max(self.n - self.nonfinite, 1), "max_rel": self.max_rel,
+                        "cosine": 1.0 if identical else cosine, "rel_l2": rel_l2, "ref_max_abs": self.ref_max,
+                        "nonfinite_mismatch": self.nonfinite_mismatch, "numel": self.n}
+        if self.zero_mismatch:
+            out["zero_mismatch"] = self.zero_mismatch
+            out["rel_l2_elsewhere"] = 0.0 if self.dd_rest == 0 else (
+                math.sqrt(self.dd_rest / self.aa_rest) if self.aa_rest > 0 else math.inf)
+        return out
 
 
 _LOWEST = {"float16": -65504.0 / 2, "bfloat16": -3.3895e38 / 2, "float32": -3.4028e38 / 2, "float64": -1.7976e308 / 2}

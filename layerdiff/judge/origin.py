@@ -6,6 +6,8 @@ first child whose outputs disagree is descended into. Backward is the same with 
 inputs of backward) and w.r.t. inputs plus the module's own parameter gradients (the outputs of backward)."""
 from __future__ import annotations
 
+import math
+
 from typing import Any, Iterator, Mapping
 
 from layerdiff import schema
@@ -132,7 +134,37 @@ def _hint(bad: Judged | None, node: Node) -> str | None:
     if bad.get("hint") or bad["role"] != "output":
         return bad.get("hint")
     choice = next((t for t in node.outs if not t["passed"] and t.get("hint") == DISCRETE_HINT), None)
-    return f"{choice['key']} differs too: {DISCRETE_HINT}" if choice is not None else None
+    if choice is not None:
+        return f"{choice['key']} differs too: {DISCRETE_HINT}"
+    return _amplified(bad, node)
+
+
+# operations whose output changes by a relative factor of at most e^(factor x d) where their input changes by d
+# (absolute), whatever the input's size: log softmax(x)_i = x_i - logsumexp(x) moves by at most twice the largest
+# change of x; log exp(x) and log sigmoid(x) by at most the change itself
+ABSOLUTE_TO_RELATIVE = {"softmax": 2.0, "exp": 1.0, "sigmoid": 1.0}
+
+
+def _amplified(bad: Judged, node: Node) -> str | None:
+    """Where an operation of ``ABSOLUTE_TO_RELATIVE`` (a module or an operation of that family in both runs) is the
+    origin and its inputs' absolute error alone can make its output's relative one: large inputs (CPM-Ant's attention
+    scores, 25 on average) that agree within a lower precision's relative tolerance differ by much in absolute terms
+    (0.97 at most), and a softmax makes of that a relative error (2.5 at most; up to e^(2 x 0.97) - 1 = 6.0 allows).
+    A defect may do the same: a hint, not a judgement."""
+    family = node.row.get("family_a")
+    factor = ABSOLUTE_TO_RELATIVE.get(family or "") if family == node.row.get("family_b") else None
+    largest = [t["metrics"].get("max_abs") for t in node.ins if t["passed"]]
+    change = max((float(d) for d in largest if isinstance(d, (int, float)) and math.isfinite(d)), default=0.0)
+    relative = bad["metrics"].get("max_rel")
+    if not factor or not change or not isinstance(relative, (int, float)) or not node.inputs_ok:
+        return None
+    bound = math.expm1(factor * change)
+    if relative > bound:
+        return None
+    return (f"its inputs agree within tolerance but differ by up to {change:.3g}, and a {family} makes of an input's "
+            f"absolute difference d a relative one of up to e^({factor:g}d) - 1 = {bound:.3g} here (its output's: "
+            f"{relative:.3g} at most): large inputs rounded in a lower precision do this, and so may a defect; compare "
+            "in one precision to tell them apart")
 
 
 def _tensor_name(tensors: list[Judged]) -> str:
@@ -282,7 +314,8 @@ def _op_origin(node: Node, chain: list, phase: schema.Phase, wrong_input: bool,
             "type": module.row.get("type_a") if module is not None else None,
             "where": "op_input" if wrong_input else "op", "between": [None, None], "description": description,
             "tensor": {"role": bad["role"], "key": bad["key"], "reason": bad["reason"], "metrics": bad["metrics"]}
-            if bad else None, "ranks": None, "hint": None, "hparam_diff": {}, "param_diffs": [],
+            if bad else None, "ranks": None, "hint": _hint(bad, node) if not wrong_input else None,
+            "hparam_diff": {}, "param_diffs": [],
             "error": row.get("error_b") or row.get("error_a"), "class_diff": None,
             "chain": [n.row["path"] or "<root>" for n in chain if n.kind == "module"], "phase": phase,
             "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []},

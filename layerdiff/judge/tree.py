@@ -79,6 +79,18 @@ DISCRETE_HINT = ("an integer or boolean tensor, made by a choice (top-k, argmax,
                  "if few positions differ, that is rounding, not the code")
 
 
+def _mask_hint(metrics: Mapping[str, Any]) -> str | None:
+    """Where most of a tensor's error sits at positions that are zero in one run only: a mask that chose otherwise
+    (None where the error lies elsewhere as much)."""
+    flips, elsewhere, total = metrics.get("zero_mismatch"), metrics.get("rel_l2_elsewhere"), metrics.get("rel_l2")
+    if not flips or not isinstance(elsewhere, (int, float)) or not isinstance(total, (int, float)) or \
+            elsewhere > total / 2:
+        return None
+    return (f"it differs most where one run holds zero and the other not ({flips} of {metrics.get('numel')} "
+            "positions): a mask chose otherwise there (a ReLU's or a threshold's whose inputs differ slightly, "
+            f"dropout's, an attention mask's); elsewhere its relative error is {elsewhere:.2g}")
+
+
 def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
             floor: str | None = None) -> schema.TensorResult:
     tol = policy.for_tensor(path, tensor["dtype_a"], tensor["dtype_b"], floor)
@@ -91,6 +103,8 @@ def _judged(path: str, tensor: schema.TensorResult, policy: TolerancePolicy,
     if not passed and tensor["role"] in ("output", "input") and \
             dtype_class(tensor["dtype_a"], tensor["dtype_b"]) == "exact":  # integers or booleans
         t["hint"] = DISCRETE_HINT
+    elif not passed and (hint := _mask_hint(tensor["metrics"])):
+        t["hint"] = hint
     per_rank = tensor["metrics"].get("ranks")
     if per_rank:  # which ranks' shards or copies are off (the run spread over several ranks)
         t["ranks"] = [int(r) for r, m in per_rank.items() if r.isdigit() and not judge(m, tol)[0]]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import needs_kernel
-from layerdiff.compare.metrics import compare_arrays, compare_data, compare_stats
+from layerdiff.compare.metrics import DataAccumulator, accumulate, compare_arrays, compare_data, compare_stats
 from layerdiff.tracefile import tensors
 from layerdiff.tracefile.tensors import as_float, in_memory_order, summarize
 from layerdiff.compare.tolerance import DEFAULTS, TolerancePolicy, judge, parse_rule, precision_floor
@@ -82,6 +82,32 @@ def test_streams_with_different_chunking_pair_up():
     b[77] += 1
     m = compare_data([a[:10], a[10:100]], [b[:33], b[33:66], b[66:]], "float32", "float32")
     assert m["max_abs"] == 1.0 and m["numel"] == 100
+
+
+def test_positions_zero_in_one_run_only_are_counted_and_the_error_elsewhere_measured_apart():
+    """A mask that chose otherwise (a ReLU's, dropout's): the positions zero in exactly one run, and the relative
+    error over the others, equal to float64's over the same positions, whichever run holds the zero, however the
+    tensors are cut into pieces and in how many accumulators (slices compared in separate processes)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(200_000).astype(np.float32)
+    b = (a * (1 + 1e-3 * rng.standard_normal(a.size))).astype(np.float32)
+    a[rng.choice(a.size, 500, replace=False)] = 0  # zero in A only (where B is not)
+    b[rng.choice(a.size, 700, replace=False)] = 0
+    one_sided = (a == 0) != (b == 0)
+    keep = ~one_sided
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    expected = np.linalg.norm((a64 - b64)[keep]) / np.linalg.norm(a64[keep])
+    whole = compare_data([a[:70_001], a[70_001:]], [b[:123_457], b[123_457:]], "float32", "float32")
+    assert whole["zero_mismatch"] == int(one_sided.sum()) and 1100 < whole["zero_mismatch"] < 1200
+    assert whole["rel_l2_elsewhere"] == pytest.approx(expected, rel=1e-6)
+    assert whole["rel_l2"] > 10 * whole["rel_l2_elsewhere"]  # the flips carry most of the error
+    merged = DataAccumulator.from_state(accumulate([a[:90_000]], [b[:90_000]], "float32", "float32").state())
+    merged.merge(accumulate([a[90_000:]], [b[90_000:]], "float32", "float32"))
+    assert merged.result()["zero_mismatch"] == whole["zero_mismatch"]
+    assert merged.result()["rel_l2_elsewhere"] == pytest.approx(whole["rel_l2_elsewhere"], rel=1e-9)
+    clean = compare_data([a], [np.where(b == 0, a, b)], "float32", "float32")
+    assert clean["zero_mismatch"] == int(((a == 0) & (b != 0)).sum()) > 490  # A's zeros only
+    assert "zero_mismatch" not in compare_data([np.abs(a) + 1], [np.abs(b) + 1], "float32", "float32")
 
 
 def test_tolerance_judgement_and_overrides():
