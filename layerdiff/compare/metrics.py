@@ -116,19 +116,21 @@ class DataAccumulator:
         block_rel = float(np.fmax.reduce(s))
         self.max_rel = max(self.max_rel, block_rel)
         # where one side is zero and the other not, |a-b| / |a| is 1 or inf: only then are they looked for
-        if block_rel < 1.0 or not self._zeros_one_sided(a, b, d):
+        if block_rel < 1.0 or not self._zeros_one_sided(a, b, d, s):
             self.dd_rest += dd
             self.aa_rest += aa
 
-    def _zeros_one_sided(self, a, b, d) -> bool:
-        """Counts the positions zero in one run only and sums the others' squares; False where there are none."""
+    def _zeros_one_sided(self, a, b, d, scratch) -> bool:
+        """Counts the positions zero in one run only and sums the others' squares (``d``, ``|a-b|``, and
+        ``scratch`` are overwritten); False where there are none."""
         rest = (a == 0) == (b == 0)
         count = rest.size - int(np.count_nonzero(rest))
         if count:
-            d_rest, a_rest = d[rest].astype(np.float64), a[rest].astype(np.float64)
+            np.multiply(d, rest, out=d)  # the flips' differences and values zeroed, the others' summed as ever
+            np.multiply(a, rest, out=scratch)
             self.zero_mismatch += count
-            self.dd_rest += float(np.dot(d_rest, d_rest))
-            self.aa_rest += float(np.dot(a_rest, a_rest))
+            self.dd_rest += float(np.dot(d, d))
+            self.aa_rest += float(np.dot(scratch, scratch))
         return bool(count)
 
     def _block_nonfinite(self, a, b):
