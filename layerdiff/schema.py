@@ -59,6 +59,8 @@ class Metrics(TypedDict, total=False):
     damaged: str  # a side's stored bytes do not match their checksum: compared by statistics instead
     zero_mismatch: Int64  # values: positions zero in one run only (a mask that chose otherwise); absent when none
     rel_l2_elsewhere: Number  # values: ``rel_l2`` over the other positions (present with ``zero_mismatch``)
+    own_error: Dict[str, Number]  # an output: each run's ("a", "b") against its operation replayed in float64 from
+    # that run's own input, relative L2 (``compare.replayed``: a softmax, exp, sigmoid)
 
 
 class Tolerance(TypedDict, total=False):
@@ -75,11 +77,17 @@ class _TensorResultKeys(TypedDict):
     metrics: Metrics
 
 
-class Inherited(TypedDict):
-    """Under a change of precision, a tensor over its tolerance judged agreeing: its relative error is ``growth``
-    times the largest among what it was computed from (``judge.inherited``); ``over``: how it was over."""
+class _InheritedKeys(TypedDict):
     growth: Number
     over: str
+
+
+class Inherited(_InheritedKeys, total=False):
+    """Under a change of precision, a tensor over its tolerance judged agreeing: its relative error is ``growth``
+    times the largest among what it was computed from (``judge.inherited``); ``over``: how it was over;
+    ``replayed``: each run computes it from its own input as its operation does (``Metrics.own_error``), so the
+    error it grew is its input's, amplified, not its own."""
+    replayed: bool
 
 
 class TensorResult(_TensorResultKeys, total=False):

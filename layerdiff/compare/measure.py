@@ -18,6 +18,7 @@ from layerdiff.compare.configs import diff_configs, from_values
 from layerdiff.compare.metrics import CHUNK_ELEMS, compare_arrays, compare_data, compare_stats
 from layerdiff.compare.nonfinite import first_nonfinite
 from layerdiff.compare.recompute import recompute_check
+from layerdiff.compare.replayed import MAX_ELEMENTS, REPLAYED, dimension, own_error
 from layerdiff.compare.settings import settings_report
 from layerdiff.compare.spec import Comparison
 from layerdiff.compare.tasks import Workers
@@ -497,6 +498,38 @@ def _op_row(pair: OpPair, tensors: list[schema.TensorResult], skipped: list[str]
     return row
 
 
+def _replay_own(pair: RecordPair | OpPair, tensors: list[schema.TensorResult], rules: RuleSet, readers) -> None:
+    """An operation of ``compare.replayed``'s table, one input and one output stored in each run: each run's output
+    against the reference's operation (A's dimension) replayed in float64 from that run's own input, as
+    ``own_error`` {"a", "b"} of the output's metrics (where either cannot be replayed, nothing)."""
+    ra = pair.a
+    dim = dimension(ra.hparams, ra.args if isinstance(ra, OpRecord) else None)
+    if ra.phase != "forward" or len(pair.b) != 1:
+        return
+    families = [rules.op_kind(r.op) if isinstance(r, OpRecord) else rules.family(r.type or r.module_type)
+                for r in (ra, pair.b[0])]
+    if families[0] != families[1] or families[0] not in REPLAYED:
+        return
+    out = next((t for t in tensors if t["role"] == "output"), None)
+    errors: dict[str, float] = {}
+    for side, rec, reader in (("a", ra, readers[0]), ("b", pair.b[0], readers[1])):
+        ins = [e for e in rec.tensors if e.role == "input"]
+        outs = [e for e in rec.tensors if e.role == "output"]
+        if out is None or len(ins) != 1 or len(outs) != 1 or not (ins[0].stored and outs[0].stored) or \
+                math.prod(ins[0].shape) > MAX_ELEMENTS:
+            return
+        try:
+            x, y = (_values(reader, e).reshape(e.shape) for e in (ins[0], outs[0]))
+        except DamagedTensorError:
+            return
+        error = own_error(families[0], x, y, dim)
+        if error is None:
+            return
+        errors[side] = error
+    if out is not None:
+        out["metrics"] = {**out["metrics"], "own_error": errors}
+
+
 def _describe_row(rec: Record | OpRecord) -> str:
     """A record as a damage line names it."""
     if isinstance(rec, OpRecord):
@@ -591,6 +624,7 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
                     damaged.append((metrics["damaged"], f"{_describe_row(ra)} {tp.role} {tp.key}: "
                                     f"{metrics['damaged']} (compared by its statistics)"))
                 tensors.append(_tensor_row(tp, metrics))
+        _replay_own(pair, tensors, rules, (reader_a, reader_b))
         if isinstance(pair, OpPair):
             records.append(_op_row(pair, tensors, skipped, ancestors, rules, forward_ops))
             if progress is not None:

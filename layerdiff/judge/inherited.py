@@ -42,6 +42,17 @@ GROWTH = 4.0  # how many times the relative error of what it was computed from a
 PASSED_GROWTH = 16.0
 
 
+def computes_as_replayed(tensor: Mapping[str, Any]) -> bool | None:
+    """Whether each run computed this output from its own input as the reference's operation does (``own_error``:
+    replayed in float64, within ``GROWTH`` roundings of that run's dtype); None where it was not replayed."""
+    errors = (tensor.get("metrics") or {}).get("own_error")
+    if not errors:
+        return None
+    return all(isinstance(errors.get(side), (int, float)) and
+               errors[side] <= GROWTH * UNIT_ROUNDOFF.get(str(tensor.get(f"dtype_{side}")), 0.0)
+               for side in ("a", "b"))
+
+
 def _mask_flips(metrics: Mapping[str, Any], carried: float) -> float | None:
     """The relative error of a tensor away from the positions that are zero in one run only (``zero_mismatch``),
     where those are few enough to be a mask's flips that rounding explains, and that error is inherited; else None.
@@ -92,10 +103,16 @@ class _Carried:
         flipped = _mask_flips(metrics, base) if dtype_class(tensor.get("dtype_a"), tensor.get("dtype_b")) != "exact" \
             else None  # integers that differ are a choice, not a mask (``tree.DISCRETE_HINT``)
         growth = own / base if own is not None else math.inf
-        explained = comparable and (growth <= GROWTH or flipped is not None)
+        replayed = computes_as_replayed(tensor)
+        explained = comparable and (growth <= GROWTH or flipped is not None or replayed is True)
         out = tensor
         if not tensor["passed"] and explained and own is not None:
-            if growth > GROWTH and flipped is not None:
+            if growth > GROWTH and replayed is True:
+                errors = metrics.get("own_error") or {}
+                how = (f"each run computes it from its own input as the operation does (replayed in float64: "
+                       f"{errors.get('a', 0):.2g} and {errors.get('b', 0):.2g} off), so its error, "
+                       f"{growth:.2g}x what it was computed from, is that input's, amplified")
+            elif growth > GROWTH and flipped is not None:
                 growth, how = flipped / base, (
                     f"it differs where one run holds zero and the other not ({metrics.get('zero_mismatch')} of "
                     f"{metrics.get('numel')} positions: a mask, as a ReLU's, that flips where its input rounds "
@@ -104,6 +121,8 @@ class _Carried:
             else:
                 how = f"{growth:.2g}x the error of what it was computed from"
             marked: schema.Inherited = {"growth": growth, "over": tensor["reason"]}
+            if growth > GROWTH and replayed is True:
+                marked["replayed"] = True
             out = {**tensor, "accumulated": marked} if not may_inherit else {
                 **tensor, "passed": True, "inherited": marked,
                 "reason": f"{tensor['reason']}, but {how} (inherited through the change of precision)"}
@@ -136,12 +155,16 @@ def inherit(rows: list[schema.Row], dtype: str) -> list[schema.Row]:
         ends: list[float] = []
         carried_by: list[float] = []  # the largest error among the rows that ended so far, in the order they ended
         # in the order they ended: a call's children are judged before it, and so is all that ended before it began
+        defect_end: float | None = None  # where the call that holds this phase's first defect ended
         for row in sorted(calls, key=lambda r: r.get("end", 0)):
-            if defect:  # after a defect: its consequences, judged by their tolerance
-                break
+            if defect and (defect_end is None or row.get("begin", 0) > defect_end):
+                continue  # after a defect: its consequences, judged by their tolerance
             done = bisect.bisect_left(ends, row.get("begin", 0))
             before = max(floor, carried_by[done - 1] if done else 0.0)
             inputs = {id(t): carry.judge(t, before) for t in row["tensors"] if t["role"] in IN_ROLES[phase]}
+            if defect:  # a call around the defect: its inputs came before it, its outputs are the defect's doing
+                judged[id(row)] = {**row, "tensors": [inputs.get(id(t), t) for t in row["tensors"]]}
+                continue
             carried = max(carry.largest(inputs.values()), params.get((row["path"], row.get("step")), 0.0),
                           max((carry.largest(judged[id(c)]["tensors"]) for c in inside.get(id(row), ())
                                if id(c) in judged), default=0.0))
@@ -154,7 +177,7 @@ def inherit(rows: list[schema.Row], dtype: str) -> list[schema.Row]:
                        for t in row["tensors"]]
             judged[id(row)] = {**row, "tensors": tensors}
             if any(not t["passed"] and not t.get("accumulated") for t in tensors):
-                defect = True
+                defect, defect_end = True, row.get("end", 0)
             if phase == "forward":
                 forward[_call(row)] = carry.largest(tensors)
             ends.append(row.get("end", 0))

@@ -11,6 +11,7 @@ import math
 from typing import Any, Iterator, Mapping
 
 from layerdiff import schema
+from layerdiff.judge.inherited import computes_as_replayed
 from layerdiff.judge.tree import DISCRETE_HINT, Judged, Node
 from layerdiff.match.ops import arguments_diff
 from layerdiff.match.rules import builtin
@@ -153,6 +154,12 @@ def _amplified(bad: Judged, node: Node) -> str | None:
     A defect may do the same: a hint, not a judgement."""
     family = node.row.get("family_a")
     factor = ABSOLUTE_TO_RELATIVE.get(family or "") if family == node.row.get("family_b") else None
+    if factor and computes_as_replayed(bad) is False:
+        errors = bad["metrics"].get("own_error") or {}
+        side = max(("a", "b"), key=lambda s: errors.get(s, 0.0))
+        return (f"run {side.upper()}'s output is not what a {family} makes of its own input: replayed in float64 from "
+                f"it, as run A's call does it, the output is {errors.get(side, 0.0):.2g} off (relative); the code that "
+                "computes it differs")
     largest = [t["metrics"].get("max_abs") for t in node.ins if t["passed"]]
     change = max((float(d) for d in largest if isinstance(d, (int, float)) and math.isfinite(d)), default=0.0)
     relative = bad["metrics"].get("max_rel")
@@ -493,8 +500,11 @@ def _accumulated_origin(root: Node, phase: schema.Phase) -> schema.Origin:
     """The model's output over tolerance while every call inside carries no more than 4x the error it was given
     (``judge.inherited``): named at the call whose error grew the most, which is where rounding grows fastest, or
     where a defect too small to tell from it (in this precision) lies."""
-    grown, node = max(((max(t["inherited"]["growth"] for t in n.outs if t.get("inherited")), n)
-                       for n in _descendants(root) if any(t.get("inherited") for t in n.outs)),
+    def own(t: Judged) -> bool:  # error it grew itself (not an input's that its operation amplified, replayed)
+        return bool(t.get("inherited")) and not t["inherited"].get("replayed")
+
+    grown, node = max(((max(t["inherited"]["growth"] for t in n.outs if own(t)), n)
+                       for n in _descendants(root) if any(own(t) for t in n.outs)),
                       key=lambda pair: pair[0], default=(None, root))
     origin = _origin_dict(node, "accumulated", None, None, [root] if node is root else [root, node], phase, [])
     where = f"{node.row['path']} ({grown:.2g}x what it was given)" if grown is not None else "no call"
