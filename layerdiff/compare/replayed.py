@@ -33,7 +33,7 @@ def _sigmoid(x: np.ndarray, dim: Optional[int]) -> np.ndarray:
 # family -> (float64 function of (input, dim), whether it needs a dimension)
 REPLAYED: dict[str, tuple[Callable[[np.ndarray, Optional[int]], np.ndarray], bool]] = {
     "softmax": (_softmax, True), "exp": (_exp, False), "sigmoid": (_sigmoid, False)}
-MAX_ELEMENTS = 1 << 24  # a side: a larger operation is not replayed (its input and output are read whole)
+MAX_ELEMENTS = 1 << 22  # a side: a larger operation is not replayed (read whole, it takes ~5 float64 copies of it)
 
 
 def dimension(hparams: Optional[Mapping[str, Any]], args: Optional[Mapping[str, Any]]) -> Optional[int]:
