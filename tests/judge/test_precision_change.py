@@ -20,6 +20,7 @@ from conftest import align_files, marked_line, run_cli
 torch = pytest.importorskip("torch")
 
 import layerdiff  # noqa: E402
+from layerdiff.compare import measure  # noqa: E402
 from layerdiff.compare.tolerance import DEFAULTS, Tolerance, judge  # noqa: E402
 from layerdiff.recipes import torch_llama_ops  # noqa: E402
 
@@ -307,7 +308,7 @@ def test_a_mask_that_chose_otherwise_is_named_with_its_positions(tmp_path):
     assert code == 1 and "a mask chose otherwise" in " ".join(out.split())
 
 
-def test_a_softmax_that_computes_as_a_softmax_does_is_not_at_fault_for_its_inputs_rounding(tmp_path):
+def test_a_softmax_that_computes_as_a_softmax_does_is_not_at_fault_for_its_inputs_rounding(tmp_path, monkeypatch):
     """CPM-Ant (weights drawn with std 1) scores attention at about 25: in bfloat16 its scores agree within the
     relative tolerance and differ by up to ~1 in absolute terms, which a softmax turns into a relative error of its
     probabilities 6x that of its scores. Before, the softmax was named the origin (found by ``tools/sweep_hf.py``).
@@ -347,3 +348,13 @@ def test_a_softmax_that_computes_as_a_softmax_does_is_not_at_fault_for_its_input
         assert origin["module"] == softmax.format(layer) and origin["where"] == "module", origin["description"]
         off = origin["tensor"]["metrics"]["own_error"]["b"]
         assert off > 4 * 2.0 ** -8 and origin["hint"].startswith("run B's output is not what a softmax makes"), origin
+    # where it cannot be replayed (over the size replayed, here every size), the origin is the softmax again, with
+    # the bound e^(2d) - 1 that its inputs' largest absolute difference d allows its output's relative one
+    monkeypatch.setattr(measure, "MAX_ELEMENTS", 0)
+    report = align_files(paths["fp32"], paths["bf16"])
+    origin = report["forward"]["first_divergence"]
+    assert origin["module"] == softmax.format(0) and origin["where"] == "module", origin["description"]
+    row = next(r for r in report["records"] if r["path"] == softmax.format(0) and r["phase"] == "forward")
+    change = max(t["metrics"]["max_abs"] for t in row["tensors"] if t["role"] == "input")
+    assert 0.1 < change < 5 and origin["tensor"]["metrics"]["max_rel"] <= math.expm1(2 * change)
+    assert f"up to e^(2d) - 1 = {math.expm1(2 * change):.3g}" in origin["hint"], origin["hint"]
