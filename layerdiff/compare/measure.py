@@ -503,19 +503,19 @@ def _replay_own(pair: RecordPair | OpPair, tensors: list[schema.TensorResult], r
     against the reference's operation (A's dimension) replayed in float64 from that run's own input, as
     ``own_error`` {"a", "b"} of the output's metrics (where either cannot be replayed, nothing)."""
     ra = pair.a
-    dim = dimension(ra.hparams, ra.args if isinstance(ra, OpRecord) else None)
-    if ra.phase != "forward" or len(pair.b) != 1:
+    out = next((t for t in tensors if t["role"] == "output"), None)
+    if ra.phase != "forward" or len(pair.b) != 1 or out is None:
         return
     families = [rules.op_kind(r.op) if isinstance(r, OpRecord) else rules.family(r.type or r.module_type)
                 for r in (ra, pair.b[0])]
     if families[0] != families[1] or families[0] not in REPLAYED:
         return
-    out = next((t for t in tensors if t["role"] == "output"), None)
+    dim = dimension(ra.hparams, ra.args if isinstance(ra, OpRecord) else None)
     errors: dict[str, float] = {}
     for side, rec, reader in (("a", ra, readers[0]), ("b", pair.b[0], readers[1])):
         ins = [e for e in rec.tensors if e.role == "input"]
         outs = [e for e in rec.tensors if e.role == "output"]
-        if out is None or len(ins) != 1 or len(outs) != 1 or not (ins[0].stored and outs[0].stored) or \
+        if len(ins) != 1 or len(outs) != 1 or not (ins[0].stored and outs[0].stored) or \
                 math.prod(ins[0].shape) > MAX_ELEMENTS:
             return
         try:
@@ -526,8 +526,7 @@ def _replay_own(pair: RecordPair | OpPair, tensors: list[schema.TensorResult], r
         if error is None:
             return
         errors[side] = error
-    if out is not None:
-        out["metrics"] = {**out["metrics"], "own_error": errors}
+    out["metrics"] = {**out["metrics"], "own_error": errors}
 
 
 def _describe_row(rec: Record | OpRecord) -> str:

@@ -6,11 +6,12 @@ difference of up to e^(2d) - 1 of its output, whatever the input's size. Against
 scores that agree within the relative tolerance make probabilities that do not, with no fault of the softmax, and a
 defect in it (a temperature, another dimension) looks the same to a comparison of the two runs. Each run's output
 against the operation replayed from that run's own input tells them apart: a softmax computes its output to within
-its dtype's rounding, a defect does not. The table is data: an operation family -> its float64 function of the input
-and the dimension it works along (None: elementwise)."""
+its dtype's rounding, a defect does not. The table is data: an operation family -> how it is replayed
+(``Replayed``)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -30,9 +31,20 @@ def _sigmoid(x: np.ndarray, dim: Optional[int]) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # no overflow for large |x|
 
 
-# family -> (float64 function of (input, dim), whether it needs a dimension)
-REPLAYED: dict[str, tuple[Callable[[np.ndarray, Optional[int]], np.ndarray], bool]] = {
-    "softmax": (_softmax, True), "exp": (_exp, False), "sigmoid": (_sigmoid, False)}
+@dataclass(frozen=True)
+class Replayed:
+    """An operation as replayed: its float64 ``function`` of (input, dim), whether it ``needs_dim``, and how it
+    ``amplifies`` an absolute change d of its input: into a relative change of its output of at most
+    e^(amplifies x d) - 1, whatever the input's size (log softmax(x)_i = x_i - logsumexp(x) moves by at most twice
+    the largest change of x; log exp(x) and log sigmoid(x) by at most the change itself)."""
+
+    function: Callable[[np.ndarray, Optional[int]], np.ndarray]
+    needs_dim: bool
+    amplifies: float
+
+
+REPLAYED = {"softmax": Replayed(_softmax, True, 2.0), "exp": Replayed(_exp, False, 1.0),
+            "sigmoid": Replayed(_sigmoid, False, 1.0)}
 MAX_ELEMENTS = 1 << 22  # a side: a larger operation is not replayed (read whole, it takes ~5 float64 copies of it)
 
 
@@ -52,10 +64,10 @@ def own_error(family: str, x: np.ndarray, y: np.ndarray, dim: Optional[int]) -> 
     replayed in float64 from ``x``; None where it cannot be replayed (no such family, no dimension where it needs
     one, shapes that differ, nothing finite)."""
     replay = REPLAYED.get(family)
-    if replay is None or x.shape != y.shape or (replay[1] and (dim is None or not -x.ndim <= dim < x.ndim)):
+    if replay is None or x.shape != y.shape or (replay.needs_dim and (dim is None or not -x.ndim <= dim < x.ndim)):
         return None
     with np.errstate(all="ignore"):
-        expected = replay[0](x.astype(np.float64), dim)
+        expected = replay.function(x.astype(np.float64), dim)
         finite = np.isfinite(expected) & np.isfinite(y)
         if not finite.any():
             return None

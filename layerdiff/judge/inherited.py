@@ -103,11 +103,12 @@ class _Carried:
         flipped = _mask_flips(metrics, base) if dtype_class(tensor.get("dtype_a"), tensor.get("dtype_b")) != "exact" \
             else None  # integers that differ are a choice, not a mask (``tree.DISCRETE_HINT``)
         growth = own / base if own is not None else math.inf
-        replayed = computes_as_replayed(tensor)
-        explained = comparable and (growth <= GROWTH or flipped is not None or replayed is True)
+        replayed = computes_as_replayed(tensor) is True
+        explained = comparable and (growth <= GROWTH or flipped is not None or replayed)
         out = tensor
         if not tensor["passed"] and explained and own is not None:
-            if growth > GROWTH and replayed is True:
+            amplified = growth > GROWTH and replayed  # its input's error, which its operation amplifies
+            if amplified:
                 errors = metrics.get("own_error") or {}
                 how = (f"each run computes it from its own input as the operation does (replayed in float64: "
                        f"{errors.get('a', 0):.2g} and {errors.get('b', 0):.2g} off), so its error, "
@@ -121,7 +122,7 @@ class _Carried:
             else:
                 how = f"{growth:.2g}x the error of what it was computed from"
             marked: schema.Inherited = {"growth": growth, "over": tensor["reason"]}
-            if growth > GROWTH and replayed is True:
+            if amplified:
                 marked["replayed"] = True
             out = {**tensor, "accumulated": marked} if not may_inherit else {
                 **tensor, "passed": True, "inherited": marked,

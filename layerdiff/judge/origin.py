@@ -11,6 +11,7 @@ import math
 from typing import Any, Iterator, Mapping
 
 from layerdiff import schema
+from layerdiff.compare.replayed import REPLAYED
 from layerdiff.judge.inherited import computes_as_replayed
 from layerdiff.judge.tree import DISCRETE_HINT, Judged, Node
 from layerdiff.match.ops import arguments_diff
@@ -140,20 +141,16 @@ def _hint(bad: Judged | None, node: Node) -> str | None:
     return _amplified(bad, node)
 
 
-# operations whose output changes by a relative factor of at most e^(factor x d) where their input changes by d
-# (absolute), whatever the input's size: log softmax(x)_i = x_i - logsumexp(x) moves by at most twice the largest
-# change of x; log exp(x) and log sigmoid(x) by at most the change itself
-ABSOLUTE_TO_RELATIVE = {"softmax": 2.0, "exp": 1.0, "sigmoid": 1.0}
-
-
 def _amplified(bad: Judged, node: Node) -> str | None:
-    """Where an operation of ``ABSOLUTE_TO_RELATIVE`` (a module or an operation of that family in both runs) is the
-    origin and its inputs' absolute error alone can make its output's relative one: large inputs (CPM-Ant's attention
-    scores, 25 on average) that agree within a lower precision's relative tolerance differ by much in absolute terms
-    (0.97 at most), and a softmax makes of that a relative error (2.5 at most; up to e^(2 x 0.97) - 1 = 6.0 allows).
-    A defect may do the same: a hint, not a judgement."""
+    """Where an operation of ``compare.replayed``'s table (a module or an operation of that family in both runs) is
+    the origin: that a run's output is not what the operation makes of its own input, where it was replayed and is
+    off; else, where its inputs' absolute error alone can make its output's relative one, the bound that allows.
+    Large inputs (CPM-Ant's attention scores, 25 on average) that agree within a lower precision's relative tolerance
+    differ by much in absolute terms (0.97 at most), and a softmax makes of that a relative error (2.5 at most; up to
+    e^(2 x 0.97) - 1 = 6.0 allows). A defect may do the same: a hint, not a judgement."""
     family = node.row.get("family_a")
-    factor = ABSOLUTE_TO_RELATIVE.get(family or "") if family == node.row.get("family_b") else None
+    replay = REPLAYED.get(family or "") if family == node.row.get("family_b") else None
+    factor = replay.amplifies if replay is not None else None
     if factor and computes_as_replayed(bad) is False:
         errors = bad["metrics"].get("own_error") or {}
         side = max(("a", "b"), key=lambda s: errors.get(s, 0.0))
