@@ -22,8 +22,12 @@ The model runs in eval mode, one forward with labels (no cache) and one backward
   flipped where scores are nearly tied, large inputs' rounding amplified (a softmax of large scores), or the origin
   it names.
 
-An architecture that its tiny config cannot build or run untraced is counted apart ("not run"): that is the generic
-config's limit, not layerdiff's. Everything else is layerdiff's result.
+Some architectures need more than the generic tiny config (sizes their validators tie together, a layer-type list
+that must match the number of layers, a setting their code reads): ``tools/sweep_hf_fittings.json`` holds, per model
+type, the keyword arguments its config is built with on top of the generic ones, attributes set on it afterwards,
+a method called on the built model and extra inputs, each with why. An architecture that its tiny config still
+cannot build or run untraced is counted apart ("not run"): that is the config's limit, not layerdiff's. Everything
+else is layerdiff's result.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
@@ -58,6 +64,61 @@ SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_
 MAX_PARAMS = 20_000_000
 CHECKS = ("clean", "defect", "ops clean", "ops defect", "bf16")
 TIMEOUT_S = 300
+
+
+FITTINGS = Path(__file__).with_name("sweep_hf_fittings.json")
+
+
+@dataclass(frozen=True)
+class Fitting:
+    """What one architecture needs beyond the generic tiny config (``sweep_hf_fittings.json``): ``config`` keyword
+    arguments for ``AutoConfig.for_model`` on top of the generic ones (None: leave that generic key out), seen by
+    its validators; ``set``: attributes set on the built config (dotted for a sub-config's); ``call``: [method,
+    *args] called on the built model; ``inputs``: model inputs added or replaced, each {"randn": shape} (seeded), {"tokens": {"reshape": shape,
+    "permute": dims}} (the step's tokens laid out so) or a value;
+    ``skip``: why the sweep's step cannot run this architecture (it is then "not run", with that reason)."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    set: dict[str, Any] = field(default_factory=dict)
+    call: list | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
+    skip: str | None = None  # why a causal-LM step cannot run this architecture at all (a draft model's forward)
+
+    @classmethod
+    def of(cls, model_type: str) -> "Fitting":
+        entry = json.loads(FITTINGS.read_text()).get(model_type, {})
+        return cls(**{k: v for k, v in entry.items() if k in cls.__dataclass_fields__})
+
+    def small(self, generic: dict) -> dict:
+        """The generic tiny config's keyword arguments with this architecture's own."""
+        merged = {**generic, **self.config}
+        return {k: v for k, v in merged.items() if v is not None}
+
+    def apply(self, config) -> None:
+        for dotted, value in self.set.items():
+            *path, name = dotted.split(".")
+            target = config
+            for part in path:
+                target = getattr(target, part)
+            setattr(target, name, value)
+
+    def prepare(self, model) -> None:
+        if self.call:
+            getattr(model, self.call[0])(*self.call[1:])
+
+    def model_inputs(self, ids) -> dict:
+        """The step's inputs: the tokens as input and labels, no cache, and this architecture's extra inputs."""
+        import torch
+
+        extra = {}
+        for name, value in self.inputs.items():
+            if isinstance(value, dict) and "randn" in value:
+                value = torch.randn(value["randn"], generator=torch.Generator().manual_seed(2))
+            elif isinstance(value, dict) and "tokens" in value:  # the tokens laid out otherwise
+                value = ids.reshape(value["tokens"]["reshape"]).permute(value["tokens"]["permute"])
+            extra[name] = value
+        return {"input_ids": ids, "labels": ids, "use_cache": False, **extra}
 
 
 def _shrink(config) -> None:
@@ -90,11 +151,13 @@ ATTEMPTS = (SMALL, {k: v for k, v in _WHOLE_HEADS.items() if k != "head_dim"},
             {k: v for k, v in _WHOLE_HEADS.items() if k not in ("head_dim", "num_hidden_layers")})
 
 
-def _config(model_type: str, small: dict):
-    """The model type's config with ``small``'s sizes; its sub-configs (a vision tower, a text model) made small
-    alike, where they have those keys."""
+def _config(model_type: str, small: dict, fitting: Fitting | None = None):
+    """The model type's config with ``small``'s sizes (and ``fitting``'s, where the architecture has one); its
+    sub-configs (a vision tower, a text model) made small alike, where they have those keys."""
     from transformers import AutoConfig, PretrainedConfig
 
+    fitting = fitting if fitting is not None else Fitting()
+    small = fitting.small(small)  # the sub-configs take the architecture's own sizes too
     config = AutoConfig.for_model(model_type, **small)
     _shrink(config)
     seen = {id(config)}
@@ -116,6 +179,7 @@ def _config(model_type: str, small: dict):
                     pass
         _shrink(sub)
         todo += [v for v in vars(sub).values() if isinstance(v, PretrainedConfig)]
+    fitting.apply(config)
     return config
 
 
@@ -140,10 +204,11 @@ def _target(model, ran: set[int]) -> str | None:
     return None
 
 
-def tiny_model(model_type: str, step, attempts: tuple = ATTEMPTS, **overrides):
-    """The model type built from the first of ``attempts`` (tiny configs, with ``overrides`` set on the config)
-    that builds and runs ``step(model)`` untraced: (config, model in eval mode, ids of the modules that ran,
-    parameter count); or why none did (the first attempt's error, or its size over ``MAX_PARAMS``)."""
+def tiny_model(model_type: str, step, attempts: tuple = ATTEMPTS, fitting: Fitting | None = None, **overrides):
+    """The model type built from the first of ``attempts`` (tiny configs, with ``fitting``'s changes and
+    ``overrides`` set on the config) that builds and runs ``step(model)`` untraced: (config, model in eval mode, ids
+    of the modules that ran, parameter count); or why none did (the first attempt's error, or its size over
+    ``MAX_PARAMS``)."""
     import torch
     from torch.nn.modules.module import register_module_forward_hook
     from transformers import AutoModelForCausalLM
@@ -151,7 +216,7 @@ def tiny_model(model_type: str, step, attempts: tuple = ATTEMPTS, **overrides):
     failures = []
     for small in attempts:
         try:
-            config = _config(model_type, small)
+            config = _config(model_type, small, fitting)
             for key, value in overrides.items():
                 setattr(config, key, value)
             with torch.device("meta"):
@@ -161,6 +226,8 @@ def tiny_model(model_type: str, step, attempts: tuple = ATTEMPTS, **overrides):
                 continue
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).eval()
+            if fitting is not None:
+                fitting.prepare(model)
             ran: set[int] = set()
             hook = register_module_forward_hook(lambda module, args, out: ran.add(id(module)))
             try:
@@ -195,11 +262,16 @@ def _checks(model_type: str, result: dict, work: Path) -> None:
 
     t0 = time.perf_counter()
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    fitting = Fitting.of(model_type)
+    if fitting.skip:
+        result["not_run"] = fitting.skip
+        return
+    inputs = fitting.model_inputs(ids)
 
     def step(model) -> None:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model(**inputs).loss.backward()
 
-    built = tiny_model(model_type, step)
+    built = tiny_model(model_type, step, fitting=fitting)
     if isinstance(built, str):
         result["not_run"] = built
         return
@@ -207,7 +279,9 @@ def _checks(model_type: str, result: dict, work: Path) -> None:
 
     def build():
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
+        fitting.prepare(model)
+        return model
 
     result["params"] = params
     target = _target(model, ran)
@@ -220,7 +294,7 @@ def _checks(model_type: str, result: dict, work: Path) -> None:
                 model.get_submodule(target).weight.mul_(1 + 1e-3)
         path = work / f"{name}.h5"
         with layerdiff.trace(model, path, ops=ops):
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            step(model)
         return path
 
     for ops in (False, True):
@@ -236,13 +310,13 @@ def _checks(model_type: str, result: dict, work: Path) -> None:
             except Exception as exc:  # noqa: BLE001
                 result[prefix + check] = f"error: {_error(exc)}"
     try:
-        result["bf16"] = _precision(build, work / "a0.h5", work, ids)
+        result["bf16"] = _precision(build, work / "a0.h5", work, step)
     except Exception as exc:  # noqa: BLE001
         result["bf16"] = f"error: {_error(exc)}"
     result["seconds"] = round(time.perf_counter() - t0, 1)
 
 
-def _precision(build, reference: Path, work: Path, ids) -> str:
+def _precision(build, reference: Path, work: Path, step) -> str:
     """The model cast to bfloat16 against its float32 run (``reference``, module level): aligned, or what the report
     says."""
     import torch
@@ -254,11 +328,11 @@ def _precision(build, reference: Path, work: Path, ids) -> str:
     try:
         model = build().to(torch.bfloat16)
         with layerdiff.trace(model, path):
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            step(model)
     except Exception as exc:  # noqa: BLE001 - whose failure it is: the same run untraced tells
         try:
             model = build().to(torch.bfloat16)
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            step(model)
         except Exception:  # noqa: BLE001 - the model's own code, untraced: not layerdiff's
             return f"not run: the model fails in bfloat16 untraced ({_error(exc)})"
         raise
