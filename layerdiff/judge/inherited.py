@@ -195,7 +195,7 @@ def _inherit_parameter_gradients(rows: list[schema.Row], carry: _Carried, backwa
     uses: dict[tuple, float] = {}  # (a tied weight's name, step) -> the largest error among its uses' gradients
     for row in rows:
         if row["kind"] == "param_grad_use":
-            carried = backward.get((row.get("module"), row.get("step")), 0.0)
+            carried = _backward_of(backward, row.get("module"), row.get("step"))
             tensors = [carry.judge(t, carried) for t in row["tensors"]]
             judged[id(row)] = {**row, "tensors": tensors}
             key = (row["path"], row.get("step"))
@@ -203,10 +203,23 @@ def _inherit_parameter_gradients(rows: list[schema.Row], carry: _Carried, backwa
     for row in rows:
         if row["kind"] == "param_grad":
             names = row.get("tied") or [row["path"]]
-            carried = max([backward.get((row.get("module"), row.get("step")), 0.0),
-                           *(backward.get((name.rpartition(".")[0], row.get("step")), 0.0) for name in names),
+            carried = max([_backward_of(backward, row.get("module"), row.get("step")),
+                           *(_backward_of(backward, name.rpartition(".")[0], row.get("step")) for name in names),
                            *(uses.get((name, row.get("step")), 0.0) for name in names)])
             judged[id(row)] = {**row, "tensors": [carry.judge(t, carried) for t in row["tensors"]]}
+
+
+def _backward_of(backward: dict[tuple, float], module: str | None, step: object) -> float:
+    """What the backward of ``module``'s calls in ``step`` was computed from; for a module that made no call, that
+    of the nearest module around it that did: its weights were used by that module's own code (transformers'
+    Mamba2 mixer convolves with its ``conv1d``'s weight itself, Gemma 3n's decoder layer calls its AltUp module's
+    methods, not the module)."""
+    path = module
+    while path is not None:
+        if (path, step) in backward:
+            return backward[(path, step)]
+        path = path.rpartition(".")[0] if path else None
+    return 0.0
 
 
 def _call(row: schema.Row) -> tuple:
