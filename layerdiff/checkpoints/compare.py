@@ -183,7 +183,7 @@ def _plan_names(a: Checkpoint, b: Checkpoint, a_names: dict, b_to_a: dict, renam
 
     mapping = match_modules(infos(a), infos(b), rules, rename)
     plans, missing, used = paramplan.plan(mapping, {n: tuple(a.info(n)[1]) for n in a.names()},
-                                          {n: tuple(b.info(n)[1]) for n in b.names()}, "a")
+                                          {n: tuple(b.info(n)[1]) for n in b.names()}, "a", rules)
     groups = {p.name: paramplan.group_count(p, rules, [], load=lambda n: b.load(n)[0],
                                             own_load=lambda n: a.load(n)[0]) for p in plans if p.op != "same"}
     return plans, groups, sorted(missing), sorted(n for n in b.names() if n not in used)

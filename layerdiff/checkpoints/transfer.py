@@ -74,7 +74,12 @@ def load_neutral(model, state: dict, mapping: RenameRules | None = None, strict:
         sources = [plan[piece] for piece in pieces]
         for source in sources:
             used.update(source.sources)
-        arrays = [paramplan.build(source, lambda n: state[n][0], groups.get(source.name, 1)) for source in sources]
+        try:
+            arrays = [paramplan.build(source, lambda n: state[n][0], groups.get(source.name, 1))
+                      for source in sources]
+        except LayerdiffError as exc:  # parts in a layout not converted (``paramplan.plan``'s ``relayout``)
+            problems.append(str(exc))
+            continue
         array = np.stack(arrays) if name in stacked and len({a.shape for a in arrays}) == 1 else arrays[0]
         dtype = state[sources[0].sources[0]][1]
         if rules.is_transposed(adapter.name, module_type, name):
@@ -111,11 +116,11 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
             own.update({piece: shape[1:] for piece in stacked[name]})
         else:
             own[name] = shape[::-1] if rules.is_transposed(adapter.name, module_type, name) else shape
-    sources, _, _ = paramplan.plan(mapping, own, {n: a.shape for n, (a, _) in state.items()}, "b")
+    sources, _, _ = paramplan.plan(mapping, own, {n: a.shape for n, (a, _) in state.items()}, "b", rules)
     hparams = {path: h for path, _, h, _ in entries}
     groups = {}
     for src in sources:
-        if src.op != "same":
+        if src.op not in ("same", "relayout"):
             fused_parent = src.fused_module.rpartition(".")[0]
             parts_parent = src.name.rpartition(".")[0].rpartition(".")[0]
             groups[src.name] = paramplan.group_count(src, rules, [hparams.get(src.fused_module), hparams.get(
