@@ -20,7 +20,7 @@ from layerdiff.match.rules import RuleSet
 @dataclass(frozen=True)
 class ParamSource:
     name: str  # this side's parameter
-    op: str  # "same" | "part" | "merge"
+    op: str  # "same" | "part" | "merge" | "relayout" (the same parts fused in another layout: not converted)
     sources: tuple  # the other side's parameter name(s)
     index: int = 0  # part: which part this parameter is
     sizes: tuple = ()  # part: every part's size along axis 0
