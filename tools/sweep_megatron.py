@@ -53,7 +53,7 @@ METHOD = ("For each architecture, one interpreter: transformers' model from swee
 # layer-spec options; experts come from the config)
 MEGATRON = {"llama": {}, "mistral": {}, "qwen2": {"add_qkv_bias": True}, "qwen3": {"qk_layernorm": True},
             "mixtral": {}, "qwen2_moe": {"add_qkv_bias": True}, "qwen3_moe": {"qk_layernorm": True},
-            # q, k and v back to back in one qkv_proj: the transfer says it does not convert that layout yet
+            # q, k and v back to back in one qkv_proj, laid out anew per query group
             "phi3": {}}
 CHECKS = ("weights", "logits", "clean", "defect", "ops clean", "ops defect")
 TARGET = ("decoder.layers.1.self_attention.linear_proj", "model.layers.1.self_attn.o_proj")  # Megatron's, HF's

@@ -118,6 +118,8 @@ def _inferred_plan(adapter, model, state: dict, params, rename: RenameRules, rul
             own[name] = shape[::-1] if rules.is_transposed(adapter.name, module_type, name) else shape
     sources, _, _ = paramplan.plan(mapping, own, {n: a.shape for n, (a, _) in state.items()}, "b", rules)
     hparams = {path: h for path, _, h, _ in entries}
+    sources = [paramplan.regrouped(src, rules, own[src.name][0], [hparams.get(src.fused_module), hparams.get(
+        src.fused_module.rpartition(".")[0])]) if src.op == "relayout" else src for src in sources]
     groups = {}
     for src in sources:
         if src.op not in ("same", "relayout"):

@@ -18,6 +18,7 @@ from msgspec.structs import replace
 from layerdiff.match.fused import FusedLink, FusedLinks, merged_parts, other_roles, split_pairs, sum_over_parts
 from layerdiff.match.joins import candidate_shapes, unresolved
 from layerdiff.match.layouts import relate_shapes
+from layerdiff.match import paramplan
 from layerdiff.match.mapping import Match, ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
 from layerdiff.match.sides import ROLE_ORDER, TraceSide, token_order, torch_shape
@@ -241,6 +242,7 @@ def _pair(ra: Record, sources: tuple, match: Match, links: FusedLinks) -> Record
     if match.fused_side is None:
         pairs, pair.only_a, pair.only_b = pair_tensors(ra, sources[0], side_a, side_b)
         pair.tensors = pairs
+        _by_parts(pair, sources[0], side_a, side_b)
         return pair
     link = links.resolve(match)
     if match.fused_side == "b":
@@ -475,6 +477,45 @@ def _transforms(role, left_a, left_b, ra, rb, side_a: TraceSide, side_b: TraceSi
                                 Operand((eb,), op="masked", bool_masked=side_b.bool_masked),
                                 ("masks compared as masked/attended flags",)))
     return pairs, left_a, left_b
+
+
+def _by_parts(pair: RecordPair, rb: Record, side_a: TraceSide, side_b: TraceSide) -> None:
+    """A module matched with one that holds the same parts fused in another layout (transformers' Phi-3
+    ``qkv_proj``, [q; k; v], against Megatron's ``linear_qkv``, per query group): its fused tensors (outputs and
+    their gradients along the last axis, weights and theirs along their rows) compared part by part, each side's
+    split in its own layout (``paramplan.qkv_layout``, from the hyper-parameters each run recorded). Where that
+    cannot be done (statistics only, a layout not known) they are left out, with why: compared as they are, they
+    differ by layout alone."""
+    ra = pair.a
+    path_a, path_b = _module_of(ra), _module_of(rb)
+    rule_a, rule_b = side_a.rules.fused_rule(path_a.rpartition(".")[2]), side_b.rules.fused_rule(
+        path_b.rpartition(".")[2])
+    how = paramplan.other_layout(rule_a, rule_b)
+    if how is None:
+        return
+    param = isinstance(ra, ParamRecord)
+    kept: list[TensorPair] = []
+    for tp in pair.tensors:
+        axis = 0 if param else -1
+        if not param and tp.role not in ("output", "grad_output"):
+            kept.append(tp)
+            continue
+        rows = tp.a.shape[axis] if tp.a.shape else 0
+        layouts = [paramplan.qkv_layout(rule, rows, [side.hparams(path), side.hparams(path.rpartition(".")[0])])
+                   for rule, side, path in ((rule_a, side_a, path_a), (rule_b, side_b, path_b))]
+        la, lb = layouts
+        stored = all(o.plain and all(e.offset is not None for e in o.entries) for o in (tp.a, tp.b))
+        if la is None or lb is None or la[0] != lb[0] or not stored or rule_a is None or rule_b is None:
+            pair.skipped.append(f"{tp.role}:{tp.key} (the parts fused in another layout, {how}: compared part "
+                                "by part where both runs stored the values and their attention's heads are known)")
+            continue
+        groups_a, groups_b = (la[1] if rule_a.groups else 1), (lb[1] if rule_b.groups else 1)
+        for index, part in enumerate(rule_a.parts):
+            part_a = Operand(tp.a.entries, op="part", axis=axis, sizes=la[0], groups=groups_a, index=index)
+            part_b = Operand(tp.b.entries, op="part", axis=axis, sizes=lb[0], groups=groups_b, index=index)
+            kept.append(TensorPair(tp.role, f"{tp.key}[{part}]", tp.key_b, part_a, part_b,
+                                   tp.notes + (f"the {part} part of each ({how})",), tp.activation))
+    pair.tensors = kept
 
 
 def _pair_part_of_b(pair: RecordPair, match: Match, link: FusedLink, side_a: TraceSide, side_b: TraceSide):

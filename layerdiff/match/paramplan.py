@@ -14,22 +14,24 @@ from layerdiff.errors import LayerdiffError
 from layerdiff.match import fusion
 from layerdiff.match.layouts import canonical_param_name
 from layerdiff.match.mapping import ModuleMapping
-from layerdiff.match.rules import RuleSet
+from layerdiff.match.rules import FusedRule, RuleSet
 
 
 @dataclass(frozen=True)
 class ParamSource:
     name: str  # this side's parameter
-    op: str  # "same" | "part" | "merge" | "relayout" (the same parts fused in another layout: not converted)
+    op: str  # "same" | "part" | "merge" | "regroup" | "relayout" (the same parts fused in another layout, its
+    # sizes not known: not converted)
     sources: tuple  # the other side's parameter name(s)
     index: int = 0  # part: which part this parameter is
     sizes: tuple = ()  # part: every part's size along axis 0
     rule: str | None = None
     fused_module: str = ""  # the fused module's path (either side), for its group count
     siblings: tuple = ()  # part: this side's parameter for every part, in order
+    grouped_here: bool = False  # regroup: this side holds the parts in groups, the other back to back
 
     def describe(self) -> str:
-        if self.op == "relayout":
+        if self.op in ("relayout", "regroup"):
             return f"{self.sources[0]}, its parts in another layout ({self.rule})"
         if self.op == "part":
             return f"part {self.index + 1} of {len(self.sizes)} of {self.sources[0]} ({self.rule})"
@@ -64,7 +66,8 @@ def plan(mapping: ModuleMapping, own: dict, other: dict, own_side: str,
         mine, theirs = (match.a, match.b) if own_side == "a" else (match.b, match.a)
         if len(mine) == 1 and len(theirs) == 1:
             src = by_leaf.get((theirs[0], leaf))
-            layouts = _other_layout(rules, mine[0], theirs[0]) if src and rules is not None else None
+            layouts = other_layout(rules.fused_rule(mine[0].rpartition(".")[2]), rules.fused_rule(
+                theirs[0].rpartition(".")[2])) if src and rules is not None else None
             found = None if not src else ParamSource(name, "same", (src,)) if layouts is None else \
                 ParamSource(name, "relayout", (src,), rule=layouts, fused_module=mine[0])
         elif len(mine) > 1:  # this parameter is one part of the other side's fused one
@@ -86,12 +89,11 @@ def plan(mapping: ModuleMapping, own: dict, other: dict, own_side: str,
     return sources, missing, used
 
 
-def _other_layout(rules: RuleSet, mine: str, theirs: str) -> str | None:
-    """How two matched modules' fused layouts differ, where one holds its parts back to back and the other in
-    groups (a part of each group after the other: Megatron's per query group); None where they do not (neither
-    is fused, or both the same way; both in groups, per head or per query group, agree for every model that has
-    both, with as many key-value heads as heads)."""
-    rule_mine, rule_theirs = (rules.fused_rule(path.rpartition(".")[2]) for path in (mine, theirs))
+def other_layout(rule_mine: FusedRule | None, rule_theirs: FusedRule | None) -> str | None:
+    """How two matched modules' fused layouts differ (their rule sets' ``fused`` rules), where one holds its parts
+    back to back and the other in groups (a part of each group after the other: Megatron's per query group); None
+    where they do not (neither is fused, or both the same way; both in groups, per head or per query group, agree
+    for every model that has both, with as many key-value heads as heads)."""
     if rule_mine is None or rule_theirs is None or rule_mine.parts != rule_theirs.parts or \
             bool(rule_mine.groups) == bool(rule_theirs.groups):
         return None
@@ -100,11 +102,46 @@ def _other_layout(rules: RuleSet, mine: str, theirs: str) -> str | None:
             f"{layout[bool(rule_mine.groups)]} here")
 
 
+# where a query-key-value projection's key-value head count and head size are found (either side's names)
+_KV_HEADS = ("num_query_groups_per_partition", "num_query_groups", "num_key_value_heads", "num_kv_heads")
+_HEAD_DIM = ("hidden_size_per_attention_head", "head_dim", "kv_channels")
+
+
+def qkv_layout(rule: FusedRule | None, rows: int, hparams) -> tuple[tuple, int] | None:
+    """(part sizes, key-value heads G) of a fused query-key-value projection of ``rows`` output features: H x d for
+    the queries and G x d for the keys and the values, G and the head size d as ``hparams`` (dicts: the fused
+    module's, its parent's) name them. Laid out by ``rule``, it holds them in G groups where the rule holds its parts
+    in groups, else back to back. None where they are not found or the rule's parts are not these three."""
+    found = {}
+    for names in (_KV_HEADS, _HEAD_DIM):
+        found[names] = next((h[n] for h in hparams if h for n in names
+                             if isinstance(h.get(n), int) and not isinstance(h.get(n), bool) and h[n] > 0), None)
+    kv, head = found[_KV_HEADS], found[_HEAD_DIM]
+    if rule is None or tuple(rule.parts) != ("q", "k", "v") or kv is None or head is None or rows <= 2 * kv * head:
+        return None
+    return (rows - 2 * kv * head, kv * head, kv * head), kv
+
+
+def regrouped(source: ParamSource, rules: RuleSet, rows: int, hparams) -> ParamSource:
+    """A ``relayout`` source made a ``regroup`` one, its parts' sizes and groups from this side's hyper-parameters
+    (``qkv_layout``); left as it was where they are not found."""
+    rule = rules.fused_rule(source.fused_module.rpartition(".")[2])
+    layout = qkv_layout(rule, rows, hparams)
+    if rule is None or layout is None:
+        return source
+    sizes, kv = layout
+    return ParamSource(source.name, "regroup", source.sources, index=kv, sizes=sizes, rule=source.rule,
+                       fused_module=source.fused_module, grouped_here=bool(rule.groups))
+
+
 def build(source: ParamSource, load, groups: int) -> np.ndarray:
     """The value of ``source.name`` from the other side's arrays (``load(name)`` -> PyTorch-layout array)."""
     if source.op == "relayout":
         raise LayerdiffError(f"{source.name} is {source.describe()}: converting between the two layouts is not "
-                             "supported yet")
+                             "supported yet (the key-value heads and head size were not found)")
+    if source.op == "regroup":  # the parts in the other side's layout, then in this side's
+        there, here = (1, groups) if source.grouped_here else (groups, 1)
+        return fusion.merge(fusion.split(load(source.sources[0]), 0, source.sizes, there), 0, here)
     if source.op == "same":
         return load(source.sources[0])
     if source.op == "part":
@@ -117,6 +154,8 @@ def group_count(source: ParamSource, rules: RuleSet, hparams, load=None, own_loa
     module, its parent, the parts' parent), checked against the values when both sides' arrays are at hand."""
     if source.op in ("same", "relayout"):
         return 1
+    if source.op == "regroup":
+        return source.index  # the key-value heads: one group each
     rule = rules.fused_rule(source.fused_module.rpartition(".")[2])
     sizes: Sequence[int]
     if source.op == "part":
