@@ -9,6 +9,7 @@ from layerdiff.match import fusion
 from layerdiff.match.layouts import canonical_param_name
 from layerdiff.match.mapping import Match
 from layerdiff.match.operands import Operand
+from layerdiff.match.paramplan import other_layout
 from layerdiff.match.sides import ROLE_ORDER, TraceSide, torch_shape
 from layerdiff.tracefile.records import Record, TensorEntry
 
@@ -34,6 +35,16 @@ class FusedLinks:
     def __init__(self, side_a: TraceSide, side_b: TraceSide):
         self.a, self.b = side_a, side_b
         self.cache: dict = {}
+        self.relaid_cache: dict[tuple[str, str], bool] = {}
+
+    def relaid(self, path_a: str, path_b: str) -> bool:
+        """Whether the two modules hold the same parts fused in different layouts (``paramplan.other_layout``),
+        asked once per pair of modules: every record pair asks."""
+        key = (path_a, path_b)
+        if key not in self.relaid_cache:
+            self.relaid_cache[key] = other_layout(self.a.rules.fused_rule(path_a.rpartition(".")[2]),
+                                                  self.b.rules.fused_rule(path_b.rpartition(".")[2])) is not None
+        return self.relaid_cache[key]
 
     def resolve(self, match: Match) -> FusedLink:
         key = (match.a, match.b)

@@ -242,7 +242,8 @@ def _pair(ra: Record, sources: tuple, match: Match, links: FusedLinks) -> Record
     if match.fused_side is None:
         pairs, pair.only_a, pair.only_b = pair_tensors(ra, sources[0], side_a, side_b)
         pair.tensors = pairs
-        _by_parts(pair, sources[0], side_a, side_b)
+        if links.relaid(_module_of(ra), _module_of(sources[0])):
+            _by_parts(pair, sources[0], side_a, side_b)
         return pair
     link = links.resolve(match)
     if match.fused_side == "b":
