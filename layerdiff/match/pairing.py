@@ -484,9 +484,9 @@ def _by_parts(pair: RecordPair, rb: Record, side_a: TraceSide, side_b: TraceSide
     """A module matched with one that holds the same parts fused in another layout (transformers' Phi-3
     ``qkv_proj``, [q; k; v], against Megatron's ``linear_qkv``, per query group): its fused tensors (outputs and
     their gradients along the last axis, weights and theirs along their rows) compared part by part, each side's
-    split in its own layout (``paramplan.qkv_layout``, from the hyper-parameters each run recorded). Where that
-    cannot be done (statistics only, a layout not known) they are left out, with why: compared as they are, they
-    differ by layout alone."""
+    split in its own layout (``paramplan.qkv_layout``, from the hyper-parameters each run recorded). Statistics
+    are compared as they are (a layout only orders the elements); values whose layouts are not known are left out,
+    with why: compared as they are, they would differ by layout alone."""
     ra = pair.a
     path_a, path_b = _module_of(ra), _module_of(rb)
     rule_a, rule_b = side_a.rules.fused_rule(path_a.rpartition(".")[2]), side_b.rules.fused_rule(
@@ -505,10 +505,14 @@ def _by_parts(pair: RecordPair, rb: Record, side_a: TraceSide, side_b: TraceSide
         layouts = [paramplan.qkv_layout(rule, rows, [side.hparams(path), side.hparams(path.rpartition(".")[0])])
                    for rule, side, path in ((rule_a, side_a, path_a), (rule_b, side_b, path_b))]
         la, lb = layouts
-        stored = all(o.plain and all(e.offset is not None for e in o.entries) for o in (tp.a, tp.b))
-        if la is None or lb is None or la[0] != lb[0] or not stored or rule_a is None or rule_b is None:
+        if not all(e.offset is not None for o in (tp.a, tp.b) for e in o.entries):
+            kept.append(TensorPair(tp.role, tp.key, tp.key_b, tp.a, tp.b,
+                                   tp.notes + (f"statistics, the same in either layout ({how})",), tp.activation))
+            continue
+        if la is None or lb is None or la[0] != lb[0] or not (tp.a.plain and tp.b.plain) or rule_a is None \
+                or rule_b is None:
             pair.skipped.append(f"{tp.role}:{tp.key} (the parts fused in another layout, {how}: compared part "
-                                "by part where both runs stored the values and their attention's heads are known)")
+                                "by part where their attention's heads are known)")
             continue
         groups_a, groups_b = (la[1] if rule_a.groups else 1), (lb[1] if rule_b.groups else 1)
         for index, part in enumerate(rule_a.parts):
