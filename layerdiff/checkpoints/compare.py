@@ -184,6 +184,8 @@ def _plan_names(a: Checkpoint, b: Checkpoint, a_names: dict, b_to_a: dict, renam
     mapping = match_modules(infos(a), infos(b), rules, rename)
     plans, missing, used = paramplan.plan(mapping, {n: tuple(a.info(n)[1]) for n in a.names()},
                                           {n: tuple(b.info(n)[1]) for n in b.names()}, "a", rules)
+    plans = [paramplan.inferred_regroup(p, rules, a.load(p.name)[0], b.load(p.sources[0])[0])
+             if p.op == "relayout" else p for p in plans]  # two checkpoints name no heads: their values tell
     groups = {p.name: paramplan.group_count(p, rules, [], load=lambda n: b.load(n)[0],
                                             own_load=lambda n: a.load(n)[0]) for p in plans if p.op != "same"}
     return plans, groups, sorted(missing), sorted(n for n in b.names() if n not in used)

@@ -5,6 +5,7 @@ PyTorch layout ([out, in]): parts are rows (axis 0).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -132,6 +133,43 @@ def regrouped(source: ParamSource, rules: RuleSet, rows: int, hparams) -> ParamS
     sizes, kv = layout
     return ParamSource(source.name, "regroup", source.sources, index=kv, sizes=sizes, rule=source.rule,
                        fused_module=source.fused_module, grouped_here=bool(rule.groups))
+
+
+def inferred_regroup(source: ParamSource, rules: RuleSet, here: np.ndarray, there: np.ndarray) -> ParamSource:
+    """A ``relayout`` source made a ``regroup`` one where nothing names the heads (two checkpoints): the key-value
+    heads G and head size d under which the other side's values, laid out anew, show this side's (``here`` and
+    ``there``: the two arrays, rows first). Each candidate is tried on one column (a bias: itself); the one with
+    the most parts exactly equal wins, then the smallest difference, as ``fusion.infer_groups`` decides a group
+    count. Left as it was where no candidate makes a part equal or nearly so."""
+    rule = rules.fused_rule(source.fused_module.rpartition(".")[2])
+    rows = here.shape[0] if here.ndim else 0
+    if rule is None or tuple(rule.parts) != ("q", "k", "v") or there.shape != here.shape or rows < 3:
+        return source
+    column_here = (here if here.ndim == 1 else here[:, 0]).astype(np.float64)
+    column_there = (there if there.ndim == 1 else there[:, 0]).astype(np.float64)
+    norm = float(np.linalg.norm(column_here)) or 1.0
+    best, best_key = None, None
+    for head in (d for d in range(4, rows // 3 + 1) if rows % d == 0):  # a head of fewer than 4: none known
+        for kv in range(1, rows // (3 * head) + 1):
+            query = rows - 2 * kv * head
+            if query % (kv * head):
+                continue
+            candidate = ParamSource(source.name, "regroup", source.sources, index=kv, sizes=(query, kv * head, kv * head),
+                                    rule=source.rule, fused_module=source.fused_module, grouped_here=bool(rule.groups))
+            laid = build(candidate, lambda _: column_there, kv)
+            groups_here = kv if rule.groups else 1
+            parts = zip(fusion.split(laid, 0, candidate.sizes, groups_here),
+                        fusion.split(column_here, 0, candidate.sizes, groups_here))
+            equal = distance = 0.0
+            for mine, theirs in parts:
+                equal += bool(np.array_equal(mine, theirs))
+                distance += float(np.sum(np.square(mine - theirs)))
+            key = (equal, -math.sqrt(distance) / norm)
+            if best_key is None or key > best_key:
+                best, best_key = candidate, key
+    if best is None or best_key is None or (best_key[0] == 0 and -best_key[1] > 1e-2):
+        return source
+    return best
 
 
 def build(source: ParamSource, load, groups: int) -> np.ndarray:
