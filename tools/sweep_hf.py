@@ -75,9 +75,9 @@ class Fitting:
     """What one architecture needs beyond the generic tiny config (``sweep_hf_fittings.json``): ``config`` keyword
     arguments for ``AutoConfig.for_model`` on top of the generic ones (None: leave that generic key out), seen by
     its validators; ``set``: attributes set on the built config (dotted for a sub-config's); ``call``: [method,
-    *args] called on the built model; ``inputs``: model inputs added or replaced, each {"randn": shape} (seeded), {"tokens": {"reshape": shape,
-    "permute": dims}} (the step's tokens laid out so) or a value;
-    ``skip``: why the sweep's step cannot run this architecture (it is then "not run", with that reason)."""
+    *args] called on the built model; ``inputs``: model inputs added or replaced, each {"randn": shape} (seeded),
+    {"tokens": {"reshape": shape, "permute": dims}} (the step's tokens laid out so) or a value; ``skip``: why the
+    sweep's step cannot run this architecture (it is then "not run", with that reason)."""
 
     config: dict[str, Any] = field(default_factory=dict)
     set: dict[str, Any] = field(default_factory=dict)
@@ -214,6 +214,7 @@ def tiny_model(model_type: str, step, attempts: tuple = ATTEMPTS, fitting: Fitti
     from torch.nn.modules.module import register_module_forward_hook
     from transformers import AutoModelForCausalLM
 
+    fitting = fitting if fitting is not None else Fitting()
     failures = []
     for small in attempts:
         try:
@@ -227,8 +228,7 @@ def tiny_model(model_type: str, step, attempts: tuple = ATTEMPTS, fitting: Fitti
                 continue
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).eval()
-            if fitting is not None:
-                fitting.prepare(model)
+            fitting.prepare(model)
             ran: set[int] = set()
             hook = register_module_forward_hook(lambda module, args, out: ran.add(id(module)))
             try:

@@ -35,15 +35,15 @@ class FusedLinks:
     def __init__(self, side_a: TraceSide, side_b: TraceSide):
         self.a, self.b = side_a, side_b
         self.cache: dict = {}
-        self.relaid_cache: dict[tuple[str, str], bool] = {}
+        self.relaid_cache: dict[tuple[str, str], str | None] = {}
 
-    def relaid(self, path_a: str, path_b: str) -> bool:
-        """Whether the two modules hold the same parts fused in different layouts (``paramplan.other_layout``),
-        asked once per pair of modules: every record pair asks."""
+    def relaid(self, path_a: str, path_b: str) -> str | None:
+        """How the two modules' layouts differ where they hold the same parts fused in different layouts
+        (``paramplan.other_layout``), else None; asked once per pair of modules: every record pair asks."""
         key = (path_a, path_b)
         if key not in self.relaid_cache:
             self.relaid_cache[key] = other_layout(self.a.rules.fused_rule(path_a.rpartition(".")[2]),
-                                                  self.b.rules.fused_rule(path_b.rpartition(".")[2])) is not None
+                                                  self.b.rules.fused_rule(path_b.rpartition(".")[2]))
         return self.relaid_cache[key]
 
     def resolve(self, match: Match) -> FusedLink:

@@ -8,6 +8,7 @@ are exact inverses, so weight transfer, checkpoint diff, align and replay share 
 from __future__ import annotations
 
 import math
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
@@ -97,23 +98,37 @@ def divisors_of_all(sizes) -> list:
 
 def infer_groups(fused: np.ndarray, parts, axis: int = 0, candidates=()) -> int | None:
     """The group count under which ``fused`` splits into ``parts`` (declared candidates first, then every
-    divisor): weights after a transfer are equal up to layout, so they say how the port laid them out. A defect
-    in one part still leaves the others equal: the count with the most exactly equal parts wins, then the
-    smallest difference; None when no count makes any part equal or nearly equal."""
+    divisor): weights after a transfer are equal up to layout, so they say how the port laid them out
+    (``best_layout``)."""
     sizes = [p.shape[axis] for p in parts]
     tried = list(candidates) + [d for d in divisors_of_all(sizes) if d not in candidates]
+    norm = math.sqrt(sum(float(np.sum(np.square(p, dtype=np.float64))) for p in parts))
+    return best_layout(tried, lambda g: None if check_sizes(fused.shape[axis], sizes, g) else
+                       zip(split(fused, axis, sizes, g), parts), norm)
+
+
+Layout = TypeVar("Layout")
+
+
+def best_layout(candidates: Iterable[Layout],
+                pieces: Callable[[Layout], Iterable[tuple[np.ndarray, np.ndarray]] | None],
+                norm: float) -> Layout | None:
+    """The candidate layout under which one side's values show the other's: ``pieces(candidate)`` pairs each part
+    of the one laid out so with that part of the other (None: the candidate does not fit). A defect in one part
+    still leaves the others equal: the candidate with the most parts exactly equal wins, then the smallest
+    difference relative to ``norm`` (the other's); None when none makes any part equal or nearly equal."""
     best, best_key = None, None
-    norm = math.sqrt(sum(float(np.sum(np.square(p, dtype=np.float64))) for p in parts)) or 1.0
-    for g in tried:
-        if check_sizes(fused.shape[axis], sizes, g):
+    for candidate in candidates:
+        paired = pieces(candidate)
+        if paired is None:
             continue
-        pieces = split(fused, axis, sizes, g)
-        equal = sum(bool(np.array_equal(a, b)) for a, b in zip(pieces, parts))
-        distance = math.sqrt(sum(float(np.sum(np.square(a.astype(np.float64) - b, dtype=np.float64)))
-                                 for a, b in zip(pieces, parts))) / norm
-        key = (equal, -distance)
+        equal, squares = 0, 0.0
+        for mine, theirs in paired:
+            equal += bool(np.array_equal(mine, theirs))
+            squares += float(np.sum(np.square(mine.astype(np.float64) - theirs, dtype=np.float64)))
+        key = (equal, -math.sqrt(squares) / (norm or 1.0))
         if best_key is None or key > best_key:
-            best, best_key = g, key
+            best, best_key = candidate, key
     if best is None or best_key is None or (best_key[0] == 0 and -best_key[1] > 1e-2):
         return None
     return best

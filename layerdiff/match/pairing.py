@@ -242,8 +242,9 @@ def _pair(ra: Record, sources: tuple, match: Match, links: FusedLinks) -> Record
     if match.fused_side is None:
         pairs, pair.only_a, pair.only_b = pair_tensors(ra, sources[0], side_a, side_b)
         pair.tensors = pairs
-        if links.relaid(_module_of(ra), _module_of(sources[0])):
-            _by_parts(pair, sources[0], side_a, side_b)
+        how = links.relaid(_module_of(ra), _module_of(sources[0]))
+        if how is not None:
+            _by_parts(pair, sources[0], side_a, side_b, how)
         return pair
     link = links.resolve(match)
     if match.fused_side == "b":
@@ -480,8 +481,8 @@ def _transforms(role, left_a, left_b, ra, rb, side_a: TraceSide, side_b: TraceSi
     return pairs, left_a, left_b
 
 
-def _by_parts(pair: RecordPair, rb: Record, side_a: TraceSide, side_b: TraceSide) -> None:
-    """A module matched with one that holds the same parts fused in another layout (transformers' Phi-3
+def _by_parts(pair: RecordPair, rb: Record, side_a: TraceSide, side_b: TraceSide, how: str) -> None:
+    """A module matched with one that holds the same parts fused in another layout (``how``: transformers' Phi-3
     ``qkv_proj``, [q; k; v], against Megatron's ``linear_qkv``, per query group): its fused tensors (outputs and
     their gradients along the last axis, weights and theirs along their rows) compared part by part, each side's
     split in its own layout (``paramplan.qkv_layout``, from the hyper-parameters each run recorded). Statistics
@@ -491,26 +492,23 @@ def _by_parts(pair: RecordPair, rb: Record, side_a: TraceSide, side_b: TraceSide
     path_a, path_b = _module_of(ra), _module_of(rb)
     rule_a, rule_b = side_a.rules.fused_rule(path_a.rpartition(".")[2]), side_b.rules.fused_rule(
         path_b.rpartition(".")[2])
-    how = paramplan.other_layout(rule_a, rule_b)
-    if how is None:
+    if rule_a is None or rule_b is None:  # ``how`` says both are fused
         return
     param = isinstance(ra, ParamRecord)
+    axis = 0 if param else -1
     kept: list[TensorPair] = []
     for tp in pair.tensors:
-        axis = 0 if param else -1
         if not param and tp.role not in ("output", "grad_output"):
             kept.append(tp)
             continue
-        rows = tp.a.shape[axis] if tp.a.shape else 0
-        layouts = [paramplan.qkv_layout(rule, rows, [side.hparams(path), side.hparams(path.rpartition(".")[0])])
-                   for rule, side, path in ((rule_a, side_a, path_a), (rule_b, side_b, path_b))]
-        la, lb = layouts
         if not all(e.offset is not None for o in (tp.a, tp.b) for e in o.entries):
             kept.append(TensorPair(tp.role, tp.key, tp.key_b, tp.a, tp.b,
                                    tp.notes + (f"statistics, the same in either layout ({how})",), tp.activation))
             continue
-        if la is None or lb is None or la[0] != lb[0] or not (tp.a.plain and tp.b.plain) or rule_a is None \
-                or rule_b is None:
+        rows = tp.a.shape[axis] if tp.a.shape else 0
+        la, lb = (paramplan.qkv_layout(rule, rows, [side.hparams(path), side.hparams(path.rpartition(".")[0])])
+                  for rule, side, path in ((rule_a, side_a, path_a), (rule_b, side_b, path_b)))
+        if la is None or lb is None or la[0] != lb[0] or not (tp.a.plain and tp.b.plain):
             pair.skipped.append(f"{tp.role}:{tp.key} (the parts fused in another layout, {how}: compared part "
                                 "by part where their attention's heads are known)")
             continue

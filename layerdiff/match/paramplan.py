@@ -5,7 +5,6 @@ PyTorch layout ([out, in]): parts are rows (axis 0).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,7 +23,7 @@ class ParamSource:
     op: str  # "same" | "part" | "merge" | "regroup" | "relayout" (the same parts fused in another layout, its
     # sizes not known: not converted)
     sources: tuple  # the other side's parameter name(s)
-    index: int = 0  # part: which part this parameter is
+    index: int = 0  # part: which part this parameter is; regroup: the key-value heads (the grouped side's groups)
     sizes: tuple = ()  # part: every part's size along axis 0
     rule: str | None = None
     fused_module: str = ""  # the fused module's path (either side), for its group count
@@ -68,9 +67,13 @@ def plan(mapping: ModuleMapping, own: dict, other: dict, own_side: str,
         if len(mine) == 1 and len(theirs) == 1:
             src = by_leaf.get((theirs[0], leaf))
             layouts = other_layout(rules.fused_rule(mine[0].rpartition(".")[2]), rules.fused_rule(
-                theirs[0].rpartition(".")[2])) if src and rules is not None else None
-            found = None if not src else ParamSource(name, "same", (src,)) if layouts is None else \
-                ParamSource(name, "relayout", (src,), rule=layouts, fused_module=mine[0])
+                theirs[0].rpartition(".")[2])) if rules is not None else None
+            if not src:
+                found = None
+            elif layouts is None:
+                found = ParamSource(name, "same", (src,))
+            else:
+                found = ParamSource(name, "relayout", (src,), rule=layouts, fused_module=mine[0])
         elif len(mine) > 1:  # this parameter is one part of the other side's fused one
             src = by_leaf.get((theirs[0], leaf))
             siblings = [own_by_leaf.get((m, leaf)) for m in mine]
@@ -138,38 +141,27 @@ def regrouped(source: ParamSource, rules: RuleSet, rows: int, hparams) -> ParamS
 def inferred_regroup(source: ParamSource, rules: RuleSet, here: np.ndarray, there: np.ndarray) -> ParamSource:
     """A ``relayout`` source made a ``regroup`` one where nothing names the heads (two checkpoints): the key-value
     heads G and head size d under which the other side's values, laid out anew, show this side's (``here`` and
-    ``there``: the two arrays, rows first). Each candidate is tried on one column (a bias: itself); the one with
-    the most parts exactly equal wins, then the smallest difference, as ``fusion.infer_groups`` decides a group
-    count. Left as it was where no candidate makes a part equal or nearly so."""
+    ``there``: the two arrays, rows first), decided on one column (a bias: itself) as ``fusion.best_layout``
+    decides. Left as it was where no candidate makes a part equal or nearly so."""
     rule = rules.fused_rule(source.fused_module.rpartition(".")[2])
     rows = here.shape[0] if here.ndim else 0
     if rule is None or tuple(rule.parts) != ("q", "k", "v") or there.shape != here.shape or rows < 3:
         return source
     column_here = (here if here.ndim == 1 else here[:, 0]).astype(np.float64)
     column_there = (there if there.ndim == 1 else there[:, 0]).astype(np.float64)
-    norm = float(np.linalg.norm(column_here)) or 1.0
-    best, best_key = None, None
-    for head in (d for d in range(4, rows // 3 + 1) if rows % d == 0):  # a head of fewer than 4: none known
-        for kv in range(1, rows // (3 * head) + 1):
-            query = rows - 2 * kv * head
-            if query % (kv * head):
-                continue
-            candidate = ParamSource(source.name, "regroup", source.sources, index=kv, sizes=(query, kv * head, kv * head),
-                                    rule=source.rule, fused_module=source.fused_module, grouped_here=bool(rule.groups))
-            laid = build(candidate, lambda _: column_there, kv)
-            groups_here = kv if rule.groups else 1
-            parts = zip(fusion.split(laid, 0, candidate.sizes, groups_here),
-                        fusion.split(column_here, 0, candidate.sizes, groups_here))
-            equal = distance = 0.0
-            for mine, theirs in parts:
-                equal += bool(np.array_equal(mine, theirs))
-                distance += float(np.sum(np.square(mine - theirs)))
-            key = (equal, -math.sqrt(distance) / norm)
-            if best_key is None or key > best_key:
-                best, best_key = candidate, key
-    if best is None or best_key is None or (best_key[0] == 0 and -best_key[1] > 1e-2):
-        return source
-    return best
+    candidates = [ParamSource(source.name, "regroup", source.sources, index=kv, sizes=(query, kv * head, kv * head),
+                              rule=source.rule, fused_module=source.fused_module, grouped_here=bool(rule.groups))
+                  for head in range(4, rows // 3 + 1) if rows % head == 0  # a head of fewer than 4: none known
+                  for kv in range(1, rows // (3 * head) + 1)
+                  if (query := rows - 2 * kv * head) % (kv * head) == 0]
+
+    def pieces(candidate: ParamSource):
+        groups_here = candidate.index if rule.groups else 1
+        return zip(fusion.split(build(candidate, lambda _: column_there, candidate.index), 0, candidate.sizes,
+                                groups_here), fusion.split(column_here, 0, candidate.sizes, groups_here))
+
+    found = fusion.best_layout(candidates, pieces, float(np.linalg.norm(column_here)))
+    return found if found is not None else source
 
 
 def build(source: ParamSource, load, groups: int) -> np.ndarray:
