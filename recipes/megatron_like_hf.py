@@ -7,18 +7,21 @@ that architecture, on one CPU rank (``megatron_llama``'s CPU arrangements). Its 
     transfer_weights(hf_model, model)
     logits = megatron_like_hf.logits(model, ids)                                     # [b, s, vocab]
 
-What is taken from the config: sizes, heads and query groups, head dim, RMSNorm epsilon, rotary base, tied
-embeddings, and experts (``num_local_experts`` or ``num_experts``, top-k, the experts' width, a shared expert with
+What is taken from the config: sizes, heads and query groups, head dim, the norms' epsilon, the activation,
+rotary base and the fraction of each head it turns, tied embeddings, and experts (``num_local_experts`` or ``num_experts``, top-k, the experts' width, a shared expert with
 its sigmoid gate, softmax over all experts first where ``norm_topk_prob`` is false). What the config does not say
 and Megatron-Bridge sets per architecture comes as keyword options (``add_qkv_bias=True`` for Qwen2,
-``qk_layernorm=True`` for Qwen3). SiLU-gated MLP, no linear biases, dropout 0, fp32, every fusion off (no
-Transformer Engine, no CUDA): ``megatron_llama.transformer_config``.
+``qk_layernorm=True`` for Qwen3; ``normalization="LayerNorm"``, ``gated_linear_unit=False``, ``add_bias_linear=True``
+for StarCoder 2). By default RMSNorm, a gated MLP, no linear biases; dropout 0, fp32, every fusion off (no Transformer
+Engine, no CUDA): ``megatron_llama.transformer_config``.
 """
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 try:
     from layerdiff.recipes import megatron_llama, megatron_moe
@@ -32,31 +35,53 @@ with warnings.catch_warnings():  # "Transformer Engine / Apex not installed": ex
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 
+# transformers' activation names -> the function Megatron is given for them
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+               "gelu_new": partial(F.gelu, approximate="tanh")}
+# where transformers' configs keep the norms' epsilon, by architecture
+_EPSILONS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
+
+
 def build(config, shape: tuple[int, int], **options) -> GPTModel:
     """A GPTModel of ``config``'s architecture for inputs of ``shape`` (batch, sequence); ``options``: more
-    TransformerConfig fields (``qk_layernorm`` also picks the layer spec's query-key norms)."""
+    TransformerConfig fields (``qk_layernorm`` also picks the layer spec's query-key norms, ``normalization`` its
+    norms), and ``position_embedding_type`` ("rope", or "learned_absolute" for GPT-2's)."""
     megatron_llama.init_cpu_megatron(1)
     rope = getattr(config, "rope_parameters", None) or {}
     base = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    rotary_percent = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    positions = options.pop("position_embedding_type", "rope")
     experts = experts_options(config)
+    eps = next(getattr(config, name) for name in _EPSILONS if getattr(config, name, None) is not None)
+    act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or "silu"
     sizes = {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
-             "kv_heads": config.num_key_value_heads, "intermediate": config.intermediate_size,
-             "eps": config.rms_norm_eps}
+             "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+             "intermediate": _mlp_width(config), "eps": eps}
     transformer = megatron_llama.transformer_config(
         sizes, kv_channels=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        **options, **experts)
+        activation_func=ACTIVATIONS[act], **options, **experts)
     spec = get_gpt_layer_local_spec(num_experts=experts.get("num_moe_experts"), moe_grouped_gemm=False,
-                                    normalization="RMSNorm", qk_layernorm=options.get("qk_layernorm", False))
+                                    normalization=transformer.normalization,
+                                    qk_layernorm=options.get("qk_layernorm", False))
     model = GPTModel(transformer, spec, vocab_size=config.vocab_size,
-                     max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
-                     rotary_base=base, share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings",
-                                                                                        False)))
-    model.rotary_pos_emb.__class__ = megatron_llama.CPURotaryEmbedding
-    model.rotary_pos_emb.rotary_base = base
+                     max_sequence_length=config.max_position_embeddings, position_embedding_type=positions,
+                     rotary_base=base, rotary_percent=rotary_percent,
+                     share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings", False)))
+    if positions == "rope":
+        model.rotary_pos_emb.__class__ = megatron_llama.CPURotaryEmbedding
+        model.rotary_pos_emb.rotary_base = base
     megatron_moe.routers_on_cpu(model)
     batch, seq = shape
     megatron_llama.reserve_attention_buffer(batch * config.num_attention_heads * seq * seq)
     return model
+
+
+def _mlp_width(config) -> int:
+    """The MLP's width: GPT-2's ``n_inner`` (None: 4 x hidden), else ``intermediate_size``."""
+    if hasattr(config, "n_inner"):
+        return config.n_inner or 4 * config.hidden_size
+    return config.intermediate_size
 
 
 def experts_options(config) -> dict:

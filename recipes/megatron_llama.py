@@ -232,15 +232,18 @@ def _inject(model, defect, cfg):
 
 def transformer_config(cfg: dict, **layout) -> TransformerConfig:
     """The shared Llama (``cfg``) as Megatron's TransformerConfig: RMSNorm, gated SiLU MLP, no biases, dropout 0,
-    every fusion off (no Transformer Engine, no CUDA); ``layout``: its parallel sizes and options."""
+    every fusion off (no Transformer Engine, no CUDA); ``layout``: its parallel sizes and options, which may also
+    set another architecture's norm, MLP, biases and query groups (``megatron_like_hf``)."""
+    options = dict(num_query_groups=cfg["kv_heads"], normalization="RMSNorm", add_bias_linear=False,
+                   gated_linear_unit=True, activation_func=F.silu)
+    options.update(layout)
     return TransformerConfig(
         num_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
-        num_query_groups=cfg["kv_heads"], ffn_hidden_size=cfg["intermediate"], normalization="RMSNorm",
-        layernorm_epsilon=cfg["eps"], add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        ffn_hidden_size=cfg["intermediate"], layernorm_epsilon=cfg["eps"],
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        cuda_graph_scope=[], **layout)  # [] = the default "full" without its deprecation warning (no CUDA graphs)
+        cuda_graph_scope=[], **options)  # [] = the default "full" without its deprecation warning (no CUDA graphs)
 
 
 RECOMPUTE = {"full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},

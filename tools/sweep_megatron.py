@@ -9,7 +9,9 @@ and do the two runs align, with no map written by hand? Prints a table; asserts 
 For each type, in a fresh interpreter: the transformers model is built from ``sweep_hf``'s tiny config (hidden 32,
 2 layers, 4 heads, 2 key-value heads, head dim 8; eager attention); a GPTModel with the local (no Transformer
 Engine) layer spec is configured from that config as Megatron-Bridge configures one (``MEGATRON``: query-key-value
-biases, query-key norms, experts) on one CPU rank (gloo), and its weights are set with
+biases, query-key norms, experts; LayerNorm, linear biases, MLPs that are not gated, partial rotary, learned
+positions) on one CPU rank (gloo); every bias and norm weight of the transformers model is moved off its initial
+zero or one (a bias lost or left unadded would not show otherwise), and the Megatron model's weights are set with
 ``layerdiff.checkpoints.transfer.transfer_weights`` from the transformers model (names, fused ``linear_qkv`` and
 ``linear_fc1``, layouts: matched by layerdiff, no map). One step each: forward on 2 x 12 tokens, cross entropy of
 each position against the next token, backward, traced in full mode. Checks:
@@ -20,7 +22,8 @@ each position against the next token, backward, traced in full mode. Checks:
   left out);
 - **clean** / **ops clean**: the two runs align, module by module, then with every operation recorded;
 - **defect** / **ops defect**: the Megatron run with its second layer's ``linear_proj`` weight scaled by 1 + 1e-3:
-  the forward origin must be transformers' ``model.layers.1.self_attn.o_proj``.
+  the forward origin must be transformers' ``model.layers.1.self_attn.o_proj`` (``TARGET_HF``: where it is named
+  otherwise).
 """
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ METHOD = ("For each architecture, one interpreter: transformers' model from swee
           "layers, 4 heads, 2 key-value heads, head dim 8, vocabulary 128; eager attention), and a Megatron-core "
           "GPTModel (local layer spec, no Transformer Engine, fp32, one CPU rank over gloo) configured from that "
           "config as Megatron-Bridge configures the architecture (query-key-value biases, query-key norms, "
-          "experts). The weights go from transformers to Megatron and back with transfer_weights (names, fused "
+          "experts; LayerNorm, linear biases, an MLP that is not gated, rotary over part of each head, learned "
+          "positions). Every bias and norm weight of the transformers model is moved off its initial zero or one "
+          "(0.1 x N(0, 1) added). The weights go from transformers to Megatron and back with transfer_weights (names, fused "
           "linear_qkv and linear_fc1, layouts matched by layerdiff, no map). One step each: forward on 2 x 12 "
           "tokens, cross entropy of each position against the next token, backward, traced in full mode. weights: "
           "every parameter set, and set back bit for bit equal. logits: the untraced logits agree (max abs diff "
@@ -54,9 +59,23 @@ METHOD = ("For each architecture, one interpreter: transformers' model from swee
 MEGATRON = {"llama": {}, "mistral": {}, "qwen2": {"add_qkv_bias": True}, "qwen3": {"qk_layernorm": True},
             "mixtral": {}, "qwen2_moe": {"add_qkv_bias": True}, "qwen3_moe": {"qk_layernorm": True},
             # q, k and v back to back in one qkv_proj, laid out anew per query group
-            "phi3": {}}
+            "phi3": {},
+            # LayerNorm, biases, a gelu MLP that is not gated (c_fc, c_proj)
+            "starcoder2": {"normalization": "LayerNorm", "add_bias_linear": True, "gated_linear_unit": False},
+            # LayerNorm, rotary over a quarter of each head
+            "stablelm": {"normalization": "LayerNorm"},
+            # one query_key_value per head, LayerNorm, biases, gelu; rotary over a quarter of each head
+            "gpt_neox": {"normalization": "LayerNorm", "add_bias_linear": True, "gated_linear_unit": False,
+                         "mha": True},
+            # Conv1D ([in, out]) weights, one c_attn [q; k; v], learned positions, LayerNorm, biases, gelu
+            "gpt2": {"normalization": "LayerNorm", "add_bias_linear": True, "gated_linear_unit": False,
+                     "position_embedding_type": "learned_absolute", "mha": True}}
+# what the transformers model is given beyond sweep_hf's tiny config: the layer as Megatron's, one residual after
+# the other (GPT-NeoX adds attention and MLP to one residual by default)
+HF_OVERRIDES = {"gpt_neox": {"use_parallel_residual": False}}
 CHECKS = ("weights", "logits", "clean", "defect", "ops clean", "ops defect")
 TARGET = ("decoder.layers.1.self_attention.linear_proj", "model.layers.1.self_attn.o_proj")  # Megatron's, HF's
+TARGET_HF = {"gpt_neox": "gpt_neox.layers.1.attention.dense", "gpt2": "transformer.h.1.attn.c_proj"}  # named otherwise
 TIMEOUT_S = 300
 
 
@@ -84,12 +103,21 @@ def checks(model_type: str, work: Path) -> dict:
     def mg_step(model) -> None:
         loss_of(megatron_like_hf.logits(model, ids)).backward()
 
-    built = sweep_hf.tiny_model(model_type, hf_step, attempts=sweep_hf.ATTEMPTS[:1], _attn_implementation="eager")
+    built = sweep_hf.tiny_model(model_type, hf_step, attempts=sweep_hf.ATTEMPTS[:1], _attn_implementation="eager",
+                                **HF_OVERRIDES.get(model_type, {}))
     if isinstance(built, str):
         return {"not_run": f"transformers: {built}"}
     config, hf, _, params = built
+    with torch.no_grad():  # biases and norms start as zeros and ones: a bias lost or left unadded would not show
+        noise = torch.Generator().manual_seed(2)
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=noise))
+    options = dict(MEGATRON[model_type])
+    if options.pop("mha", False):  # no query groups (the tiny config's key-value heads are not read)
+        options["num_query_groups"] = config.num_attention_heads
     try:
-        megatron = megatron_like_hf.build(config, ids.shape, **MEGATRON[model_type])
+        megatron = megatron_like_hf.build(config, ids.shape, **options)
         sent = transfer_weights(hf, megatron)
         mg_step(megatron)
     except Exception as exc:  # noqa: BLE001 - the weights did not cross, or Megatron does not run it: reported
@@ -119,7 +147,7 @@ def checks(model_type: str, work: Path) -> dict:
                 result[prefix + check] = "-"  # the two already differ: no planted defect to single out
                 continue
             try:
-                candidate = megatron_like_hf.build(config, ids.shape, **MEGATRON[model_type])
+                candidate = megatron_like_hf.build(config, ids.shape, **options)
                 transfer_weights(hf, candidate)
                 if check == "defect":
                     with torch.no_grad():
@@ -127,7 +155,8 @@ def checks(model_type: str, work: Path) -> dict:
                 path = work / f"mg{int(ops)}{check}.h5"
                 with layerdiff.trace(candidate, path, ops=ops):
                     mg_step(candidate)
-                result[prefix + check] = sweep_paddleformers._verdict(check, align(reference, path).data, TARGET[1],
+                result[prefix + check] = sweep_paddleformers._verdict(check, align(reference, path).data,
+                                                                      TARGET_HF.get(model_type, TARGET[1]),
                                                                       result["logits"])
             except Exception as exc:  # noqa: BLE001 - layerdiff failed on this architecture: the finding
                 result[prefix + check] = f"error: {sweep_hf._error(exc)}"

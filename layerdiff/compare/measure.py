@@ -146,8 +146,10 @@ def _compare_values(a: np.ndarray, b: np.ndarray) -> schema.Metrics:
 def _prepared(tp: TensorPair, path_a: str, layouts: LayoutRules, swap: TokenOrder | bool):
     """(A's operand, B's operand, a declared layout rule or None, how their shapes relate)."""
     a, b = _resolved(tp.a, tp.b.shape), _resolved(tp.b, tp.a.shape)
-    return a, b, layouts.find(path_a), relate_shapes(a.shape, b.shape, _grouped(swap, a, b) if tp.activation
-                                                     else False)
+    relation = relate_shapes(a.shape, b.shape, _grouped(swap, a, b) if tp.activation else False)
+    if relation.kind == "broadcast" and tp.role.startswith("grad"):
+        relation = replace(relation, summed=True)  # a tensor used broadcast gathers the gradients of every copy
+    return a, b, layouts.find(path_a), relation
 
 
 def _grouped(swap: TokenOrder | bool, a: Operand, b: Operand) -> TokenOrder | bool:
@@ -263,7 +265,7 @@ def _pair_metrics(tp: TensorPair, path_a: str, readers, measured: _Measured, lay
                 metrics[MICROBATCHES] = micro  # type: ignore[literal-required]
     else:
         sa, sb = a.stats(), b.stats()
-        if sa is None or sb is None:
+        if sa is None or sb is None or relation.summed:  # a sum's statistics do not follow from its terms'
             return None
         metrics = compare_stats(sa, sb)  # min/max/mean/RMS survive reshapes, permutations and broadcasting
     notes = list(tp.notes)

@@ -139,6 +139,9 @@ class ShapeRelation:
     perm: tuple = ()  # permute: A's i-th squeezed dim is B's squeezed dim perm[i]
     ambiguous: bool = False
     b_view: tuple = ()  # permute: B's shape to permute, when it is not B's own (tokens flattened: [s * b, h])
+    # broadcast, of gradients: the larger side summed over the dimensions the smaller is broadcast along (the
+    # gradient of a tensor used broadcast, GPT-2's positions' [1, s, h] added to [b, s, h], is the sum of the other's)
+    summed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -150,6 +153,9 @@ class ShapeRelation:
         if self.kind == "reshape" and math.prod(self.shape_a) == math.prod(self.shape_b) \
                 and _squeezed(self.shape_a) != _squeezed(self.shape_b):
             return f"shapes differ ({list(self.shape_a)} vs {list(self.shape_b)}); compared flattened"
+        if self.kind == "broadcast" and self.summed:
+            return (f"shapes differ ({list(self.shape_a)} vs {list(self.shape_b)}); gradients compared with the "
+                    "larger summed over the dimensions the smaller is broadcast along")
         if self.kind == "broadcast":
             return f"shapes differ ({list(self.shape_a)} vs {list(self.shape_b)}); compared after broadcasting"
         if self.ambiguous:
@@ -164,12 +170,18 @@ class ShapeRelation:
             return a.reshape(-1), b.reshape(self.b_view or _squeezed(self.shape_b)).transpose(self.perm).reshape(-1)
         sa, sb = _squeezed(self.shape_a), _squeezed(self.shape_b)
         at = _subsequence_at(sb, sa)
+        if at is not None and self.summed:  # B is the smaller: A summed over the other dimensions
+            rest = tuple(i for i in range(len(sa)) if i not in at)
+            return a.reshape(sa).sum(axis=rest, dtype=np.float64).reshape(-1), b.reshape(-1)
         if at is not None:  # B broadcasts into A
             shape = [1] * len(sa)
             for pos, d in zip(at, sb):
                 shape[pos] = d
             return a.reshape(sa), np.broadcast_to(b.reshape(shape), sa)
         at = _subsequence_at(sa, sb)
+        if at is not None and self.summed:
+            rest = tuple(i for i in range(len(sb)) if i not in at)
+            return a.reshape(-1), b.reshape(sb).sum(axis=rest, dtype=np.float64).reshape(-1)
         if at is not None:
             shape = [1] * len(sb)
             for pos, d in zip(at, sa):

@@ -123,12 +123,18 @@ def _unit(infos: list, rules: RuleSet, rule: FusedRule | None = None) -> _Unit:
                 fp = old[1].combine(p.fingerprint) if old[1] is not None and p.fingerprint is not None else None
                 params[p.leaf] = (old[0] + numel, fp)
     outs = [sum(i.out_numels) for i in infos if i.out_numels]
-    token = rule.name if rule is not None and len(infos) > 1 else rules.token(first.local)
+    parent = first.parent.rpartition(".")[2] if first.parent else None
+    token = rule.name if rule is not None and len(infos) > 1 else rules.token(first.local, parent)
     if rule is None and len(infos) == 1:
         rule = rules.fused_rule(first.local)
     family = rules.family(first.type) if first.type else ""
+    also = _FAMILY_TOKENS.get(family, ())
+    if rule is not None and len(infos) == 1:
+        # a module a rule fuses answers to its parts' names too: Megatron's linear_fc1 is [gate; up] in a gated
+        # MLP and the up projection alone (GPT-2's c_fc) in one that is not; the parameters' sizes tell which
+        also += tuple(rule.parts)
     return _Unit(tuple(i.path for i in infos), first, token, family, params,
-                 sum(outs) if len(outs) == len(infos) else None, rule, also=_FAMILY_TOKENS.get(family, ()))
+                 sum(outs) if len(outs) == len(infos) else None, rule, also=also)
 
 
 def _param_evidence(a: _Unit, b: _Unit) -> tuple[float, str | None]:

@@ -31,7 +31,7 @@ def dtype_kind(dtype: str) -> str:
 @dataclass(frozen=True)
 class Operand:
     entries: tuple[TensorEntry, ...]  # stored entries (dtype, shape, stats and, in full mode, offset/nbytes)
-    op: str = "value"  # value | part | merge | sum | cos | sin | masked | shift_left | topk_dense | topk_map
+    op: str = "value"  # value | part | merge | sum | add_bias | cos | sin | masked | shift_left | topk_dense | topk_map
     axis: int = 0
     sizes: tuple = ()
     groups: int = 1
@@ -97,6 +97,8 @@ class Operand:
             return fusion.merge(arrays, self.axis, self.groups)
         if self.op == "sum":
             return np.sum(np.stack([a.astype(np.float64) for a in arrays]), axis=0)
+        if self.op == "add_bias":  # an output and the bias its module left for the caller to add (last axis)
+            return arrays[0] + arrays[1]
         if self.op == "cos":
             return np.cos(arrays[0].astype(np.float64)).astype(np.float32)
         if self.op == "sin":
@@ -131,6 +133,8 @@ class Operand:
             return f"{len(self.entries)} parts merged" + (f" in {self.groups} groups" if self.groups > 1 else "")
         if self.op == "sum":
             return f"sum of {len(self.entries)} gradients"
+        if self.op == "add_bias":
+            return "output with the bias its module returned beside it added"
         if self.op in ("cos", "sin"):
             return f"{self.op} of rotary angles"
         if self.op == "masked":

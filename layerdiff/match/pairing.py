@@ -286,15 +286,38 @@ def pair_tensors(ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide, r
         if not ta and not tb:
             continue
         ta, tb = _router_choices(role, ta, tb, ra, rb, side_a, side_b, pairs)
+        ta, biases_a = _bias_beside(role, ta, side_a)
+        tb, biases_b = _bias_beside(role, tb, side_b)
         found, left_a, left_b = pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=transforms_step(
             role, ra, rb, side_a, side_b, pairs))
         for ea, eb, note in found:
-            tp = TensorPair(role, ea.key, eb.key, side_a.operand(ra, ea), side_b.operand(rb, eb),
-                            (note,) if note else (), activation)
+            tp = TensorPair(role, ea.key, eb.key, _with_bias(side_a.operand(ra, ea), biases_a),
+                            _with_bias(side_b.operand(rb, eb), biases_b), (note,) if note else (), activation)
             pairs.append(_shifted_labels(tp, ra, rb, side_a, side_b))
         only_a += [f"{role}:{t.key}" for t in left_a]
         only_b += [f"{role}:{t.key}" for t in left_b]
     return pairs, only_a, only_b
+
+
+def _bias_beside(role: str, entries: list, side: TraceSide) -> tuple[list, dict]:
+    """A module that returns ``(output, bias)`` for its caller to add (``RuleSet.bias_beside_output``: Megatron's
+    linears, attention and MLP with linear biases) computes their sum: its outputs without the bias, and {id of the
+    output's entry: the bias's entry} (forward; the gradient w.r.t. the sum is that w.r.t. the output, and the
+    bias's own is its sum over tokens: left out)."""
+    if not side.bias_beside or role not in ("output", "grad_output"):
+        return entries, {}
+    by_key = {t.key: t for t in entries}
+    out, bias = by_key.get("out.0"), by_key.get("out.1")
+    if out is None or bias is None or len(bias.shape) != 1 or not out.shape or bias.shape[0] != out.shape[-1] \
+            or dtype_kind(out.dtype) != "float" or dtype_kind(bias.dtype) != "float":
+        return entries, {}
+    return [t for t in entries if t is not bias], ({id(out): bias} if role == "output" else {})
+
+
+def _with_bias(operand: Operand, biases: dict) -> Operand:
+    """``operand`` with the bias its module returned beside it added (``_bias_beside``)."""
+    bias = biases.get(id(operand.entry)) if operand.plain else None
+    return operand if bias is None else Operand((operand.entry, bias), op="add_bias")
 
 
 def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, out: list):

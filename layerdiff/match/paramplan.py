@@ -109,6 +109,7 @@ def other_layout(rule_mine: FusedRule | None, rule_theirs: FusedRule | None) -> 
 # where a query-key-value projection's key-value head count and head size are found (either side's names)
 _KV_HEADS = ("num_query_groups_per_partition", "num_query_groups", "num_key_value_heads", "num_kv_heads")
 _HEAD_DIM = ("hidden_size_per_attention_head", "head_dim", "kv_channels")
+_HEADS = ("num_heads", "num_attention_heads")
 
 
 def qkv_layout(rule: FusedRule | None, rows: int, hparams) -> tuple[tuple, int] | None:
@@ -117,10 +118,10 @@ def qkv_layout(rule: FusedRule | None, rows: int, hparams) -> tuple[tuple, int] 
     module's, its parent's) name them. Laid out by ``rule``, it holds them in G groups where the rule holds its parts
     in groups, else back to back. None where they are not found or the rule's parts are not these three."""
     found = {}
-    for names in (_KV_HEADS, _HEAD_DIM):
+    for names in (_KV_HEADS, _HEAD_DIM, _HEADS):
         found[names] = next((h[n] for h in hparams if h for n in names
                              if isinstance(h.get(n), int) and not isinstance(h.get(n), bool) and h[n] > 0), None)
-    kv, head = found[_KV_HEADS], found[_HEAD_DIM]
+    kv, head = found[_KV_HEADS] or found[_HEADS], found[_HEAD_DIM]  # no key-value heads named: one per head (GPT-2)
     if rule is None or tuple(rule.parts) != ("q", "k", "v") or kv is None or head is None or rows <= 2 * kv * head:
         return None
     return (rows - 2 * kv * head, kv * head, kv * head), kv

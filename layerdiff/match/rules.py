@@ -3,7 +3,8 @@ and checkpoint diff.
 
 A rule set is plain data with six parts:
 
-- ``names``: synonyms for module names (``wq`` ~ ``q_proj`` ~ ``query``), as canonical tokens;
+- ``names``: synonyms for module names (``wq`` ~ ``q_proj`` ~ ``query``; ``parent.name`` where the name alone is
+  ambiguous), as canonical tokens;
 - ``families``: extra class-name patterns for type families (``ColumnParallelLinear`` is a ``linear``);
 - ``fused``: one module on one side that is several on the other (Megatron ``linear_qkv`` = q, k, v per query
   group), with where its group count comes from;
@@ -13,7 +14,8 @@ A rule set is plain data with six parts:
   [in, out]), by framework, type family and parameter name: never guessed from shapes;
 - value representations: rotary tables as angles vs their cos and sin (``rotary``), boolean vs additive masks
   (``masks``), sequence-first activations ([s, b, h], ``sequence_first``) and labels shifted by the data pipeline
-  (``shifted_labels``), each by model class.
+  (``shifted_labels``), and modules that return their bias beside their output for the caller to add
+  (``bias_beside_output``: Megatron's ``(output, bias)``), each by model class.
 
 The built-in rules are in ``match/rulesets`` (one file per ecosystem); users add their own in a TOML file with the
 same schema (``--rules FILE``, documented in docs/concepts/rule-files.md). Nothing here imports a framework.
@@ -100,6 +102,7 @@ class RuleSet:
     pass_through_ops: frozenset = frozenset()  # kinds one side may add or leave out: casts, views, copies
     fused_ops: tuple = ()  # FusedOpRule
     op_arguments: dict = field(default_factory=dict)  # argument name synonym -> canonical name (``axis``: dim)
+    bias_beside_output: tuple = ()  # model classes whose modules may return (output, bias) for the caller to add
 
     def op_kind(self, kind: str) -> str:
         """The canonical kind of an operation: ``true_divide`` and ``div`` are both ``div``."""
@@ -119,7 +122,8 @@ class RuleSet:
         if not self.transposed:
             return False
         leaf = canonical_param_name(param_name).rpartition(".")[2]
-        return (framework, self.family(type_name), leaf) in self.transposed
+        return (framework, self.family(type_name), leaf) in self.transposed or \
+            (framework, f"type:{type_name}", leaf) in self.transposed
 
     def param_home(self, name: str) -> str:
         """A parameter's name where it belongs: ``x.self_attention.linear_qkv.layer_norm_weight`` is
@@ -141,15 +145,23 @@ class RuleSet:
             homes[name if home in stored or home in homes else home] = name
         return homes
 
-    def token(self, local_name: str) -> str:
-        """The canonical token of a module's own name: ``wq`` and ``q_proj`` are both ``q``."""
+    def token(self, local_name: str, parent: str | None = None) -> str:
+        """The canonical token of a module's own name: ``wq`` and ``q_proj`` are both ``q``. A synonym may name
+        the module's parent too (``mlp.c_proj`` is ``down``, ``attn.c_proj`` is ``o``: GPT-2 calls both
+        ``c_proj``); ``parent`` is the parent's own name."""
         name = local_name.lower()
+        if parent:
+            found = self.names.get(f"{parent.lower()}.{name}")
+            if found is not None:
+                return found
         return self.names.get(name, name)
 
     def family(self, type_name: str | None) -> str:
+        """A class's type family: patterns match its lower-cased name, and one written with capitals its name as
+        written (transformers' ``Conv1D``, a linear, is not torch's ``Conv1d``)."""
         name = (type_name or "").lower()
         for pattern, family in self.families:
-            if pattern.search(name):
+            if pattern.search(name) or (type_name and pattern.search(type_name)):
                 return family
         return builtin_family(type_name)
 
@@ -158,6 +170,11 @@ class RuleSet:
 
     def is_sequence_first(self, model_class: str | None) -> bool:
         return bool(model_class) and any(p.search(model_class) for p in self.sequence_first)
+
+    def returns_bias_beside(self, model_class: str | None) -> bool:
+        """Whether the modules of ``model_class`` may return ``(output, bias)``, the bias not yet added (Megatron's
+        linears with ``skip_bias_add``, its attention and MLP): what they compute is the sum."""
+        return bool(model_class) and any(p.search(model_class) for p in self.bias_beside_output)
 
     def labels_shifted(self, model_class: str | None) -> bool:
         return bool(model_class) and any(p.search(model_class) for p in self.shifted_labels)
@@ -180,7 +197,8 @@ class RuleSet:
                        other.transposed + self.transposed, op_kinds={**self.op_kinds, **other.op_kinds},
                        pass_through_ops=self.pass_through_ops | other.pass_through_ops,
                        fused_ops=other.fused_ops + self.fused_ops,
-                       op_arguments={**self.op_arguments, **other.op_arguments})
+                       op_arguments={**self.op_arguments, **other.op_arguments},
+                       bias_beside_output=other.bias_beside_output + self.bias_beside_output)
 
     def describe(self) -> list:
         return list(self.sources)
@@ -204,12 +222,12 @@ def _strings(value, where: str) -> tuple:
 
 
 _SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", "shifted_labels", "moved_params",
-             "transposed", "ops", "description"}
+             "transposed", "ops", "description", "bias_beside_output"}
 
 
 _ENTRY_KEYS = {"fused": {"name", "module", "parts", "groups", "tp_shards"},
                "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"},
-               "transposed": {"framework", "family", "params"}, "ops": {"same", "pass_through", "fused", "arguments"},
+               "transposed": {"framework", "family", "type", "params"}, "ops": {"same", "pass_through", "fused", "arguments"},
                "ops.fused": {"op", "ends", "longest"}}
 
 
@@ -279,6 +297,8 @@ def from_dict(data: dict, source: str, *, listed: bool = True) -> RuleSet:
                            for p in _strings(data.get("sequence_first") or [], f"{source}: sequence_first"))
     shifted = tuple(_compile(p, f"{source}: shifted_labels")
                     for p in _strings(data.get("shifted_labels") or [], f"{source}: shifted_labels"))
+    bias_beside = tuple(_compile(p, f"{source}: bias_beside_output")
+                        for p in _strings(data.get("bias_beside_output") or [], f"{source}: bias_beside_output"))
     moved = data.get("moved_params") or {}
     if not isinstance(moved, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
                                               for k, v in moved.items()):
@@ -289,15 +309,18 @@ def from_dict(data: dict, source: str, *, listed: bool = True) -> RuleSet:
     for i, entry in enumerate(data.get("transposed") or []):
         where = f"{source}: [[transposed]] entry {i + 1}"
         _check_keys(entry, "transposed", where)
-        if not isinstance(entry, dict) or not {"framework", "family", "params"} <= set(entry) or \
-                not all(isinstance(entry[k], str) for k in ("framework", "family")):
-            raise LayerdiffError(f"{where}: needs 'framework', 'family' (a type family such as \"linear\") and "
-                                 "'params' (parameter names stored [in, out])")
-        transposed += [(entry["framework"], entry["family"], leaf) for leaf in _strings(entry["params"], where)]
+        kind = "family" if isinstance(entry, dict) and "family" in entry else "type"
+        if not isinstance(entry, dict) or not {"framework", kind, "params"} <= set(entry) or \
+                not all(isinstance(entry[k], str) for k in ("framework", kind)):
+            raise LayerdiffError(f"{where}: needs 'framework', 'family' (a type family such as \"linear\") or "
+                                 "'type' (a class name, case and all) and 'params' (parameter names stored [in, out])")
+        owner = entry["family"] if kind == "family" else f"type:{entry['type']}"
+        transposed += [(entry["framework"], owner, leaf) for leaf in _strings(entry["params"], where)]
     op_kinds, pass_through, fused_ops, op_arguments = _ops_section(data.get("ops"), source)
     return RuleSet(names, families, tuple(fused), tuple(angles), tuple(masks), sequence_first, shifted,
                    (source,) if listed else (), moved_params, tuple(transposed), op_kinds=op_kinds,
-                   pass_through_ops=pass_through, fused_ops=fused_ops, op_arguments=op_arguments)
+                   pass_through_ops=pass_through, fused_ops=fused_ops, op_arguments=op_arguments,
+                   bias_beside_output=bias_beside)
 
 
 def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple, dict]:

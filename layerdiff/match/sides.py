@@ -30,6 +30,7 @@ class TraceSide:
         self.sequence_first = self.rules.is_sequence_first(self.model_class)
         self.bool_masked = self.rules.bool_mask_means_masked(self.model_class)
         self.labels_shifted = self.rules.labels_shifted(self.model_class)
+        self.bias_beside = self.rules.returns_bias_beside(self.model_class)
         self.calls: dict[tuple, CallRecord] = {}
         self.params: dict[tuple, ParamRecord] = {}
         # parameters kept in another module than the one they belong to (``moved_params``), by where they belong

@@ -99,6 +99,38 @@ save_file({k: v.contiguous() for k, v in mg.state_dict().items() if torch.is_ten
 diffed = compare_files(f"{sys.argv[1]}/phi3_hf.safetensors", f"{sys.argv[1]}/phi3_mg.safetensors")
 out["phi3"]["diff"] = {name: entry.get("status") for name, entry in diffed.items() if name != "__summary__"}
 out["phi3"]["diff_b_names"] = {name: entry.get("b_name") for name, entry in diffed.items() if name != "__summary__"}
+# StarCoder 2 and GPT-NeoX: LayerNorm, linear biases (made nonzero: a bias lost or left unadded shows), an MLP that is
+# not gated (c_fc, dense_h_to_4h), GPT-NeoX's query_key_value per head and its rotary over a quarter of each head;
+# Megatron's linears, attention and MLP return their bias beside their output for the caller to add
+LAYER_NORM = {"normalization": "LayerNorm", "add_bias_linear": True, "gated_linear_unit": False}
+for model_type, hf_options, megatron_options in (
+        ("starcoder2", {}, LAYER_NORM),
+        ("gpt_neox", {"use_parallel_residual": False}, {**LAYER_NORM, "num_query_groups": 4})):
+    config = AutoConfig.for_model(model_type, **SIZES, **hf_options)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        noise = torch.Generator().manual_seed(2)
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=noise))
+    mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
+    moved = transfer_weights(hf, mg)
+    with torch.no_grad():
+        diff = (hf(input_ids=ids).logits - megatron_like_hf.logits(mg, ids)).abs().max().item()
+    out[model_type] = {"moved": moved, "logits_max_abs": diff, "names": sorted(n for n, _ in mg.named_parameters())}
+    if model_type == "starcoder2":
+        with layerdiff.trace(hf, f"{sys.argv[1]}/sc2_hf.h5"):
+            step(hf(input_ids=ids).logits)
+        for name in ("clean", "fc1_bias"):
+            mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
+            transfer_weights(hf, mg)
+            if name == "fc1_bias":
+                with torch.no_grad():
+                    mg.decoder.layers[1].mlp.linear_fc1.bias.add_(0.01)
+            with layerdiff.trace(mg, f"{sys.argv[1]}/sc2_{name}.h5"):
+                step(megatron_like_hf.logits(mg, ids))
 json.dump(out, open(f"{sys.argv[1]}/like_hf.json", "w"))
 """
 
@@ -241,3 +273,27 @@ def test_parts_fused_in_another_layout_are_laid_out_anew(moe):
     assert {name for name, status in diff.items() if status != "identical"} == {
         "model.layers.1.self_attn.qkv_proj.weight"}, diff
     assert "another layout" in result["diff_b_names"]["model.layers.0.self_attn.qkv_proj.weight"]
+
+
+def test_outputs_returned_beside_their_bias_are_compared_with_it_added(moe):
+    """Megatron's linears (``skip_bias_add``), attention and MLP return ``(output, bias)`` where the model has linear
+    biases: the caller adds the bias (with dropout and the residual). transformers' modules return the sum. Before,
+    a StarCoder 2 port with every weight and bias equal was reported divergent at its first attention (the bias
+    compared with transformers' attention weights), and each linear's output was compared without its bias (biases
+    start at zero, so the sweep saw nothing); the MLP's ``c_fc``/``c_proj`` and GPT-NeoX's ``dense_h_to_4h``,
+    ``dense_4h_to_h`` and ``final_layer_norm`` found no counterpart at all. Now the weights cross with no map, the
+    two align with each output compared as output + bias, and a defect in the MLP's first bias is named there.
+    Found by ``tools/sweep_megatron.py``."""
+    results = json.loads((moe / "like_hf.json").read_text())
+    for model_type in ("starcoder2", "gpt_neox"):
+        result = results[model_type]
+        assert result["moved"] == len(result["names"]), model_type
+        assert result["logits_max_abs"] < 1e-5, model_type
+    report = align_files(moe / "sc2_hf.h5", moe / "sc2_clean.h5")
+    assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
+                                            report["backward"]["first_divergence"])
+    fc1 = [t for r in report["records"] if r["path"] == "model.layers.1.mlp.c_fc" and r["phase"] == "forward"
+           for t in r["tensors"] if t["role"] == "output"]
+    assert len(fc1) == 1 and fc1[0]["passed"] and "bias its module returned" in fc1[0]["metrics"]["note"], fc1
+    origin = align_files(moe / "sc2_hf.h5", moe / "sc2_fc1_bias.h5")["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.1.mlp.c_fc", origin

@@ -17,6 +17,7 @@ RULES = {
         "k_norm": ["k_layernorm"],
         "final_norm": ["final_layernorm"],
         "embed": ["word_embeddings"],
+        "pos_embed": ["position_embeddings"],
         "lm_head": ["output_layer"],
         "attn": ["self_attention"],
         "rotary": ["rotary_pos_emb"],
@@ -37,6 +38,9 @@ RULES = {
     ],
     "masks": [{"keys": ["attention_mask"], "model_class": "^megatron\\.", "bool_masked": True}],
     "sequence_first": ["^megatron\\."],
+    # with linear biases (``add_bias_linear``) its linears, attention and MLP return (output, bias): the bias is
+    # added by the caller (with dropout and the residual), and what the module computes is output + bias
+    "bias_beside_output": ["^megatron\\."],
     # Transformer Engine fuses each norm into the linear after it; Megatron's own checkpoints name the local
     # spec's norms this way too (its sharded_state_dict_keys_map)
     "moved_params": {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
