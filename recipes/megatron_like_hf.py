@@ -8,12 +8,13 @@ that architecture, on one CPU rank (``megatron_llama``'s CPU arrangements). Its 
     logits = megatron_like_hf.logits(model, ids)                                     # [b, s, vocab]
 
 What is taken from the config: sizes, heads and query groups, head dim, the norms' epsilon, the activation,
-rotary base and the fraction of each head it turns, tied embeddings, and experts (``num_local_experts`` or ``num_experts``, top-k, the experts' width, a shared expert with
-its sigmoid gate, softmax over all experts first where ``norm_topk_prob`` is false). What the config does not say
-and Megatron-Bridge sets per architecture comes as keyword options (``add_qkv_bias=True`` for Qwen2,
-``qk_layernorm=True`` for Qwen3; ``normalization="LayerNorm"``, ``gated_linear_unit=False``, ``add_bias_linear=True``
-for StarCoder 2). By default RMSNorm, a gated MLP, no linear biases; dropout 0, fp32, every fusion off (no Transformer
-Engine, no CUDA): ``megatron_llama.transformer_config``.
+rotary base and the fraction of each head it turns, tied embeddings, the MLP's width (GPT-2's ``n_inner``), and
+experts (``num_local_experts`` or ``num_experts``, top-k, the experts' width, a shared expert with its sigmoid gate,
+softmax over all experts first where ``norm_topk_prob`` is false). What the config does not say and Megatron-Bridge
+sets per architecture comes as keyword options (``add_qkv_bias=True`` for Qwen2, ``qk_layernorm=True`` for Qwen3;
+``normalization="LayerNorm"``, ``gated_linear_unit=False``, ``add_bias_linear=True`` for StarCoder 2). By default
+RMSNorm, a gated MLP, no linear biases; dropout 0, fp32, every fusion off (no Transformer Engine, no CUDA):
+``megatron_llama.transformer_config``.
 """
 from __future__ import annotations
 

@@ -69,13 +69,17 @@ MEGATRON = {"llama": {}, "mistral": {}, "qwen2": {"add_qkv_bias": True}, "qwen3"
                          "mha": True},
             # Conv1D ([in, out]) weights, one c_attn [q; k; v], learned positions, LayerNorm, biases, gelu
             "gpt2": {"normalization": "LayerNorm", "add_bias_linear": True, "gated_linear_unit": False,
-                     "position_embedding_type": "learned_absolute", "mha": True}}
+                     "position_embedding_type": "learned_absolute", "mha": True},
+            # StarCoder 1 (GPT-BigCode): as GPT-2 with plain linears and one key-value head in c_attn
+            "gpt_bigcode": {"normalization": "LayerNorm", "add_bias_linear": True, "gated_linear_unit": False,
+                            "position_embedding_type": "learned_absolute", "num_query_groups": 1}}
 # what the transformers model is given beyond sweep_hf's tiny config: the layer as Megatron's, one residual after
 # the other (GPT-NeoX adds attention and MLP to one residual by default)
 HF_OVERRIDES = {"gpt_neox": {"use_parallel_residual": False}}
 CHECKS = ("weights", "logits", "clean", "defect", "ops clean", "ops defect")
 TARGET = ("decoder.layers.1.self_attention.linear_proj", "model.layers.1.self_attn.o_proj")  # Megatron's, HF's
-TARGET_HF = {"gpt_neox": "gpt_neox.layers.1.attention.dense", "gpt2": "transformer.h.1.attn.c_proj"}  # named otherwise
+TARGET_HF = {"gpt_neox": "gpt_neox.layers.1.attention.dense", "gpt2": "transformer.h.1.attn.c_proj",
+             "gpt_bigcode": "transformer.h.1.attn.c_proj"}  # named otherwise
 TIMEOUT_S = 300
 
 

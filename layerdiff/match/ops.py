@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 from layerdiff.match.layouts import layouts_relate
 from layerdiff.match.mapping import ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
+from layerdiff.match.paramplan import other_layout
 from layerdiff.match.pairing import TensorPair
 from layerdiff.match.rules import FusedOpRule, RuleSet
 from layerdiff.tracefile.records import OpRecord, Producer, TensorEntry
@@ -393,6 +394,20 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
         match = mapping.for_a(path)
         return match.b[0] if match is not None and len(match.b) == 1 else None
 
+    def relaid(pa: Producer | None, pb: Producer | None) -> str | None:
+        """How a child call's output that either run hands to an operation is fused in another layout in the other
+        run (``paramplan.other_layout``: GPT-2's ``c_attn``, [q; k; v], against Megatron's ``linear_qkv``, per
+        head): the two tensors hold the same values in other places, and are not compared as they are."""
+        for producer, matched in ((pa, mapping.for_a), (pb, mapping.for_b)):
+            match = matched(producer.path) if producer is not None and producer.kind == "call" and producer.path \
+                else None
+            if match is not None and len(match.a) == 1 and len(match.b) == 1:
+                why = other_layout(rules.fused_rule(match.a[0].rpartition(".")[2]),
+                                   rules.fused_rule(match.b[0].rpartition(".")[2]))
+                if why is not None:
+                    return why
+        return None
+
     for pair in call_pairs:
         ra, rb = pair.a, pair.b[0]
         if ra.kind != "call" or ra.phase != "forward" or ra.ops is None or len(pair.b) != 1 or rb.ops is None:
@@ -416,12 +431,17 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
                                 f"{mt.b.name}",)}[mt.how]
             fused = mt.how.startswith("fused")
             in_pairs = [] if fused else pair_inputs(mt.a, mt.b, producers)
-            tensors = [TensorPair("input", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in in_pairs]
+            other = {ea.key: (eb.key, why) for ea, eb in in_pairs
+                     if (why := relaid((mt.a.producers or {}).get(ea.key), (mt.b.producers or {}).get(eb.key)))}
+            tensors = [TensorPair("input", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in in_pairs
+                       if ea.key not in other]
             out_pairs = pair_outputs(mt.a, mt.b)
             tensors += [TensorPair("output", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in out_pairs]
             compared, undefined = _defined(tensors)
-            result.pairs.append(OpPair(mt.a, (mt.b,), compared, *_unpaired(mt.a, mt.b, tensors, ("input", "output")),
-                                       skipped=undefined, how=mt.how))
+            relaid_in = [f"input:{key} (fused in another layout: {why})" for key, (_, why) in other.items()]
+            result.pairs.append(OpPair(mt.a, (mt.b,), compared,
+                                       *_unpaired(mt.a, mt.b, tensors, ("input", "output"), other),
+                                       skipped=undefined + relaid_in, how=mt.how))
             back_a = backward_a.get((ra.path, ra.call, mt.a.index))
             back_b = backward_b.get((rb.path, rb.call, mt.b.index))
             if back_a is None or back_b is None:
@@ -429,7 +449,7 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             # an input's gradient sums what every output hands back: where one side's operation has outputs the
             # other's lacks (B's chunk into both halves against A's slice of one), the two are not the same sum
             whole = _all_paired(mt.a, mt.b, out_pairs)
-            keys = {ea.key: eb.key for ea, eb in in_pairs} if whole else {}
+            keys = {ea.key: eb.key for ea, eb in in_pairs if ea.key not in other} if whole else {}
             grads_b = {t.key: t for t in back_b.tensors if t.role == "grad_input"}
             tensors = [TensorPair("grad_output", ea.key, eb.key, operand(ea), operand(eb), note)
                        for ea, eb in pair_outputs(back_a, back_b, "grad_output")]
@@ -495,8 +515,11 @@ def _defined(tensors: list[TensorPair]) -> tuple[list[TensorPair], list[str]]:
     return compared, undefined
 
 
-def _unpaired(a: OpRecord, b: OpRecord, tensors: list, roles: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    keys_a = {(tp.role, tp.key) for tp in tensors}
-    keys_b = {(tp.role, tp.key_b) for tp in tensors}
+def _unpaired(a: OpRecord, b: OpRecord, tensors: list, roles: tuple[str, ...],
+              left_out: Mapping[str, tuple] | None = None) -> tuple[list[str], list[str]]:
+    """A's and B's tensors with no counterpart; ``left_out``: inputs paired but not compared (A's key: (B's key,
+    why)), which have one."""
+    keys_a = {(tp.role, tp.key) for tp in tensors} | {("input", key) for key in left_out or {}}
+    keys_b = {(tp.role, tp.key_b) for tp in tensors} | {("input", kb) for kb, _ in (left_out or {}).values()}
     return ([f"{t.role}:{t.key}" for t in a.tensors if t.role in roles and (t.role, t.key) not in keys_a],
             [f"{t.role}:{t.key}" for t in b.tensors if t.role in roles and (t.role, t.key) not in keys_b])

@@ -107,7 +107,8 @@ def other_layout(rule_mine: FusedRule | None, rule_theirs: FusedRule | None) -> 
 
 
 # where a query-key-value projection's key-value head count and head size are found (either side's names)
-_KV_HEADS = ("num_query_groups_per_partition", "num_query_groups", "num_key_value_heads", "num_kv_heads")
+_KV_HEADS = ("num_query_groups_per_partition", "num_query_groups", "num_key_value_heads", "num_kv_heads",
+             "kv_heads")  # GPT-BigCode's attention
 _HEAD_DIM = ("hidden_size_per_attention_head", "head_dim", "kv_channels")
 _HEADS = ("num_heads", "num_attention_heads")
 
