@@ -65,13 +65,23 @@ def _l2(a_raw, b_raw, dtype_a, dtype_b) -> float:
     return math.sqrt(total)
 
 
+def _stored_transposed(xa: np.ndarray, xb: np.ndarray, dtype_a: str, dtype_b: str) -> bool:
+    """A square weight that one checkpoint stores [in, out] (GPT-2's ``Conv1D``) has no shape to tell it: its values
+    do, where its transpose is ten times closer to the other's than it is (a defect in it stays a difference)."""
+    if xa.ndim != 2 or xb.shape != xa.shape or xa.shape[0] != xa.shape[1] or xa.shape[0] < 2 or \
+            np.array_equal(xa, xb):
+        return False
+    return _l2(xa, np.ascontiguousarray(xb.T), dtype_a, dtype_b) * 10 < _l2(xa, xb, dtype_a, dtype_b)
+
+
 def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, exact: bool = False,
          transpose=None, rules: RuleSet | None = None) -> dict:
     """Compare every parameter of ``b`` (renamed into ``a``'s names) with ``a``.
 
     Names match after ``canonical_param_name`` (gamma/beta/embedding_table aliases) and ``mapping`` (B -> A).
     ``transpose``: regexes (on A's names) whose B tensor is compared transposed; without one, a 2-D B tensor
-    whose shape is A's transposed (and not square) is compared transposed and marked ``"transposed": true``.
+    whose shape is A's transposed is compared transposed and marked ``"transposed": true``, and so is a square one
+    whose transpose is ten times closer to A's than it is (``_stored_transposed``).
     A parameter is "identical" when max_diff == 0 and no NaN/Inf differs, "different" otherwise; without
     ``exact``, a different parameter also gets ``within_tolerance`` (layerdiff's default per-dtype
     tolerances, e.g. fp32 atol 1e-8 + rtol 2e-5, cos 0.99999), for information only. ``exact`` drops that
@@ -108,14 +118,15 @@ def diff(a: Checkpoint, b: Checkpoint, *, mapping: RenameRules | None = None, ex
         else:  # one part of B's fused parameter, or B's parts merged
             nb = source.describe()
             dtb = b.info(source.sources[0])[0]
-            xb = paramplan.build(source, lambda n: b.load(n)[0], groups[na])
+            xb = paramplan.build(source, lambda n: paramplan.rows_first(b.load(n)[0], xa), groups[na])
             shb = list(xb.shape)
         if nb != shown:
             entry["b_name"] = nb
         if dtb != dta:
             entry["dtype_b"] = dtb
         forced = any(p.search(na) for p in patterns)
-        if forced or (list(shb) != list(sha) and len(sha) == 2 and list(shb) == list(sha)[::-1]):
+        if forced or (list(shb) != list(sha) and len(sha) == 2 and list(shb) == list(sha)[::-1]) or \
+                _stored_transposed(xa, xb, dta, dtb):
             if len(shb) != 2:
                 raise LayerdiffError(f"{shown}: transpose rule matches a {len(shb)}-D tensor")
             xb = xb.T

@@ -146,6 +146,7 @@ def inferred_regroup(source: ParamSource, rules: RuleSet, here: np.ndarray, ther
     ``there``: the two arrays, rows first), decided on one column (a bias: itself) as ``fusion.best_layout``
     decides. Left as it was where no candidate makes a part equal or nearly so."""
     rule = rules.fused_rule(source.fused_module.rpartition(".")[2])
+    here, there = rows_first(here, there), rows_first(there, here)
     rows = here.shape[0] if here.ndim else 0
     if rule is None or tuple(rule.parts) != ("q", "k", "v") or there.shape != here.shape or rows < 3:
         return source
@@ -164,6 +165,15 @@ def inferred_regroup(source: ParamSource, rules: RuleSet, here: np.ndarray, ther
 
     found = fusion.best_layout(candidates, pieces, float(np.linalg.norm(column_here)))
     return found if found is not None else source
+
+
+def rows_first(array: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """``array`` with its fused rows first where a checkpoint stores it [in, out] (GPT-2's ``Conv1D``): a 2-D
+    array whose shape is ``other``'s reversed, wider than it is tall (a query-key-value projection has at least as
+    many outputs as inputs)."""
+    if array.ndim == 2 and other.ndim == 2 and array.shape == other.shape[::-1] and array.shape[0] < array.shape[1]:
+        return array.T
+    return array
 
 
 def build(source: ParamSource, load, groups: int) -> np.ndarray:

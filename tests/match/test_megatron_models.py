@@ -143,6 +143,14 @@ for model_type, hf_options, megatron_options in (
                     mg.decoder.layers[1].self_attention.linear_proj.weight.mul_(1 + 1e-3)
             with layerdiff.trace(mg, f"{sys.argv[1]}/gpt2_{name}.h5", ops=True):
                 step(megatron_like_hf.logits(mg, ids))
+        # as checkpoints (no types: Conv1D's [in, out] is told by shapes, and by values where square)
+        save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+                  f"{sys.argv[1]}/gpt2_hf.safetensors")
+        save_file({k: v.contiguous() for k, v in mg.state_dict().items()
+                   if torch.is_tensor(v) and "_extra_state" not in k and k != "output_layer.weight"},
+                  f"{sys.argv[1]}/gpt2_mg.safetensors")
+        diffed = compare_files(f"{sys.argv[1]}/gpt2_hf.safetensors", f"{sys.argv[1]}/gpt2_mg.safetensors")
+        out["gpt2"]["diff"] = {n: e.get("status") for n, e in diffed.items() if n != "__summary__"}
 json.dump(out, open(f"{sys.argv[1]}/like_hf.json", "w"))
 """
 
@@ -317,7 +325,9 @@ def test_gpt2_crosses_into_megatron_and_its_split_qkv_is_not_an_origin(moe):
     and its positions' [1, s, h], added to every sequence, gather the gradient of the whole batch (Megatron's are
     [b, s, h]: compared summed). With every operation recorded, the operation that splits the fused output takes it
     in another layout on each side: that input is left out with why, and a defect in the attention's output
-    projection is named there, not at the split (before, at the split). Found by ``tools/sweep_megatron.py``."""
+    projection is named there, not at the split (before, at the split). ``weights diff`` of the two checkpoints
+    (before: refused, the fused layout's heads not found in [in, out]; the square ``c_proj`` reported different)
+    names only that weight. Found by ``tools/sweep_megatron.py``."""
     report = align_files(moe / "gpt2_hf.h5", moe / "gpt2_clean.h5")
     assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
                                             report["backward"]["first_divergence"])
@@ -329,3 +339,8 @@ def test_gpt2_crosses_into_megatron_and_its_split_qkv_is_not_an_origin(moe):
     assert any("fused in another layout" in s for s in skipped), skipped
     origin = align_files(moe / "gpt2_hf.h5", moe / "gpt2_proj.h5")["forward"]["first_divergence"]
     assert origin["module"] == "transformer.h.1.attn.c_proj", origin
+    # the two checkpoints: every weight stored [in, out] is compared transposed (c_attn laid out anew per head, the
+    # square c_proj by its values), and only the planted defect differs
+    diff = json.loads((moe / "like_hf.json").read_text())["gpt2"]["diff"]
+    assert len(diff) == 28 and {n for n, status in diff.items() if status != "identical"} == {
+        "transformer.h.1.attn.c_proj.weight"}, diff
