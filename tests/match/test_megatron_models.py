@@ -22,7 +22,9 @@ pytest.importorskip("megatron.core")
 LIKE_HF = """
 import json, sys
 import numpy as np, torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
+import layerdiff
 from layerdiff.checkpoints.transfer import neutral_state, transfer_weights
 from layerdiff.recipes import megatron_like_hf
 
@@ -30,6 +32,26 @@ SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_
              head_dim=8, intermediate_size=64, max_position_embeddings=64)
 out = {}
 ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def step(logits):
+    F.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
+
+
+# hf traced as {prefix}_hf.h5; Megatron ports of it as {prefix}_clean.h5 and, planted, {prefix}_{defect}.h5
+def trace_ports(hf, config, options, prefix, defect, plant, ops=False):
+    with layerdiff.trace(hf, f"{sys.argv[1]}/{prefix}_hf.h5", ops=ops):
+        step(hf(input_ids=ids).logits)
+    for name in ("clean", defect):
+        mg = megatron_like_hf.build(config, ids.shape, **options)
+        transfer_weights(hf, mg)
+        if name == defect:
+            with torch.no_grad():
+                plant(mg)
+        with layerdiff.trace(mg, f"{sys.argv[1]}/{prefix}_{name}.h5", ops=ops):
+            step(megatron_like_hf.logits(mg, ids))
+    return mg
+
 for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num_local_experts": 4}),
                             ("qwen2_moe", {"add_qkv_bias": True, "num_experts": 4, "moe_intermediate_size": 32,
                                            "shared_expert_intermediate_size": 32}), ("phi3", {"pad_token_id": 0})):
@@ -50,31 +72,12 @@ for model_type, options in (("qwen3", {"qk_layernorm": True}), ("mixtral", {"num
                        "same": sorted(before) == sorted(after) and all(np.array_equal(before[n][0], after[n][0])
                                                                        for n in before)}
     if model_type == "qwen2_moe":  # traced: Megatron's shared expert applies its gate inside itself
-        import layerdiff
-        import torch.nn.functional as F
-
-        def step(logits):
-            F.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
-
-        with layerdiff.trace(hf, f"{sys.argv[1]}/qwen2_moe_hf.h5"):
-            step(hf(input_ids=ids).logits)
-        for name in ("clean", "gate"):
-            mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
-            transfer_weights(hf, mg)
-            if name == "gate":
-                with torch.no_grad():
-                    mg.decoder.layers[1].mlp.shared_experts.gate_weight.mul_(1.01)
-            with layerdiff.trace(mg, f"{sys.argv[1]}/qwen2_moe_{name}.h5"):
-                step(megatron_like_hf.logits(mg, ids))
+        trace_ports(hf, config, megatron_options, "qwen2_moe", "gate",
+                    lambda mg: mg.decoder.layers[1].mlp.shared_experts.gate_weight.mul_(1.01))
 # Phi-3 keeps q, k and v back to back in one qkv_proj, Megatron per query group in linear_qkv (above: the weights
 # laid out anew each way); traced, the two align part by part, and a defect in the key rows is named there
-import layerdiff
-import torch.nn.functional as F
 from layerdiff.checkpoints.compare import compare_files
 from safetensors.torch import save_file
-
-def step(logits):
-    F.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
 
 for mode in ("full", "stats"):
     with layerdiff.trace(hf, f"{sys.argv[1]}/phi3_hf{'_stats' * (mode == 'stats')}.h5", mode=mode):
@@ -122,27 +125,11 @@ for model_type, hf_options, megatron_options in (
         diff = (hf(input_ids=ids).logits - megatron_like_hf.logits(mg, ids)).abs().max().item()
     out[model_type] = {"moved": moved, "logits_max_abs": diff, "names": sorted(n for n, _ in mg.named_parameters())}
     if model_type == "starcoder2":
-        with layerdiff.trace(hf, f"{sys.argv[1]}/sc2_hf.h5"):
-            step(hf(input_ids=ids).logits)
-        for name in ("clean", "fc1_bias"):
-            mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
-            transfer_weights(hf, mg)
-            if name == "fc1_bias":
-                with torch.no_grad():
-                    mg.decoder.layers[1].mlp.linear_fc1.bias.add_(0.01)
-            with layerdiff.trace(mg, f"{sys.argv[1]}/sc2_{name}.h5"):
-                step(megatron_like_hf.logits(mg, ids))
+        trace_ports(hf, config, megatron_options, "sc2", "fc1_bias",
+                    lambda mg: mg.decoder.layers[1].mlp.linear_fc1.bias.add_(0.01))
     if model_type == "gpt2":  # every operation recorded: c_attn's [q; k; v] is split in another layout there
-        with layerdiff.trace(hf, f"{sys.argv[1]}/gpt2_hf.h5", ops=True):
-            step(hf(input_ids=ids).logits)
-        for name in ("clean", "proj"):
-            mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
-            transfer_weights(hf, mg)
-            if name == "proj":
-                with torch.no_grad():
-                    mg.decoder.layers[1].self_attention.linear_proj.weight.mul_(1 + 1e-3)
-            with layerdiff.trace(mg, f"{sys.argv[1]}/gpt2_{name}.h5", ops=True):
-                step(megatron_like_hf.logits(mg, ids))
+        mg = trace_ports(hf, config, megatron_options, "gpt2", "proj",
+                         lambda mg: mg.decoder.layers[1].self_attention.linear_proj.weight.mul_(1 + 1e-3), ops=True)
         # as checkpoints (no types: Conv1D's [in, out] is told by shapes, and by values where square)
         save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
                   f"{sys.argv[1]}/gpt2_hf.safetensors")
