@@ -102,6 +102,12 @@ class FrameworkAdapter(ABC):
         "stats" mode skip the host copy."""
         raise NotImplementedError(f"{self.name}: fast_stats without describe")
 
+    def plus_bias(self, output: Any, bias: Any) -> Any:
+        """``output + bias`` (the bias of its last size) as a tensor outside any gradient graph, or None where the
+        adapter cannot add them: what a statistics trace records of a module that returns ``(output, bias)`` for
+        its caller to add (``tracefile.records.OUTPUT_PLUS_BIAS``)."""
+        return None
+
     def placement(self, t: Any) -> dict[str, Any] | None:
         """How a distributed tensor is spread over ranks (``{"placements": ["S(0)"], "mesh": [2], "coord": [1],
         "global_shape": [...]}``), or None: the stored bytes are then this rank's local part."""

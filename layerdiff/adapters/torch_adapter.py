@@ -139,6 +139,15 @@ def identify(t: torch.Tensor):
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
 
 
+def plus_bias(output: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None:
+    """``output + bias`` outside the graph (``FrameworkAdapter.plus_bias``); None for a subclass (a DTensor: its
+    local shard is not what was recorded of it alone)."""
+    if type(output) not in _PLAIN or type(bias) not in _PLAIN:
+        return None
+    with torch.no_grad():
+        return output.detach() + bias.detach()
+
+
 def version(t: torch.Tensor) -> int | None:
     """The in-place version counter of a tensor that ``identify`` knows (None for others)."""
     return t._version if type(t) in _PLAIN else None
@@ -848,6 +857,7 @@ class TorchAdapter(FrameworkAdapter):
     version = staticmethod(version)
     fast_stats = staticmethod(fast_stats)
     describe = staticmethod(describe)
+    plus_bias = staticmethod(plus_bias)
     autocast_dtypes = staticmethod(autocast_dtypes)
     random_state = staticmethod(rng_state)
     placement = staticmethod(placement)

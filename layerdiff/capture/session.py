@@ -19,6 +19,7 @@ import numpy as np
 from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
 from layerdiff.capture.recompute import Replay, StepCalls
+from layerdiff.tracefile.records import OUTPUT_PLUS_BIAS
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writer import TraceWriter
 
@@ -30,6 +31,10 @@ def _count(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
 
 
 def _numel(t) -> int:
@@ -80,7 +85,8 @@ class TensorAccess(Protocol):
     ``fast_stats(t)`` -> the statistics computed by the framework itself, or None to use numpy;
     ``describe(t)`` -> (dtype name, shape) of what ``fast_stats`` summarized: "stats" mode skips the host copy;
     ``placement(t)`` -> how a distributed tensor is spread over ranks, or None (the bytes are this rank's part);
-    ``deferral()`` -> what leaves statistics on a device until read back in batches (``StatsDeferral``), or None.
+    ``deferral()`` -> what leaves statistics on a device until read back in batches (``StatsDeferral``), or None;
+    ``plus_bias(output, bias)`` -> their sum outside any gradient graph, or None where it cannot be taken.
     """
 
     def to_stored(self, t: Any) -> tuple[np.ndarray, str] | None: ...
@@ -96,6 +102,8 @@ class TensorAccess(Protocol):
     def placement(self, t: Any) -> dict | None: ...
 
     def deferral(self) -> StatsDeferral | None: ...
+
+    def plus_bias(self, output: Any, bias: Any) -> Any: ...
 
     @property
     def gradients_keep_identity(self) -> bool: ...
@@ -410,9 +418,24 @@ class TraceSession:
         self._pop(frame)
         entries = self._entries("output", outputs, frame.full)
         self._write(self._call_record(
-            frame, "forward", frame.begin, frame.inputs + entries, hparams=frame.hparams,
-            scalars={**frame.scalars, **scalars}))
+            frame, "forward", frame.begin, frame.inputs + entries + self._output_plus_bias(outputs, entries, frame),
+            hparams=frame.hparams, scalars={**frame.scalars, **scalars}))
         return entries
+
+    def _output_plus_bias(self, outputs, entries: list[dict], frame: CallFrame) -> list[dict]:
+        """A call that returned ``(output, bias)``, a bias of the output's last size for its caller to add
+        (Megatron's linears, attention and MLP with linear biases), in a statistics trace: the statistics of their
+        sum, which do not follow from the two's, recorded beside them (``OUTPUT_PLUS_BIAS``). A run whose module
+        returns the sum (transformers') is compared with it. A full trace holds the values: nothing more."""
+        if len(entries) != 2 or len(outputs) != 2 or (self.store_data and frame.full):
+            return []
+        out, bias = entries
+        if (out["key"], bias["key"]) != ("out.0", "out.1") or len(bias["shape"]) != 1 or not out["shape"] or \
+                out["shape"][-1] != bias["shape"][0] or not (_floating(out["dtype"]) and _floating(bias["dtype"])):
+            return []
+        total = self.tensors.plus_bias(outputs[0][1], outputs[1][1])
+        entry = self._tensor_entry(total, False, known=False) if total is not None else None
+        return [] if entry is None else [{**entry, "role": OUTPUT_PLUS_BIAS, "key": "out.0"}]
 
     def fail_call(self, frame: CallFrame, exc: BaseException):
         """The module raised: keep its inputs and the error; the innermost failing call is the failure."""

@@ -38,6 +38,7 @@ class Operand:
     index: int = 0
     transposed: bool = False  # entries stored [in, out] (Paddle Linear): transposed before anything else
     bool_masked: bool = False  # masked: True in a boolean mask means "masked" (Megatron), else "attend"
+    summary: TensorEntry | None = None  # add_bias: the sum's own statistics, recorded beside (statistics traces)
 
     @classmethod
     def stored(cls, entry: TensorEntry, transposed: bool = False) -> Operand:
@@ -85,6 +86,8 @@ class Operand:
         if self.op == "topk_dense":  # the chosen scores, and a zero for every expert not chosen
             scores, zeros = self.entry.stats, math.prod(self.shape) - math.prod(self.entry.shape)
             return combine_stats([scores, {"numel": zeros, "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0}])
+        if self.op == "add_bias" and self.summary is not None:  # a sum's statistics do not follow from its terms'
+            return self.summary.stats
         return None
 
     def values(self, reader) -> np.ndarray:

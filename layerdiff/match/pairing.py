@@ -22,7 +22,7 @@ from layerdiff.match import paramplan
 from layerdiff.match.mapping import Match, ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
 from layerdiff.match.sides import ROLE_ORDER, TraceSide, token_order, torch_shape
-from layerdiff.tracefile.records import CallRecord, ParamRecord, Record, TensorEntry
+from layerdiff.tracefile.records import OUTPUT_PLUS_BIAS, CallRecord, ParamRecord, Record, TensorEntry
 
 HIDDEN_NAMES = {"hidden_states", "hidden_state", "hidden", "x", "xs", "input", "input_", "inputs", "input_tensor", "h"}
 _POSITIONAL = re.compile(r"^(args\.\d+|out)(\.\d+)*$")
@@ -286,8 +286,12 @@ def pair_tensors(ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide, r
         if not ta and not tb:
             continue
         ta, tb = _router_choices(role, ta, tb, ra, rb, side_a, side_b, pairs)
-        ta, biases_a = _bias_beside(role, ta, side_a)
-        tb, biases_b = _bias_beside(role, tb, side_b)
+        bias_a, bias_b = _bias_beside(role, ta, side_a), _bias_beside(role, tb, side_b)
+        biases_a: dict = {}
+        biases_b: dict = {}
+        if (bias_a is None) != (bias_b is None):  # one run returns the sum: the other's output + bias is compared
+            ta, biases_a = _without_bias(role, ta, bias_a, ra)
+            tb, biases_b = _without_bias(role, tb, bias_b, rb)
         found, left_a, left_b = pair_role(ta, tb, ra, rb, side_a, side_b, before_shapes=transforms_step(
             role, ra, rb, side_a, side_b, pairs))
         for ea, eb, note in found:
@@ -299,25 +303,42 @@ def pair_tensors(ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide, r
     return pairs, only_a, only_b
 
 
-def _bias_beside(role: str, entries: list, side: TraceSide) -> tuple[list, dict]:
-    """A module that returns ``(output, bias)`` for its caller to add (``RuleSet.bias_beside_output``: Megatron's
-    linears, attention and MLP with linear biases) computes their sum: its outputs without the bias, and {id of the
-    output's entry: the bias's entry} (forward; the gradient w.r.t. the sum is that w.r.t. the output, and the
-    bias's own is its sum over tokens: left out)."""
+def _bias_beside(role: str, entries: list, side: TraceSide) -> TensorEntry | None:
+    """The bias a module returned beside its output for its caller to add (``RuleSet.bias_beside_output``:
+    Megatron's linears, attention and MLP with linear biases return ``(output, bias)``), or None. Where both runs
+    return it so, output and bias are compared as they are; where only one does, its output + bias is compared with
+    the other's output (``_without_bias``)."""
     if not side.bias_beside or role not in ("output", "grad_output"):
-        return entries, {}
+        return None
     by_key = {t.key: t for t in entries}
     out, bias = by_key.get("out.0"), by_key.get("out.1")
     if out is None or bias is None or len(bias.shape) != 1 or not out.shape or bias.shape[0] != out.shape[-1] \
             or dtype_kind(out.dtype) != "float" or dtype_kind(bias.dtype) != "float":
+        return None
+    return bias
+
+
+def _without_bias(role: str, entries: list, bias: TensorEntry | None, record: Record) -> tuple[list, dict]:
+    """The entries without the bias returned beside the output, and {id of the output's entry: (the bias's entry,
+    the statistics of their sum as recorded, or None)} (forward; the gradient w.r.t. the sum is that w.r.t. the
+    output, and the bias's own is its sum over tokens: left out)."""
+    if bias is None:
         return entries, {}
-    return [t for t in entries if t is not bias], ({id(out): bias} if role == "output" else {})
+    rest = [t for t in entries if t is not bias]
+    if role != "output":
+        return rest, {}
+    out = next(t for t in rest if t.key == "out.0")
+    summed = next((t for t in record.tensors if t.role == OUTPUT_PLUS_BIAS and t.key == out.key), None)
+    return rest, {id(out): (bias, summed)}
 
 
 def _with_bias(operand: Operand, biases: dict) -> Operand:
-    """``operand`` with the bias its module returned beside it added (``_bias_beside``)."""
-    bias = biases.get(id(operand.entry)) if operand.plain else None
-    return operand if bias is None else Operand((operand.entry, bias), op="add_bias")
+    """``operand`` with the bias its module returned beside it added (``_without_bias``)."""
+    found = biases.get(id(operand.entry)) if operand.plain else None
+    if found is None:
+        return operand
+    bias, summed = found
+    return Operand((operand.entry, bias), op="add_bias", summary=summed)
 
 
 def _router_choices(role, ta, tb, ra, rb, side_a: TraceSide, side_b: TraceSide, out: list):

@@ -33,7 +33,7 @@ from layerdiff.match.operands import combine_stats, scaled_stats, scaled_values,
 from layerdiff.runs.parallel import global_path
 from layerdiff.runs.stages import stage_views
 from layerdiff.tracefile.reader import TraceReader
-from layerdiff.tracefile.records import CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
+from layerdiff.tracefile.records import OUTPUT_PLUS_BIAS, CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
 from layerdiff.tracefile.tensors import as_float, encode_float
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
@@ -489,7 +489,7 @@ class RankedRun:
         if not isinstance(rec, CallRecord) or rec.path not in weights or not entry.shape:
             return None
         dim, local = weights[rec.path]
-        outputs = entry.role in ("output", "grad_output")
+        outputs = entry.role in ("output", "grad_output", OUTPUT_PLUS_BIAS)
         if dim == 0 and outputs and entry.shape[-1] == local[0]:
             return "concat", len(entry.shape) - 1
         if dim in (1, -1) and not outputs and len(local) > 1 and entry.shape[-1] == local[1]:

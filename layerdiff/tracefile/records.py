@@ -72,6 +72,12 @@ class Merge(msgspec.Struct, frozen=True, omit_defaults=True):
         return self.parts
 
 
+# the role of a derived entry: the statistics of a module's output plus the bias it returned beside it (``(output,
+# bias)``, a bias of the output's last size), recorded in statistics traces, where they cannot be derived from the
+# two's; compared with another run's module that returns the sum (Megatron's linears against transformers')
+OUTPUT_PLUS_BIAS = "output_plus_bias"
+
+
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One tensor of a record: what it is (``role``: input, output, grad_output, grad_input, param, param_grad;
     ``key``: "args.0", "kwargs.hidden_states", "out.0", "value"), its dtype, shape and statistics, and where its

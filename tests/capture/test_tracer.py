@@ -239,6 +239,49 @@ def test_stats_mode_keeps_statistics_not_data(tmp_path):
         assert stats["l2"] == pytest.approx(math.sqrt((w.astype(np.float64) ** 2).sum()), rel=1e-5)
 
 
+class BiasBeside(nn.Module):
+    """Returns its output and the bias for the caller to add, as Megatron's linears do (``skip_bias_add``)."""
+
+    def __init__(self, bias_size=4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.bias = nn.Parameter(torch.randn(bias_size) + 3)
+
+    def forward(self, x):
+        return x @ self.weight.T, self.bias
+
+
+@pytest.mark.parametrize("mode", ["stats", "full"])
+def test_a_bias_returned_beside_the_output_has_their_sum_summarized_in_statistics_traces(tmp_path, mode):
+    """The statistics of output + bias do not follow from the two's: a statistics trace records them beside
+    (``output_plus_bias``), for a run whose module returns the sum to be compared with; a full trace holds the
+    values, and a tensor beside the output that is not a bias of its last size gets nothing."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"fits": BiasBeside(), "other": BiasBeside(bias_size=5)})
+    x = torch.randn(2, 6, 3, requires_grad=True)
+
+    def step():
+        out, bias = model["fits"](x)
+        model["other"](x)
+        (out + bias).sum().backward()
+
+    with layerdiff.trace(model, tmp_path / "t.h5", mode=mode):
+        step()
+    with open_trace(tmp_path / "t.h5") as r:
+        fits, other = calls(r, "fits")[0], calls(r, "other")[0]
+        assert not [t for t in other.tensors if t.role == "output_plus_bias"]
+        summed = [t for t in fits.tensors if t.role == "output_plus_bias"]
+        if mode == "full":
+            assert not summed
+            return
+        assert [t.key for t in summed] == ["out.0"] and summed[0].shape == [2, 6, 4]
+        expected = summarize((x @ model["fits"].weight.T + model["fits"].bias).detach().numpy(), "float32")
+        assert summed[0].stats["l2"] == pytest.approx(expected["l2"], rel=1e-6)
+        assert summed[0].stats["min"] == pytest.approx(expected["min"], rel=1e-6)
+        out = next(t for t in fits.tensors if t.role == "output" and t.key == "out.0")
+        assert out.stats["min"] != pytest.approx(expected["min"], rel=1e-3)  # the bias (about 3) moved it
+
+
 def test_summary_counts_nan_and_inf():
     x = np.array([1.0, np.nan, -np.inf, 2.0, np.nan], dtype=np.float32)
     s = summarize(x, "float32")

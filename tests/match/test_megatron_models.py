@@ -39,16 +39,17 @@ def step(logits):
 
 
 # hf traced as {prefix}_hf.h5; Megatron ports of it as {prefix}_clean.h5 and, planted, {prefix}_{defect}.h5
-def trace_ports(hf, config, options, prefix, defect, plant, ops=False):
-    with layerdiff.trace(hf, f"{sys.argv[1]}/{prefix}_hf.h5", ops=ops):
+def trace_ports(hf, config, options, prefix, defect, plant, ops=False, mode="full"):
+    with layerdiff.trace(hf, f"{sys.argv[1]}/{prefix}_hf.h5", ops=ops, mode=mode):
         step(hf(input_ids=ids).logits)
+    hf.zero_grad(set_to_none=True)
     for name in ("clean", defect):
         mg = megatron_like_hf.build(config, ids.shape, **options)
         transfer_weights(hf, mg)
         if name == defect:
             with torch.no_grad():
                 plant(mg)
-        with layerdiff.trace(mg, f"{sys.argv[1]}/{prefix}_{name}.h5", ops=ops):
+        with layerdiff.trace(mg, f"{sys.argv[1]}/{prefix}_{name}.h5", ops=ops, mode=mode):
             step(megatron_like_hf.logits(mg, ids))
     return mg
 
@@ -127,6 +128,8 @@ for model_type, hf_options, megatron_options in (
     if model_type == "starcoder2":
         trace_ports(hf, config, megatron_options, "sc2", "fc1_bias",
                     lambda mg: mg.decoder.layers[1].mlp.linear_fc1.bias.add_(0.01))
+        trace_ports(hf, config, megatron_options, "sc2_stats", "fc1", mode="stats",
+                    plant=lambda mg: mg.decoder.layers[1].mlp.linear_fc1.weight.mul_(1.01))
     if model_type == "gpt2":  # every operation recorded: c_attn's [q; k; v] is split in another layout there
         mg = trace_ports(hf, config, megatron_options, "gpt2", "proj",
                          lambda mg: mg.decoder.layers[1].self_attention.linear_proj.weight.mul_(1 + 1e-3), ops=True)
@@ -304,6 +307,30 @@ def test_outputs_returned_beside_their_bias_are_compared_with_it_added(moe):
     assert len(fc1) == 1 and fc1[0]["passed"] and "bias its module returned" in fc1[0]["metrics"]["note"], fc1
     origin = align_files(moe / "sc2_hf.h5", moe / "sc2_fc1_bias.h5")["forward"]["first_divergence"]
     assert origin["module"] == "model.layers.1.mlp.c_fc", origin
+
+
+def test_outputs_returned_beside_their_bias_are_compared_in_statistics_traces(moe):
+    """In ``stats`` traces the sum's statistics do not follow from its terms': a statistics trace records them
+    beside such an output. Before, every linear, attention and MLP output of a Megatron model with linear biases
+    went uncompared in ``stats`` traces, against transformers and against Megatron alike, and a defect in
+    ``linear_fc1``'s weight was named at the MLP around it. Now it is named at the linear; between two Megatron
+    runs output and bias are compared as they are."""
+    report = align_files(moe / "sc2_stats_hf.h5", moe / "sc2_stats_clean.h5")
+    assert report["verdict"] == "aligned", (report["forward"]["first_divergence"],
+                                            report["backward"]["first_divergence"])
+    forward = {r["path"]: r for r in report["records"] if r["phase"] == "forward"}
+    for path in ("model.layers.1.mlp.c_fc", "model.layers.1.self_attn", "model.layers.1.mlp"):
+        outputs = [t for t in forward[path]["tensors"] if t["role"] == "output"]
+        assert len(outputs) == 1 and outputs[0]["passed"] and outputs[0].get("metrics"), (path, outputs)
+        assert "bias its module returned" in outputs[0]["metrics"]["note"], outputs
+    origin = align_files(moe / "sc2_stats_hf.h5", moe / "sc2_stats_fc1.h5")["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.1.mlp.c_fc", origin
+    report = align_files(moe / "sc2_stats_clean.h5", moe / "sc2_stats_fc1.h5")
+    assert report["forward"]["first_divergence"]["module"] == "decoder.layers.1.mlp.linear_fc1"
+    fc1 = next(r for r in report["records"] if r["path"] == "decoder.layers.1.mlp.linear_fc1"
+               and r["phase"] == "forward")
+    compared = {t["key"]: t["passed"] for t in fc1["tensors"] if t["role"] == "output" and t.get("metrics")}
+    assert compared == {"out.0": False, "out.1": True}, fc1["tensors"]
 
 
 def test_gpt2_crosses_into_megatron_and_its_split_qkv_is_not_an_origin(moe):
