@@ -20,10 +20,11 @@ each position against the next token, backward, traced in full mode. Checks:
 - **logits**: the ground truth, outside layerdiff: the two models' untraced logits agree (within 1e-4 of their
   largest magnitude) or differ (then the checks below must report the divergence and the defect checks are
   left out);
-- **clean** / **ops clean**: the two runs align, module by module, then with every operation recorded;
-- **defect** / **ops defect**: the Megatron run with its second layer's ``linear_proj`` weight scaled by 1 + 1e-3:
-  the forward origin must be transformers' ``model.layers.1.self_attn.o_proj`` (``TARGET_HF``: where it is named
-  otherwise).
+- **clean** / **ops clean** / **stats clean**: the two runs align, module by module, then with every operation
+  recorded, then traced in ``stats`` mode (statistics only);
+- **defect** / **ops defect** / **stats defect**: the Megatron run with its second layer's ``linear_proj`` weight
+  scaled by 1 + 1e-3: the forward origin must be transformers' ``model.layers.1.self_attn.o_proj`` (``TARGET_HF``:
+  where it is named otherwise).
 """
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ MEGATRON = {"llama": {}, "mistral": {}, "qwen2": {"add_qkv_bias": True}, "qwen3"
 # what the transformers model is given beyond sweep_hf's tiny config: the layer as Megatron's, one residual after
 # the other (GPT-NeoX adds attention and MLP to one residual by default)
 HF_OVERRIDES = {"gpt_neox": {"use_parallel_residual": False}}
-CHECKS = ("weights", "logits", "clean", "defect", "ops clean", "ops defect")
+CHECKS = ("weights", "logits", "clean", "defect", "ops clean", "ops defect", "stats clean", "stats defect")
+# how each pair of checks traces: (prefix of the checks' names, operations recorded, mode)
+TRACINGS = (("", False, "full"), ("ops ", True, "full"), ("stats ", False, "stats"))
 TARGET = ("decoder.layers.1.self_attention.linear_proj", "model.layers.1.self_attn.o_proj")  # Megatron's, HF's
 TARGET_HF = {"gpt_neox": "gpt_neox.layers.1.attention.dense", "gpt2": "transformer.h.1.attn.c_proj",
              "gpt_bigcode": "transformer.h.1.attn.c_proj"}  # named otherwise
@@ -140,10 +143,10 @@ def checks(model_type: str, work: Path) -> dict:
     np.save(work / "logits_a.npy", a)
     np.save(work / "logits_b.npy", b)
     result["logits"] = sweep_paddleformers._logits(work)
-    for ops in (False, True):
-        prefix = "ops " if ops else ""
-        reference = work / f"hf{int(ops)}.h5"
-        with layerdiff.trace(hf, reference, ops=ops):
+    for prefix, ops, mode in TRACINGS:
+        name = prefix.strip() or "modules"
+        reference = work / f"hf_{name}.h5"
+        with layerdiff.trace(hf, reference, ops=ops, mode=mode):
             hf_step(hf)
         hf.zero_grad(set_to_none=True)
         for check in ("clean", "defect"):
@@ -156,8 +159,8 @@ def checks(model_type: str, work: Path) -> dict:
                 if check == "defect":
                     with torch.no_grad():
                         candidate.get_submodule(TARGET[0]).weight.mul_(1 + 1e-3)
-                path = work / f"mg{int(ops)}{check}.h5"
-                with layerdiff.trace(candidate, path, ops=ops):
+                path = work / f"mg_{name}_{check}.h5"
+                with layerdiff.trace(candidate, path, ops=ops, mode=mode):
                     mg_step(candidate)
                 result[prefix + check] = sweep_paddleformers._verdict(check, align(reference, path).data,
                                                                       TARGET_HF.get(model_type, TARGET[1]),
