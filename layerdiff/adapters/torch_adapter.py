@@ -140,8 +140,8 @@ def identify(t: torch.Tensor):
 
 
 def plus_bias(output: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None:
-    """``output + bias`` outside the graph (``FrameworkAdapter.plus_bias``); None for a subclass (a DTensor: its
-    local shard is not what was recorded of it alone)."""
+    """``output + bias`` outside the graph (``FrameworkAdapter.plus_bias``); None for a tensor subclass (a DTensor:
+    the sum would be another distributed tensor, not the local part the trace records)."""
     if type(output) not in _PLAIN or type(bias) not in _PLAIN:
         return None
     with torch.no_grad():

@@ -33,7 +33,8 @@ from layerdiff.match.operands import combine_stats, scaled_stats, scaled_values,
 from layerdiff.runs.parallel import global_path
 from layerdiff.runs.stages import stage_views
 from layerdiff.tracefile.reader import TraceReader
-from layerdiff.tracefile.records import OUTPUT_PLUS_BIAS, CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record, TensorEntry
+from layerdiff.tracefile.records import (OUTPUT_PLUS_BIAS, CallRecord, EndRecord, Merge, OpRecord, ParamRecord, Record,
+                                        TensorEntry)
 from layerdiff.tracefile.tensors import as_float, encode_float
 
 RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
