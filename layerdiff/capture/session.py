@@ -19,7 +19,7 @@ import numpy as np
 from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
 from layerdiff.capture.recompute import Replay, StepCalls
-from layerdiff.tracefile.records import OUTPUT_PLUS_BIAS
+from layerdiff.tracefile.records import OUTPUT_PLUS_BIAS, bias_beside
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writer import TraceWriter
 
@@ -31,10 +31,6 @@ def _count(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def _floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
 
 
 def _numel(t) -> int:
@@ -430,8 +426,8 @@ class TraceSession:
         if len(entries) != 2 or len(outputs) != 2 or (self.store_data and frame.full):
             return []
         out, bias = entries
-        if (out["key"], bias["key"]) != ("out.0", "out.1") or len(bias["shape"]) != 1 or not out["shape"] or \
-                out["shape"][-1] != bias["shape"][0] or not (_floating(out["dtype"]) and _floating(bias["dtype"])):
+        if (out["key"], bias["key"]) != ("out.0", "out.1") or \
+                not bias_beside(out["shape"], out["dtype"], bias["shape"], bias["dtype"]):
             return []
         total = self.tensors.plus_bias(outputs[0][1], outputs[1][1])
         entry = self._tensor_entry(total, False, known=False) if total is not None else None

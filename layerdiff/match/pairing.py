@@ -22,7 +22,8 @@ from layerdiff.match import paramplan
 from layerdiff.match.mapping import Match, ModuleMapping
 from layerdiff.match.operands import Operand, dtype_kind
 from layerdiff.match.sides import ROLE_ORDER, TraceSide, token_order, torch_shape
-from layerdiff.tracefile.records import OUTPUT_PLUS_BIAS, CallRecord, ParamRecord, Record, TensorEntry
+from layerdiff.tracefile.records import (OUTPUT_PLUS_BIAS, CallRecord, ParamRecord, Record, TensorEntry,
+                                        bias_beside)
 
 HIDDEN_NAMES = {"hidden_states", "hidden_state", "hidden", "x", "xs", "input", "input_", "inputs", "input_tensor", "h"}
 _POSITIONAL = re.compile(r"^(args\.\d+|out)(\.\d+)*$")
@@ -303,31 +304,31 @@ def pair_tensors(ra: Record, rb: Record, side_a: TraceSide, side_b: TraceSide, r
     return pairs, only_a, only_b
 
 
-def _bias_beside(role: str, entries: list, side: TraceSide) -> TensorEntry | None:
-    """The bias a module returned beside its output for its caller to add (``RuleSet.bias_beside_output``:
-    Megatron's linears, attention and MLP with linear biases return ``(output, bias)``), or None. Where both runs
-    return it so, output and bias are compared as they are; where only one does, its output + bias is compared with
-    the other's output (``_without_bias``)."""
+def _bias_beside(role: str, entries: list, side: TraceSide) -> tuple[TensorEntry, TensorEntry] | None:
+    """(output, bias) where a module returned a bias beside its output for its caller to add
+    (``RuleSet.bias_beside_output``: Megatron's linears, attention and MLP with linear biases), or None. Where both
+    runs return it so, output and bias are compared as they are; where only one does, its output + bias is compared
+    with the other's output (``_without_bias``)."""
     if not side.bias_beside or role not in ("output", "grad_output"):
         return None
     by_key = {t.key: t for t in entries}
     out, bias = by_key.get("out.0"), by_key.get("out.1")
-    if out is None or bias is None or len(bias.shape) != 1 or not out.shape or bias.shape[0] != out.shape[-1] \
-            or dtype_kind(out.dtype) != "float" or dtype_kind(bias.dtype) != "float":
+    if out is None or bias is None or not bias_beside(out.shape, out.dtype, bias.shape, bias.dtype):
         return None
-    return bias
+    return out, bias
 
 
-def _without_bias(role: str, entries: list, bias: TensorEntry | None, record: Record) -> tuple[list, dict]:
+def _without_bias(role: str, entries: list, found: tuple[TensorEntry, TensorEntry] | None,
+                  record: Record) -> tuple[list, dict]:
     """The entries without the bias returned beside the output, and {id of the output's entry: (the bias's entry,
     the statistics of their sum as recorded, or None)} (forward; the gradient w.r.t. the sum is that w.r.t. the
     output, and the bias's own is its sum over tokens: left out)."""
-    if bias is None:
+    if found is None:
         return entries, {}
+    out, bias = found
     rest = [t for t in entries if t is not bias]
     if role != "output":
         return rest, {}
-    out = next(t for t in rest if t.key == "out.0")
     summed = next((t for t in record.tensors if t.role == OUTPUT_PLUS_BIAS and t.key == out.key), None)
     return rest, {id(out): (bias, summed)}
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, TypedDict, Union
 import msgspec
 
 from layerdiff.tracefile.checksums import count_blocks
-from layerdiff.tracefile.tensors import storage_dtype
+from layerdiff.tracefile.tensors import FLOAT_DTYPES, storage_dtype
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # an index, a size, a position in a file
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
@@ -76,6 +76,13 @@ class Merge(msgspec.Struct, frozen=True, omit_defaults=True):
 # bias)``, a bias of the output's last size), recorded in statistics traces, where they cannot be derived from the
 # two's; compared with another run's module that returns the sum (Megatron's linears against transformers')
 OUTPUT_PLUS_BIAS = "output_plus_bias"
+
+
+def bias_beside(output_shape: list[int], output_dtype: str, bias_shape: list[int], bias_dtype: str) -> bool:
+    """Whether a call's second output is a bias of its first's last size, left for the caller to add (Megatron's
+    ``(output, bias)``): what capture records their sum's statistics for and matching adds back."""
+    return len(bias_shape) == 1 and bool(output_shape) and output_shape[-1] == bias_shape[0] and \
+        output_dtype in FLOAT_DTYPES and bias_dtype in FLOAT_DTYPES
 
 
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
