@@ -124,32 +124,91 @@ def align_paths():
     return align_files
 
 
-def launch(root, name: str, code: str, launcher: list[str]) -> None:
+def launch(root, name: str, code: str, launcher: list[str], warm: bool = True) -> None:
     """Write ``code`` to ``root/NAME.py`` and run it under ``python -m LAUNCHER`` (torchrun, paddle's launch, msrun)
-    with ``root`` as its argument; the launch must succeed."""
+    with ``root`` as its argument; the launch must succeed.
+
+    A torchrun launch of torch-only code (``--standalone --nproc-per-node N``) runs its N ranks as children forked
+    from a warm interpreter, each given the environment torchrun gives a rank (``_torchrun_environment``): real
+    processes on real gloo ranks, without importing torch, transformers and Megatron-core again in each (7 s of CPU
+    a rank, a fifth of the suite's). ``warm=False``: through torchrun itself."""
     import textwrap
 
     script = root / f"{name}.py"
     script.write_text(textwrap.dedent(code))
+    ranks = _standalone_ranks(launcher)
+    if warm and ranks and _torch_only_code(code) and _WARM_SCRIPTS.usable():
+        port = _free_port()
+        procs = [{"script": str(script), "args": [str(root)], "cwd": str(root),
+                  "env": {**os.environ, **_torchrun_environment(rank, ranks, port)}} for rank in range(ranks)]
+        failures = _WARM_SCRIPTS.run_procs(procs, timeout=600)
+        if failures is not None:
+            assert not failures, f"{name}:\n" + "\n".join(failures)
+            return
     proc = subprocess.run([sys.executable, "-m", *launcher, str(script), str(root)], capture_output=True, text=True,
                           timeout=600, cwd=root)
     assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
+def _standalone_ranks(launcher: list[str]) -> int | None:
+    """N of a ``torch.distributed.run --standalone --nproc-per-node N`` launcher (None for any other)."""
+    if len(launcher) == 4 and launcher[:3] == ["torch.distributed.run", "--standalone", "--nproc-per-node"] and \
+            launcher[3].isdigit():
+        return int(launcher[3])
+    return None
+
+
+def _torchrun_environment(rank: int, ranks: int, port: int) -> dict[str, str]:
+    """What torchrun (``--standalone``, one node) sets in the environment of each rank it starts."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(ranks),
+            "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": f"layerdiff-tests-{port}", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torch_only_code(code: str) -> bool:
+    """Whether a script names no framework other than torch (those start bare: see ``_OTHER_FRAMEWORKS``)."""
+    return not any(name in code.lower() for name in _OTHER_FRAMEWORKS)
+
+
 def run_scripts(root, scripts: dict, timeout=300):
     """Run {name: python source} side by side, each in its own interpreter with ``root`` as argv[1]
-    (one framework per process: imports are slow, and some frameworks must not share a process)."""
+    (one framework per process: imports are slow, and some frameworks must not share a process). Torch-only
+    scripts are forked from a warm interpreter (see ``launch``); the others start bare, first."""
     import textwrap
 
-    procs = []
+    procs, warm = [], []
     for name, code in scripts.items():
         path = root / f"make_{name}.py"
         path.write_text(textwrap.dedent(code))
-        procs.append((name, subprocess.Popen([sys.executable, str(path), str(root)], stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True)))
+        if _torch_only_code(code) and _WARM_SCRIPTS.usable():
+            warm.append((name, {"script": str(path), "args": [str(root)], "cwd": str(Path.cwd()),
+                                "env": dict(os.environ)}))
+            continue
+        procs.append((name, _start_script(path, root)))
+    if warm:
+        failures = _WARM_SCRIPTS.run_procs([entry for _, entry in warm], timeout=timeout)
+        if failures is None:  # the warm interpreter is gone: these start bare
+            procs += [(name, _start_script(Path(entry["script"]), root)) for name, entry in warm]
+        else:
+            assert not failures, "script failed:\n" + "\n".join(failures)
     for name, proc in procs:
         stdout, stderr = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, f"{name} script failed:\n{stdout}\n{stderr[-4000:]}"
+
+
+def _start_script(path: Path, root) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(path), str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def run_cli(*args, cwd=None, timeout=300):
@@ -245,12 +304,14 @@ def _startup_environment() -> dict[str, str]:
 
 
 class _WarmInterpreter:
-    """One ``cli_zygote.py`` per test process, started at its first use and stopped at exit."""
+    """One ``cli_zygote.py`` per test process, started at its first use and stopped at exit. ``preload``: the
+    modules it imports besides torch and transformers' Llama, those that are installed."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = ()):
         self.proc: subprocess.Popen | None = None
         self.failed = not _installed("torch") or not _installed("transformers")
         self.startup = _startup_environment()
+        self.preload = preload
 
     def usable(self) -> bool:
         """Started, or startable; not where a variable the interpreter reads at start (``PYTHONPATH``,
@@ -258,7 +319,9 @@ class _WarmInterpreter:
         if _startup_environment() != self.startup:
             return False
         if self.proc is None and not self.failed:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
+            preload = [m for m in self.preload if _installed(m.partition(".")[0])]  # no parent imported here
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py")),
+                                          *(["--preload", *preload] if preload else [])],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                          text=True)
             if self.proc.stdout.readline().strip() != "ready":
@@ -287,8 +350,35 @@ class _WarmInterpreter:
                 raise subprocess.TimeoutExpired(["layerdiff", *argv], timeout)
             return reply["code"], out.read_text(errors="replace"), err.read_text(errors="replace")
 
+    def run_procs(self, procs: list[dict], timeout: float) -> list[str] | None:
+        """Scripts forked at once ({script, args, cwd, env} each) and waited for together: for each that failed, a
+        line and its output's tail ([]: none failed); None when the warm interpreter is gone (start them bare)."""
+        with tempfile.TemporaryDirectory(prefix="layerdiff-scripts-") as d:
+            entries = [{**p, "stdout": str(Path(d) / f"{i}.out"), "stderr": str(Path(d) / f"{i}.err")}
+                       for i, p in enumerate(procs)]
+            try:
+                self.proc.stdin.write(json.dumps({"procs": entries, "timeout": timeout}) + "\n")
+                self.proc.stdin.flush()
+                line = self.proc.stdout.readline()
+            except OSError:  # a broken pipe
+                line = ""
+            if not line:
+                self.proc, self.failed = None, True
+                return None
+            reply = json.loads(line)
+            if reply.get("timeout"):
+                raise subprocess.TimeoutExpired([p["script"] for p in procs], timeout)
+            return [f"{Path(e['script']).name} (child {i}) exit {code}:\n{Path(e['stdout']).read_text()[-2000:]}\n"
+                    f"{Path(e['stderr']).read_text(errors='replace')[-3000:]}"
+                    for i, (e, code) in enumerate(zip(entries, reply["codes"])) if code != 0]
+
 
 _WARM = _WarmInterpreter()
+# scripts and ranks (``launch``, ``run_scripts``): Megatron-core imported too, once
+_WARM_SCRIPTS = _WarmInterpreter(preload=("torch.distributed", "transformers.models.mixtral.modeling_mixtral",
+                                          "transformers.models.qwen2.modeling_qwen2", "megatron.core",
+                                          "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
+                                          "megatron.core.pipeline_parallel", "megatron.core.distributed"))
 
 
 class NumpyTensors:

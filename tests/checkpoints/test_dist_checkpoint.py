@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pickle
 import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
-from conftest import align_files, run_cli
+from conftest import align_files, launch, run_cli, run_scripts
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -134,11 +132,7 @@ def test_megatron_torch_dist_checkpoint_at_tp2_compares_with_hf_weights_and_load
     pytest.importorskip("megatron.core")
     from layerdiff.recipes import llama_shared
 
-    script = tmp_path / "save.py"
-    script.write_text(textwrap.dedent(MEGATRON_SAVE))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch(tmp_path, "save", MEGATRON_SAVE, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
     hf = llama_shared.weights(llama_shared.config())
     safetensors_io.save(tmp_path / "hf.safetensors", {k: (v, "float32") for k, v in hf.items()}, {})
 
@@ -237,13 +231,9 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_megatron_moe_torch_dist_checkpoint_against_its_state_dict_and_hf_mixtral(tmp_path):
     pytest.importorskip("megatron.core")
-    script = tmp_path / "moe.py"
-    script.write_text(textwrap.dedent(MOE_SAVE))
     for folder in ("moe_dist", "moe_dist_up"):
         (tmp_path / folder).mkdir()
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_scripts(tmp_path, {"moe": MOE_SAVE}, timeout=600)
     names = open_checkpoint(tmp_path / "moe_dist").names()
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in names
     assert "decoder.layers.0.mlp.router.weight" in names

@@ -113,8 +113,10 @@ os._exit(0)  # every file is written and closed: see _EXIT above the scripts
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, recipe_trace):
     root = tmp_path_factory.mktemp("ranks")
-    for name, script in (("torch_ranks", TORCH_SCRIPT), ("dtensor_stats", DTENSOR_SCRIPT)):
-        launch(root, name, script, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    launch(root, "torch_ranks", TORCH_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    # through torchrun itself: the other launches fork their ranks from a warm interpreter (``conftest.launch``)
+    launch(root, "dtensor_stats", DTENSOR_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+           warm=False)
     return root
 
 

@@ -5,10 +5,6 @@ with no flags, against transformers in one process and against Megatron at TP=1/
 their module, rank and direction (``recipes/megatron_parallel.py``)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -16,7 +12,7 @@ pytest.importorskip("megatron.core")
 from layerdiff.runs.ranks import open_run  # noqa: E402
 from layerdiff.tracefile.reader import open_trace  # noqa: E402
 
-from conftest import align_files  # noqa: E402
+from conftest import align_files, launch, run_scripts  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.megatron, pytest.mark.slow]
 
@@ -82,24 +78,16 @@ FOUR_RANKS = [
 ]
 
 
-def _run(root, name: str, code: str, launcher: list[str]):
-    script = root / f"{name}.py"
-    script.write_text(textwrap.dedent(code))
-    proc = subprocess.run([sys.executable, *launcher, str(script), str(root)], capture_output=True, text=True,
-                          timeout=900, cwd=root)
-    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-
-
 def _torchrun(ranks: int) -> list[str]:
-    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    return ["torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_parallel")
-    _run(root, "references", REFERENCES, [])
-    _run(root, "two_ranks", f"RUNS = {TWO_RANKS!r}\n" + RUNS, _torchrun(2))
-    _run(root, "four_ranks", f"RUNS = {FOUR_RANKS!r}\n" + RUNS, _torchrun(4))
+    run_scripts(root, {"references": REFERENCES}, timeout=900)
+    launch(root, "two_ranks", f"RUNS = {TWO_RANKS!r}\n" + RUNS, _torchrun(2))
+    launch(root, "four_ranks", f"RUNS = {FOUR_RANKS!r}\n" + RUNS, _torchrun(4))
     return root
 
 

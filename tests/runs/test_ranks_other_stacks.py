@@ -53,7 +53,8 @@ def test_megatron_tensor_parallel_2_against_hf_and_against_itself_at_1(tmp_path,
     pytest.importorskip("megatron.core")
     from layerdiff.recipes.megatron_llama import DEFECTS
 
-    launch(tmp_path, "mg_tp", MEGATRON_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    launch(tmp_path, "mg_tp", MEGATRON_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+           warm=False)  # as Megatron's ranks are launched: by torchrun itself
     code, _, err = run_cli("trace", "megatron_llama", "-o", tmp_path / "mg1.h5", "-q")
     assert code == 0, err
     hf = recipe_trace()
