@@ -20,6 +20,12 @@ import pytest
 # for the same cores (measured on 2 cores: the whole suite 7m49s with one, 8m50s to 9m49s without). Set before any
 # framework loads OpenMP; inherited by the workers and every process they start; a value given outside is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# MindSpore's PyNative ops launched blocking, each run before the next is queued (``mindspore.runtime.
+# launch_blocking``, read from this variable by its runtime): on these 2-core machines its default asynchronous launch
+# made the mindspore_llama recipe's step 10x slower (0.55 s against 0.045; traced 1.0 s against 0.08), a quarter of
+# the suite's CPU time. Every MindSpore process the suite starts inherits it; one run is made asynchronous on
+# purpose (``tests/adapters/test_mindspore.py``: it aligns with a blocking one). A value given outside is kept.
+os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
 
 try:  # in one process mindspore must be imported before paddle (their oneDNN builds clash the other way)
     import mindspore  # noqa: F401

@@ -95,6 +95,18 @@ result["torch_imported"] = "torch" in sys.modules or "paddle" in sys.modules
 json.dump(result, open(f"{out_dir}/ms_result.json", "w"))
 """
 
+# MindSpore's default asynchronous launch (the suite launches blocking: see MS_DEV_LAUNCH_BLOCKING in conftest.py)
+ASYNC_SCRIPT = """
+import os, sys
+os.environ.pop("MS_DEV_LAUNCH_BLOCKING", None)  # before MindSpore's runtime reads it
+import layerdiff
+from layerdiff.recipes import mindspore_llama as recipe
+
+built = recipe.build(None)
+with layerdiff.trace(built["model"], f"{sys.argv[1]}/ms_async.h5"):
+    built["step"]()
+"""
+
 TORCH_SCRIPT = """
 import sys
 import layerdiff
@@ -109,7 +121,7 @@ with layerdiff.trace(built["model"], f"{sys.argv[1]}/torch_clean.h5"):
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("ms_traces")
-    run_scripts(root, {"ms": MS_SCRIPT, "torch": TORCH_SCRIPT})
+    run_scripts(root, {"ms": MS_SCRIPT, "ms_async": ASYNC_SCRIPT, "torch": TORCH_SCRIPT})
     result = json.loads((root / "ms_result.json").read_text())
     return root, result
 
@@ -117,11 +129,17 @@ def traces(tmp_path_factory):
 _align = align_files
 
 
-def test_two_mindspore_runs_align(traces):
+@pytest.mark.parametrize("other", ["ms_clean2", "ms_async"])
+def test_two_mindspore_runs_align(traces, other):
+    """Two runs of the same model, in one process and in two, one of them launching its operations
+    asynchronously (MindSpore's default): the same records, the same values."""
     root, _ = traces
-    report = _align(root / "ms_clean.h5", root / "ms_clean2.h5")
+    report = _align(root / "ms_clean.h5", root / f"{other}.h5")
     assert report["verdict"] == "aligned", report["forward"]["first_divergence"]
     assert report["forward"]["first_divergence"] is None and report["backward"]["first_divergence"] is None
+    compared = [t for r in report["records"] for t in r["tensors"]]
+    assert len(compared) > 100 and all(t["passed"] for t in compared)
+    assert max(t["metrics"]["max_abs"] for t in compared if t.get("metrics")) == 0.0
 
 
 def test_mindspore_port_aligns_with_torch(traces):
