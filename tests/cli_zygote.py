@@ -54,6 +54,7 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))  # as read at start
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
                                 (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                                 (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):

@@ -217,18 +217,26 @@ def _start_script(path: Path, root) -> subprocess.Popen:
                             text=True)
 
 
-def run_cli(*args, cwd=None, timeout=300):
+def run_cli(*args, cwd=None, timeout=300, env: dict[str, str] | None = None):
     """The real CLI in a process of its own: (returncode, stdout, stderr). A run that imports no framework but
-    torch is forked from a warm interpreter (``cli_zygote.py``: torch and transformers imported once per test
-    worker); any other runs in a fresh ``python -m layerdiff``."""
+    torch (or none: ``FRAMEWORK_FREE``) is forked from a warm interpreter (``cli_zygote.py``: torch and
+    transformers imported once per test worker); any other runs in a fresh ``python -m layerdiff``. ``env``: the
+    variables that run is given besides the test's own (of those Python reads at start, only
+    ``PYTHONDONTWRITEBYTECODE`` can be given to a forked run)."""
     argv = [str(a) for a in args]
-    if _torch_only(argv, cwd) and _WARM.usable():
-        done = _WARM.run(argv, cwd, timeout)
+    extra = env or {}
+    forkable = all(k == "PYTHONDONTWRITEBYTECODE" or not k.startswith("PYTHON") for k in extra)
+    if forkable and (argv[:1] in FRAMEWORK_FREE or _torch_only(argv, cwd)) and _WARM.usable():
+        done = _WARM.run(argv, cwd, timeout, extra)
         if done is not None:
             return done
     proc = subprocess.run([sys.executable, "-m", "layerdiff", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd, timeout=timeout, env={**os.environ, **extra})
     return proc.returncode, proc.stdout, proc.stderr
+
+
+# commands that import no framework whatever their arguments name (a trace of a Paddle run, a folder called mindspore)
+FRAMEWORK_FREE = (["align"], ["show"], ["report"])
 
 
 # several CLI runs in one fresh interpreter, one after the other: ``main`` once per run, each run's exit code and
@@ -337,10 +345,11 @@ class _WarmInterpreter:
                 atexit.register(self.proc.kill)
         return self.proc is not None
 
-    def run(self, argv: list[str], cwd, timeout: float) -> tuple[int, str, str] | None:
+    def run(self, argv: list[str], cwd, timeout: float, env: dict[str, str] | None = None
+            ) -> tuple[int, str, str] | None:
         with tempfile.TemporaryDirectory(prefix="layerdiff-cli-") as d:
             out, err = Path(d) / "stdout", Path(d) / "stderr"
-            request = {"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": dict(os.environ),
+            request = {"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": {**os.environ, **(env or {})},
                        "stdout": str(out), "stderr": str(err), "timeout": timeout}
             try:
                 self.proc.stdin.write(json.dumps(request) + "\n")

@@ -1,21 +1,21 @@
 """Bad input through the real CLI: exit 2, exactly one stderr line starting with "layerdiff", no traceback,
 and nothing on disk touched (inputs keep their bytes and mtime, no output file appears or is overwritten).
 
-Every case runs ``python -m layerdiff`` in a subprocess. Real traces come from the torch_llama recipe and from
+Every case runs the CLI in a process of its own (``conftest.run_cli``). Real traces come from the torch_llama recipe and from
 a small nn.Sequential MLP target file, made once per session.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import conftest
 
 pytest.importorskip("torch")  # every case runs the CLI, on torch models
 
@@ -63,15 +63,11 @@ def something_else():
 '''
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # importing a target file must not leave __pycache__ next to it
-    return env
-
-
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "layerdiff", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=_env())
+    """The CLI in a process of its own (``conftest.run_cli``), which must leave no ``__pycache__`` beside a target
+    file it imports."""
+    code, out, err = conftest.run_cli(*args, cwd=cwd, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    return subprocess.CompletedProcess(["layerdiff", *map(str, args)], code, out, err)
 
 
 def _sha(path: Path) -> str:

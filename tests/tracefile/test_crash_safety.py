@@ -20,6 +20,8 @@ import layerdiff
 from layerdiff.tracefile.tensors import FLOAT_DTYPES, as_float
 from layerdiff.tracefile.reader import open_trace
 
+import conftest
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.torch]
@@ -76,8 +78,8 @@ def _env():
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "layerdiff", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=_env())
+    code, out, err = conftest.run_cli(*args, cwd=cwd, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    return subprocess.CompletedProcess(["layerdiff", *map(str, args)], code, out, err)
 
 
 def _describe(proc) -> str:
