@@ -59,6 +59,14 @@ def _installed(module):
         return False
 
 
+def skip_unless_installed(module: str) -> None:
+    """At a test file's top: skip the file where ``module`` is not installed, without importing it. For files whose
+    tests run that framework only in processes they start: each worker collects every file, and importing
+    Megatron-core there cost 3 s of CPU per worker for nothing."""
+    if not _installed(module):
+        pytest.skip(f"{module} is not installed", allow_module_level=True)
+
+
 # The files that take longest (their fixtures build real models and launch ranks), longest first, as measured: the
 # two test workers take whole files (``--dist loadfile``) in collection order (``--no-loadscope-reorder``: not by
 # their number of tests), so these start first and the last files to run are short ones, not a minute-long one on

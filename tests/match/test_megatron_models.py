@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from conftest import align_files, run_scripts
+from conftest import align_files, run_scripts, skip_unless_installed
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.torch]
 
-pytest.importorskip("megatron.core")
+skip_unless_installed("megatron.core")  # imported only by the processes the tests start
 
 # GPTModels configured from transformers configs (recipes/megatron_like_hf.py), weights moved with no map
 LIKE_HF = """

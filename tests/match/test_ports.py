@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import align_files, run_cli, run_scripts
+from conftest import align_files, run_cli, run_scripts, skip_unless_installed
 
 from layerdiff.tracefile.reader import open_trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.mindspore]
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("mindspore")
+skip_unless_installed("megatron.core")  # imported only by the processes the tests start
+skip_unless_installed("mindspore")
 
 MEGATRON_DEFECTS = ["eps", "weight", "qkv_part", "fc1_part", "rotary", "owncode", "backward"]
 MINDFORMERS_DEFECTS = ["eps", "act", "weight", "owncode", "rotary", "backward"]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
 from layerdiff.runs.ranks import open_run  # noqa: E402
 from layerdiff.tracefile.reader import open_trace  # noqa: E402
 
-from conftest import align_files, launch, run_scripts  # noqa: E402
+from conftest import align_files, launch, run_scripts, skip_unless_installed  # noqa: E402
+
+skip_unless_installed("megatron.core")  # imported only by the processes the tests start
 
 pytestmark = [pytest.mark.torch, pytest.mark.megatron, pytest.mark.slow]
 
