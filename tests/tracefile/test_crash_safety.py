@@ -1,7 +1,8 @@
 """Crash safety: a trace killed with SIGKILL mid-run stays readable, and a model that raises closes its trace.
 
-The killed runs are real subprocesses tracing the torch_llama recipe in an endless loop; both are started
-at once (module fixture) so the slow imports overlap.
+The killed runs are real subprocesses tracing a two-layer ``torch.nn.TransformerEncoder`` (attention, norms, MLPs)
+in an endless loop, two at a time (module fixture). Not the transformers Llama of the recipes: importing
+transformers cost each of the eight processes of this file 5 s of CPU, and what is tested here is the writer.
 """
 from __future__ import annotations
 
@@ -34,10 +35,14 @@ import threading
 import time
 
 import layerdiff
-from layerdiff.recipes import torch_llama
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2)
+x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+built = {"model": model, "step": lambda: model(x).square().mean().backward()}
 
 path, counter, write_behind = sys.argv[1], sys.argv[2], float(sys.argv[3])
-built = torch_llama.build()
 tracer = layerdiff.trace(built["model"], path, write_behind=write_behind)
 with tracer, open(counter, "r+b") as f:
     shared = mmap.mmap(f.fileno(), 8)
@@ -212,10 +217,13 @@ RACE_SCRIPT = """
 import os, sys, time
 from pathlib import Path
 import layerdiff
-from layerdiff.recipes import torch_llama
 from layerdiff.errors import LayerdiffError
+import torch
 
-built = torch_llama.build()
+torch.manual_seed(0)
+model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2)
+x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+built = {"model": model, "step": lambda: model(x).square().mean().backward()}
 barrier = Path(sys.argv[2])  # both start writing at the same moment, however long each took to get here
 (barrier / str(os.getpid())).touch()
 while len(list(barrier.iterdir())) < 2:
