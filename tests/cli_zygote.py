@@ -8,7 +8,7 @@ suite's CPU time). It is safe to fork here only because this process never compu
 threads start at the first parallel operation, and a child forked after that hangs in its own first one.
 
 Protocol: one JSON request per line on stdin ({argv, cwd, env, stdout, stderr, timeout}), one JSON reply per line
-on stdout ({code} or {timeout: true}); "ready" first.
+on stdout ({codes: [code]} or {timeout: true}); "ready" first.
 
 Scripts too (``conftest.launch``, ``conftest.run_scripts``): a request {procs: [{script, args, cwd, env, stdout,
 stderr}], timeout} forks one child per entry, all at once, each running its script as ``python SCRIPT ARGS`` would
@@ -93,19 +93,6 @@ def _child(request: dict) -> None:
         os._exit(code if isinstance(code, int) else 1)
 
 
-def _wait(pid: int, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return {"code": os.waitstatus_to_exitcode(status)}
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return {"timeout": True}
-        time.sleep(0.005)
-
-
 def _wait_all(pids: list[int], timeout: float) -> dict:
     """Every child's exit code, once all have exited. When one fails, the others still running are killed after
     ``GRACE`` seconds (their codes say so); at the deadline all are killed and the reply is {timeout: true}."""
@@ -147,10 +134,7 @@ def main() -> None:
             if pid == 0:
                 _child(entry)
             pids.append(pid)
-        if "procs" in request:
-            print(json.dumps(_wait_all(pids, request["timeout"])), flush=True)
-        else:
-            print(json.dumps(_wait(pids[0], request["timeout"])), flush=True)
+        print(json.dumps(_wait_all(pids, request["timeout"])), flush=True)
 
 
 if __name__ == "__main__":

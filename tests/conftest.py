@@ -358,20 +358,11 @@ class _WarmInterpreter:
         with tempfile.TemporaryDirectory(prefix="layerdiff-cli-") as d:
             out, err = Path(d) / "stdout", Path(d) / "stderr"
             request = {"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": {**os.environ, **(env or {})},
-                       "stdout": str(out), "stderr": str(err), "timeout": timeout}
-            try:
-                self.proc.stdin.write(json.dumps(request) + "\n")
-                self.proc.stdin.flush()
-                line = self.proc.stdout.readline()
-            except OSError:  # a broken pipe
-                line = ""
-            if not line:  # the warm interpreter is gone: this run and the next start fresh
-                self.proc, self.failed = None, True
+                       "stdout": str(out), "stderr": str(err)}
+            codes = self._ask({"procs": [request], "timeout": timeout}, ["layerdiff", *argv])
+            if codes is None:
                 return None
-            reply = json.loads(line)
-            if reply.get("timeout"):
-                raise subprocess.TimeoutExpired(["layerdiff", *argv], timeout)
-            return reply["code"], out.read_text(errors="replace"), err.read_text(errors="replace")
+            return codes[0], out.read_text(errors="replace"), err.read_text(errors="replace")
 
     def run_procs(self, procs: list[dict], timeout: float) -> list[str] | None:
         """Scripts forked at once ({script, args, cwd, env} each) and waited for together: for each that failed, a
@@ -379,21 +370,29 @@ class _WarmInterpreter:
         with tempfile.TemporaryDirectory(prefix="layerdiff-scripts-") as d:
             entries = [{**p, "stdout": str(Path(d) / f"{i}.out"), "stderr": str(Path(d) / f"{i}.err")}
                        for i, p in enumerate(procs)]
-            try:
-                self.proc.stdin.write(json.dumps({"procs": entries, "timeout": timeout}) + "\n")
-                self.proc.stdin.flush()
-                line = self.proc.stdout.readline()
-            except OSError:  # a broken pipe
-                line = ""
-            if not line:
-                self.proc, self.failed = None, True
+            codes = self._ask({"procs": entries, "timeout": timeout}, [p["script"] for p in procs])
+            if codes is None:
                 return None
-            reply = json.loads(line)
-            if reply.get("timeout"):
-                raise subprocess.TimeoutExpired([p["script"] for p in procs], timeout)
             return [f"{Path(e['script']).name} (child {i}) exit {code}:\n{Path(e['stdout']).read_text()[-2000:]}\n"
                     f"{Path(e['stderr']).read_text(errors='replace')[-3000:]}"
-                    for i, (e, code) in enumerate(zip(entries, reply["codes"])) if code != 0]
+                    for i, (e, code) in enumerate(zip(entries, codes)) if code != 0]
+
+    def _ask(self, request: dict, command: list[str]) -> list[int] | None:
+        """One request to the warm interpreter: its children's exit codes; None when it is gone (what was asked,
+        and what is asked next, starts fresh)."""
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except OSError:  # a broken pipe
+            line = ""
+        if not line:
+            self.proc, self.failed = None, True
+            return None
+        reply = json.loads(line)
+        if reply.get("timeout"):
+            raise subprocess.TimeoutExpired(command, request["timeout"])
+        return reply["codes"]
 
 
 _WARM = _WarmInterpreter()
