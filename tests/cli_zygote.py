@@ -1,21 +1,25 @@
-"""A warm interpreter for the tests' CLI runs (``conftest.run_cli``): it imports torch, transformers' Llama and
-layerdiff's CLI once, then forks one child per request, and the child runs ``layerdiff.cli.main`` as
-``python -m layerdiff`` would, in a process of its own (its working directory, environment, stdin, stdout and
-stderr set as asked; exit code, traceback and ``atexit`` handlers as the interpreter's).
+"""A warm interpreter for the processes the tests start (``conftest.run_cli``, ``conftest.launch``,
+``conftest.run_scripts``): it imports one framework and layerdiff's CLI once, then forks one child per process asked
+for, and the child runs ``layerdiff.cli.main`` as ``python -m layerdiff`` would, or a script as ``python SCRIPT
+ARGS`` would (``__main__``, its folder first on ``sys.path``): in a process of its own, its working directory,
+environment, stdin, stdout and stderr set as asked; exit code, traceback and ``atexit`` handlers as the
+interpreter's.
 
-Why: a fresh interpreter spent ~4.5 s of every torch CLI run importing torch and transformers (a third of the
-suite's CPU time). It is safe to fork here only because this process never computes with torch: OpenMP's worker
-threads start at the first parallel operation, and a child forked after that hangs in its own first one.
+Why: a fresh interpreter spends seconds importing a framework (torch with transformers or Megatron-core: 7 s of CPU;
+MindSpore 2.7 s; Paddle 1.8 s), and the suite starts hundreds of such processes. It is safe to fork here only because
+this process never computes with the framework: OpenMP's worker threads start at the first parallel operation, and
+a child forked after that hangs in its own first one.
 
-Protocol: one JSON request per line on stdin ({argv, cwd, env, stdout, stderr, timeout}), one JSON reply per line
-on stdout ({codes: [code]} or {timeout: true}); "ready" first.
+One interpreter per framework serves the whole test session: every test worker connects to its Unix socket (the
+first to need it starts it, under a lock). Each connection is served by a process forked for it, so the workers'
+requests run side by side. It exits when the session's owner process (pytest's controller) is gone.
 
-Scripts too (``conftest.launch``, ``conftest.run_scripts``): a request {procs: [{script, args, cwd, env, stdout,
-stderr}], timeout} forks one child per entry, all at once, each running its script as ``python SCRIPT ARGS`` would
-(``__main__``, its folder first on ``sys.path``); the reply is {codes: [...]} once all have exited. The ranks of a
-launch are such children, each given the environment torchrun gives a rank; when one fails, the others are given
-``GRACE`` seconds, then killed, as torchrun stops a job whose rank failed. Started with ``--preload MODULE ...``, the
-interpreter imports those too (Megatron-core: 3 s more, once, instead of 7 s in every rank).
+Protocol, per connection: one JSON request per line ({procs: [{argv | script+args, cwd, env, stdout, stderr}],
+timeout}), one JSON reply per line: {codes: [...]} once all its children have exited, or {timeout: true}. The
+children of one request are forked at once (the ranks of a launch); when one fails, the others are given ``GRACE``
+seconds, then killed, as torchrun stops a job whose rank failed.
+
+Started as ``cli_zygote.py SOCKET OWNER_PID MODULE...``: it imports the modules, listens, prints "ready".
 """
 from __future__ import annotations
 
@@ -24,15 +28,12 @@ import importlib
 import json
 import os
 import runpy
+import select
 import signal
+import socket
 import sys
 import time
 import traceback
-
-import torch  # noqa: F401  imported, never computed with (see above)
-import transformers.models.llama.modeling_llama  # noqa: F401
-
-import layerdiff.cli
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -66,6 +67,8 @@ def _child(request: dict) -> None:
         sys.stderr = open(2, "w", closefd=False)
         script = request.get("script")
         if script is None:  # a CLI run
+            import layerdiff.cli
+
             sys.path[0] = request["cwd"]  # as ``python -m`` puts it first (here it was this file's directory)
             sys.argv = [os.path.join(os.path.dirname(layerdiff.cli.__file__), "__main__.py"), *request["argv"]]
         else:
@@ -118,23 +121,70 @@ def _wait_all(pids: list[int], timeout: float) -> dict:
     return {"codes": [codes[pid] for pid in pids]}
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    if args[:1] == ["--preload"]:
-        for module in args[1:]:
-            importlib.import_module(module)  # imported, never computed with
-    print("ready", flush=True)
-    for line in sys.stdin:
+def _serve(conn: socket.socket) -> None:
+    """One test worker's connection: its requests, one at a time, until it closes."""
+    stream = conn.makefile("rw")
+    for line in stream:
         request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
         pids = []
-        for entry in request.get("procs", [request]):
+        for entry in request["procs"]:
             pid = os.fork()
             if pid == 0:
+                stream.close()
+                conn.close()
                 _child(entry)
             pids.append(pid)
-        print(json.dumps(_wait_all(pids, request["timeout"])), flush=True)
+        stream.write(json.dumps(_wait_all(pids, request["timeout"])) + "\n")
+        stream.flush()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main() -> None:
+    path, owner, modules = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    for module in modules:
+        importlib.import_module(module)  # imported, never computed with
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):  # the worker that started this one may exit first: nothing more is written to its pipe
+        os.dup2(devnull, fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # connection servers are reaped as they exit
+    try:
+        while _alive(owner):
+            ready, _, _ = select.select([listener], [], [], 1.0)
+            if not ready:
+                continue
+            conn, _ = listener.accept()
+            if os.fork() == 0:
+                listener.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this one waits for its children
+                try:
+                    _serve(conn)
+                finally:
+                    os._exit(0)
+            conn.close()
+    finally:  # the session is over: its socket, lock and folder go
+        folder, name = os.path.split(path)
+        for leftover in (path, os.path.join(folder, name.replace(".sock", ".lock"))):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+        try:
+            os.rmdir(folder)
+        except OSError:  # another interpreter's files are still there
+            pass
 
 
 if __name__ == "__main__":

@@ -151,11 +151,11 @@ def launch(root, name: str, code: str, launcher: list[str], warm: bool = True) -
     script = root / f"{name}.py"
     script.write_text(textwrap.dedent(code))
     ranks = _standalone_ranks(launcher)
-    if warm and ranks and _torch_only_code(code) and _WARM_SCRIPTS.usable():
+    if warm and ranks and _framework_of([code]) == "torch" and _WARM["torch"].usable():
         port = _free_port()
         procs = [{"script": str(script), "args": [str(root)], "cwd": str(root),
                   "env": {**os.environ, **_torchrun_environment(rank, ranks, port)}} for rank in range(ranks)]
-        failures = _WARM_SCRIPTS.run_procs(procs, timeout=600)
+        failures = _WARM["torch"].ask_procs(procs, timeout=600)()
         if failures is not None:
             assert not failures, f"{name}:\n" + "\n".join(failures)
             return
@@ -189,33 +189,33 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torch_only_code(code: str) -> bool:
-    """Whether a script names no framework other than torch (those start bare: see ``_OTHER_FRAMEWORKS``)."""
-    return not any(name in code.lower() for name in _OTHER_FRAMEWORKS)
-
-
 def run_scripts(root, scripts: dict, timeout=300):
     """Run {name: python source} side by side, each in its own interpreter with ``root`` as argv[1]
-    (one framework per process: imports are slow, and some frameworks must not share a process). Torch-only
-    scripts are forked from a warm interpreter (see ``launch``); the others start bare, first."""
+    (one framework per process: imports are slow, and some frameworks must not share a process). Each is forked
+    from the warm interpreter of the framework it names (see ``launch``); one that names two starts bare, and so
+    does a Paddle or MindSpore script that touches ``os.environ`` (they read variables as they are imported)."""
     import textwrap
 
-    procs, warm = [], []
+    fresh, warm = [], {}
     for name, code in scripts.items():
         path = root / f"make_{name}.py"
         path.write_text(textwrap.dedent(code))
-        if _torch_only_code(code) and _WARM_SCRIPTS.usable():
-            warm.append((name, {"script": str(path), "args": [str(root)], "cwd": str(Path.cwd()),
-                                "env": dict(os.environ)}))
+        kind = _framework_of([code])
+        kind = None if kind != "torch" and "os.environ" in code else kind
+        if kind is not None and _WARM[kind].usable():
+            warm.setdefault(kind, []).append((name, {"script": str(path), "args": [str(root)], "cwd": str(Path.cwd()),
+                                                    "env": dict(os.environ)}))
             continue
-        procs.append((name, _start_script(path, root)))
-    if warm:
-        failures = _WARM_SCRIPTS.run_procs([entry for _, entry in warm], timeout=timeout)
+        fresh.append((name, _start_script(path, root)))
+    asked = [(entries, _WARM[kind].ask_procs([entry for _, entry in entries], timeout))
+             for kind, entries in warm.items()]  # all asked at once: the frameworks' scripts run side by side
+    for entries, pending in asked:
+        failures = pending()
         if failures is None:  # the warm interpreter is gone: these start bare
-            procs += [(name, _start_script(Path(entry["script"]), root)) for name, entry in warm]
+            fresh += [(name, _start_script(Path(entry["script"]), root)) for name, entry in entries]
         else:
             assert not failures, "script failed:\n" + "\n".join(failures)
-    for name, proc in procs:
+    for name, proc in fresh:
         stdout, stderr = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, f"{name} script failed:\n{stdout}\n{stderr[-4000:]}"
 
@@ -226,16 +226,17 @@ def _start_script(path: Path, root) -> subprocess.Popen:
 
 
 def run_cli(*args, cwd=None, timeout=300, env: dict[str, str] | None = None):
-    """The real CLI in a process of its own: (returncode, stdout, stderr). A run that imports no framework but
-    torch (or none: ``FRAMEWORK_FREE``) is forked from a warm interpreter (``cli_zygote.py``: torch and
-    transformers imported once per test worker); any other runs in a fresh ``python -m layerdiff``. ``env``: the
-    variables that run is given besides the test's own (of those Python reads at start, only
-    ``PYTHONDONTWRITEBYTECODE`` can be given to a forked run)."""
+    """The real CLI in a process of its own: (returncode, stdout, stderr). The run is forked from the warm
+    interpreter of the framework it names (``_framework_of_run``: torch where it names none, and for
+    ``FRAMEWORK_FREE`` commands); one that names two runs in a fresh ``python -m layerdiff``. ``env``: the variables
+    that run is given besides the test's own (of those Python reads at start, only ``PYTHONDONTWRITEBYTECODE`` can be
+    given to a forked run)."""
     argv = [str(a) for a in args]
     extra = env or {}
     forkable = all(k == "PYTHONDONTWRITEBYTECODE" or not k.startswith("PYTHON") for k in extra)
-    if forkable and (argv[:1] in FRAMEWORK_FREE or _torch_only(argv, cwd)) and _WARM.usable():
-        done = _WARM.run(argv, cwd, timeout, extra)
+    kind = "torch" if argv[:1] in FRAMEWORK_FREE else _framework_of_run(argv, cwd)
+    if forkable and kind is not None and _WARM[kind].usable():
+        done = _WARM[kind].run(argv, cwd, timeout, extra)
         if done is not None:
             return done
     proc = subprocess.run([sys.executable, "-m", "layerdiff", *argv], capture_output=True, text=True,
@@ -282,43 +283,55 @@ def run_cli_each(*runs: list, timeout=600) -> list[tuple[int, str, str]]:
 
 def run_cli_runs(*runs: list, timeout=600) -> tuple[int, str, str]:
     """``run_cli_each``, stopping at the first run that fails: (returncode, stdout, stderr) of them together."""
-    results, proc = _cli_runs(runs, stop=True, timeout=timeout)
+    results, stderr = _cli_runs(runs, stop=True, timeout=timeout)
     failed = next((r for r in results if r[0]), None)
-    return (failed[0] if failed else 0, "".join(r[1] for r in results),
-            "".join(r[2] for r in results) + proc.stderr)
+    return (failed[0] if failed else 0, "".join(r[1] for r in results), "".join(r[2] for r in results) + stderr)
 
 
-def _cli_runs(runs: tuple, stop: bool, timeout: float) -> tuple[list, subprocess.CompletedProcess]:
-    """[(returncode, stdout, stderr)] of each run made, and the interpreter's own process."""
+def _cli_runs(runs: tuple, stop: bool, timeout: float) -> tuple[list, str]:
+    """[(returncode, stdout, stderr)] of each run made, and what the interpreter itself wrote on stderr."""
     argvs = [[str(a) for a in run] for run in runs]
+    kind = _framework_of_run([a for argv in argvs for a in argv], None)
     with tempfile.TemporaryDirectory() as scratch:
-        results = Path(scratch) / "results.json"
-        proc = subprocess.run([sys.executable, "-c", _CLI_RUNS, json.dumps(argvs), str(results),
-                               "stop" if stop else "all"], capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0 and results.exists(), f"the CLI runs' interpreter died:\n{proc.stderr[-4000:]}"
-        return [tuple(r) for r in json.loads(results.read_text())], proc
+        results, script = Path(scratch) / "results.json", Path(scratch) / "cli_runs.py"
+        script.write_text(_CLI_RUNS)
+        args = [json.dumps(argvs), str(results), "stop" if stop else "all"]
+        done = _WARM[kind].run_script(script, args, timeout) if kind is not None and _WARM[kind].usable() else None
+        if done is None:
+            proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                                  timeout=timeout)
+            done = proc.returncode, proc.stderr
+        assert done[0] == 0 and results.exists(), f"the CLI runs' interpreter died:\n{done[1][-4000:]}"
+        return [tuple(r) for r in json.loads(results.read_text())], done[1]
 
 
-# the other frameworks, as their recipes, flags and scripts name them: such runs must start bare (mindspore before
-# paddle in one process; neither after a torch-only warm start is known to be safe)
-_OTHER_FRAMEWORKS = ("paddle", "mindspore", "mindformers", "msrun")
+# the frameworks other than torch, by the words their recipes, flags and scripts use; a run naming two starts bare
+# (mindspore must be imported before paddle in one process), and so does one naming a launcher
+_FRAMEWORK_WORDS = {"paddle": ("paddle",), "mindspore": ("mindspore", "mindformers")}
+_LAUNCHER_WORDS = ("msrun",)
 
 
-def _torch_only(argv: list[str], cwd) -> bool:
-    """Whether a CLI run names no framework other than torch: in its arguments, or in a script it is given."""
+def _framework_of(texts: list[str]) -> str | None:
+    """The warm interpreter a process whose arguments or code are ``texts`` can be forked from: the one framework
+    other than torch they name, else torch; None (start it bare) where they name two, or a launcher."""
+    lowered = "\n".join(texts).lower()
+    if any(word in lowered for word in _LAUNCHER_WORDS):
+        return None
+    named = [kind for kind, words in _FRAMEWORK_WORDS.items() if any(word in lowered for word in words)]
+    return None if len(named) > 1 else (named[0] if named else "torch")
+
+
+def _framework_of_run(argv: list[str], cwd) -> str | None:
+    """``_framework_of`` a CLI run: its arguments, and the scripts (``FILE.py`` or ``FILE.py:NAME``) they name."""
+    texts = list(argv)
     for arg in argv:
-        if any(name in arg.lower() for name in _OTHER_FRAMEWORKS):
-            return False
         script = arg.split(":", 1)[0]
         if script.endswith(".py"):
-            path = Path(cwd or ".") / script
             try:
-                text = path.read_text(errors="replace").lower()
+                texts.append((Path(cwd or ".") / script).read_text(errors="replace"))
             except OSError:
                 continue
-            if any(name in text for name in _OTHER_FRAMEWORKS):
-                return False
-    return True
+    return _framework_of(texts)
 
 
 def _startup_environment() -> dict[str, str]:
@@ -326,81 +339,124 @@ def _startup_environment() -> dict[str, str]:
 
 
 class _WarmInterpreter:
-    """One ``cli_zygote.py`` per test process, started at its first use and stopped at exit. ``preload``: the
-    modules it imports besides torch and transformers' Llama, those that are installed."""
+    """A ``cli_zygote.py`` importing ``modules`` (those installed), shared by the session's test workers: the first
+    to need it starts it, under a lock, and each connects to its socket. It exits with the session."""
 
-    def __init__(self, preload: tuple[str, ...] = ()):
-        self.proc: subprocess.Popen | None = None
-        self.failed = not _installed("torch") or not _installed("transformers")
+    def __init__(self, kind: str, modules: tuple[str, ...]):
+        self.kind, self.modules = kind, modules
+        self.stream = None
+        self.failed = not _installed(kind)
         self.startup = _startup_environment()
-        self.preload = preload
 
     def usable(self) -> bool:
-        """Started, or startable; not where a variable the interpreter reads at start (``PYTHONPATH``,
+        """Connected, or connectable; not where a variable the interpreter reads at start (``PYTHONPATH``,
         ``PYTHONDONTWRITEBYTECODE``, ...) changed since: a forked child would not see the change."""
         if _startup_environment() != self.startup:
             return False
-        if self.proc is None and not self.failed:
-            preload = [m for m in self.preload if _installed(m.partition(".")[0])]  # no parent imported here
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py")),
-                                          *(["--preload", *preload] if preload else [])],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                         text=True)
-            if self.proc.stdout.readline().strip() != "ready":
-                self.proc.kill()
-                self.proc, self.failed = None, True
-            else:
-                atexit.register(self.proc.kill)
-        return self.proc is not None
+        if self.stream is None and not self.failed:
+            self._connect()
+        return self.stream is not None
+
+    def _connect(self) -> None:
+        import fcntl
+        import socket
+
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+        owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()  # xdist's controller
+        folder = Path(tempfile.gettempdir()) / f"layerdiff-warm-{run}"
+        folder.mkdir(exist_ok=True)
+        path, failed = folder / f"{self.kind}.sock", folder / f"{self.kind}.failed"
+        with open(folder / f"{self.kind}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists() and not failed.exists():
+                modules = [m for m in self.modules if _installed(m.partition(".")[0])]  # no parent imported here
+                proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py")), str(path),
+                                         str(owner), *modules], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+                if proc.stdout.readline().strip() != "ready":
+                    proc.kill()
+                    failed.touch()
+                proc.stdout.close()
+            if failed.exists():
+                self.failed = True
+                return
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(str(path))
+            self.stream = conn.makefile("rw")
 
     def run(self, argv: list[str], cwd, timeout: float, env: dict[str, str] | None = None
             ) -> tuple[int, str, str] | None:
+        """A CLI run: (returncode, stdout, stderr); None when the interpreter is gone (start it bare)."""
         with tempfile.TemporaryDirectory(prefix="layerdiff-cli-") as d:
             out, err = Path(d) / "stdout", Path(d) / "stderr"
             request = {"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": {**os.environ, **(env or {})},
                        "stdout": str(out), "stderr": str(err)}
-            codes = self._ask({"procs": [request], "timeout": timeout}, ["layerdiff", *argv])
+            codes = self._ask([request], timeout, ["layerdiff", *argv])()
             if codes is None:
                 return None
             return codes[0], out.read_text(errors="replace"), err.read_text(errors="replace")
 
-    def run_procs(self, procs: list[dict], timeout: float) -> list[str] | None:
-        """Scripts forked at once ({script, args, cwd, env} each) and waited for together: for each that failed, a
-        line and its output's tail ([]: none failed); None when the warm interpreter is gone (start them bare)."""
-        with tempfile.TemporaryDirectory(prefix="layerdiff-scripts-") as d:
-            entries = [{**p, "stdout": str(Path(d) / f"{i}.out"), "stderr": str(Path(d) / f"{i}.err")}
-                       for i, p in enumerate(procs)]
-            codes = self._ask({"procs": entries, "timeout": timeout}, [p["script"] for p in procs])
-            if codes is None:
-                return None
-            return [f"{Path(e['script']).name} (child {i}) exit {code}:\n{Path(e['stdout']).read_text()[-2000:]}\n"
-                    f"{Path(e['stderr']).read_text(errors='replace')[-3000:]}"
-                    for i, (e, code) in enumerate(zip(entries, codes)) if code != 0]
+    def run_script(self, script: Path, args: list[str], timeout: float) -> tuple[int, str] | None:
+        """``python SCRIPT ARGS`` in this process's working directory and environment: (returncode, stderr)."""
+        with tempfile.TemporaryDirectory(prefix="layerdiff-script-") as d:
+            err = Path(d) / "stderr"
+            request = {"script": str(script), "args": args, "cwd": str(Path.cwd()), "env": dict(os.environ),
+                       "stdout": os.devnull, "stderr": str(err)}
+            codes = self._ask([request], timeout, [str(script), *args])()
+            return None if codes is None else (codes[0], err.read_text(errors="replace"))
 
-    def _ask(self, request: dict, command: list[str]) -> list[int] | None:
-        """One request to the warm interpreter: its children's exit codes; None when it is gone (what was asked,
-        and what is asked next, starts fresh)."""
+    def ask_procs(self, procs: list[dict], timeout: float):
+        """Scripts forked at once ({script, args, cwd, env} each); returns the wait for them: for each that failed,
+        a line and its output's tail ([]: none failed), or None when the interpreter is gone (start them bare)."""
+        folder = tempfile.TemporaryDirectory(prefix="layerdiff-scripts-")
+        entries = [{**p, "stdout": f"{folder.name}/{i}.out", "stderr": f"{folder.name}/{i}.err"}
+                   for i, p in enumerate(procs)]
+        pending = self._ask(entries, timeout, [p["script"] for p in procs])
+
+        def wait() -> list[str] | None:
+            with folder:
+                codes = pending()
+                if codes is None:
+                    return None
+                return [f"{Path(e['script']).name} (child {i}) exit {code}:\n"
+                        f"{Path(e['stdout']).read_text()[-2000:]}\n{Path(e['stderr']).read_text(errors='replace')[-3000:]}"
+                        for i, (e, code) in enumerate(zip(entries, codes)) if code != 0]
+        return wait
+
+    def _ask(self, procs: list[dict], timeout: float, command: list[str]):
+        """Send one request; returns the wait for its reply: the children's exit codes, or None when the
+        interpreter is gone (what was asked, and what is asked next, starts bare)."""
         try:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            self.stream.write(json.dumps({"procs": procs, "timeout": timeout}) + "\n")
+            self.stream.flush()
         except OSError:  # a broken pipe
-            line = ""
-        if not line:
-            self.proc, self.failed = None, True
-            return None
-        reply = json.loads(line)
-        if reply.get("timeout"):
-            raise subprocess.TimeoutExpired(command, request["timeout"])
-        return reply["codes"]
+            self.stream, self.failed = None, True
+
+        def reply() -> list[int] | None:
+            try:
+                line = self.stream.readline() if self.stream is not None else ""
+            except OSError:
+                line = ""
+            if not line:
+                self.stream, self.failed = None, True
+                return None
+            answer = json.loads(line)
+            if answer.get("timeout"):
+                raise subprocess.TimeoutExpired(command, timeout)
+            return answer["codes"]
+        return reply
 
 
-_WARM = _WarmInterpreter()
-# scripts and ranks (``launch``, ``run_scripts``): Megatron-core imported too, once
-_WARM_SCRIPTS = _WarmInterpreter(preload=("torch.distributed", "transformers.models.mixtral.modeling_mixtral",
-                                          "transformers.models.qwen2.modeling_qwen2", "megatron.core",
-                                          "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
-                                          "megatron.core.pipeline_parallel", "megatron.core.distributed"))
+# the warm interpreters, one per framework: what each imports (never computes with) before it forks
+_WARM = {
+    "torch": _WarmInterpreter("torch", (
+        "torch", "torch.distributed", "transformers.models.llama.modeling_llama",
+        "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen2.modeling_qwen2", "megatron.core",
+        "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.pipeline_parallel",
+        "megatron.core.distributed", "layerdiff.cli")),
+    "paddle": _WarmInterpreter("paddle", ("paddle", "layerdiff.cli")),
+    "mindspore": _WarmInterpreter("mindspore", ("mindspore", "layerdiff.cli")),
+}
 
 
 class NumpyTensors:
