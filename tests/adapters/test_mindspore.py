@@ -12,14 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("mindspore")
+from layerdiff.tracefile.reader import open_trace
+from layerdiff.recipes.llama_shared import DEFECTS  # the MindSpore recipe's (no framework imported here)
 
-from layerdiff.tracefile.reader import open_trace  # noqa: E402
-from layerdiff.recipes.mindspore_llama import DEFECTS  # noqa: E402  (imports mindspore: no torch here yet)
+from conftest import align_files, run_scripts, skip_unless_installed
 
-from conftest import align_files, run_scripts  # noqa: E402
-
-pytest.importorskip("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
+skip_unless_installed("mindspore")
+skip_unless_installed("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
 
 pytestmark = [pytest.mark.slow, pytest.mark.mindspore, pytest.mark.torch]
 

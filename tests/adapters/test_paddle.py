@@ -11,10 +11,10 @@ import pytest
 
 from layerdiff.tracefile.reader import open_trace
 
-from conftest import align_files, run_scripts
+from conftest import align_files, run_scripts, skip_unless_installed
 
-pytest.importorskip("paddle")
-pytest.importorskip("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
+skip_unless_installed("paddle")
+skip_unless_installed("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
 
 pytestmark = [pytest.mark.slow, pytest.mark.paddle, pytest.mark.torch]
 

@@ -3,14 +3,13 @@
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("mindspore")  # before paddle, as in conftest.py
-pytest.importorskip("paddle")
+from layerdiff.checkpoints import safetensors_io
+from layerdiff.recipes.llama_shared import DEFECTS  # every port's (no framework imported here)
 
-from layerdiff.checkpoints import safetensors_io  # noqa: E402
-from layerdiff.recipes.torch_llama import DEFECTS  # noqa: E402
+from conftest import run_cli, run_cli_runs, skip_unless_installed
 
-from conftest import run_cli, run_cli_runs  # noqa: E402
+for _framework in ("torch", "mindspore", "paddle"):  # each runs in processes of its own
+    skip_unless_installed(_framework)
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.paddle, pytest.mark.mindspore]
 

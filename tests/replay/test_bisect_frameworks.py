@@ -8,12 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import run_cli, run_cli_each
+from conftest import run_cli, run_cli_each, skip_unless_installed
 from layerdiff.recipes.llama_shared import DEFECTS, FAILURES
 
-pytest.importorskip("torch")
-pytest.importorskip("mindspore")  # before paddle, as in conftest.py
-pytest.importorskip("paddle")
+for _framework in ("torch", "mindspore", "paddle"):  # each runs in processes of its own
+    skip_unless_installed(_framework)
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.paddle, pytest.mark.mindspore]
 
