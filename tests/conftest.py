@@ -145,7 +145,7 @@ def launch(root, name: str, code: str, launcher: list[str], warm: bool = True) -
     A torchrun launch of torch-only code (``--standalone --nproc-per-node N``) runs its N ranks as children forked
     from a warm interpreter, each given the environment torchrun gives a rank (``_torchrun_environment``): real
     processes on real gloo ranks, without importing torch, transformers and Megatron-core again in each (7 s of CPU
-    a rank, a fifth of the suite's). ``warm=False``: through torchrun itself."""
+    a rank, a fifth of the suite's). ``warm=False``: through torchrun itself (``tests/runs/test_distributed.py`` keeps one such launch)."""
     import textwrap
 
     script = root / f"{name}.py"

@@ -1,5 +1,6 @@
-"""Runs of ranks launched as the other stacks launch them: Megatron-core tensor parallelism (torchrun), PaddlePaddle
-auto-parallel tensor parallelism (``paddle.distributed.launch``) and MindSpore data parallelism (``msrun``)."""
+"""Runs of ranks launched as the other stacks launch them: Megatron-core tensor parallelism (torchrun's ranks, forked
+with its environment by ``conftest.launch``), PaddlePaddle auto-parallel tensor parallelism (``paddle.distributed.
+launch`` itself) and MindSpore data parallelism (``msrun`` itself)."""
 from __future__ import annotations
 
 import json
@@ -53,8 +54,7 @@ def test_megatron_tensor_parallel_2_against_hf_and_against_itself_at_1(tmp_path,
     pytest.importorskip("megatron.core")
     from layerdiff.recipes.megatron_llama import DEFECTS
 
-    launch(tmp_path, "mg_tp", MEGATRON_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
-           warm=False)  # as Megatron's ranks are launched: by torchrun itself
+    launch(tmp_path, "mg_tp", MEGATRON_SCRIPT, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
     code, _, err = run_cli("trace", "megatron_llama", "-o", tmp_path / "mg1.h5", "-q")
     assert code == 0, err
     hf = recipe_trace()
