@@ -103,6 +103,8 @@ class RuleSet:
     fused_ops: tuple = ()  # FusedOpRule
     op_arguments: dict = field(default_factory=dict)  # argument name synonym -> canonical name (``axis``: dim)
     bias_beside_output: tuple = ()  # model classes whose modules may return (output, bias) for the caller to add
+    # type name -> family, filled as asked: every module of every trace asks, and the patterns are many
+    _families_found: dict = field(default_factory=dict, compare=False, repr=False)
 
     def op_kind(self, kind: str) -> str:
         """The canonical kind of an operation: ``true_divide`` and ``div`` are both ``div``."""
@@ -159,6 +161,12 @@ class RuleSet:
     def family(self, type_name: str | None) -> str:
         """A class's type family: patterns match its lower-cased name, and one written with capitals its name as
         written (transformers' ``Conv1D``, a linear, is not torch's ``Conv1d``)."""
+        found = self._families_found.get(type_name)
+        if found is None:
+            found = self._families_found[type_name] = self._family_by_patterns(type_name)
+        return found
+
+    def _family_by_patterns(self, type_name: str | None) -> str:
         name = (type_name or "").lower()
         for pattern, family in self.families:
             if pattern.search(name) or (type_name and pattern.search(type_name)):
