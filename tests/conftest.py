@@ -152,7 +152,7 @@ def launch(root, name: str, code: str, launcher: list[str], warm: bool = True) -
     script.write_text(textwrap.dedent(code))
     ranks = _standalone_ranks(launcher)
     if warm and ranks and _framework_of([code]) == "torch" and _WARM["torch"].usable():
-        port = _free_port()
+        port = free_port()
         procs = [{"script": str(script), "args": [str(root)], "cwd": str(root),
                   "env": {**os.environ, **_torchrun_environment(rank, ranks, port)}} for rank in range(ranks)]
         failures = _WARM["torch"].ask_procs(procs, timeout=600)()
@@ -181,7 +181,8 @@ def _torchrun_environment(rank: int, ranks: int, port: int) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": f"layerdiff-tests-{port}", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a launch's rendezvous)."""
     import socket
 
     with socket.socket() as sock:

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from layerdiff.tracefile.reader import open_trace  # noqa: E402
 
-from conftest import align_files, launch, run_cli  # noqa: E402
+from conftest import align_files, free_port, launch, run_cli  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -91,20 +91,12 @@ for defect in (None, "weight"):
 """
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.mindspore
 def test_mindspore_data_parallel_ranks_under_msrun(tmp_path):
     pytest.importorskip("mindspore")
     launch(tmp_path, "ms_dp", MINDSPORE_SCRIPT,
            ["mindspore.parallel.cluster.run", "--worker_num=2", "--local_worker_num=2", "--join=True",
-            f"--master_port={_free_port()}", f"--log_dir={tmp_path / 'logs'}"])
+            f"--master_port={free_port()}", f"--log_dir={tmp_path / 'logs'}"])
     for rank in (0, 1):
         with open_trace(tmp_path / "ms_clean" / f"rank{rank}.h5") as reader:
             assert reader.meta["distributed"] == {**reader.meta["distributed"], "rank": rank, "world_size": 2}
