@@ -1,7 +1,8 @@
 """A warm interpreter for the processes the tests start (``conftest.run_cli``, ``conftest.launch``,
-``conftest.run_scripts``): it imports one framework and layerdiff's CLI once, then forks one child per process asked
-for, and the child runs ``layerdiff.cli.main`` as ``python -m layerdiff`` would, or a script as ``python SCRIPT
-ARGS`` would (``__main__``, its folder first on ``sys.path``): in a process of its own, its working directory,
+``conftest.run_scripts``, ``conftest.run_python``): it imports one framework and layerdiff's CLI once, then forks one
+child per process asked for, and the child runs ``layerdiff.cli.main`` as ``python -m layerdiff`` would, a script as
+``python SCRIPT ARGS`` would (``__main__``, its folder first on ``sys.path``), or code as ``python -c CODE ARGS``
+would: in a process of its own, its working directory,
 environment, stdin, stdout and stderr set as asked; exit code, traceback and ``atexit`` handlers as the
 interpreter's.
 
@@ -14,10 +15,10 @@ One interpreter per framework serves the whole test session: every test worker c
 first to need it starts it, under a lock). Each connection is served by a process forked for it, so the workers'
 requests run side by side. It exits when the session's owner process (pytest's controller) is gone.
 
-Protocol, per connection: one JSON request per line ({procs: [{argv | script+args, cwd, env, stdout, stderr}],
-timeout}), one JSON reply per line: {codes: [...]} once all its children have exited, or {timeout: true}. The
-children of one request are forked at once (the ranks of a launch); when one fails, the others are given ``GRACE``
-seconds, then killed, as torchrun stops a job whose rank failed.
+Protocol, per connection: one JSON request per line ({procs: [{argv | script+args | code+args, cwd, env, stdout,
+stderr}], timeout}), one JSON reply per line: {codes: [...]} once all its children have exited, or {timeout:
+true}. The children of one request are forked at once (the ranks of a launch); when one fails, the others are given
+``GRACE`` seconds, then killed, as torchrun stops a job whose rank failed.
 
 Started as ``cli_zygote.py SOCKET OWNER_PID MODULE...``: it imports the modules, listens, prints "ready".
 """
@@ -65,21 +66,27 @@ def _child(request: dict) -> None:
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", closefd=False)
         sys.stderr = open(2, "w", closefd=False)
-        script = request.get("script")
-        if script is None:  # a CLI run
+        script, source = request.get("script"), request.get("code")
+        if source is not None:  # python -c
+            sys.path[0] = ""  # as ``python -c`` puts it first: the working directory
+            sys.argv = ["-c", *request["args"]]
+        elif script is not None:
+            sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` puts it first
+            sys.argv = [script, *request["args"]]
+        else:  # a CLI run
             import layerdiff.cli
 
             sys.path[0] = request["cwd"]  # as ``python -m`` puts it first (here it was this file's directory)
             sys.argv = [os.path.join(os.path.dirname(layerdiff.cli.__file__), "__main__.py"), *request["argv"]]
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` puts it first
-            sys.argv = [script, *request["args"]]
         try:
-            if script is None:
-                code = layerdiff.cli.main()
-            else:
+            if source is not None:
+                exec(compile(source, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+                code = None
+            elif script is not None:
                 runpy.run_path(script, run_name="__main__")
                 code = None
+            else:
+                code = layerdiff.cli.main()
             code = 0 if code is None else code
         except SystemExit as exc:
             code = _exit_code(exc)

@@ -1,7 +1,6 @@
 """Shared fixtures: real traces of the torch_llama recipe, made once per session and cached by arguments."""
 from __future__ import annotations
 
-import atexit
 import compileall
 import functools
 import importlib.util
@@ -237,12 +236,33 @@ def run_cli(*args, cwd=None, timeout=300, env: dict[str, str] | None = None):
     forkable = all(k == "PYTHONDONTWRITEBYTECODE" or not k.startswith("PYTHON") for k in extra)
     kind = "torch" if argv[:1] in FRAMEWORK_FREE else _framework_of_run(argv, cwd)
     if forkable and kind is not None and _WARM[kind].usable():
-        done = _WARM[kind].run(argv, cwd, timeout, extra)
+        done = _WARM[kind].run({"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": {**os.environ, **extra}},
+                               timeout)
         if done is not None:
             return done
     proc = subprocess.run([sys.executable, "-m", "layerdiff", *argv], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env={**os.environ, **extra})
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def run_python(code: str, *args, cwd=None, timeout=300, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS`` in a process of its own, forked from the warm interpreter of the framework the code
+    and its arguments name (as ``run_scripts``); code that names two, or blocks imports (``sys.modules[name] =
+    None``: it must run where nothing was imported yet), starts bare. ``env`` as ``run_cli``'s."""
+    argv = [str(a) for a in args]
+    extra = env or {}
+    forkable = all(k == "PYTHONDONTWRITEBYTECODE" or not k.startswith("PYTHON") for k in extra)
+    kind = _framework_of([code, *argv])
+    if kind != "torch" and "os.environ" in code or "sys.modules[" in code:
+        kind = None
+    if forkable and kind is not None and _WARM[kind].usable():
+        done = _WARM[kind].run({"code": code, "args": argv, "cwd": str(Path(cwd or ".").resolve()),
+                                "env": {**os.environ, **extra}}, timeout)
+        if done is not None:
+            return subprocess.CompletedProcess([sys.executable, "-c", code, *argv], *done)
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env={**os.environ, **extra})
 
 
 # commands that import no framework whatever their arguments name (a trace of a Paddle run, a folder called mindspore)
@@ -276,9 +296,8 @@ with open(sys.argv[2], "w") as f:
 
 
 def run_cli_each(*runs: list, timeout=600) -> list[tuple[int, str, str]]:
-    """The real CLI's runs (each a list of arguments) in one fresh interpreter, in order: (returncode, stdout,
-    stderr) of each. For runs of one framework other than torch, whose import alone is seconds (MindSpore's ~5 s):
-    it is imported once for them all."""
+    """The real CLI's runs (each a list of arguments) in one interpreter of their own, in order: (returncode,
+    stdout, stderr) of each (``run_python``: forked from the warm interpreter of the framework they name)."""
     return _cli_runs(runs, stop=False, timeout=timeout)[0]
 
 
@@ -292,18 +311,12 @@ def run_cli_runs(*runs: list, timeout=600) -> tuple[int, str, str]:
 def _cli_runs(runs: tuple, stop: bool, timeout: float) -> tuple[list, str]:
     """[(returncode, stdout, stderr)] of each run made, and what the interpreter itself wrote on stderr."""
     argvs = [[str(a) for a in run] for run in runs]
-    kind = _framework_of_run([a for argv in argvs for a in argv], None)
     with tempfile.TemporaryDirectory() as scratch:
-        results, script = Path(scratch) / "results.json", Path(scratch) / "cli_runs.py"
-        script.write_text(_CLI_RUNS)
+        results = Path(scratch) / "results.json"
         args = [json.dumps(argvs), str(results), "stop" if stop else "all"]
-        done = _WARM[kind].run_script(script, args, timeout) if kind is not None and _WARM[kind].usable() else None
-        if done is None:
-            proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                                  timeout=timeout)
-            done = proc.returncode, proc.stderr
-        assert done[0] == 0 and results.exists(), f"the CLI runs' interpreter died:\n{done[1][-4000:]}"
-        return [tuple(r) for r in json.loads(results.read_text())], done[1]
+        proc = run_python(_CLI_RUNS, *args, timeout=timeout)
+        assert proc.returncode == 0 and results.exists(), f"the CLI runs' interpreter died:\n{proc.stderr[-4000:]}"
+        return [tuple(r) for r in json.loads(results.read_text())], proc.stderr
 
 
 # the frameworks other than torch, by the words their recipes, flags and scripts use; a run naming two starts bare
@@ -385,26 +398,16 @@ class _WarmInterpreter:
             conn.connect(str(path))
             self.stream = conn.makefile("rw")
 
-    def run(self, argv: list[str], cwd, timeout: float, env: dict[str, str] | None = None
-            ) -> tuple[int, str, str] | None:
-        """A CLI run: (returncode, stdout, stderr); None when the interpreter is gone (start it bare)."""
-        with tempfile.TemporaryDirectory(prefix="layerdiff-cli-") as d:
+    def run(self, entry: dict, timeout: float) -> tuple[int, str, str] | None:
+        """One process: a CLI run ({argv}), a script ({script, args}) or ``python -c`` ({code, args}), each with its
+        cwd and env: (returncode, stdout, stderr); None when the interpreter is gone (start it bare)."""
+        command = entry.get("argv") or [entry.get("script", "-c"), *entry.get("args", [])]
+        with tempfile.TemporaryDirectory(prefix="layerdiff-run-") as d:
             out, err = Path(d) / "stdout", Path(d) / "stderr"
-            request = {"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": {**os.environ, **(env or {})},
-                       "stdout": str(out), "stderr": str(err)}
-            codes = self._ask([request], timeout, ["layerdiff", *argv])()
+            codes = self._ask([{**entry, "stdout": str(out), "stderr": str(err)}], timeout, command)()
             if codes is None:
                 return None
             return codes[0], out.read_text(errors="replace"), err.read_text(errors="replace")
-
-    def run_script(self, script: Path, args: list[str], timeout: float) -> tuple[int, str] | None:
-        """``python SCRIPT ARGS`` in this process's working directory and environment: (returncode, stderr)."""
-        with tempfile.TemporaryDirectory(prefix="layerdiff-script-") as d:
-            err = Path(d) / "stderr"
-            request = {"script": str(script), "args": args, "cwd": str(Path.cwd()), "env": dict(os.environ),
-                       "stdout": os.devnull, "stderr": str(err)}
-            codes = self._ask([request], timeout, [str(script), *args])()
-            return None if codes is None else (codes[0], err.read_text(errors="replace"))
 
     def ask_procs(self, procs: list[dict], timeout: float):
         """Scripts forked at once ({script, args, cwd, env} each); returns the wait for them: for each that failed,

@@ -6,8 +6,6 @@ a process with torch-before-mindspore import orders); alignment happens here, wi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from layerdiff.tracefile.reader import open_trace
 from layerdiff.recipes.llama_shared import DEFECTS  # the MindSpore recipe's (no framework imported here)
 
-from conftest import align_files, run_scripts, skip_unless_installed
+from conftest import align_files, run_python, run_scripts, skip_unless_installed
 
 skip_unless_installed("mindspore")
 skip_unless_installed("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
@@ -226,7 +224,7 @@ with layerdiff.trace(model, sys.argv[1]):
 def test_training_steps_with_an_optimizer(tmp_path):
     """Two value_and_grad + nn.SGD steps: per-step parameter values, gradients, and w1 = w0 - lr * g0."""
     path = tmp_path / "sgd.h5"
-    proc = subprocess.run([sys.executable, "-c", SGD_SCRIPT, str(path)], capture_output=True, text=True)
+    proc = run_python(SGD_SCRIPT, path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open_trace(path) as r:
         assert r.end.steps == 2

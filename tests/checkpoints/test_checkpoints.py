@@ -3,8 +3,6 @@ import argparse
 import json
 import os
 import pickle
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -14,6 +12,8 @@ from layerdiff import checkpoints
 from layerdiff.checkpoints import diff, file_digest, open_checkpoint, register, run
 from layerdiff.match.rename import RenameRules
 from layerdiff.errors import LayerdiffError
+
+from conftest import run_python
 
 torch = pytest.importorskip("torch")
 
@@ -64,8 +64,7 @@ def _small_weights():
 
 
 def _subprocess(code, tmp_path):
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
+    r = run_python(textwrap.dedent(code), cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -243,7 +242,7 @@ def test_torch_code_payload_refused(tmp_path):
     code = ("import sys; from layerdiff.checkpoints import open_checkpoint; from layerdiff.errors import "
             "LayerdiffError\ntry: open_checkpoint(sys.argv[1])\nexcept LayerdiffError as e: "
             "print(e, file=sys.stderr); sys.exit(2)")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "evil.pt")], capture_output=True, text=True)
+    r = run_python(code, tmp_path / "evil.pt")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "refused" in r.stderr
     assert not marker.exists()
 

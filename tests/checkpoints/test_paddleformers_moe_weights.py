@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from conftest import run_python
 
 pytestmark = [pytest.mark.torch, pytest.mark.paddle, pytest.mark.slow, pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "paddle", "paddleformers")),
@@ -96,7 +96,7 @@ for model_type in sys.argv[2:]:
 
 
 def _run(code: str, *args) -> None:
-    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+    done = run_python(code, *args)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -65,9 +63,8 @@ def trace_all(root: Path, runs: dict[str, tuple[str, ...]], window: str = BLOCK)
 
 def align(root: Path, a: Path, b: Path) -> dict:
     report = root / f"{a.stem}-{b.stem}.json"
-    done = subprocess.run([sys.executable, "-m", "layerdiff", "align", str(a), str(b), "--json", str(report)],
-                          capture_output=True, text=True)
-    assert done.returncode in (0, 1), done.stderr[-2000:]
+    code, _, err = conftest.run_cli("align", a, b, "--json", report)
+    assert code in (0, 1), err[-2000:]
     return json.loads(report.read_text())
 
 
@@ -242,5 +239,5 @@ print("restored")
 @pytest.mark.parametrize("port", PORTS)
 def test_the_frameworks_functions_are_restored_after_a_trace_that_raised(tmp_path, port):
     script = RESTORED[port] + RAISE.replace("{path}", str(tmp_path / "t.h5"))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = conftest.run_python(script)
     assert done.returncode == 0 and "restored" in done.stdout, done.stderr[-2000:]

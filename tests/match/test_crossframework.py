@@ -6,7 +6,7 @@ import pytest
 from layerdiff.checkpoints import safetensors_io
 from layerdiff.recipes.llama_shared import DEFECTS  # every port's (no framework imported here)
 
-from conftest import run_cli, run_cli_runs, skip_unless_installed
+from conftest import run_cli, run_cli_runs, run_python, skip_unless_installed
 
 for _framework in ("torch", "mindspore", "paddle"):  # each runs in processes of its own
     skip_unless_installed(_framework)
@@ -65,10 +65,7 @@ def test_weights_round_trip_bit_exactly_through_another_framework(tmp_path, via)
               "m = r.build(seed=5)['model']\n"
               f"import_weights(m, {str(tmp_path / 'torch.safetensors')!r})\n"
               f"export_weights(m, {str(tmp_path / 'back.safetensors')!r})\n")
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    proc = run_python(script)
     assert proc.returncode == 0, proc.stderr
     before, _ = safetensors_io.load(tmp_path / "torch.safetensors")
     after, meta = safetensors_io.load(tmp_path / "back.safetensors")
