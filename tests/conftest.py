@@ -457,9 +457,13 @@ _WARM = {
         "torch", "torch.distributed", "transformers.models.llama.modeling_llama",
         "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen2.modeling_qwen2", "megatron.core",
         "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.pipeline_parallel",
-        "megatron.core.distributed", "layerdiff.cli")),
-    "paddle": _WarmInterpreter("paddle", ("paddle", "layerdiff.cli")),
-    "mindspore": _WarmInterpreter("mindspore", ("mindspore", "layerdiff.cli")),
+        "megatron.core.distributed", "layerdiff.adapters.torch_adapter", "layerdiff.adapters.torch_ops",
+        "layerdiff.recipes.torch_llama")),
+    "paddle": _WarmInterpreter("paddle", ("paddle", "layerdiff.adapters.paddle_adapter",
+                                          "layerdiff.adapters.paddle_ops", "layerdiff.recipes.paddle_llama")),
+    "mindspore": _WarmInterpreter("mindspore", ("mindspore", "layerdiff.adapters.mindspore_adapter",
+                                                "layerdiff.adapters.mindspore_ops",
+                                                "layerdiff.recipes.mindspore_llama")),
 }
 
 
