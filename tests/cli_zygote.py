@@ -1,10 +1,9 @@
 """A warm interpreter for the processes the tests start (``conftest.run_cli``, ``conftest.launch``,
-``conftest.run_scripts``, ``conftest.run_python``): it imports one framework and layerdiff's CLI once, then forks one
-child per process asked for, and the child runs ``layerdiff.cli.main`` as ``python -m layerdiff`` would, a script as
+``conftest.run_scripts``, ``conftest.run_python``): it imports one framework and layerdiff once, then forks one child
+per process asked for, and the child runs ``layerdiff.cli.main`` as ``python -m layerdiff`` would, a script as
 ``python SCRIPT ARGS`` would (``__main__``, its folder first on ``sys.path``), or code as ``python -c CODE ARGS``
-would: in a process of its own, its working directory,
-environment, stdin, stdout and stderr set as asked; exit code, traceback and ``atexit`` handlers as the
-interpreter's.
+would: in a process of its own, its working directory, environment, stdin, stdout and stderr set as asked; exit
+code, traceback and ``atexit`` handlers as the interpreter's.
 
 Why: a fresh interpreter spends seconds importing a framework (torch with transformers or Megatron-core: 7 s of CPU;
 MindSpore 2.7 s; Paddle 1.8 s), and the suite starts hundreds of such processes. It is safe to fork here only because

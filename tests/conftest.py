@@ -58,12 +58,13 @@ def _installed(module):
         return False
 
 
-def skip_unless_installed(module: str) -> None:
-    """At a test file's top: skip the file where ``module`` is not installed, without importing it. For files whose
-    tests run that framework only in processes they start: each worker collects every file, and importing
-    Megatron-core there cost 3 s of CPU per worker for nothing."""
-    if not _installed(module):
-        pytest.skip(f"{module} is not installed", allow_module_level=True)
+def skip_unless_installed(*modules: str) -> None:
+    """At a test file's top: skip the file where one of ``modules`` is not installed, without importing it. For
+    files whose tests run those frameworks only in processes they start: each worker collects every file, and
+    importing Megatron-core there cost 3 s of CPU per worker for nothing."""
+    for module in modules:
+        if not _installed(module):
+            pytest.skip(f"{module} is not installed", allow_module_level=True)
 
 
 # The files that take longest (their fixtures build real models and launch ranks), longest first, as measured: the
@@ -144,13 +145,14 @@ def launch(root, name: str, code: str, launcher: list[str], warm: bool = True) -
     A torchrun launch of torch-only code (``--standalone --nproc-per-node N``) runs its N ranks as children forked
     from a warm interpreter, each given the environment torchrun gives a rank (``_torchrun_environment``): real
     processes on real gloo ranks, without importing torch, transformers and Megatron-core again in each (7 s of CPU
-    a rank, a fifth of the suite's). ``warm=False``: through torchrun itself (``tests/runs/test_distributed.py`` keeps one such launch)."""
+    a rank, a fifth of the suite's). ``warm=False``: through torchrun itself (``tests/runs/test_distributed.py``
+    keeps one such launch)."""
     import textwrap
 
     script = root / f"{name}.py"
     script.write_text(textwrap.dedent(code))
     ranks = _standalone_ranks(launcher)
-    if warm and ranks and _framework_of([code]) == "torch" and _WARM["torch"].usable():
+    if warm and ranks and _framework_of_code(code) == "torch" and _WARM["torch"].usable():
         port = free_port()
         procs = [{"script": str(script), "args": [str(root)], "cwd": str(root),
                   "env": {**os.environ, **_torchrun_environment(rank, ranks, port)}} for rank in range(ranks)]
@@ -192,16 +194,15 @@ def free_port() -> int:
 def run_scripts(root, scripts: dict, timeout=300):
     """Run {name: python source} side by side, each in its own interpreter with ``root`` as argv[1]
     (one framework per process: imports are slow, and some frameworks must not share a process). Each is forked
-    from the warm interpreter of the framework it names (see ``launch``); one that names two starts bare, and so
-    does a Paddle or MindSpore script that touches ``os.environ`` (they read variables as they are imported)."""
+    from the warm interpreter of the framework it names (see ``launch``; ``_framework_of_code`` says which start
+    bare)."""
     import textwrap
 
     fresh, warm = [], {}
     for name, code in scripts.items():
         path = root / f"make_{name}.py"
         path.write_text(textwrap.dedent(code))
-        kind = _framework_of([code])
-        kind = None if kind != "torch" and "os.environ" in code else kind
+        kind = _framework_of_code(code)
         if kind is not None and _WARM[kind].usable():
             warm.setdefault(kind, []).append((name, {"script": str(path), "args": [str(root)], "cwd": str(Path.cwd()),
                                                     "env": dict(os.environ)}))
@@ -232,37 +233,35 @@ def run_cli(*args, cwd=None, timeout=300, env: dict[str, str] | None = None):
     that run is given besides the test's own (of those Python reads at start, only ``PYTHONDONTWRITEBYTECODE`` can be
     given to a forked run)."""
     argv = [str(a) for a in args]
-    extra = env or {}
-    forkable = all(k == "PYTHONDONTWRITEBYTECODE" or not k.startswith("PYTHON") for k in extra)
     kind = "torch" if argv[:1] in FRAMEWORK_FREE else _framework_of_run(argv, cwd)
-    if forkable and kind is not None and _WARM[kind].usable():
-        done = _WARM[kind].run({"argv": argv, "cwd": str(Path(cwd or ".").resolve()), "env": {**os.environ, **extra}},
-                               timeout)
-        if done is not None:
-            return done
-    proc = subprocess.run([sys.executable, "-m", "layerdiff", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env={**os.environ, **extra})
-    return proc.returncode, proc.stdout, proc.stderr
+    return _forked_or_fresh(kind, {"argv": argv}, [sys.executable, "-m", "layerdiff", *argv], cwd, timeout, env)
 
 
 def run_python(code: str, *args, cwd=None, timeout=300, env: dict[str, str] | None = None
                ) -> subprocess.CompletedProcess:
     """``python -c CODE ARGS`` in a process of its own, forked from the warm interpreter of the framework the code
-    and its arguments name (as ``run_scripts``); code that names two, or blocks imports (``sys.modules[name] =
-    None``: it must run where nothing was imported yet), starts bare. ``env`` as ``run_cli``'s."""
+    and its arguments name (``_framework_of_code``, as ``run_scripts``). ``env`` as ``run_cli``'s."""
     argv = [str(a) for a in args]
+    command = [sys.executable, "-c", code, *argv]
+    done = _forked_or_fresh(_framework_of_code(code, argv), {"code": code, "args": argv}, command, cwd, timeout, env)
+    return subprocess.CompletedProcess(command, *done)
+
+
+def _forked_or_fresh(kind: str | None, entry: dict, command: list[str], cwd, timeout: float,
+                     env: dict[str, str] | None) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr) of one process: forked from ``kind``'s warm interpreter as ``entry`` asks
+    (``_WarmInterpreter.run``), or ``command`` run fresh where it cannot be (no kind, a variable Python reads at
+    start given in ``env``, the interpreter gone)."""
     extra = env or {}
     forkable = all(k == "PYTHONDONTWRITEBYTECODE" or not k.startswith("PYTHON") for k in extra)
-    kind = _framework_of([code, *argv])
-    if kind != "torch" and "os.environ" in code or "sys.modules[" in code:
-        kind = None
     if forkable and kind is not None and _WARM[kind].usable():
-        done = _WARM[kind].run({"code": code, "args": argv, "cwd": str(Path(cwd or ".").resolve()),
-                                "env": {**os.environ, **extra}}, timeout)
+        done = _WARM[kind].run({**entry, "cwd": str(Path(cwd or ".").resolve()), "env": {**os.environ, **extra}},
+                               timeout, command)
         if done is not None:
-            return subprocess.CompletedProcess([sys.executable, "-c", code, *argv], *done)
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env={**os.environ, **extra})
+            return done
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**os.environ, **extra})
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 # commands that import no framework whatever their arguments name (a trace of a Paddle run, a folder called mindspore)
@@ -335,6 +334,16 @@ def _framework_of(texts: list[str]) -> str | None:
     return None if len(named) > 1 else (named[0] if named else "torch")
 
 
+def _framework_of_code(code: str, args: list[str] = ()) -> str | None:
+    """``_framework_of`` code to run (and its arguments), but None (start it bare) for code that blocks imports
+    (``sys.modules[name] = None``: it must run where nothing was imported yet), and for Paddle or MindSpore code that
+    touches ``os.environ`` (they read variables as they are imported)."""
+    kind = _framework_of([code, *args])
+    if "sys.modules[" in code or kind != "torch" and "os.environ" in code:
+        return None
+    return kind
+
+
 def _framework_of_run(argv: list[str], cwd) -> str | None:
     """``_framework_of`` a CLI run: its arguments, and the scripts (``FILE.py`` or ``FILE.py:NAME``) they name."""
     texts = list(argv)
@@ -398,10 +407,9 @@ class _WarmInterpreter:
             conn.connect(str(path))
             self.stream = conn.makefile("rw")
 
-    def run(self, entry: dict, timeout: float) -> tuple[int, str, str] | None:
-        """One process: a CLI run ({argv}), a script ({script, args}) or ``python -c`` ({code, args}), each with its
-        cwd and env: (returncode, stdout, stderr); None when the interpreter is gone (start it bare)."""
-        command = entry.get("argv") or [entry.get("script", "-c"), *entry.get("args", [])]
+    def run(self, entry: dict, timeout: float, command: list[str]) -> tuple[int, str, str] | None:
+        """One process: a CLI run ({argv}) or ``python -c`` ({code, args}), with its cwd and env: (returncode,
+        stdout, stderr); None when the interpreter is gone (start it bare). ``command``: what it stands for."""
         with tempfile.TemporaryDirectory(prefix="layerdiff-run-") as d:
             out, err = Path(d) / "stdout", Path(d) / "stderr"
             codes = self._ask([{**entry, "stdout": str(out), "stderr": str(err)}], timeout, command)()
@@ -422,8 +430,8 @@ class _WarmInterpreter:
                 codes = pending()
                 if codes is None:
                     return None
-                return [f"{Path(e['script']).name} (child {i}) exit {code}:\n"
-                        f"{Path(e['stdout']).read_text()[-2000:]}\n{Path(e['stderr']).read_text(errors='replace')[-3000:]}"
+                return [f"{Path(e['script']).name} (child {i}) exit {code}:\n{Path(e['stdout']).read_text()[-2000:]}"
+                        f"\n{Path(e['stderr']).read_text(errors='replace')[-3000:]}"
                         for i, (e, code) in enumerate(zip(entries, codes)) if code != 0]
         return wait
 

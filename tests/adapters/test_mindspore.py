@@ -15,8 +15,8 @@ from layerdiff.recipes.llama_shared import DEFECTS  # the MindSpore recipe's (no
 
 from conftest import align_files, run_python, run_scripts, skip_unless_installed
 
-skip_unless_installed("mindspore")
-skip_unless_installed("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
+# torch: the torch recipe's trace is the reference for the port (made in a subprocess)
+skip_unless_installed("mindspore", "torch")
 
 pytestmark = [pytest.mark.slow, pytest.mark.mindspore, pytest.mark.torch]
 

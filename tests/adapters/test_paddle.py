@@ -13,8 +13,8 @@ from layerdiff.tracefile.reader import open_trace
 
 from conftest import align_files, run_scripts, skip_unless_installed
 
-skip_unless_installed("paddle")
-skip_unless_installed("torch")  # the torch recipe's trace is the reference for the port (made in a subprocess)
+# torch: the torch recipe's trace is the reference for the port (made in a subprocess)
+skip_unless_installed("paddle", "torch")
 
 pytestmark = [pytest.mark.slow, pytest.mark.paddle, pytest.mark.torch]
 

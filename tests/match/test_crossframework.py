@@ -8,8 +8,7 @@ from layerdiff.recipes.llama_shared import DEFECTS  # every port's (no framework
 
 from conftest import run_cli, run_cli_runs, run_python, skip_unless_installed
 
-for _framework in ("torch", "mindspore", "paddle"):  # each runs in processes of its own
-    skip_unless_installed(_framework)
+skip_unless_installed("torch", "mindspore", "paddle")  # each runs in processes of its own
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.paddle, pytest.mark.mindspore]
 

@@ -16,8 +16,7 @@ from layerdiff.tracefile.reader import open_trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.mindspore]
 
-skip_unless_installed("megatron.core")  # imported only by the processes the tests start
-skip_unless_installed("mindspore")
+skip_unless_installed("megatron.core", "mindspore")  # imported only by the processes the tests start
 
 MEGATRON_DEFECTS = ["eps", "weight", "qkv_part", "fc1_part", "rotary", "owncode", "backward"]
 MINDFORMERS_DEFECTS = ["eps", "act", "weight", "owncode", "rotary", "backward"]

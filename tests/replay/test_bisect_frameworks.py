@@ -11,8 +11,7 @@ import pytest
 from conftest import run_cli, run_cli_each, skip_unless_installed
 from layerdiff.recipes.llama_shared import DEFECTS, FAILURES
 
-for _framework in ("torch", "mindspore", "paddle"):  # each runs in processes of its own
-    skip_unless_installed(_framework)
+skip_unless_installed("torch", "mindspore", "paddle")  # each runs in processes of its own
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.paddle, pytest.mark.mindspore]
 
