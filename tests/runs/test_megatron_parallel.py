@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from layerdiff.runs.ranks import open_run  # noqa: E402
-from layerdiff.tracefile.reader import open_trace  # noqa: E402
+from layerdiff.runs.ranks import open_run
+from layerdiff.tracefile.reader import open_trace
 
-from conftest import align_files, launch, run_scripts, skip_unless_installed  # noqa: E402
+from conftest import align_files, launch, run_scripts, skip_unless_installed
 
 skip_unless_installed("megatron.core")  # imported only by the processes the tests start
 
