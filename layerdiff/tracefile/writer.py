@@ -248,8 +248,7 @@ class TraceWriter:
         try:
             h5py = load_h5py()
             behind = write_behind > 0 and compression is None
-            aligned = dict(alignment_threshold=DATA_CHUNK, alignment_interval=BLOCK) if behind else {}
-            self._file = h5py.File(partial, "w", libver="earliest", locking=False, **aligned)
+            self._file = _create_h5(h5py, partial, aligned=behind)
             self._file.attrs["format"] = FORMAT_NAME
             self._file.attrs["format_version"] = format_version
             meta_text = json.dumps(meta, default=str)
@@ -259,7 +258,7 @@ class TraceWriter:
             self._data: _ReservedBytes | _AppendOnlyBytes
             self._reserved: _ReservedBytes | None = None  # the data of an uncompressed trace, written in place
             if compression is None:
-                self._data = self._reserved = _ReservedBytes(self._file, "data", self._fd, DATA_CHUNK, 0)
+                self._data = self._reserved = _ReservedBytes(self._file, "data", self._fd, DATA_CHUNK, DATA_CHUNK)
             else:
                 data = self._file.create_dataset("data", shape=(0,), maxshape=(None,), dtype="u1",
                                                  chunks=(DATA_CHUNK,), compression=compression)
@@ -497,6 +496,43 @@ class _HeldTimer:
         self.stopped.set()
         if self.thread is not threading.current_thread():
             self.thread.join()
+
+
+# Entries in one node of a chunk index (HDF5's v1 B-tree, twice its "istore K"). The index changes only when a
+# reserve grows, and HDF5 writes a parent node before the node it points at when a node splits: a writer killed in
+# between (one flush in the middle of a run) left a file whose data plain h5py could not read ("wrong B-tree
+# signature"; found by killing the writer before each of its writes). With 4,096 chunks a node, a node splits once
+# the index outgrows 256 MB or the data 4 GB: never, in most traces; the growth before that rewrites one node
+# (128 KB) in place.
+_INDEX_NODE_K = 2048
+
+
+def _create_h5(h5py: Any, partial: Path, *, aligned: bool) -> Any:
+    """The new trace's HDF5 file, created at ``partial``: the oldest format (superblock version 0 or 1, whose
+    end-of-allocation ``_record_end`` moves: plain h5py of any version reads it), no file locking (the writer
+    holds its own lock), large chunk-index nodes (``_INDEX_NODE_K``); ``aligned``: big allocations on O_DIRECT's
+    block boundaries (write-behind's data)."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_file_locking(False, True)
+    if aligned:
+        fapl.set_alignment(DATA_CHUNK, BLOCK)
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    _set_istore_k(h5py, fcpl, _INDEX_NODE_K)
+    return h5py.File(h5py.h5f.create(os.fsencode(partial), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
+
+
+def _set_istore_k(h5py: Any, fcpl: Any, k: int) -> None:
+    """HDF5's ``H5Pset_istore_k`` on a file-creation property list: public HDF5 API that h5py does not wrap, found
+    through h5py's own extension (which links the HDF5 library h5py uses). Where it cannot be found the default
+    (32: 64 chunks a node) stays, and with it the rare window ``_INDEX_NODE_K`` describes."""
+    try:
+        call = ctypes.CDLL(h5py.h5p.__file__).H5Pset_istore_k
+    except (OSError, AttributeError):
+        return
+    call.argtypes = (ctypes.c_int64, ctypes.c_uint)
+    call.restype = ctypes.c_int
+    call(fcpl.id, k)
 
 
 _METADATA_ROOM = 1 << 17  # room past the reserved chunks for HDF5's own metadata (chunk index nodes)
