@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 from test_kill_points import _workload
 shim = ctypes.CDLL(None)
+if not hasattr(shim, "kill_before_write_arm"):  # the loader did not preload it (a noexec folder, another libc)
+    sys.exit(77)
 shim.kill_before_write_count.restype = ctypes.c_long
 folder, mode = Path(sys.argv[1]), sys.argv[2]
 
@@ -60,8 +62,11 @@ def test_killed_before_each_write(tmp_path, mode):
     source = Path(__file__).parent / "kill_before_write.c"
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"], check=True)
     env = dict(os.environ, LD_PRELOAD=str(shim))
-    subprocess.run([sys.executable, "-c", HELPER, str(tmp_path), mode, str(Path(__file__).parent)], env=env,
-                   check=True, timeout=300)
+    helper = subprocess.run([sys.executable, "-c", HELPER, str(tmp_path), mode, str(Path(__file__).parent)],
+                            env=env, timeout=300)
+    if helper.returncode == 77:
+        pytest.skip("the dynamic loader did not preload the write-counting library")
+    assert helper.returncode == 0
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert runs["writes"] > 40  # the run's writes were counted: HDF5's and the writer's own
     found = [_check(tmp_path / f"k{n}.h5", written) for n, written in runs["written"].items()]
