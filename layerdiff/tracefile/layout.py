@@ -8,7 +8,7 @@ FORMAT_VERSION = 3  # the newest this layerdiff reads and writes, and the one ev
 # producers. 2: param_grad_use records (a tied weight's gradient per use), arg_names, tied. Traces of versions 1
 # and 2 are read without verification.
 DATA_CHUNK = 1 << 20
-INDEX_CHUNK = 1 << 16
+INDEX_CHUNK = 1 << 18  # 4,096 chunks a chunk-index node (writer._INDEX_NODE_K): a node splits past 1 GB of index
 COMPRESSIONS = (None, "gzip", "lzf")
 
 

@@ -263,7 +263,7 @@ class TraceWriter:
                 data = self._file.create_dataset("data", shape=(0,), maxshape=(None,), dtype="u1",
                                                  chunks=(DATA_CHUNK,), compression=compression)
                 self._data = _AppendOnlyBytes(self._file, data, buffer_bytes, self._fd)
-            self._index = _ReservedBytes(self._file, "index", self._fd, INDEX_CHUNK, 4 * INDEX_CHUNK)
+            self._index = _ReservedBytes(self._file, "index", self._fd, INDEX_CHUNK, INDEX_CHUNK)
             self._file.flush()
             _publish(partial, self.path, replacing)  # the trace's name appears once it names a whole HDF5 file
         except BaseException as exc:
@@ -502,7 +502,7 @@ class _HeldTimer:
 # reserve grows, and HDF5 writes a parent node before the node it points at when a node splits: a writer killed in
 # between (one flush in the middle of a run) left a file whose data plain h5py could not read ("wrong B-tree
 # signature"; found by killing the writer before each of its writes). With 4,096 chunks a node, a node splits once
-# the index outgrows 256 MB or the data 4 GB: never, in most traces; the growth before that rewrites one node
+# the index outgrows 1 GB or the data 4 GB: never, in most traces; the growth before that rewrites one node
 # (128 KB) in place.
 _INDEX_NODE_K = 2048
 
@@ -535,7 +535,8 @@ def _set_istore_k(h5py: Any, fcpl: Any, k: int) -> None:
     call(fcpl.id, k)
 
 
-_METADATA_ROOM = 1 << 17  # room past the reserved chunks for HDF5's own metadata (chunk index nodes)
+_METADATA_ROOM = 1 << 19  # room past the reserved chunks for HDF5's own metadata: chunk-index nodes (128 KB each; a
+# root that splits takes two new ones) and the nodes of its heap
 
 
 def _preallocate(fd: int, nbytes: int):
