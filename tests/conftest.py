@@ -76,7 +76,8 @@ LONGEST_FIRST = ("tests/runs/test_megatron_parallel.py", "tests/runs/test_ranks_
                  "tests/match/test_ports.py", "tests/replay/test_bisect_frameworks.py",
                  "tests/adapters/test_mindspore.py", "tests/tracefile/test_crash_safety.py",
                  "tests/match/test_crossframework.py", "tests/judge/test_cross_framework_ops.py",
-                 "tests/tracefile/test_kill_points.py", "tests/checkpoints/test_dist_checkpoint.py",
+                 "tests/tracefile/test_kill_points.py", "tests/tracefile/test_kill_before_writes.py",
+                 "tests/checkpoints/test_dist_checkpoint.py",
                  "tests/capture/test_compiled.py", "tests/match/test_megatron_models.py",
                  "tests/checkpoints/test_paddleformers_moe_weights.py", "tests/replay/test_bisect.py")
 

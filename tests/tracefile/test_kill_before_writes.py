@@ -4,24 +4,26 @@
 comes up there only by chance (its flush lasts a millisecond). Here a library preloaded into a helper process
 (``kill_before_write.c``) counts the writes and kills a forked child right before the n-th, for every n of a whole
 run: deterministic, every write. It found the chunk index of the data array written to point at a node HDF5 had not
-written yet (the first growth of an empty reserve; a node splitting) and keeps that from coming back.
+written yet (the first growth of an empty reserve; a node splitting) and keeps that from coming back; a fast test
+checks the two things that closed it in the file every trace starts as.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import pytest
 
 from test_kill_points import _check
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
-                                 reason="needs Linux (LD_PRELOAD) and a C compiler")]
+_PRELOADS = pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
+                               reason="needs Linux (LD_PRELOAD) and a C compiler")
 
 HELPER = r'''
 import ctypes, json, mmap, os, struct, sys
@@ -56,6 +58,8 @@ json.dump({"writes": writes, "written": {n: run(folder / f"k{n}.h5", n)[0] for n
 '''
 
 
+@pytest.mark.slow
+@_PRELOADS
 @pytest.mark.parametrize("mode", ["inline", "behind"])
 def test_killed_before_each_write(tmp_path, mode):
     shim = tmp_path / "kill_before_write.so"
@@ -71,3 +75,22 @@ def test_killed_before_each_write(tmp_path, mode):
     assert runs["writes"] > 40  # the run's writes were counted: HDF5's and the writer's own
     found = [_check(tmp_path / f"k{n}.h5", written) for n, written in runs["written"].items()]
     assert found.count("partial") > runs["writes"] // 2, found
+
+
+@pytest.mark.parametrize("mode", ["inline", "behind", "lzf"])
+def test_a_new_trace_has_large_index_nodes_and_its_first_data_node(tmp_path, mode):
+    """What keeps a growth from writing a pointer to a node not yet written: the superblock (version 1) says the chunk
+    indexes' nodes hold 4,096 chunks (HDF5's istore K 2048, bytes 24-25), and an uncompressed trace's data array has
+    its first chunk, and so its index's first node, before any record is written."""
+    from layerdiff.tracefile.writer import TraceWriter
+
+    from test_kill_points import MODES
+
+    path = tmp_path / "t.h5"
+    writer = TraceWriter(path, {"case": "nodes"}, **MODES[mode])
+    head = path.read_bytes()[:28]
+    with h5py.File(path, "r", locking=False) as f:
+        data_chunks = f["data"].id.get_num_chunks()
+    writer.close({"kind": "end", "status": "complete"})
+    assert head[8] == 1 and struct.unpack_from("<H", head, 24)[0] == 2048
+    assert data_chunks == (0 if mode == "lzf" else 1)  # a compressed trace's data is written a whole chunk at a time
