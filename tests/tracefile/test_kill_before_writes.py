@@ -20,7 +20,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from test_kill_points import _check
+from test_kill_points import check_left_trace
 
 _PRELOADS = pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
                                reason="needs Linux (LD_PRELOAD) and a C compiler")
@@ -29,7 +29,7 @@ HELPER = r'''
 import ctypes, json, mmap, os, struct, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
-from test_kill_points import _workload
+from test_kill_points import write_workload
 shim = ctypes.CDLL(None)
 if not hasattr(shim, "kill_before_write_arm"):  # the loader did not preload it (a noexec folder, another libc)
     sys.exit(77)
@@ -45,7 +45,7 @@ def run(path, kill_at):
     if pid == 0:
         shim.kill_before_write_arm(ctypes.c_long(kill_at))
         try:
-            _workload(path, shared, mode)
+            write_workload(path, shared, mode)
             shared[8:16] = struct.pack("q", shim.kill_before_write_count())
         finally:
             os._exit(0)
@@ -73,7 +73,7 @@ def test_killed_before_each_write(tmp_path, mode):
     assert helper.returncode == 0
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert runs["writes"] > 40  # the run's writes were counted: HDF5's and the writer's own
-    found = [_check(tmp_path / f"k{n}.h5", written) for n, written in runs["written"].items()]
+    found = [check_left_trace(tmp_path / f"k{n}.h5", written) for n, written in runs["written"].items()]
     assert found.count("partial") > runs["writes"] // 2, found
 
 

@@ -35,7 +35,7 @@ FINISHED = 1 << 40  # what the counter says once the trace is closed
 VALUES = np.random.default_rng(7).standard_normal(60_000, dtype=np.float32)
 
 
-def _workload(path: Path, counter: mmap.mmap, mode: str):
+def write_workload(path: Path, counter: mmap.mmap, mode: str):
     """The child's run: records with tensors of 4 to 240 KB and index lines of up to 20 KB (both reserves grow);
     the counter says how many records are in the file (-1: none yet, the file not published)."""
     writer = TraceWriter(path, {"case": "kill points", "mode": mode}, **MODES[mode])
@@ -87,7 +87,7 @@ def _run(path: Path, mode: str, *, delay: float | None = None, tracer=None) -> i
 
                 threading.settrace(tracer)
                 sys.settrace(tracer)
-            _workload(path, counter, mode)
+            write_workload(path, counter, mode)
         finally:
             os._exit(0)
     if delay is not None:
@@ -97,7 +97,7 @@ def _run(path: Path, mode: str, *, delay: float | None = None, tracer=None) -> i
     return struct.unpack("q", counter[:8])[0]
 
 
-def _check(path: Path, written: int) -> str:
+def check_left_trace(path: Path, written: int) -> str:
     """The file a killed writer left: plain h5py opens it and reads both arrays whole; layerdiff reads every record
     counted, undamaged, each tensor matching its checksums. Returns what was found ("none", "partial", "whole")."""
     if not path.exists():
@@ -142,7 +142,7 @@ def test_every_killed_trace_opens_in_plain_h5py(tmp_path, mode):
         path = tmp_path / f"k{n}.h5"
         written = _run(path, mode, delay=where if how == "delay" else None,
                        tracer=_kill_at(where) if how == "line" else None)
-        found.append(_check(path, written))
+        found.append(check_left_trace(path, written))
         path.unlink(missing_ok=True)
     partial = sorted(p.name for p in tmp_path.glob(".*.partial"))
     print(f"{mode}: {len(points)} kill points, {found.count('partial')} traces cut short, {found.count('whole')} "
