@@ -14,6 +14,7 @@ import numpy as np
 from layerdiff.errors import TraceFormatError
 from layerdiff.tracefile.checksums import TensorCheck, verified_pieces
 from layerdiff.tracefile.tensors import storage_dtype
+from layerdiff.tracefile.layout import SUPERBLOCK_HEAD, end_address_at
 
 
 def stored_pieces(raw, read, start: int, n: int, dt: np.dtype, chunk_elems: int):
@@ -102,17 +103,13 @@ class LengthenedFile(io.RawIOBase):
         """The view, or None when the file's recorded end is not short of its length (nothing to lengthen)."""
         f = open(path, "rb")
         try:
-            head = f.read(64)
+            head = f.read(SUPERBLOCK_HEAD)
             length = os.fstat(f.fileno()).st_size
-            if head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (0, 1) or head[13] != 8:
+            position = end_address_at(head)
+            if position is None or struct.unpack_from("<Q", head, position)[0] >= length:
                 f.close()
                 return None
-            position = 40 if head[8] == 0 else 44  # version 1 has 4 more bytes before the addresses
-            base, _, end = struct.unpack_from("<QQQ", head, position - 16)
-            if base != 0 or end >= length:
-                f.close()
-                return None
-        except (OSError, struct.error, IndexError):
+        except OSError:
             f.close()
             return None
         return cls(f, position, length)

@@ -21,7 +21,8 @@ import numpy as np
 from layerdiff.errors import LayerdiffError, TraceFormatError, first_line
 from layerdiff.tracefile.checksums import ALGORITHM, CHECK_BLOCK, digest, meta_digest, with_checksum
 from layerdiff.tracefile.index import encode_line
-from layerdiff.tracefile.layout import COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION, INDEX_CHUNK, load_h5py
+from layerdiff.tracefile.layout import (COMPRESSIONS, DATA_CHUNK, FORMAT_NAME, FORMAT_VERSION, INDEX_CHUNK,
+                                        SUPERBLOCK_HEAD, end_address_at, load_h5py)
 from layerdiff.tracefile.tensors import summarize
 from layerdiff.tracefile.writebehind import BLOCK, WriteBehind
 
@@ -593,23 +594,17 @@ def _flush_file(h5file, fd: int):
     h5file.flush()
 
 
-_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
 def _record_end(fd: int, end: int):
-    """Record ``end`` as the file's end-of-allocation in its superblock, the file at least that long.
-    Superblock versions 0 and 1 (``libver="earliest"``) keep the address without a checksum, at byte 40 or 44;
-    a file whose superblock is not on disk yet (one being created, not published) is left alone."""
-    head = os.pread(fd, 52, 0)
-    if len(head) < 52 or head[:8] != _SIGNATURE or head[8] not in (0, 1) or head[13] != 8:
-        return
-    base = 24 if head[8] == 0 else 28
-    if struct.unpack_from("<Q", head, base)[0] != 0 or struct.unpack_from("<Q", head, base + 16)[0] == end:
+    """Record ``end`` as the file's end-of-allocation in its superblock (``end_address_at``), the file at least
+    that long; a file whose superblock is not on disk yet (one being created, not published) is left alone."""
+    head = os.pread(fd, SUPERBLOCK_HEAD, 0)
+    position = end_address_at(head)
+    if position is None or struct.unpack_from("<Q", head, position)[0] == end:
         return
     size = os.fstat(fd).st_size
     if size < end:
         os.posix_fallocate(fd, size, end - size)
-    os.pwrite(fd, struct.pack("<Q", end), base + 16)
+    os.pwrite(fd, struct.pack("<Q", end), position)
 
 
 def _refuse_taken(path: Path, overwrite: bool) -> int | None:
