@@ -15,6 +15,7 @@ import torch
 from layerdiff.adapters import megatron_facts, torch_data_parallel, torch_pipelining
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.adapters.frames import running_frame
+from layerdiff.adapters.torch_ops import eager
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
 from layerdiff.capture.session import DeferredStats
@@ -481,12 +482,6 @@ def _differentiable(t) -> bool:
     return t.requires_grad and (t.is_floating_point() or t.is_complex())
 
 
-def _eager(hook):
-    """``hook`` as dynamo leaves it: run by Python, never traced into a compiled graph."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(hook) if disable is not None else hook
-
-
 # torch.distributed's functions that write into a tensor they are given, and which argument that is. Their writes
 # leave the tensor's in-place counter (``_version``) as it was (measured: all_reduce, broadcast), so a tensor met
 # before one would otherwise be taken for unchanged. isend/irecv are not wrapped (``P2POp`` checks its function by
@@ -519,7 +514,7 @@ class _CollectiveWatch:
                 signature = inspect.signature(original)
             except (TypeError, ValueError):
                 continue
-            wrapper = _eager(self._wrap(original, signature, argument))
+            wrapper: Any = eager(self._wrap(original, signature, argument))
             wrapper.layerdiff_watch = self  # what ``remove`` of a trace wrapped on top of this one looks for
             self.wrapped[name] = (original, wrapper)
             setattr(dist, name, wrapper)
@@ -642,8 +637,8 @@ class Hooks(ModuleHooks):
         """The hooks run as Python even inside a ``torch.compile``d model (``torch.compiler.disable``): compiled
         code breaks its graph at every traced module's boundary, and each module's own code is still compiled.
         Without it, dynamo traced into the hooks (and failed in them: "NameError: ___tuple_iterator_getitem")."""
-        return [module.register_forward_pre_hook(_eager(pre_hook), with_kwargs=True),
-                module.register_forward_hook(_eager(post_hook), with_kwargs=True, always_call=True)]
+        return [module.register_forward_pre_hook(eager(pre_hook), with_kwargs=True),
+                module.register_forward_hook(eager(post_hook), with_kwargs=True, always_call=True)]
 
     def watch_hidden_writes(self) -> list:
         import torch.distributed as dist

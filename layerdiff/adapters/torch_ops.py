@@ -85,6 +85,23 @@ _compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_c
 program, so they are not recorded one by one (its modules still are: their hooks run eagerly)."""
 
 
+def eager(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` as dynamo leaves it (``torch.compiler.disable``): run by Python, never traced into a compiled
+    graph, nor compiled when a compiled program calls back into Python (0.5 us a call)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(function) if disable is not None else function
+
+
+@eager
+def _record(capture: OpCapture, call: Callable[..., Any], name: OpName, args: tuple, kwargs: dict, caller: Any,
+            several_steps: bool = False) -> Any:
+    """``capture.run``, out of dynamo's reach: a compiled model's own code calls back into Python at run time
+    (``torch._as_tensor_fullprec`` for a float that became an input of its graph), and dynamo then compiled the
+    recording's frames, which failed on their first read of a tensor's bytes ("Cannot access data pointer of
+    Tensor (e.g. FakeTensor)")."""
+    return capture.run(call, name, args, kwargs, caller, several_steps=several_steps)
+
+
 class _OpMode(TorchFunctionMode):
     """Hands every torch call made while a module's operations are recorded to ``capture.run``."""
 
@@ -105,7 +122,7 @@ class _OpMode(TorchFunctionMode):
             name = self.names(func)
             if name is _NOT_AN_OP or not name.kind:
                 return func(*args, **kwargs)
-            return capture.run(func, name, args, kwargs, sys._getframe(1))
+            return _record(capture, func, name, args, kwargs, sys._getframe(1))
         finally:
             self.off -= 1
 
@@ -158,8 +175,8 @@ def intercepted(capture: OpCapture, own_functions: tuple[type, ...]) -> Iterator
         if cls in own_functions or _compiling() or not capture.recording():
             return apply(cls, *args, **kwargs)
         name = OpName(f"{cls.__qualname__}.apply", cls.__name__)
-        return capture.run(lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1),
-                           several_steps=True)
+        return _record(capture, lambda *a, **k: apply(cls, *a, **k), name, args, kwargs, sys._getframe(1),
+                       several_steps=True)
 
     function.apply = classmethod(wrapped)  # public API, wrapped only while the trace is open
     mode = _OpMode(capture)
