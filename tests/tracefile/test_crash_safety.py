@@ -258,11 +258,24 @@ barrier = Path(sys.argv[2])  # both start writing at the same moment, however lo
 (barrier / str(os.getpid())).touch()
 while len(list(barrier.iterdir())) < 2:
     time.sleep(0.001)
+tried = Path(sys.argv[3])  # each says there that it has tried to open the trace; the one that got it holds it
+# open until both have: on a loaded machine one writer had finished before the other tried, and both wrote
+
+
+def wait_for_both():
+    deadline = time.monotonic() + 120
+    while len(list(tried.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 try:
     with layerdiff.trace(built["model"], sys.argv[1], overwrite=True):
+        (tried / str(os.getpid())).touch()
+        wait_for_both()
         for _ in range(3):
             built["step"]()
 except LayerdiffError as exc:
+    (tried / str(os.getpid())).touch()
     print("refused:", exc)
     sys.exit(2)
 print("wrote")
@@ -274,7 +287,9 @@ def test_two_writers_on_one_path_one_is_refused(tmp_path):
     (tmp_path / "race.py").write_text(RACE_SCRIPT)
     path = tmp_path / "shared.h5"
     (tmp_path / "ready").mkdir()  # the barrier: each writer says it is ready there, and waits for the other
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "race.py"), str(path), str(tmp_path / "ready")],
+    (tmp_path / "tried").mkdir()
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "race.py"), str(path), str(tmp_path / "ready"),
+                               str(tmp_path / "tried")],
                               stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=_env()) for _ in range(2)]
     outputs = [p.communicate(timeout=120) for p in procs]
