@@ -47,8 +47,12 @@ _EPSILONS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsil
 def build(config, shape: tuple[int, int], **options) -> GPTModel:
     """A GPTModel of ``config``'s architecture for inputs of ``shape`` (batch, sequence); ``options``: more
     TransformerConfig fields (``qk_layernorm`` also picks the layer spec's query-key norms, ``normalization`` its
-    norms), and ``position_embedding_type`` ("rope", or "learned_absolute" for GPT-2's)."""
-    megatron_llama.init_cpu_megatron(1)
+    norms), ``position_embedding_type`` ("rope", or "learned_absolute" for GPT-2's), and ``tp``: tensor-parallel
+    ranks (torchrun's; the weights are then each rank's shard to set)."""
+    tp = options.pop("tp", 1)
+    megatron_llama.init_cpu_megatron(tp)
+    if tp > 1:
+        options["tensor_model_parallel_size"] = tp
     rope = getattr(config, "rope_parameters", None) or {}
     base = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
     rotary_percent = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
@@ -102,6 +106,17 @@ def experts_options(config) -> dict:
     if shared:
         out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
     return out
+
+
+def vectors_moved(model: torch.nn.Module, seed: int = 2, scale: float = 0.1) -> torch.nn.Module:
+    """``model`` with each of its 1-D parameters (norms' weights and biases) moved by seeded noise, in place: at
+    their initial ones and zeros, a bias lost, left unadded or added twice would not show in a port."""
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(scale * torch.randn(p.shape, generator=noise))
+    return model
 
 
 def logits(model: GPTModel, ids: torch.Tensor) -> torch.Tensor:

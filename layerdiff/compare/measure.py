@@ -25,7 +25,7 @@ from layerdiff.compare.tasks import Workers
 from layerdiff.compare.workers import aligned_pairs, compare_pairs
 from layerdiff.errors import LayerdiffError
 from layerdiff.match import modules
-from layerdiff.match.joins import line_up, resolved_as, root_calls, unresolved
+from layerdiff.match.joins import line_up, resolved_as, root_calls, unresolved, ways
 from layerdiff.match.layouts import LayoutRules, TokenOrder, relate_shapes
 from layerdiff.match.mapping import ModuleMapping, match_modules
 from layerdiff.match.microbatches import joined_pair
@@ -358,10 +358,24 @@ def _resolved(operand: Operand, other_shape) -> Operand:
     if operand.op == "value":
         return replace(operand, entries=(per_rank.resolve(operand.entry, other_shape),))
     def joined(way) -> Operand:
-        return replace(operand, entries=tuple(resolved_as(e, way) if unresolved(e) else e for e in operand.entries))
+        first = resolved_as(operand.entry, way) if unresolved(operand.entry) else operand.entry
+        return replace(operand, entries=(first, *(_joined_like(e, way, first, operand.op)
+                                                  for e in operand.entries[1:])))
 
     best = line_up(operand.entry, other_shape, lambda way: joined(way).shape)
     return operand if best is None else joined(best)
+
+
+def _joined_like(entry: TensorEntry, way, first: TensorEntry, op: str) -> TensorEntry:
+    """Another entry of a derived value, joined as its first entry is: the same way where the entries are parts of
+    one tensor; for the bias an output is added to (``add_bias``), the way that lines it up with that output's last
+    axis (a Megatron row-parallel linear's bias, a copy on every rank, was joined along the output's axis 1, which
+    it does not have: an internal error)."""
+    if not unresolved(entry):
+        return entry
+    if op == "add_bias":
+        return per_rank.resolve(entry, tuple(first.shape[-1:]))
+    return resolved_as(entry, way) if way in ways(entry) else entry
 
 
 def _per_rank_metrics(a: Operand, b: Operand, relation, reader_a, reader_b) -> dict[str, Any] | None:

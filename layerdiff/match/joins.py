@@ -87,7 +87,13 @@ def candidate_shapes(entry: TensorEntry) -> list[tuple[int, ...]]:
 def line_up(entry: TensorEntry, other_shape: Sequence[int], shape_as: Callable[[Way], Sequence[int]]) -> Way | None:
     """The way to join an unresolved entry so that what is compared (``shape_as(way)``: the entry joined, or a
     value derived from it) lines up with the other run's ``other_shape`` (``best_way`` of those that do)."""
-    return best_way(entry, [way for way in ways(entry) if _lines_up(tuple(other_shape), tuple(shape_as(way)))])
+    other = tuple(other_shape)
+    shaped = [(way, tuple(shape_as(way))) for way in ways(entry)]
+    same = [way for way, shape in shaped if shape == other]
+    # a join that gives the other run's very shape before one that gives a reordering of it: Megatron's query
+    # [s, b, 2, d] of 2 ranks joined along its heads is [s, b, 4, d]; joined along the batch of 2, [s, 4, 2, d]
+    # reorders into it too, and with two ways left the join was not made (a TP=2 run against TP=1 "differed")
+    return best_way(entry, same or [way for way, shape in shaped if _lines_up(other, shape)])
 
 
 def _lines_up(shape: tuple, joined: tuple) -> bool:

@@ -117,6 +117,14 @@ def _storage_split(entry: TensorEntry, layout: Mapping[str, Any]) -> tuple[tuple
     return tp_how, dp_how
 
 
+def _said_not_gated(meta: Mapping[str, Any]) -> bool:
+    """Whether the run's Megatron config says its MLPs are not gated (``gated_linear_unit: false``: GPT-2's,
+    StarCoder's): its linear_fc1 is then one tensor, each rank's shard a plain slice of it, not [gate_r; up_r]
+    (joined part by part, that made a GPT-style model at TP=2 differ from itself at TP=1 in every fc1)."""
+    config = meta.get("model_config") or {}
+    return config.get("kind") == "mcore" and (config.get("values") or {}).get("gated_linear_unit") is False
+
+
 class RankedRun:
     """The ``TraceReader`` interface over a directory of per-rank traces (see the module docstring)."""
 
@@ -471,7 +479,8 @@ class RankedRun:
             dim, local = 1 - dim % 2, local[::-1]  # Paddle's [in, out]: as PyTorch's [out, in]
         out[module] = (dim, local)
         rule = self.rules.fused_rule(module.rpartition(".")[2])
-        if rule is not None and rule.tp_every_part and (entry.placement or {}).get("source") == "megatron":
+        if rule is not None and rule.tp_every_part and (entry.placement or {}).get("source") == "megatron" \
+                and not _said_not_gated(self.meta):
             self.every_part[module] = len(rule.parts)
 
     def _every_part(self, rec: Record, how):

@@ -114,12 +114,7 @@ for model_type, hf_options, megatron_options in (
     config = AutoConfig.for_model(model_type, **SIZES, **hf_options)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        noise = torch.Generator().manual_seed(2)
-        for p in hf.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn(p.shape, generator=noise))
+    hf = megatron_like_hf.vectors_moved(AutoModelForCausalLM.from_config(config).eval())
     mg = megatron_like_hf.build(config, ids.shape, **megatron_options)
     moved = transfer_weights(hf, mg)
     with torch.no_grad():
