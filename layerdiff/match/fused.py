@@ -101,7 +101,11 @@ class FusedLinks:
         part_values = [parts_side.operand(*part_weights[p]).values(readers[1]) for p in parts]
         if any(v.ndim != fused_values.ndim for v in part_values):
             return None
-        return fusion.infer_groups(fused_values, part_values, 0, candidates)
+        # a weight joined from tensor-parallel shards part by part ([gate_r; up_r] of each rank: the join put the
+        # parts in their order): only the declared layouts. A search found 2 groups where a loader had cut the
+        # fused weight in plain slices (each rank all of gate, or all of up), and the weights then "agreed"
+        joined = rec.tensors[0].merge is not None and rec.tensors[0].merge.how == "concat_parts"
+        return fusion.infer_groups(fused_values, part_values, 0, candidates, search=not joined)
 
 
 def fused_operand(pair_rec_kind: str, role: str, entry: TensorEntry, rec: Record, side: TraceSide, link: FusedLink,

@@ -96,12 +96,12 @@ def divisors_of_all(sizes) -> list:
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
-def infer_groups(fused: np.ndarray, parts, axis: int = 0, candidates=()) -> int | None:
-    """The group count under which ``fused`` splits into ``parts`` (declared candidates first, then every
-    divisor): weights after a transfer are equal up to layout, so they say how the port laid them out
-    (``best_layout``)."""
+def infer_groups(fused: np.ndarray, parts, axis: int = 0, candidates=(), search: bool = True) -> int | None:
+    """The group count under which ``fused`` splits into ``parts`` (declared candidates first, then, with
+    ``search``, every divisor): weights after a transfer are equal up to layout, so they say how the port laid
+    them out (``best_layout``)."""
     sizes = [p.shape[axis] for p in parts]
-    tried = list(candidates) + [d for d in divisors_of_all(sizes) if d not in candidates]
+    tried = list(candidates) + ([d for d in divisors_of_all(sizes) if d not in candidates] if search else [])
     norm = math.sqrt(sum(float(np.sum(np.square(p, dtype=np.float64))) for p in parts))
     return best_layout(tried, lambda g: None if check_sizes(fused.shape[axis], sizes, g) else
                        zip(split(fused, axis, sizes, g), parts), norm)
