@@ -15,6 +15,7 @@ import torch
 from layerdiff.adapters import megatron_facts, torch_data_parallel, torch_pipelining
 from layerdiff.adapters.base import FrameworkAdapter, RankPlace
 from layerdiff.adapters.frames import running_frame
+from layerdiff.adapters import torch_ops
 from layerdiff.adapters.torch_ops import eager
 from layerdiff.capture.hooks import ModuleHooks
 from layerdiff.capture.parts import ModelParts, each_named, parts_of
@@ -757,43 +758,31 @@ class Hooks(ModuleHooks):
 
     # -- operations inside modules (``ops`` tracing): adapters/torch_ops.py --------------------------------------
     def intercept_ops(self, capture):
-        from layerdiff.adapters import torch_ops
-
         return torch_ops.intercepted(capture, (_GradTap,))
 
     def unseen(self):
         return torch._C.DisableTorchFunction()  # what torch's own Tensor.__torch_function__ runs its work under
 
     def framework_leaf(self, module) -> bool:
-        from layerdiff.adapters.torch_ops import framework_leaf
-
-        return framework_leaf(module)
+        return torch_ops.framework_leaf(module)
 
     def named_buffers(self):
         return each_named(self.model, lambda part: unwrapped_names(part.named_buffers()))
 
     def op_gradients(self):
-        from layerdiff.adapters.torch_ops import gradients
-
-        return gradients()
+        return torch_ops.gradients()
 
     def op_scalar(self, obj):
-        from layerdiff.adapters.torch_ops import scalar
-
-        return scalar(obj)
+        return torch_ops.scalar(obj)
 
     def op_framework_dirs(self) -> list[str]:
-        from layerdiff.adapters.torch_ops import framework_dirs
-
-        return framework_dirs()
+        return torch_ops.framework_dirs()
 
     def module_parameters(self, module):
         return module.named_parameters(recurse=False)
 
     def op_machinery_dirs(self) -> list[str]:
-        from layerdiff.adapters.torch_ops import machinery_dirs
-
-        return machinery_dirs()
+        return torch_ops.machinery_dirs()
 
 
 def rng_state() -> str:
