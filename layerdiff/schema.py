@@ -161,6 +161,21 @@ class OpsSummary(_OpsSummaryKeys, total=False):
     [...]}, [index, name, source, function] each): those among them that pass their values through unchanged but
     not their gradient (a wrong hand-written backward), where there are any."""
     gradient_changed: Dict[str, List[Any]]
+    # {"a": [...], "b": [...]}: modules with no counterpart in the other run whose own code ran operations inside
+    # this call (Megatron's ``core_attention``): those operations are not aligned with the other run's
+    unmatched_inside: Dict[str, List[str]]
+    not_in_run: List[str]  # runs ("a", "b") whose call recorded operations that the run read holds none of
+
+
+class OpsNotCompared(TypedDict, total=False):
+    """Why operations recorded in a module's own code were not compared where the origin is that code: ``side``
+    ("a" or "b") ran them inside ``modules`` that have no counterpart (``why`` "unmatched_inside"), or its run holds
+    none of them (``why`` "not_in_run": a run of several ranks that split the module's work keeps them per rank);
+    ``without_counterpart``: how many of the other run's operations there found none."""
+    side: str
+    why: str
+    modules: List[str]
+    without_counterpart: Int64
 
 
 class Row(_RowKeys, total=False):
@@ -341,6 +356,7 @@ class Origin(TypedDict, total=False):
     unpaired: Dict[str, List[str]]  # the origin's tensors without a partner, per run
     backward_candidate: str  # an inherited backward origin: what the backward descent alone would name
     op: Optional[OriginOp]  # ``ops`` tracing: the operation inside ``module``'s own code where it starts
+    ops_not_compared: List[OpsNotCompared]  # ``ops`` tracing, origin in own code and no operation named: why
 
 
 class PhaseResult(TypedDict, total=False):

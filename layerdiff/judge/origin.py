@@ -125,7 +125,26 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
             "hparam_diff": diff, "param_diffs": own, "error": row.get("error_b") or row.get("error_a"),
             "class_diff": same_family_types,
             "chain": [n.row["path"] or "<root>" for n in chain], "phase": phase,
-            "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []}}
+            "path_b": row.get("path_b"), "unpaired": {"a": row.get("only_a") or [], "b": row.get("only_b") or []},
+            **({"ops_not_compared": why} if where == "own_code" and (why := ops_not_compared(row.get("ops"))) else {})}
+
+
+def ops_not_compared(summary: schema.OpsSummary | None) -> list[schema.OpsNotCompared]:
+    """Why operations that both runs recorded in a call's own code were not compared with each other (where the
+    origin is that code and no operation is named there): one run ran them inside modules the other has no
+    counterpart for, or the run read holds none of them (``OpsSummary``)."""
+    if not summary:
+        return []
+    out: list[schema.OpsNotCompared] = []
+    for side, other in (("a", "b"), ("b", "a")):
+        without = len((summary.get("only_b") if other == "b" else summary.get("only_a")) or [])
+        if side in (summary.get("not_in_run") or []):
+            out.append({"side": side, "why": "not_in_run", "modules": [], "without_counterpart": without})
+        modules = (summary.get("unmatched_inside") or {}).get(side) or []
+        if modules:
+            out.append({"side": side, "why": "unmatched_inside", "modules": list(modules),
+                        "without_counterpart": without})
+    return out
 
 
 def _hint(bad: Judged | None, node: Node) -> str | None:

@@ -408,6 +408,7 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
                     return why
         return None
 
+    inside = {"a": _unmatched_inside(forward_a, mapping.for_a), "b": _unmatched_inside(forward_b, mapping.for_b)}
     for pair in call_pairs:
         ra, rb = pair.a, pair.b[0]
         if ra.kind != "call" or ra.phase != "forward" or ra.ops is None or len(pair.b) != 1 or rb.ops is None:
@@ -418,6 +419,12 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
         result.calls[(ra.path, ra.call)] = summary = {
             "a": len(seq_a), "b": len(seq_b), "only_a": [[op.index, op.name, op.source] for op in aligned.only_a],
             "only_b": [[op.index, op.name, op.source] for op in aligned.only_b]}
+        elsewhere = {side: _inside(inside[side], rec) for side, rec in (("a", ra), ("b", rb))}
+        if elsewhere["a"] or elsewhere["b"]:
+            summary["unmatched_inside"] = elsewhere
+        absent = [side for side, rec, seq in (("a", ra, seq_a), ("b", rb, seq_b)) if rec.ops and not seq]
+        if absent:
+            summary["not_in_run"] = absent
         changed = {"a": _gradient_changed(aligned.only_a, backward_a, ra.path, ra.call),
                    "b": _gradient_changed(aligned.only_b, backward_b, rb.path, rb.call)}
         if changed["a"] or changed["b"]:
@@ -459,6 +466,29 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             result.pairs.append(OpPair(back_a, (back_b,), tensors,
                                        *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input")), how=mt.how))
     return result
+
+
+def _unmatched_inside(forward: Mapping[tuple[str, int], list[OpRecord]],
+                      matched: Callable[[str], Any]) -> dict[str, list[tuple[str, int, int]]]:
+    """The module calls whose own code recorded operations and whose module has no counterpart in the other run,
+    under the nearest enclosing module that has one: its path -> [(path, first operation's position, last's)].
+    Their operations run inside that module's calls, where they are not aligned with the other run's (Megatron's
+    ``core_attention``, which holds the attention's arithmetic that HF's attention runs in its own code)."""
+    out: dict[str, list[tuple[str, int, int]]] = {}
+    for (path, _), seq in forward.items():
+        if not seq or matched(path) is not None:
+            continue
+        anchor = path
+        while anchor and matched(anchor) is None:
+            anchor = anchor.rpartition(".")[0]
+        out.setdefault(anchor, []).append((path, seq[0].begin, seq[-1].end))
+    return out
+
+
+def _inside(candidates: Mapping[str, list[tuple[str, int, int]]], call: Any) -> list[str]:
+    """Of ``_unmatched_inside``'s modules under ``call``'s module, those whose operations ran during that call."""
+    return sorted({path for path, begin, end in candidates.get(call.path, ())
+                   if call.begin <= begin and end <= call.end})
 
 
 def _all_paired(a: OpRecord, b: OpRecord, out_pairs: Sequence) -> bool:

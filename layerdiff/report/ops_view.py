@@ -137,3 +137,22 @@ def retrace_hint(report: View, origin: View) -> list[str]:
                      f"{shlex.quote(pattern)} -o {shlex.quote(out)}")
     return ["to see the operation and line, trace both runs again with operations recorded in that module:",
             *lines]
+
+
+def not_compared_lines(origin: View) -> list[str]:
+    """Why no operation is named where the origin is a module's own code whose operations both runs recorded
+    (``Origin.ops_not_compared``), and what to do about it."""
+    lines = []
+    for why in origin.get("ops_not_compared") or ():
+        run, other = why["side"].upper(), "B" if why["side"] == "a" else "A"
+        missing = why.get("without_counterpart") or 0
+        left = f" ({missing} of {other}'s operations in this call found no counterpart)" if missing else ""
+        if why["why"] == "not_in_run":
+            lines.append(f"{run}'s operations in this call are not compared: its run holds none of them, as a run whose "
+                         f"ranks split a module's work keeps them per rank{left}. To compare them: one rank's trace "
+                         f"against a run of the same layout, or a one-rank port traced with --ops-in")
+        else:
+            modules = ", ".join(why.get("modules") or ())
+            lines.append(f"{run} runs part of this call's work in {modules}, which {other} has no module for: the "
+                         f"operations there are not aligned with {other}'s{left}")
+    return lines

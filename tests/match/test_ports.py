@@ -44,6 +44,10 @@ trace(mg, "mg")
 trace(hf, "hf_ops", ops=True)
 trace(mg, "mg_ops", ops=True)
 trace(mg, "mg_ops_owncode", "owncode", ops=True)
+scaled = mg.build(None)  # the attention's softmax scale x1.1: arithmetic that Megatron runs in core_attention
+scaled["model"].decoder.layers[1].self_attention.core_attention.softmax_scale *= 1.1
+with layerdiff.trace(scaled["model"], f"{out}/mg_ops_scale.h5", ops=True):
+    scaled["step"]()
 for d in mg.DEFECTS:
     trace(mg, f"mg_{d}", d)
 trace(mg, "mg_recompute_full", recompute="full")  # activation recomputation: Megatron's CheckpointFunction
@@ -225,6 +229,24 @@ def test_megatron_own_code_defect_is_named_at_its_line_with_operations(ports):
     lines = Path(megatron_llama.__file__).read_text().splitlines()
     line = next(i for i, text in enumerate(lines, 1) if "residual * (1 + 1e-3)" in text)
     assert any(source.endswith(f"megatron_llama.py:{line}") for _, _, source in origin["op"]["only_b"]), origin["op"]
+
+
+def test_operations_inside_a_module_the_other_run_lacks_are_said_not_compared(ports):
+    """Megatron computes the attention's scores, softmax and weighted sum in ``core_attention``, a module HF has
+    none for, so its operations are aligned with none of HF's attention code. The origin stays the attention's own
+    code; before, the report said nothing of why no operation was named there although both runs recorded them."""
+    report = align_files(ports / "hf_ops.h5", ports / "mg_ops_scale.h5")
+    origin = report["forward"]["first_divergence"]
+    assert (origin["module"], origin["where"], origin.get("op")) == ("model.layers.1.self_attn", "own_code", None), \
+        origin["description"]
+    why = origin["ops_not_compared"]
+    assert [(w["side"], w["why"]) for w in why] == [("b", "unmatched_inside")], why
+    assert "decoder.layers.1.self_attention.core_attention" in why[0]["modules"] and why[0]["without_counterpart"] > 0
+    assert not align_files(ports / "hf_ops.h5", ports / "mg_ops_owncode.h5")["forward"]["first_divergence"].get(
+        "ops_not_compared")  # named at its operation: nothing to explain
+    code, out, err = run_cli("align", ports / "hf_ops.h5", ports / "mg_ops_scale.h5")
+    assert code == 1 and "B runs part of this call's work in decoder.layers.1.self_attention.core_attention" in \
+        " ".join(out.split()), out + err
 
 
 def test_additive_and_boolean_masks_are_compared_as_what_they_hide(ports):

@@ -278,3 +278,5 @@ def test_operations_recorded_in_tensor_parallel_ranks_leave_the_module_records_i
     embedding = [t for r in report["records"] if r["path"] == "embedding.word_embeddings" and r["phase"] == "forward"
                  for t in r["tensors"] if t["role"] == "output"]
     assert embedding and all(t["passed"] for t in embedding)
+    recorded = [r["ops"] for r in report["records"] if r.get("ops") and r["ops"]["a"]]  # each call says B holds none
+    assert recorded and all(summary.get("not_in_run") == ["b"] for summary in recorded), recorded[:2]
