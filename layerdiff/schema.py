@@ -162,16 +162,16 @@ class OpsSummary(_OpsSummaryKeys, total=False):
     not their gradient (a wrong hand-written backward), where there are any."""
     gradient_changed: Dict[str, List[Any]]
     # {"a": [...], "b": [...]}: modules with no counterpart in the other run whose own code ran operations inside
-    # this call (Megatron's ``core_attention``): those operations are not aligned with the other run's
+    # this call (Megatron's ``core_attention``): those operations are aligned as this call's own
     unmatched_inside: Dict[str, List[str]]
     not_in_run: List[str]  # runs ("a", "b") whose call recorded operations that the run read holds none of
 
 
 class OpsNotCompared(TypedDict, total=False):
-    """Why operations recorded in a module's own code were not compared where the origin is that code: ``side``
-    ("a" or "b") ran them inside ``modules`` that have no counterpart (``why`` "unmatched_inside"), or its run holds
-    none of them (``why`` "not_in_run": a run of several ranks that split the module's work keeps them per rank);
-    ``without_counterpart``: how many of the other run's operations there found none."""
+    """Why operations recorded in a module's own code were not compared where the origin is that code: ``side``'s
+    ("a" or "b") run holds none of them (``why`` "not_in_run": a run of several ranks that split the module's work
+    keeps them per rank); ``without_counterpart``: how many of the other run's operations there found none.
+    ``modules``: reserved for a reason that names modules (empty)."""
     side: str
     why: str
     modules: List[str]

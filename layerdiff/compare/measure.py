@@ -603,7 +603,8 @@ def measure(reader_a, reader_b, how: Comparison | None = None, *, progress=None,
     matching = match_records(side_a, side_b, mapping)
     _check_related(matching, reader_a, reader_b, rules)
     swap = token_order(side_a, side_b)
-    op_pairing = pair_ops(reader_a.ops, reader_b.ops, matching.pairs, mapping, rules)
+    op_pairing = pair_ops(reader_a.ops, reader_b.ops, matching.pairs, mapping, rules, reader_a.records,
+                          reader_b.records)
     pairs: list[RecordPair | OpPair] = [*matching.pairs, *op_pairing.pairs]
     measured = _compare_in_workers(pairs, (reader_a, reader_b), layouts, swap, how.workers, progress)
     not_compared: list[schema.NotCompared] = []

@@ -131,8 +131,7 @@ def _origin_dict(node: Node, where: str, after, before, chain, phase: schema.Pha
 
 def ops_not_compared(summary: schema.OpsSummary | None) -> list[schema.OpsNotCompared]:
     """Why operations that both runs recorded in a call's own code were not compared with each other (where the
-    origin is that code and no operation is named there): one run ran them inside modules the other has no
-    counterpart for, or the run read holds none of them (``OpsSummary``)."""
+    origin is that code and no operation is named there): a run read holds none of them (``OpsSummary``)."""
     if not summary:
         return []
     out: list[schema.OpsNotCompared] = []
@@ -140,10 +139,6 @@ def ops_not_compared(summary: schema.OpsSummary | None) -> list[schema.OpsNotCom
         without = len((summary.get("only_b") if other == "b" else summary.get("only_a")) or [])
         if side in (summary.get("not_in_run") or []):
             out.append({"side": side, "why": "not_in_run", "modules": [], "without_counterpart": without})
-        modules = (summary.get("unmatched_inside") or {}).get(side) or []
-        if modules:
-            out.append({"side": side, "why": "unmatched_inside", "modules": list(modules),
-                        "without_counterpart": without})
     return out
 
 

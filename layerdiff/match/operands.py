@@ -31,7 +31,8 @@ def dtype_kind(dtype: str) -> str:
 @dataclass(frozen=True)
 class Operand:
     entries: tuple[TensorEntry, ...]  # stored entries (dtype, shape, stats and, in full mode, offset/nbytes)
-    op: str = "value"  # value | part | merge | sum | add_bias | cos | sin | masked | shift_left | topk_dense | topk_map
+    # value | part | merge | sum | add_bias | cos | sin | masked | masked_scores | shift_left | topk_dense | topk_map
+    op: str = "value"
     axis: int = 0
     sizes: tuple = ()
     groups: int = 1
@@ -108,6 +109,8 @@ class Operand:
             return np.sin(arrays[0].astype(np.float64)).astype(np.float32)
         if self.op == "masked":
             return masked_flags(arrays[0], self.entry.dtype, self.bool_masked)
+        if self.op == "masked_scores":
+            return masked_scores(arrays[0])
         if self.op in ("topk_dense", "topk_map"):  # (scores,) indices -> [tokens, experts], zero where not chosen
             indices = arrays[-1].astype(np.int64)
             chosen = arrays[0] if self.op == "topk_dense" else np.ones(indices.shape, np.float32)
@@ -142,6 +145,8 @@ class Operand:
             return f"{self.op} of rotary angles"
         if self.op == "masked":
             return "mask as masked/attended flags"
+        if self.op == "masked_scores":
+            return f"attention scores, masked positions (<= {MASKED_SCORE:g}) as -inf"
         if self.op == "shift_left":
             return "labels shifted left by one (last -100), as the other run's pipeline does"
         if self.op == "topk_dense":
@@ -149,6 +154,15 @@ class Operand:
         if self.op == "topk_map":
             return f"top-k choices as flags over the {self.sizes[0]} experts"
         return "stored transposed" if self.transposed else None
+
+
+MASKED_SCORE = -1e4  # attention scores at or below this are masked positions (Megatron fills -10000.0)
+
+
+def masked_scores(values: np.ndarray) -> np.ndarray:
+    """Attention scores with every masked position (``MASKED_SCORE`` or below: Megatron's -10000.0, HF's -inf or
+    the dtype's lowest) as -inf: the softmax gives each of them 0 either way."""
+    return np.where(values <= MASKED_SCORE, -np.inf, values)
 
 
 def masked_flags(values: np.ndarray, dtype: str, bool_masked: bool) -> np.ndarray:

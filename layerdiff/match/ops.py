@@ -24,11 +24,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 from layerdiff.match.layouts import layouts_relate
 from layerdiff.match.mapping import ModuleMapping
-from layerdiff.match.operands import Operand, dtype_kind
+from layerdiff.match.operands import MASKED_SCORE, Operand, dtype_kind
 from layerdiff.match.paramplan import other_layout
 from layerdiff.match.pairing import TensorPair
 from layerdiff.match.rules import FusedOpRule, RuleSet
-from layerdiff.tracefile.records import OpRecord, Producer, TensorEntry
+from msgspec.structs import replace
+
+from layerdiff.tracefile.records import CallRecord, OpRecord, Producer, TensorEntry
+from layerdiff.tracefile.tensors import FLOAT_DTYPES
 
 _PASS_THROUGH_GAP = -0.1  # leaving a cast or a view unpaired
 _GAP = -1.0
@@ -149,8 +152,10 @@ class _Evidence:
         self.made_b = [_made_from(op) for op in ops_b]
 
     def agree(self, i: int, j: int) -> bool:
+        """Outputs of the same values in layouts that compare: a key viewed [b, s, heads, d] holds the values of
+        Megatron's [s, b * heads, d] view, in an order no comparison recovers."""
         oa, ob = self.out_a[i], self.out_b[j]
-        return oa is not None and ob is not None and values_agree(oa, ob)
+        return oa is not None and ob is not None and values_agree(oa, ob) and layouts_relate(oa.shape, ob.shape)
 
     def pair(self, i: int, j: int) -> float | None:
         """The score of pairing A's i-th with B's j-th; None where nothing says they are one operation."""
@@ -176,9 +181,13 @@ class _Evidence:
         return _PASS_THROUGH_GAP if self.kinds_b[j] in self.rules.pass_through_ops else _GAP
 
     def fused(self, rule: FusedOpRule, out: TensorEntry | None, last: TensorEntry | None) -> float:
-        if out is None or last is None or list(out.shape) != list(last.shape):
+        """A fused operation against a sequence ending in ``last``: their outputs in layouts that relate (Megatron's
+        ``baddbmm`` gives its scores as [b * heads, s, s], HF's ``matmul`` and scaling as [b, heads, s, s])."""
+        if out is None or last is None or not layouts_relate(out.shape, last.shape):
             return -math.inf
-        return 6.0 if values_agree(out, last) else 3.0
+        if values_agree(out, last):
+            return 6.0
+        return 3.0 if list(out.shape) == list(last.shape) else 2.5
 
 
 def align_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], rules: RuleSet) -> OpAlignment:
@@ -383,11 +392,16 @@ class OpPairing:
 
 
 def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: Sequence, mapping: ModuleMapping,
-             rules: RuleSet) -> OpPairing:
+             rules: RuleSet, records_a: Sequence = (), records_b: Sequence = ()) -> OpPairing:
     """Align the operations of every pair of module calls that recorded them on both sides (``call_pairs``: the
-    records' pairs, ``pairing.RecordPair``) and pair their tensors, forward and backward."""
+    records' pairs, ``pairing.RecordPair``) and pair their tensors, forward and backward. A call's operations
+    include those of the modules inside it that the other run has no counterpart for (``_Merged``: Megatron's
+    ``core_attention``, whose arithmetic HF's attention runs in its own code); ``records_a``/``records_b``: the
+    runs' records, whose module calls say where those modules' inputs and outputs came from."""
     forward_a, backward_a = _by_call(ops_a)
     forward_b, backward_b = _by_call(ops_b)
+    calls = [{(r.path, r.call): r for r in records if isinstance(r, CallRecord) and r.phase == "forward"}
+             for records in (records_a, records_b)]
     result = OpPairing()
 
     def module(path: str) -> str | None:
@@ -413,20 +427,21 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
         ra, rb = pair.a, pair.b[0]
         if ra.kind != "call" or ra.phase != "forward" or ra.ops is None or len(pair.b) != 1 or rb.ops is None:
             continue
-        seq_a = forward_a.get((ra.path, ra.call), [])
-        seq_b = forward_b.get((rb.path, rb.call), [])
+        merged_a = _Merged(ra, forward_a, backward_a, _inside(inside["a"], ra), calls[0])
+        merged_b = _Merged(rb, forward_b, backward_b, _inside(inside["b"], rb), calls[1])
+        seq_a, seq_b = merged_a.ops, merged_b.ops
         aligned = align_ops(seq_a, seq_b, rules)
         result.calls[(ra.path, ra.call)] = summary = {
             "a": len(seq_a), "b": len(seq_b), "only_a": [[op.index, op.name, op.source] for op in aligned.only_a],
             "only_b": [[op.index, op.name, op.source] for op in aligned.only_b]}
-        elsewhere = {side: _inside(inside[side], rec) for side, rec in (("a", ra), ("b", rb))}
+        elsewhere = {"a": merged_a.inlined_paths, "b": merged_b.inlined_paths}
         if elsewhere["a"] or elsewhere["b"]:
             summary["unmatched_inside"] = elsewhere
         absent = [side for side, rec, seq in (("a", ra, seq_a), ("b", rb, seq_b)) if rec.ops and not seq]
         if absent:
             summary["not_in_run"] = absent
-        changed = {"a": _gradient_changed(aligned.only_a, backward_a, ra.path, ra.call),
-                   "b": _gradient_changed(aligned.only_b, backward_b, rb.path, rb.call)}
+        changed = {"a": _gradient_changed(aligned.only_a, merged_a.backward),
+                   "b": _gradient_changed(aligned.only_b, merged_b.backward)}
         if changed["a"] or changed["b"]:
             summary["gradient_changed"] = changed
         inputs = {tp.key: tp.key_b for tp in pair.tensors if tp.role == "input"}
@@ -440,17 +455,18 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             in_pairs = [] if fused else pair_inputs(mt.a, mt.b, producers)
             other = {ea.key: (eb.key, why) for ea, eb in in_pairs
                      if (why := relaid((mt.a.producers or {}).get(ea.key), (mt.b.producers or {}).get(eb.key)))}
-            tensors = [TensorPair("input", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in in_pairs
-                       if ea.key not in other]
+            scores = _masked_differently(mt, in_pairs, rules)
+            tensors = [TensorPair("input", ea.key, eb.key, *_input_operands(ea, eb, scores), note)
+                       for ea, eb in in_pairs if ea.key not in other]
             out_pairs = pair_outputs(mt.a, mt.b)
             tensors += [TensorPair("output", ea.key, eb.key, operand(ea), operand(eb), note) for ea, eb in out_pairs]
             compared, undefined = _defined(tensors)
+            compared, unrelated = _laid_out_alike(compared)
             relaid_in = [f"input:{key} (fused in another layout: {why})" for key, (_, why) in other.items()]
             result.pairs.append(OpPair(mt.a, (mt.b,), compared,
                                        *_unpaired(mt.a, mt.b, tensors, ("input", "output"), other),
-                                       skipped=undefined + relaid_in, how=mt.how))
-            back_a = backward_a.get((ra.path, ra.call, mt.a.index))
-            back_b = backward_b.get((rb.path, rb.call, mt.b.index))
+                                       skipped=undefined + relaid_in + unrelated, how=mt.how))
+            back_a, back_b = merged_a.backward(mt.a), merged_b.backward(mt.b)
             if back_a is None or back_b is None:
                 continue
             # an input's gradient sums what every output hands back: where one side's operation has outputs the
@@ -463,32 +479,88 @@ def pair_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], call_pairs: S
             tensors += [TensorPair("grad_input", ea.key, keys[ea.key], operand(ea), operand(grads_b[keys[ea.key]]),
                                    note)
                         for ea in back_a.tensors if ea.role == "grad_input" and keys.get(ea.key) in grads_b]
-            result.pairs.append(OpPair(back_a, (back_b,), tensors,
-                                       *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input")), how=mt.how))
+            compared, unrelated = _laid_out_alike(tensors)
+            result.pairs.append(OpPair(back_a, (back_b,), compared,
+                                       *_unpaired(back_a, back_b, tensors, ("grad_output", "grad_input")),
+                                       skipped=unrelated, how=mt.how))
     return result
 
 
 def _unmatched_inside(forward: Mapping[tuple[str, int], list[OpRecord]],
-                      matched: Callable[[str], Any]) -> dict[str, list[tuple[str, int, int]]]:
+                      matched: Callable[[str], Any]) -> dict[str, list[tuple[tuple[str, int], int, int]]]:
     """The module calls whose own code recorded operations and whose module has no counterpart in the other run,
-    under the nearest enclosing module that has one: its path -> [(path, first operation's position, last's)].
-    Their operations run inside that module's calls, where they are not aligned with the other run's (Megatron's
-    ``core_attention``, which holds the attention's arithmetic that HF's attention runs in its own code)."""
-    out: dict[str, list[tuple[str, int, int]]] = {}
-    for (path, _), seq in forward.items():
-        if not seq or matched(path) is not None:
+    under the nearest enclosing module that has one: its path -> [((path, call), first operation's position,
+    last's)]. Their operations run inside that module's calls, and are aligned as those calls' own."""
+    out: dict[str, list[tuple[tuple[str, int], int, int]]] = {}
+    for key, seq in forward.items():
+        if not seq or matched(key[0]) is not None:
             continue
-        anchor = path
+        anchor = key[0]
         while anchor and matched(anchor) is None:
             anchor = anchor.rpartition(".")[0]
-        out.setdefault(anchor, []).append((path, seq[0].begin, seq[-1].end))
+        out.setdefault(anchor, []).append((key, seq[0].begin, seq[-1].end))
     return out
 
 
-def _inside(candidates: Mapping[str, list[tuple[str, int, int]]], call: Any) -> list[str]:
-    """Of ``_unmatched_inside``'s modules under ``call``'s module, those whose operations ran during that call."""
-    return sorted({path for path, begin, end in candidates.get(call.path, ())
-                   if call.begin <= begin and end <= call.end})
+def _inside(candidates: Mapping[str, list[tuple[tuple[str, int], int, int]]], call: Any) -> list[tuple[str, int]]:
+    """Of ``_unmatched_inside``'s module calls under ``call``'s module, those whose operations ran during that call."""
+    return [key for key, begin, end in candidates.get(call.path, ()) if call.begin <= begin and end <= call.end]
+
+
+class _Merged:
+    """One run's operations of a module call as the alignment sees them: its own, and those of the modules inside
+    it that the other run has no counterpart for (``inlined``), in the order they ran. Where there are any, every
+    operation is renumbered as the call's own, and its producers are said in the call's terms: an input of an
+    inlined module is what its caller handed it, an output of one is what made it inside."""
+
+    def __init__(self, call: Any, forward: Mapping[tuple[str, int], list[OpRecord]],
+                 backward: Mapping[tuple[str, int, int], OpRecord], inlined: list[tuple[str, int]],
+                 calls: Mapping[tuple[str, int], CallRecord]):
+        own = forward.get((call.path, call.call), [])
+        self.where = (call.path, call.call)
+        self.inlined, self.calls, self.by_backward = set(inlined), calls, backward
+        self.inlined_paths = sorted({path for path, _ in inlined})
+        if not inlined:
+            self.ops, self.recorded = list(own), {op.index: (op.path, op.call, op.index) for op in own}
+            return
+        ordered = sorted([*own, *(op for key in inlined for op in forward.get(key, ()))], key=lambda op: op.begin)
+        self.position = {(op.path, op.call, op.index): i for i, op in enumerate(ordered)}
+        self.recorded = {i: (op.path, op.call, op.index) for i, op in enumerate(ordered)}
+        self.ops = [replace(op, path=call.path, call=call.call, index=i,
+                            producers={key: self._said_here(p, (op.path, op.call))
+                                       for key, p in op.producers.items()} if op.producers else None)
+                    for i, op in enumerate(ordered)]
+
+    def _said_here(self, producer: Producer | None, where: tuple[str, int]) -> Producer:
+        """``producer``, as the call ``where`` saw it, in the merged call's terms."""
+        for _ in range(64):  # each step goes one module call out or in; nesting is never this deep
+            if producer is None:
+                break
+            if producer.kind == "op":
+                index = self.position.get((where[0], where[1], producer.index or 0))
+                return replace(producer, index=index) if index is not None else Producer("unknown")
+            if producer.kind == "input" and where != self.where:  # what the inlined module's caller handed it
+                rec = self.calls.get(where)
+                if rec is None or rec.parent is None:
+                    break
+                producer, where = (rec.producers or {}).get(producer.key or ""), (rec.parent[0], rec.parent[1])
+                continue
+            if producer.kind == "call" and (producer.path, producer.call) in self.inlined:  # made inside it
+                where = (producer.path or "", producer.call or 0)
+                rec = self.calls.get(where)
+                producer = (rec.producers or {}).get(producer.key or "") if rec is not None else None
+                continue
+            return producer
+        return Producer("unknown")
+
+    def backward(self, op: OpRecord) -> OpRecord | None:
+        """The backward record of one of ``ops`` (the first backward), numbered as it is."""
+        recorded = self.recorded.get(op.index)
+        back = self.by_backward.get(recorded) if recorded is not None else None
+        if back is None or not self.inlined:
+            return back
+        return replace(back, path=self.where[0], call=self.where[1], index=op.index, args=op.args,
+                       producers=op.producers, in_place=op.in_place)  # what a report reads of its forward record
 
 
 def _all_paired(a: OpRecord, b: OpRecord, out_pairs: Sequence) -> bool:
@@ -498,7 +570,7 @@ def _all_paired(a: OpRecord, b: OpRecord, out_pairs: Sequence) -> bool:
         all(t.key in paired_b for t in b.tensors if t.role == "output")
 
 
-def _gradient_changed(inserted: Sequence[OpRecord], backward: dict, path: str, call: int) -> list[list]:
+def _gradient_changed(inserted: Sequence[OpRecord], backward: Callable[[OpRecord], OpRecord | None]) -> list[list]:
     """Operations that one run inserts which pass their values through unchanged (a custom autograd function, a
     cast without effect) but not their gradient: [index, name, source, function] each. Such an operation has
     no counterpart to compare with, yet its backward must be the identity too; where it is not, it is the origin
@@ -507,7 +579,7 @@ def _gradient_changed(inserted: Sequence[OpRecord], backward: dict, path: str, c
     for op in inserted:
         inputs = [t for t in op.tensors if t.role == "input"]
         out = first_output(op)
-        back = backward.get((path, call, op.index))
+        back = backward(op)
         if len(inputs) != 1 or out is None or back is None or not values_agree(inputs[0], out):
             continue
         grad_out = next((t for t in back.tensors if t.role == "grad_output"), None)
@@ -529,6 +601,41 @@ def _by_call(ops: Sequence[OpRecord]) -> tuple[dict, dict]:
     for seq in forward.values():
         seq.sort(key=lambda op: op.index)
     return forward, backward
+
+
+def _masked_differently(mt: OpMatch, in_pairs: Sequence[tuple[TensorEntry, TensorEntry]], rules: RuleSet) -> bool:
+    """A softmax of attention scores that the runs mask with other values (HF's -inf, Megatron's -10000.0): its
+    inputs, which differ there, are compared as what the softmax makes of them (``Operand`` "masked_scores")."""
+    if mt.how != "same" and mt.how != "reordered" or rules.op_kind(mt.a.op) != "softmax" or \
+            rules.op_kind(mt.b.op) != "softmax":
+        return False
+    def masks(e: TensorEntry) -> bool:
+        low = e.stats.get("min")
+        return bool(e.stats.get("inf")) or (low is not None and low <= MASKED_SCORE)
+
+    return any((masks(ea) or masks(eb)) and ((ea.stats.get("inf") or 0, ea.stats.get("min")) !=
+                                             (eb.stats.get("inf") or 0, eb.stats.get("min"))) for ea, eb in in_pairs)
+
+
+def _input_operands(ea: TensorEntry, eb: TensorEntry, scores: bool) -> tuple[Operand, Operand]:
+    if scores and ea.dtype in FLOAT_DTYPES and eb.dtype in FLOAT_DTYPES:
+        return Operand((ea,), op="masked_scores"), Operand((eb,), op="masked_scores")
+    return operand(ea), operand(eb)
+
+
+def _laid_out_alike(tensors: list[TensorPair]) -> tuple[list[TensorPair], list[str]]:
+    """The pairs to compare, and those left out because their shapes hold the values in orders the shapes do not
+    relate (``layouts_relate``): HF's key viewed [b, s, heads, d] against Megatron's [s, b * heads, d] holds the same
+    values, and compared flattened it "differed" by 100 times its size."""
+    compared, unrelated = [], []
+    for tp in tensors:
+        shape_a, shape_b = list(tp.a.entry.shape), list(tp.b.entry.shape)
+        if layouts_relate(shape_a, shape_b):
+            compared.append(tp)
+        else:
+            unrelated.append(f"{tp.role}:{tp.key} (not compared: {shape_a} against {shape_b}, laid out in orders the "
+                             f"shapes do not relate)")
+    return compared, unrelated
 
 
 def _defined(tensors: list[TensorPair]) -> tuple[list[TensorPair], list[str]]:

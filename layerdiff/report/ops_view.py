@@ -144,15 +144,12 @@ def not_compared_lines(origin: View) -> list[str]:
     (``Origin.ops_not_compared``), and what to do about it."""
     lines = []
     for why in origin.get("ops_not_compared") or ():
+        if why.get("why") != "not_in_run":
+            continue
         run, other = why["side"].upper(), "B" if why["side"] == "a" else "A"
         missing = why.get("without_counterpart") or 0
         left = f" ({missing} of {other}'s operations in this call found no counterpart)" if missing else ""
-        if why["why"] == "not_in_run":
-            lines.append(f"{run}'s operations in this call are not compared: its run holds none of them, as a run whose "
-                         f"ranks split a module's work keeps them per rank{left}. To compare them: one rank's trace "
-                         f"against a run of the same layout, or a one-rank port traced with --ops-in")
-        else:
-            modules = ", ".join(why.get("modules") or ())
-            lines.append(f"{run} runs part of this call's work in {modules}, which {other} has no module for: the "
-                         f"operations there are not aligned with {other}'s{left}")
+        lines.append(f"{run}'s operations in this call are not compared: its run holds none of them, as a run whose "
+                     f"ranks split a module's work keeps them per rank{left}. To compare them: one rank's trace "
+                     f"against a run of the same layout, or a one-rank port traced with --ops-in")
     return lines

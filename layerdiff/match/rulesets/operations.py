@@ -41,6 +41,8 @@ RULES = {
             # GQA's repeated key/value heads: Paddle's repeat_interleave against HF's expand + reshape
             {"op": "repeat_interleave", "ends": ["reshape"], "longest": 3},
             {"op": "swiglu", "ends": ["mul"], "longest": 4},
+            # Megatron's attention scores: baddbmm(..., alpha=scale) against a matmul and its scaling
+            {"op": "baddbmm", "ends": ["mul", "div", "matmul"], "longest": 4},
         ],
     },
 }
