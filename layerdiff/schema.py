@@ -161,9 +161,7 @@ class OpsSummary(_OpsSummaryKeys, total=False):
     [...]}, [index, name, source, function] each): those among them that pass their values through unchanged but
     not their gradient (a wrong hand-written backward), where there are any."""
     gradient_changed: Dict[str, List[Any]]
-    # {"a": [...], "b": [...]}: modules with no counterpart in the other run whose own code ran operations inside
-    # this call (Megatron's ``core_attention``): those operations are aligned as this call's own
-    unmatched_inside: Dict[str, List[str]]
+    unmatched_inside: Dict[str, List[str]]  # per run: modules with no counterpart, their operations the call's own
     not_in_run: List[str]  # runs ("a", "b") whose call recorded operations that the run read holds none of
 
 
