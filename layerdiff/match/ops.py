@@ -150,6 +150,8 @@ class _Evidence:
         self.out_b = [first_output(op) for op in ops_b]
         self.made_a = [_made_from(op) for op in ops_a]
         self.made_b = [_made_from(op) for op in ops_b]
+        self.in_a = [[t.shape for t in op.tensors if t.role == "input"] for op in ops_a]
+        self.in_b = [[t.shape for t in op.tensors if t.role == "input"] for op in ops_b]
 
     def agree(self, i: int, j: int) -> bool:
         """Outputs of the same values in layouts that compare: a key viewed [b, s, heads, d] holds the values of
@@ -169,9 +171,12 @@ class _Evidence:
             return None
         if self.made_a[i] != self.made_b[j]:
             return _UNLIKE  # integers made floats against floats made floats: most likely two operations
-        if self.kinds_a[i] in self.rules.pass_through_ops and oa is not None and ob is not None and \
-                not layouts_relate(oa.shape, ob.shape):
-            return None  # a cast or a view of other values in another layout: leaving both unpaired costs little
+        if self.kinds_a[i] in self.rules.pass_through_ops and (
+                (oa is not None and ob is not None and not layouts_relate(oa.shape, ob.shape)) or
+                (self.in_a[i] and self.in_b[j] and
+                 not any(layouts_relate(x, y) for x in self.in_a[i] for y in self.in_b[j]))):
+            return None  # a cast or a view of other values in another layout (a reshape of other inputs: HF's
+            # attention output against a port's key heads repeated): leaving both unpaired costs little
         return 1.0 if oa is not None and ob is not None and list(oa.shape) == list(ob.shape) else 0.5
 
     def gap_a(self, i: int) -> float:

@@ -92,15 +92,16 @@ import layerdiff
 from layerdiff.recipes import mindformers_llama as mf
 
 out = sys.argv[1]
-def trace(name, defect=None, **kw):
+def trace(name, defect=None, ops=False, **kw):
     built = mf.build(defect, impl="port", **kw)
-    with layerdiff.trace(built["model"], f"{out}/{name}.h5"):
+    with layerdiff.trace(built["model"], f"{out}/{name}.h5", ops=ops):
         built["step"]()
 
 trace("mf")
 for d in mf.DEFECTS:
     trace(f"mf_{d}", d)
 trace("mf_concat", qkv_concat=True)
+trace("mf_ops_owncode", "owncode", ops=True)  # its attention's score scaling
 trace("mf_concat_weight", "weight", qkv_concat=True)
 np.save(f"{out}/mf_logits.npy", mf.logits(impl="port"))
 """
@@ -361,6 +362,17 @@ def test_mindformers_defects_named_in_hf_names(ports, defect):
     assert _origin(report, direction) == origin
     if defect == "act":
         assert report["forward"]["first_divergence"]["hparam_diff"]["type"] == ["SiLUActivation", "GELU"]
+
+
+def test_a_reshape_is_not_paired_with_a_reshape_of_other_inputs(ports):
+    """HF's SDPA against the port's spelled-out attention (its score scaling wrong): HF's reshape of the attention's
+    output was paired with the port's reshape of its key heads repeated, both [b, heads, s, d], and named as the
+    origin with "inputs agree" (inputs [b, heads, s, d] against [b, kv heads, 1, s * d], compared by nothing). A
+    reshape or cast is paired only where its inputs' layouts relate; the origin then implicates HF's SDPA."""
+    origin = align_files(ports / "hf_ops.h5", ports / "mf_ops_owncode.h5")["forward"]["first_divergence"]
+    assert origin["module"] == "model.layers.1.self_attn" and origin["where"] == "op_input", origin["description"]
+    assert any(name == "torch.nn.functional.scaled_dot_product_attention" for _, name, _ in origin["op"]["only_a"]), \
+        origin["op"]
 
 
 def test_mindformers_fused_qkv_and_interleaved_gate_up(ports):
