@@ -35,7 +35,7 @@ def _custom_cell(args: tuple) -> OpName:
 def intercepted(capture: OpCapture, model_cells: set[int]) -> ContextManager[Any]:
     """``model_cells``: id() of the model's own cells, which are modules (recorded as such), never operations."""
     apis = resolve(MINDSPORE, MINDSPORE_KINDS, ("mindspore.Tensor", ms.Tensor))
-    apis.append(Api(Primitive, "__call__", None, _primitive))
+    apis += [Api(cls, "__call__", None, _primitive) for cls in (Primitive, *_own_calls(Primitive))]
 
     def custom(args: tuple) -> bool:
         cell = args[0]
@@ -43,6 +43,25 @@ def intercepted(capture: OpCapture, model_cells: set[int]) -> ContextManager[Any
 
     apis.append(Api(nn.Cell, "__call__", None, _custom_cell, several_steps=True, applies=custom))
     return wrapped(capture, apis)
+
+
+def _own_calls(root: type) -> list[type]:
+    """The Primitive classes loaded that define ``__call__`` themselves: MindSpore's generated ones
+    (``BatchMatMul``, ``Softmax``, ``Reshape``) and hand-written ones (``Tile``) do, so wrapping
+    ``Primitive.__call__`` alone saw none of ``P.BatchMatMul()(x, y)`` (MindSpore Transformers' matmuls, softmax
+    and tiling went unrecorded)."""
+    seen: set[type] = set()
+    out: list[type] = []
+    stack = [root]
+    while stack:
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for sub in subclasses:
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+                if "__call__" in vars(sub):
+                    out.append(sub)
+    return out
 
 
 def _differentiable(t: Any) -> bool:

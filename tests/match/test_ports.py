@@ -101,6 +101,7 @@ trace("mf")
 for d in mf.DEFECTS:
     trace(f"mf_{d}", d)
 trace("mf_concat", qkv_concat=True)
+trace("mf_ops", ops=True)
 trace("mf_ops_owncode", "owncode", ops=True)  # its attention's score scaling
 trace("mf_concat_weight", "weight", qkv_concat=True)
 np.save(f"{out}/mf_logits.npy", mf.logits(impl="port"))
@@ -364,15 +365,33 @@ def test_mindformers_defects_named_in_hf_names(ports, defect):
         assert report["forward"]["first_divergence"]["hparam_diff"]["type"] == ["SiLUActivation", "GELU"]
 
 
-def test_a_reshape_is_not_paired_with_a_reshape_of_other_inputs(ports):
-    """HF's SDPA against the port's spelled-out attention (its score scaling wrong): HF's reshape of the attention's
-    output was paired with the port's reshape of its key heads repeated, both [b, heads, s, d], and named as the
-    origin with "inputs agree" (inputs [b, heads, s, d] against [b, kv heads, 1, s * d], compared by nothing). A
-    reshape or cast is paired only where its inputs' layouts relate; the origin then implicates HF's SDPA."""
+def test_mindformers_primitives_are_operations_and_its_score_scaling_is_named(ports):
+    """MindSpore Transformers calls Primitive instances (``P.BatchMatMul(transpose_b=True)(q, k)``, ``P.Softmax()``,
+    ``P.Tile()``), whose classes define ``__call__`` themselves: wrapping ``Primitive.__call__`` recorded none of
+    them, and a wrong score scaling was named at a reshape. Now, against HF's eager attention, it is named at HF's
+    ``matmul(...) * scaling`` against the port's ``* self.inv_norm_factor``: the batched matmul before it, whose
+    output agrees, took the key untransposed (``transpose_b``), which is no divergence; against SDPA, at SDPA. A
+    reshape is not paired with a reshape of inputs in unrelated layouts (HF's of SDPA's output was paired with the
+    port's of its repeated key heads, and named)."""
+    import transformers.models.llama.modeling_llama
+
+    from layerdiff.recipes import mindformers_llama
+
+    with open_trace(ports / "mf_ops_owncode.h5") as trace:
+        names = {op.name for op in trace.ops}
+    assert {"ops.BatchMatMul", "ops.Softmax", "ops.Tile"} <= names, sorted(names)
+    hf_lines = Path(transformers.models.llama.modeling_llama.__file__).read_text().splitlines()
+    scaled = next(i for i, text in enumerate(hf_lines, 1) if "torch.matmul(query, key_states.transpose(2, 3))" in text)
+    port_lines = Path(mindformers_llama.__file__).read_text().splitlines()
+    port = next(i for i, text in enumerate(port_lines, 1) if "* self.inv_norm_factor" in text)
+    origin = align_files(ports / "hf_ops_eager.h5", ports / "mf_ops_owncode.h5")["forward"]["first_divergence"]
+    assert (origin["module"], origin["where"]) == ("model.layers.1.self_attn", "op"), origin["description"]
+    assert origin["op"]["source"].endswith(f"modeling_llama.py:{scaled}"), origin["op"]
+    assert origin["op"]["source_b"].endswith(f"mindformers_llama.py:{port}"), origin["op"]
     origin = align_files(ports / "hf_ops.h5", ports / "mf_ops_owncode.h5")["forward"]["first_divergence"]
-    assert origin["module"] == "model.layers.1.self_attn" and origin["where"] == "op_input", origin["description"]
-    assert any(name == "torch.nn.functional.scaled_dot_product_attention" for _, name, _ in origin["op"]["only_a"]), \
-        origin["op"]
+    assert (origin["where"], origin["op"]["kind"]) == ("op", "scaled_dot_product_attention"), origin["description"]
+    for clean in ("hf_ops.h5", "hf_ops_eager.h5"):
+        assert align_files(ports / clean, ports / "mf_ops.h5")["verdict"] == "aligned", clean
 
 
 def test_mindformers_fused_qkv_and_interleaved_gate_up(ports):
