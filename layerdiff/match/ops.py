@@ -195,6 +195,11 @@ class _Evidence:
         return 3.0 if list(out.shape) == list(last.shape) else 2.5
 
 
+def _holds(rule: FusedOpRule, kinds: Sequence[str]) -> bool:
+    """Whether a sequence may be a fused operation spelled out: it runs one of the kinds the rule says it holds."""
+    return not rule.holds or any(kind in rule.holds for kind in kinds)
+
+
 def align_ops(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], rules: RuleSet) -> OpAlignment:
     """The two operation sequences of one pair of module calls, aligned (see the module docstring)."""
     n, m = len(ops_a), len(ops_b)
@@ -235,13 +240,13 @@ def _dynamic(ops_a: Sequence[OpRecord], ops_b: Sequence[OpRecord], ev: _Evidence
             if rule is not None and j and ev.kinds_b[j - 1] in rule.ends:  # A's fused op = B's ops j-span .. j-1
                 s = ev.fused(rule, ev.out_a[i - 1], ev.out_b[j - 1])
                 for span in range(2, min(rule.longest, j) + 1):
-                    if best[i - 1][j - span] + s > here:
+                    if best[i - 1][j - span] + s > here and _holds(rule, ev.kinds_b[j - span:j]):
                         here, choice = best[i - 1][j - span] + s, ("fused_a", span)
             rule = fused_b[j - 1] if j else None
             if rule is not None and i and ev.kinds_a[i - 1] in rule.ends:
                 s = ev.fused(rule, ev.out_b[j - 1], ev.out_a[i - 1])
                 for span in range(2, min(rule.longest, i) + 1):
-                    if best[i - span][j - 1] + s > here:
+                    if best[i - span][j - 1] + s > here and _holds(rule, ev.kinds_a[i - span:i]):
                         here, choice = best[i - span][j - 1] + s, ("fused_b", span)
             best[i][j], move[i][j] = here, choice
     result = OpAlignment()

@@ -78,12 +78,15 @@ class MaskRule:
 class FusedOpRule:
     """One operation on one side that is a sequence of them on the other (``scaled_dot_product_attention`` vs
     matmul, scale, mask, softmax, matmul): the sequence ends in an operation of a kind in ``ends`` and holds at
-    most ``longest`` operations; the fused operation's output is compared with the sequence's last."""
+    most ``longest`` operations; the fused operation's output is compared with the sequence's last. ``holds``: kinds
+    of which one must run in the sequence (``silu`` spelled out holds a ``sigmoid``: a ``gelu`` and the ``mul`` by
+    the MLP's up projection are not it)."""
 
     op: str
     ends: tuple
     longest: int = 16
     source: str = ""
+    holds: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ _SECTIONS = {"names", "families", "fused", "rotary", "masks", "sequence_first", 
 _ENTRY_KEYS = {"fused": {"name", "module", "parts", "groups", "tp_shards"},
                "rotary": {"name", "angles", "cos", "sin"}, "masks": {"keys", "model_class", "bool_masked"},
                "transposed": {"framework", "family", "type", "params"}, "ops": {"same", "pass_through", "fused", "arguments"},
-               "ops.fused": {"op", "ends", "longest"}}
+               "ops.fused": {"op", "ends", "longest", "holds"}}
 
 
 def _check_keys(entry, section: str, where: str):
@@ -333,7 +336,7 @@ def from_dict(data: dict, source: str, *, listed: bool = True) -> RuleSet:
 
 def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple, dict]:
     """``[ops]``: ``same`` (canonical kind = [synonyms]), ``pass_through`` (kinds one side may add or leave out),
-    ``[[ops.fused]]`` (``op``, ``ends``, ``longest``) and ``arguments`` (argument name = the name every framework's
+    ``[[ops.fused]]`` (``op``, ``ends``, ``longest``, ``holds``) and ``arguments`` (argument name = the name every framework's
     call is compared under: ``axis = "dim"``)."""
     if section is None:
         return {}, frozenset(), (), {}
@@ -362,7 +365,8 @@ def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple, dict]:
             raise LayerdiffError(f"{at}: 'longest' is the longest sequence, 2 to 64")
         fused.append(FusedOpRule(canonical_of(entry["op"]),
                                  tuple(canonical_of(k) for k in _strings(entry["ends"], at + " ends")), longest,
-                                 source))
+                                 source, tuple(canonical_of(k) for k in _strings(entry.get("holds") or [],
+                                                                                 at + " holds"))))
     arguments = section.get("arguments") or {}
     if not isinstance(arguments, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in arguments.items()):

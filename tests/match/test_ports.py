@@ -49,6 +49,10 @@ scaled = mg.build(None)  # the attention's softmax scale x1.1: arithmetic that M
 scaled["model"].decoder.layers[1].self_attention.core_attention.softmax_scale *= 1.1
 with layerdiff.trace(scaled["model"], f"{out}/mg_ops_scale.h5", ops=True):
     scaled["step"]()
+gelu = mg.build(None)  # a port whose MLP activation is set wrong: gelu for silu
+gelu["model"].decoder.layers[0].mlp.config.activation_func = torch.nn.functional.gelu
+with layerdiff.trace(gelu["model"], f"{out}/mg_ops_gelu.h5", ops=True):
+    gelu["step"]()
 for d in mg.DEFECTS:
     trace(mg, f"mg_{d}", d)
 trace(mg, "mg_recompute_full", recompute="full")  # activation recomputation: Megatron's CheckpointFunction
@@ -259,6 +263,23 @@ def test_operations_inside_a_module_only_megatron_has_are_aligned_as_its_callers
     for clean in ("hf_ops.h5", "hf_ops_eager.h5"):
         report = align_files(ports / clean, ports / "mg_ops.h5")
         assert report["verdict"] == "aligned", (clean, report["forward"]["first_divergence"])
+
+
+def test_an_activation_set_wrong_in_a_port_is_named_on_both_sides(ports):
+    """HF's activation is a module (``SiLUActivation``) that Megatron has no counterpart for: its ``silu`` counts as
+    the MLP's own operation. With Megatron's set to gelu, ``silu`` was taken for Megatron's ``gelu(gate) * up``
+    spelled out (``[[ops.fused]]`` silu ends in a mul) and named against that mul; a spelled-out silu must hold a
+    sigmoid (``holds``), so both activations are named, at the ``mul`` they feed."""
+    import transformers.activations
+
+    origin = align_files(ports / "hf_ops.h5", ports / "mg_ops_gelu.h5")["forward"]["first_divergence"]
+    assert (origin["module"], origin["where"]) == ("model.layers.0.mlp", "op_input"), origin["description"]
+    lines = Path(transformers.activations.__file__).read_text().splitlines()
+    silu = [i for i, text in enumerate(lines, 1) if "return nn.functional.silu(input)" in text]
+    assert [(name, source.rpartition(":")[2]) for _, name, source in origin["op"]["only_a"]] == \
+        [("torch.nn.functional.silu", str(line)) for line in silu[:1]], origin["op"]
+    assert any(name == "torch.nn.functional.gelu" and "megatron/core/transformer/mlp.py" in source
+               for _, name, source in origin["op"]["only_b"]), origin["op"]
 
 
 def test_additive_and_boolean_masks_are_compared_as_what_they_hide(ports):

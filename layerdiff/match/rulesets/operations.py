@@ -34,8 +34,8 @@ RULES = {
             {"op": "scaled_dot_product_attention", "ends": ["matmul"], "longest": 16},
             {"op": "rms_norm", "ends": ["mul"], "longest": 10},
             {"op": "layer_norm", "ends": ["add", "mul"], "longest": 10},
-            {"op": "silu", "ends": ["mul"], "longest": 3},
-            {"op": "gelu", "ends": ["mul"], "longest": 10},
+            {"op": "silu", "ends": ["mul"], "longest": 3, "holds": ["sigmoid"]},
+            {"op": "gelu", "ends": ["mul"], "longest": 10, "holds": ["erf", "tanh", "sigmoid"]},
             {"op": "cross_entropy", "ends": ["nll_loss"], "longest": 4},
             {"op": "linear", "ends": ["add", "matmul"], "longest": 3},
             # GQA's repeated key/value heads: Paddle's repeat_interleave against HF's expand + reshape
