@@ -168,11 +168,9 @@ class OpsSummary(_OpsSummaryKeys, total=False):
 class OpsNotCompared(TypedDict, total=False):
     """Why operations recorded in a module's own code were not compared where the origin is that code: ``side``'s
     ("a" or "b") run holds none of them (``why`` "not_in_run": a run of several ranks that split the module's work
-    keeps them per rank); ``without_counterpart``: how many of the other run's operations there found none.
-    ``modules``: reserved for a reason that names modules (empty)."""
+    keeps them per rank); ``without_counterpart``: how many of the other run's operations there found none."""
     side: str
     why: str
-    modules: List[str]
     without_counterpart: Int64
 
 

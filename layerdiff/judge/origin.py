@@ -143,7 +143,7 @@ def ops_not_compared(summary: schema.OpsSummary | None) -> list[schema.OpsNotCom
     for side, other in (("a", "b"), ("b", "a")):
         without = len((summary.get("only_b") if other == "b" else summary.get("only_a")) or [])
         if side in (summary.get("not_in_run") or []):
-            out.append({"side": side, "why": "not_in_run", "modules": [], "without_counterpart": without})
+            out.append({"side": side, "why": "not_in_run", "without_counterpart": without})
     return out
 
 

@@ -22,14 +22,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from msgspec.structs import replace
+
 from layerdiff.match.layouts import layouts_relate
 from layerdiff.match.mapping import ModuleMapping
 from layerdiff.match.operands import MASKED_SCORE, Operand, dtype_kind
 from layerdiff.match.paramplan import other_layout
 from layerdiff.match.pairing import TensorPair
 from layerdiff.match.rules import FusedOpRule, RuleSet
-from msgspec.structs import replace
-
 from layerdiff.tracefile.records import CallRecord, OpRecord, Producer, TensorEntry
 from layerdiff.tracefile.tensors import FLOAT_DTYPES
 
@@ -616,9 +616,10 @@ def _by_call(ops: Sequence[OpRecord]) -> tuple[dict, dict]:
 def _masked_differently(mt: OpMatch, in_pairs: Sequence[tuple[TensorEntry, TensorEntry]], rules: RuleSet) -> bool:
     """A softmax of attention scores that the runs mask with other values (HF's -inf, Megatron's -10000.0): its
     inputs, which differ there, are compared as what the softmax makes of them (``Operand`` "masked_scores")."""
-    if mt.how != "same" and mt.how != "reordered" or rules.op_kind(mt.a.op) != "softmax" or \
+    if mt.how not in ("same", "reordered") or rules.op_kind(mt.a.op) != "softmax" or \
             rules.op_kind(mt.b.op) != "softmax":
         return False
+
     def masks(e: TensorEntry) -> bool:
         low = e.stats.get("min")
         return bool(e.stats.get("inf")) or (low is not None and low <= MASKED_SCORE)

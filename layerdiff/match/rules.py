@@ -336,8 +336,8 @@ def from_dict(data: dict, source: str, *, listed: bool = True) -> RuleSet:
 
 def _ops_section(section, source: str) -> tuple[dict, frozenset, tuple, dict]:
     """``[ops]``: ``same`` (canonical kind = [synonyms]), ``pass_through`` (kinds one side may add or leave out),
-    ``[[ops.fused]]`` (``op``, ``ends``, ``longest``, ``holds``) and ``arguments`` (argument name = the name every framework's
-    call is compared under: ``axis = "dim"``)."""
+    ``[[ops.fused]]`` (``op``, ``ends``, ``longest``, ``holds``) and ``arguments`` (argument name = the name every
+    framework's call is compared under: ``axis = "dim"``)."""
     if section is None:
         return {}, frozenset(), (), {}
     where = f"{source}: [ops]"

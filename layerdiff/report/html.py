@@ -12,8 +12,7 @@ from html import escape
 
 from rich.text import Text
 
-from layerdiff.report.ops_view import (code_at, is_origin_row, module_ops, not_compared_lines, retrace_hint, row_status,
-                                       short_source)
+from layerdiff.report.ops_view import code_at, is_origin_row, module_ops, origin_hints, row_status, short_source
 from layerdiff.report.terminal import (View, fmt_number, origin_lines, recompute_explains, recompute_lines,
                                        row_passed, step_count)
 
@@ -127,7 +126,7 @@ def _origin_block(report: View, phase: str, steps: int) -> str:
     lines = [_plain(line) for line in origin_lines(origin, steps)]
     body = "<br>".join(escape(line) for line in lines[1:])
     ops = _ops_block(report, origin) if origin.get("op") and origin.get("where") != "forward" else ""
-    hint = "".join(f"<br><span class='dim'>{escape(line)}</span>" for line in retrace_hint(report, origin) + not_compared_lines(origin))
+    hint = "".join(f"<br><span class='dim'>{escape(line)}</span>" for line in origin_hints(report, origin))
     if phase == "backward" and origin.get("where") != "forward":
         hint += "".join(f"<br><b class='bad'>{escape(line)}</b>"
                         for line in recompute_explains(report.get("recompute") or {}))

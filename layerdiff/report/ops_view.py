@@ -139,13 +139,17 @@ def retrace_hint(report: View, origin: View) -> list[str]:
             *lines]
 
 
+def origin_hints(report: View, origin: View) -> list[str]:
+    """What the terminal and HTML reports print under an origin about its operations: how to record them
+    (``retrace_hint``), or why those recorded were not compared (``not_compared_lines``)."""
+    return retrace_hint(report, origin) + not_compared_lines(origin)
+
+
 def not_compared_lines(origin: View) -> list[str]:
     """Why no operation is named where the origin is a module's own code whose operations both runs recorded
     (``Origin.ops_not_compared``), and what to do about it."""
     lines = []
     for why in origin.get("ops_not_compared") or ():
-        if why.get("why") != "not_in_run":
-            continue
         run, other = why["side"].upper(), "B" if why["side"] == "a" else "A"
         missing = why.get("without_counterpart") or 0
         left = f" ({missing} of {other}'s operations in this call found no counterpart)" if missing else ""

@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from layerdiff.match.mapping import collapse_indices
-from layerdiff.report.ops_view import (code_at, is_origin_row, module_ops, not_compared_lines, origin_code, retrace_hint,
-                                       row_status, short_source)
+from layerdiff.report.ops_view import (code_at, is_origin_row, module_ops, origin_code, origin_hints, row_status,
+                                       short_source)
 
 # A report, or a part of one, as it reads back from JSON: rendered as far as it goes, never trusted to hold every key
 View = Mapping[str, Any]
@@ -258,7 +258,7 @@ def _render_body(report: View, console: Console):
                               " the origin is where inputs still agree)[/]")
             if origin.get("op"):
                 _render_module_ops(report, origin, console)
-            for line in retrace_hint(report, origin) + not_compared_lines(origin):
+            for line in origin_hints(report, origin):
                 console.print(f"          [dim]{as_text(line)}[/]")
             if phase == "backward" and origin.get("where") != "forward":
                 for line in recompute_explains(report.get("recompute") or {}):
