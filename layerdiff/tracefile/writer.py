@@ -35,14 +35,19 @@ class _AppendOnlyBytes:
     writer killed between that write and HDF5's next flush could lose bytes the index already points at. So bytes
     are gathered in memory and written in whole chunks; at a flush (the index lines that wait for their data) the
     last partial chunk is written padded with zeros, and the bytes after it start a new chunk (their offsets say
-    where). The zeros cost next to nothing once compressed."""
+    where). The zeros cost next to nothing once compressed.
+
+    The array starts with one chunk of zeros, written before the trace is published: HDF5 creates a dataset's chunk
+    index with its first chunk, and wrote the pointer to that index's node before the node itself; a writer killed
+    in between (the first data of a run) left a file plain h5py could not read ("wrong B-tree signature")."""
 
     def __init__(self, h5file, dataset, buffer_limit: int, fd: int):
         self.h5file, self.dataset, self.fd = h5file, dataset, fd
         self.chunk = dataset.chunks[0]
-        self.buffer = bytearray()
+        self.buffer = bytearray(self.chunk)
         self.buffer_limit = max(buffer_limit, self.chunk)
         self.on_disk = 0  # a whole number of chunks
+        self._write(padded=False)
 
     @property
     def size(self) -> int:

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reas
 
 MODES = {"inline": {}, "behind": {"write_behind": 1 << 20}, "lzf": {"compression": "lzf", "flush_interval": 0.002},
          "held": {"held_records": 4}}
-# (at random moments, at lines): inline and write-behind are also killed before each of their writes, every one
+# (at random moments, at lines): inline, write-behind and lzf are also killed before each of their writes, every one
 # (``test_kill_before_writes``), which is where a kill can leave a different file; 55 and 30 each before that test
 KILLS = {"inline": (25, 15), "behind": (25, 15), "lzf": (25, 15), "held": (25, 15)}
 RECORDS = 30
