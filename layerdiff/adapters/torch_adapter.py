@@ -754,11 +754,13 @@ class Hooks(ModuleHooks):
             return
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
         seen: set[int] = set()
+        visited = []  # held: a node's Python object dropped, its address (its id in ``seen``) may name another one
         while stack and len(seen) < _MAX_GRAPH_WALK:
             node = stack.pop()
             if id(node) in seen or type(node).__name__ == "_GradTapBackward":
                 continue
             seen.add(id(node))
+            visited.append(node)
             for index, (child, _) in enumerate(node.next_functions):
                 variable = getattr(child, "variable", None) if child is not None else None
                 if variable is not None and id(variable) in own:
