@@ -308,6 +308,21 @@ def test_statistics_left_on_a_device_and_read_back_together_equal_numpys(dtype):
         _close(p.result, want, rel=1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_statistics_of_several_dtypes_read_back_in_one_batch_keep_their_order():
+    """One batch holds tensors of every float dtype (their statistics stacked a dtype at a time, read back in one
+    transfer): each gets its own, in order, a strided one (a transpose) too."""
+    from layerdiff.adapters import torch_adapter
+
+    tensors = [(torch.randn(n, generator=torch.Generator().manual_seed(n)) * (i + 1)).to(dtype)
+               for i, (n, dtype) in enumerate([(500, torch.float32), (900, torch.bfloat16), (300, torch.float64),
+                                               (700, torch.float16), (64, torch.float32)])]
+    tensors.append(torch.randn(8, 16, generator=torch.Generator().manual_seed(3)).t())
+    pending = [torch_adapter.DeviceStats(t) for t in tensors]
+    torch_adapter.DeviceDeferral().read(pending)
+    for t, p in zip(tensors, pending):
+        _close(p.result, _reference(t), rel=1e-5 if t.dtype in (torch.float32, torch.float64) else 1e-2)
+
+
 def test_a_tensor_with_nan_read_back_later():
     from layerdiff.adapters.torch_adapter import DeviceDeferral, DeviceStats
 
