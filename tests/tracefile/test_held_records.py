@@ -66,6 +66,12 @@ time.sleep(600)  # a hang: no record is handed over again
 """)
 
 
+def _records_in(path) -> int:
+    """The records a trace still being written holds now (it reads as a crashed one)."""
+    with open_trace(path) as reader:
+        return len(reader.records)
+
+
 def test_records_held_past_the_flush_interval_reach_the_file_while_the_program_hangs(tmp_path):
     """The program stops handing records over (a hang) and is then killed outright: the records it had handed
     were written by the writer's timer meanwhile."""
@@ -73,7 +79,9 @@ def test_records_held_past_the_flush_interval_reach_the_file_while_the_program_h
     proc = subprocess.Popen([sys.executable, "-c", HANG, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "0"  # held when handed: 3 of at most 1000
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60  # the timer writes them 0.2 s on; a loaded machine may take longer
+        while time.monotonic() < deadline and _records_in(path) < 3:
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
