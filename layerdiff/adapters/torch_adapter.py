@@ -262,7 +262,8 @@ _DEFERRED_CHUNK = 1 << 26  # accelerators: bounds the float32 temporary of a nar
 class DeviceStats(DeferredStats):
     """A tensor's statistics queued on its accelerator now and read back later, in a batch with others: its
     minimum and maximum, its sum (accumulated in float64) and its L2 norm (in float32 at least), as 0-dimensional
-    device tensors: three kernels, whatever its dtype and layout (reduced as it lies, no copy, no reshape). NaN or Inf
+    device tensors: three kernels, whatever its layout (reduced as it lies, no copy, no reshape; an 8-bit float is
+    widened first). NaN or Inf
     show in them; such a tensor is counted and summarized over its finite values when read back if it is still as
     it was (its version counter), else it keeps a count of one NaN or Inf (a lower bound) and no min, max, mean or
     norm."""
@@ -275,9 +276,12 @@ class DeviceStats(DeferredStats):
         n = values.numel()
         # a huge tensor in pieces: bounds the temporaries of its reductions
         pieces = (values,) if n <= _DEFERRED_CHUNK else values.reshape(-1).split(_DEFERRED_CHUNK)
-        norm_dtype = None if values.dtype in _FLOAT_BASES else torch.float32
+        narrow = values.element_size() == 1  # 8-bit floats: torch reduces none of them as they are
+        norm_dtype = None if values.dtype in _FLOAT_BASES or narrow else torch.float32
         self.parts = []
         for part in pieces:
+            if narrow:
+                part = part.float()
             lo, hi = torch.aminmax(part)
             self.parts.append((lo, hi, part.sum(dtype=torch.float64), torch.linalg.vector_norm(part, dtype=norm_dtype)))
         self.source, self.version, self.numel = weakref.ref(t), t._version, n
