@@ -6,9 +6,10 @@ Needs PyTorch with a CUDA device and transformers; run where one is (the machine
 none: the figures in docs/benchmarks/bench_gpu.md come from a lent H100/H200). Each step is zero_grad + forward
 with labels + backward of a transformers LlamaForCausalLM built from a config, timed with
 ``torch.cuda.synchronize()`` on both ends; untraced and traced blocks alternate in one process. The checks: the
-same weights and tokens on the CPU (fp32) and on the GPU (fp32, then bf16) traced in full mode and aligned; a
-weight scaled by 1 + 1e-3 on the GPU named at its module; an attention scaling changed on the GPU named at its
-operation and line with ``ops`` recorded.
+same weights and tokens on the CPU (fp32) and on the GPU (fp32, then bf16) traced in full mode and aligned, and
+in stats mode (fp32, then bf16: statistics reduced on the GPU, against the CPU's); a weight scaled by 1 + 1e-3 on
+the GPU named at its module; an attention scaling changed on the GPU named at its operation and line with ``ops``
+recorded.
 """
 from __future__ import annotations
 
@@ -101,7 +102,9 @@ def checks(work: Path, device: str) -> list[dict]:
             ("CUDA fp32 against the CPU", cpu, traced("cuda", device)),
             ("statistics reduced on the GPU against numpy's on the CPU (stats traces)", cpu_stats,
              traced("cuda_stats", device, mode="stats")),
-            ("CUDA bf16 against the CPU (fp32)", cpu, traced("cuda_bf16", device, "bfloat16"))):
+            ("CUDA bf16 against the CPU (fp32)", cpu, traced("cuda_bf16", device, "bfloat16")),
+            ("bf16 statistics reduced on the GPU against the CPU's (fp32, stats traces)", cpu_stats,
+             traced("cuda_bf16_stats", device, "bfloat16", mode="stats"))):
         report = layerdiff.align(reference, path, workers=1)
         logits = next(t for r in report.data["records"] if r["path"] == "" and r["phase"] == "forward"
                       for t in r["tensors"] if t["role"] == "output")
