@@ -263,10 +263,9 @@ class DeviceStats(DeferredStats):
     """A tensor's statistics queued on its accelerator now and read back later, in a batch with others: its
     minimum and maximum, its sum (accumulated in float64) and its L2 norm (in float32 at least), as 0-dimensional
     device tensors: three kernels, whatever its layout (reduced as it lies, no copy, no reshape; an 8-bit float is
-    widened first). NaN or Inf
-    show in them; such a tensor is counted and summarized over its finite values when read back if it is still as
-    it was (its version counter), else it keeps a count of one NaN or Inf (a lower bound) and no min, max, mean or
-    norm."""
+    widened first). NaN or Inf show in them; such a tensor is counted and summarized over its finite values when
+    read back if it is still as it was (its version counter), else it keeps a count of one NaN or Inf (a lower
+    bound) and no min, max, mean or norm."""
 
     __slots__ = ("source", "version", "numel", "parts")
 
@@ -283,7 +282,8 @@ class DeviceStats(DeferredStats):
             if narrow:
                 part = part.float()
             lo, hi = torch.aminmax(part)
-            self.parts.append((lo, hi, part.sum(dtype=torch.float64), torch.linalg.vector_norm(part, dtype=norm_dtype)))
+            norm = torch.linalg.vector_norm(part, dtype=norm_dtype)
+            self.parts.append((lo, hi, part.sum(dtype=torch.float64), norm))
         self.source, self.version, self.numel = weakref.ref(t), t._version, n
 
 
