@@ -296,7 +296,8 @@ class Unmatched(TypedDict, total=False):
 
 
 class OriginTensor(TypedDict, total=False):
-    """The origin's first failing tensor: which one, why, and its metrics."""
+    """The origin's first failing tensor: which one, why, and its metrics (for a module whose parameter differs and
+    whose output moved within tolerance, before the code that carried it over: that output, and why it is named)."""
     role: str
     key: str
     reason: str

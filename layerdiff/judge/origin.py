@@ -420,6 +420,72 @@ def _made_inside(node: Node, chain: list, params: list) -> Node | None:
     return maker if any(p["module"] == maker.row["path"] and not p["passed"] for p in params) else None
 
 
+# how much more than its inputs a call's output must have moved, within tolerance, for its differing parameter to
+# be the origin rather than the code after it; and the least share of its tolerance that move must take
+_MOVED = 4.0
+_MOVED_SHARE = 0.1
+
+
+def _moved(node: Node) -> tuple[float, Judged] | None:
+    """(how many times more than its inputs, the output) where a call's output moved far more than its inputs,
+    though within tolerance; None otherwise. Relative to each tensor's magnitude (max abs difference over the
+    reference's max abs), so a statistics trace's min/max/mean/RMS are weighed as values are."""
+    def relative(t: Judged) -> float:
+        m = t.get("metrics") or {}
+        diff, scale = m.get("max_abs"), m.get("ref_max_abs")
+        return diff / scale if diff is not None and scale else 0.0
+
+    moved = [(relative(t), t) for t in node.outs]
+    if not moved:
+        return None
+    out, tensor = max(moved, key=lambda pair: pair[0])
+    given = max((relative(t) for t in node.ins), default=0.0)
+    rtol = (tensor.get("tolerance") or {}).get("rtol") or 0.0
+    if out <= 0 or out < _MOVED_SHARE * rtol or out <= _MOVED * given:
+        return None
+    return (out / given if given else math.inf), tensor
+
+
+def _weight_before(node: Node, after: Node, before: Node | None, chain: list, params: list) -> schema.Origin | None:
+    """An origin in a call's own code, where a module that ran before that code (inside one of the children up to
+    ``after``) has parameters that differ and an output that moved far more than its inputs, though within
+    tolerance: the divergence starts at that weight, and the code after it only carried the change over
+    tolerance. Why: a statistics trace of a port whose attention output projection was scaled by 1 + 1e-3 (a
+    larger bias beside it) moved that projection's min/max/mean/RMS by 2.7e-5 relative, under fp32's 2e-5 x
+    magnitude, and named the decoder layer's residual add instead, while the parameters' comparison named the
+    weight."""
+    differing = {p["module"] for p in params if not p["passed"]}
+    if not differing or after not in node.children:
+        return None
+    found = None
+    for child in node.children[:node.children.index(after) + 1]:
+        for module, path in _modules_under(child, [child]):
+            moved = _moved(module) if module.row["path"] in differing and module.inputs_ok and \
+                module.outputs_ok else None
+            if moved is not None:
+                found = module, path, moved  # the last one before the code: the nearest to it
+    if found is None:
+        return None
+    module, path, (times, tensor) = found
+    origin = _origin_dict(module, "module", None, None, chain + path, "forward", params)
+    m = tensor.get("metrics") or {}
+    how = "while its inputs are identical" if math.isinf(times) else \
+        f"{times:.0f}x more than its inputs" if times >= 10 else f"{times:.2g}x more than its inputs"
+    reason = (f"moved {how}, though within tolerance (max abs diff {m.get('max_abs', 0):.3g}), and "
+              f"{describe_origin(node, 'own_code', after, before)} carried it over tolerance")
+    origin["tensor"] = schema.OriginTensor(role=tensor["role"], key=tensor["key"], reason=reason,
+                                           metrics=tensor["metrics"])
+    return origin
+
+
+def _modules_under(node: Node, path: list) -> Iterator[tuple[Node, list]]:
+    """Every module call in ``node``'s subtree, in execution order, with the calls from ``node`` down to it."""
+    yield node, path
+    for child in node.children:
+        if child.kind == "module":
+            yield from _modules_under(child, path + [child])
+
+
 def _first_over_tolerance(rows, phase):
     over = [r for r in rows if r["kind"] == "call" and r["phase"] == phase
             and any(not t["passed"] for t in r["tensors"])]
@@ -490,6 +556,10 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
                 inserted = _inserted_output_origin(node, after, chain, phase, own_params)
                 if inserted is not None:
                     return inserted
+            if where == "own_code" and phase == "forward" and after is not None:
+                weighed = _weight_before(node, after, before, chain, own_params)
+                if weighed is not None:
+                    return weighed
             maker = _made_inside(node, chain, own_params)
             if maker is not None:
                 node, where, after, before, chain = maker, "module", None, None, chain[:-1] + [maker]
