@@ -479,11 +479,13 @@ def _weight_before(node: Node, after: Node, before: Node | None, chain: list, pa
 
 
 def _modules_under(node: Node, path: list) -> Iterator[tuple[Node, list]]:
-    """Every module call in ``node``'s subtree, in execution order, with the calls from ``node`` down to it."""
+    """Every module call in ``node``'s subtree, in execution order, with the calls from ``node`` down to it (an
+    operation's row carries its module's path: operations are left out)."""
+    if node.kind != "module":
+        return
     yield node, path
     for child in node.children:
-        if child.kind == "module":
-            yield from _modules_under(child, path + [child])
+        yield from _modules_under(child, path + [child])
 
 
 def _first_over_tolerance(rows, phase):
