@@ -446,11 +446,11 @@ def _moved(node: Node) -> tuple[float, Judged] | None:
     return (out / given if given else math.inf), tensor
 
 
-def _weight_before(node: Node, after: Node, before: Node | None, chain: list, params: list) -> schema.Origin | None:
-    """An origin in a call's own code, where a module that ran before that code (inside one of the children up to
-    ``after``) has parameters that differ and an output that moved far more than its inputs, though within
-    tolerance: the divergence starts at that weight, and the code after it only carried the change over
-    tolerance. Why: a statistics trace of a port whose attention output projection was scaled by 1 + 1e-3 (a
+def _weight_before(node: Node, after: Node, chain: list, params: list, carried: str) -> schema.Origin | None:
+    """An origin in a call's own code (``carried`` describes it: the code, or the operation in it), where a module
+    that ran before that code (inside one of the children up to ``after``) has parameters that differ and an
+    output that moved far more than its inputs, though within tolerance: the divergence starts at that weight, and
+    the code after it only carried the change over tolerance. Why: a statistics trace of a port whose attention output projection was scaled by 1 + 1e-3 (a
     larger bias beside it) moved that projection's min/max/mean/RMS by 2.7e-5 relative, under fp32's 2e-5 x
     magnitude, and named the decoder layer's residual add instead, while the parameters' comparison named the
     weight."""
@@ -471,8 +471,8 @@ def _weight_before(node: Node, after: Node, before: Node | None, chain: list, pa
     m = tensor.get("metrics") or {}
     how = "while its inputs are identical" if math.isinf(times) else \
         f"{times:.0f}x more than its inputs" if times >= 10 else f"{times:.2g}x more than its inputs"
-    reason = (f"moved {how}, though within tolerance (max abs diff {m.get('max_abs', 0):.3g}), and "
-              f"{describe_origin(node, 'own_code', after, before)} carried it over tolerance")
+    reason = f"moved {how}, though within tolerance (max abs diff {m.get('max_abs', 0):.3g}), and {carried} " \
+        "carried it over tolerance"
     origin["tensor"] = schema.OriginTensor(role=tensor["role"], key=tensor["key"], reason=reason,
                                            metrics=tensor["metrics"])
     return origin
@@ -543,23 +543,31 @@ def _origin(roots: list[Node], phase: schema.Phase, params: dict) -> schema.Orig
             node, where, after, before, chain = found
             if node is root and _accumulated(root):
                 return _accumulated_origin(root, phase)
+            own_params = params.get("param" if phase == "forward" else "param_grad", [])
             if node.kind == "op":  # its inputs agree with their counterparts, its output does not
                 module = chain[-2] if len(chain) > 1 else None
                 row = node.row
                 if _inserted_cast(node, row["op"], row.get("op_b") or {}, module.row if module else None) is None:
                     node = _dtype_change(node, module)
-                return _op_origin(node, chain[:-1], phase, wrong_input=False)
+                op_origin = _op_origin(node, chain[:-1], phase, wrong_input=False)
+                at = module.children.index(node) if module is not None and node in module.children else 0
+                if phase == "forward" and module is not None and at:
+                    weighed = _weight_before(module, module.children[at - 1], chain[:-1], own_params,
+                                             op_origin["description"])
+                    if weighed is not None:
+                        return weighed
+                return op_origin
             if where == "own_code" and before is not None and before.kind == "op":
                 return _op_origin(before, chain, phase, wrong_input=True, module_row=node.row)
             if where == "own_code" and node.row.get("ops_gradient_changed"):
                 return _inserted_gradient_origin(node, chain, phase)
-            own_params = params.get("param" if phase == "forward" else "param_grad", [])
             if where == "own_code" and before is None and phase == "forward":
                 inserted = _inserted_output_origin(node, after, chain, phase, own_params)
                 if inserted is not None:
                     return inserted
             if where == "own_code" and phase == "forward" and after is not None:
-                weighed = _weight_before(node, after, before, chain, own_params)
+                weighed = _weight_before(node, after, chain, own_params,
+                                         describe_origin(node, "own_code", after, before))
                 if weighed is not None:
                     return weighed
             maker = _made_inside(node, chain, own_params)
