@@ -302,6 +302,7 @@ class OriginTensor(TypedDict, total=False):
     key: str
     reason: str
     metrics: Metrics
+    within_tolerance: bool  # present (true) where that output is within its tolerance: named for its weight
 
 
 class OriginOp(TypedDict, total=False):

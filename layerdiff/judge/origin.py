@@ -474,7 +474,7 @@ def _weight_before(node: Node, after: Node, chain: list, params: list, carried: 
     reason = f"moved {how}, though within tolerance (max abs diff {m.get('max_abs', 0):.3g}), and {carried} " \
         "carried it over tolerance"
     origin["tensor"] = schema.OriginTensor(role=tensor["role"], key=tensor["key"], reason=reason,
-                                           metrics=tensor["metrics"])
+                                           metrics=tensor["metrics"], within_tolerance=True)
     return origin
 
 

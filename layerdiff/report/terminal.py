@@ -121,7 +121,9 @@ def origin_lines(origin: View, steps: int = 1) -> list[str]:
                 lead = f"inputs agree where they pair ({', '.join(unpaired)} has no counterpart in B); "
         else:
             lead = "gradient w.r.t. outputs agrees; " if where in ("module", "op") else "children agree up to here; "
-        lines.append(f"{lead}{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/] differs: {as_text(tensor['reason'])}")
+        verb = ":" if tensor.get("within_tolerance") else " differs:"  # named for its weight, not over tolerance
+        lines.append(f"{lead}{as_text(tensor['role'])} [cyan]{as_text(tensor['key'])}[/]{verb} "
+                     f"{as_text(tensor['reason'])}")
         m = tensor.get("metrics") or {}
         if m.get("basis") == "data":
             over = "  (over the values finite in both)" if m.get("nonfinite_mismatch") else ""

@@ -212,8 +212,17 @@ def test_a_weight_whose_output_moved_within_tolerance_is_the_origin_not_the_code
     carried = "Tensor.add at modeling_starcoder2.py" if ops else \
         "own code between self_attn and post_attention_layernorm"
     assert carried in origin["tensor"]["reason"] and origin["tensor"]["reason"].endswith("carried it over tolerance")
+    assert origin["tensor"]["within_tolerance"] is True
     if ops:
         return
+    from rich.console import Console
+
+    from layerdiff.report.terminal import render
+
+    console = Console(record=True, width=400)
+    render(report, console)
+    text = console.export_text()
+    assert "inputs agree; output out: moved" in text and "output out differs" not in text
     _starcoder2_stats_trace(tmp_path / "c.h5", weight_scale=1 + 3e-5, residual_shift=1e-3)
     report = align_paths(tmp_path / "a.h5", tmp_path / "c.h5")
     assert report["params"]["differ"] == ["model.layers.1.self_attn.o_proj.weight"]
