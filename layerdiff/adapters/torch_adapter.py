@@ -296,7 +296,7 @@ def _read_back(scalars: list) -> list[float]:
         groups.setdefault(v.dtype, []).append(i)
     order = [i for members in groups.values() for i in members]
     stacked = [torch.stack([scalars[i] for i in members]) for members in groups.values()]
-    joined = torch.cat([s.to(torch.float64) for s in stacked]) if len(stacked) > 1 else stacked[0].to(torch.float64)
+    joined = torch.cat([s.to(torch.float64) for s in stacked])
     out = [0.0] * len(scalars)
     for i, v in zip(order, joined.cpu().tolist()):
         out[i] = v
@@ -757,14 +757,12 @@ class Hooks(ModuleHooks):
         if not own:
             return
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        seen: set[int] = set()
-        visited = []  # held: a node's Python object dropped, its address (its id in ``seen``) may name another one
+        seen: set[Any] = set()  # the node objects (they hash by identity): held, so no dropped one's id names another
         while stack and len(seen) < _MAX_GRAPH_WALK:
             node = stack.pop()
-            if id(node) in seen or type(node).__name__ == "_GradTapBackward":
+            if node in seen or type(node).__name__ == "_GradTapBackward":
                 continue
-            seen.add(id(node))
-            visited.append(node)
+            seen.add(node)
             for index, (child, _) in enumerate(node.next_functions):
                 variable = getattr(child, "variable", None) if child is not None else None
                 if variable is not None and id(variable) in own:

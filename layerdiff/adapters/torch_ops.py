@@ -203,17 +203,15 @@ def _one_step(inputs: list, outputs: list, callback: Callable[[list, list], None
     node = made[0][1].grad_fn
     if any(t.grad_fn is not node for _, t in made):
         return False
+    # keyed by the inputs' node objects themselves, which the keys hold: ``next_functions`` hands back the same Python
+    # object for a node only while that object is alive (torch 2.11 let it go with its last reference; 2.13 keeps
+    # it). Keyed by ``id`` alone and dropped, its address went to the next object made: on an H200's torch 2.11 nine
+    # kinds of the toy's operations (mul, add, cat, ...) were taken for composite ones and tapped, at several times
+    # the cost. Nodes hash and compare by identity.
     by_edge: dict[tuple, list[str]] = {}
-    # the inputs' nodes, held while the edges are matched: ``next_functions`` hands back the same Python object for a
-    # node only while that object is alive (torch 2.11 let it go with its last reference; 2.13 keeps it). Taken by
-    # ``id`` alone and dropped, its address went to the next object made: on an H200's torch 2.11 nine kinds of the
-    # toy's operations (mul, add, cat, ...) were taken for composite ones and tapped, at several times the cost.
-    held = []
     for key, t in inputs:
         if _differentiable(t):
-            fn = t.grad_fn
-            held.append(fn)
-            edge = ("leaf", id(t)) if fn is None else (id(fn), t.output_nr)
+            edge = ("leaf", id(t)) if t.grad_fn is None else (t.grad_fn, t.output_nr)
             by_edge.setdefault(edge, []).append(key)
     slots: list[str | None] = []
     for child, nr in node.next_functions:
@@ -221,7 +219,7 @@ def _one_step(inputs: list, outputs: list, callback: Callable[[list, list], None
             slots.append(None)
             continue
         variable = getattr(child, "variable", None)
-        keys = by_edge.get(("leaf", id(variable)) if variable is not None else (id(child), nr))
+        keys = by_edge.get(("leaf", id(variable)) if variable is not None else (child, nr))
         if not keys:
             return False
         slots.append(keys.pop(0) if len(keys) > 1 else keys[0])

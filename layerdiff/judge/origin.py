@@ -450,10 +450,10 @@ def _weight_before(node: Node, after: Node, chain: list, params: list, carried: 
     """An origin in a call's own code (``carried`` describes it: the code, or the operation in it), where a module
     that ran before that code (inside one of the children up to ``after``) has parameters that differ and an
     output that moved far more than its inputs, though within tolerance: the divergence starts at that weight, and
-    the code after it only carried the change over tolerance. Why: a statistics trace of a port whose attention output projection was scaled by 1 + 1e-3 (a
-    larger bias beside it) moved that projection's min/max/mean/RMS by 2.7e-5 relative, under fp32's 2e-5 x
-    magnitude, and named the decoder layer's residual add instead, while the parameters' comparison named the
-    weight."""
+    the code after it only carried the change over tolerance. Why: a statistics trace of a port whose attention
+    output projection was scaled by 1 + 1e-3 (a larger bias beside it) moved that projection's min/max/mean/RMS by
+    2.7e-5 relative, under fp32's 2e-5 x magnitude, and named the decoder layer's residual add instead, while the
+    parameters' comparison named the weight."""
     differing = {p["module"] for p in params if not p["passed"]}
     if not differing or after not in node.children:
         return None
