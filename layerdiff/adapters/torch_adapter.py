@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import sys
+import threading
 import weakref
 from typing import Any, Iterable, Iterator
 
@@ -287,20 +288,96 @@ class DeviceStats(DeferredStats):
         self.source, self.version, self.numel = weakref.ref(t), t._version, n
 
 
-def _read_back(scalars: list) -> list[float]:
-    """0-dimensional device tensors of any float dtypes, as Python floats: one stack a dtype, one transfer.
-    Why: converting each one first cost a kernel a statistic (four a tensor: 9,300 launches in five traced steps
-    of the toy on an H200, a third of the traced step)."""
+# Accelerators: a tensor of up to ``STAGED_MAX`` elements is copied into its device's staging buffer of
+# ``STAGING`` float64 elements (32 MiB, allocated on first use), one kernel, rather than reduced alone, three. A
+# segment reduction gives each segment one block of threads: a batch takes as long as its largest tensor alone (on
+# an H200, staging tensors of up to 2M elements made an 8-layer model's traced step 2.6x slower, not faster).
+STAGING = 1 << 22
+STAGED_MAX = 1 << 18
+
+
+class StagedStats(DeferredStats):
+    """A small tensor's statistics on an accelerator: its values copied now (widened to float64) into its device's
+    staging buffer, then reduced with the rest of the buffer's batch (``StagingBuffer.reduce``). Why: on a small
+    model the three reductions of ``DeviceStats`` cost their launches, not their arithmetic (about 100 us a tensor
+    on an H200's host, against a traced step of 15 ms: tools/bench_gpu.py)."""
+
+    __slots__ = ("source", "version", "numel", "batch", "index")
+
+    def __init__(self, t: torch.Tensor):
+        super().__init__(None)
+        self.source, self.version, self.numel = weakref.ref(t), t._version, t.numel()
+        self.batch: torch.Tensor | None = None  # (4, members) float64 on the device: min, max, sum, sum of squares
+        self.index = 0
+
+
+class StagingBuffer:
+    """One device's staging buffer and the tensors copied into it since it was last reduced. A copy and the
+    reductions after it run in the order they were queued (the calling thread's stream), so the buffer is reused
+    at once; results stay on the device until read back."""
+
+    def __init__(self, device: torch.device, capacity: int = STAGING):
+        self.buffer = torch.empty(capacity, dtype=torch.float64, device=device)
+        self.used = 0
+        self.members: list[StagedStats] = []
+        self.lengths: list[int] = []
+
+    def stage(self, t: torch.Tensor) -> StagedStats:
+        n = t.numel()
+        if n > self.buffer.numel():
+            raise ValueError(f"{n} elements do not fit a staging buffer of {self.buffer.numel()}")
+        if self.used + n > self.buffer.numel():
+            self.reduce()
+        self.buffer.as_strided(t.shape, _contiguous_strides(t.shape), self.used).copy_(t.detach())
+        stats = StagedStats(t)
+        self.members.append(stats)
+        self.lengths.append(n)
+        self.used += n
+        return stats
+
+    def reduce(self) -> None:
+        """The batch's segment reductions queued (five kernels, whatever its size); its members point at them."""
+        if not self.members:
+            return
+        data = self.buffer[:self.used]
+        lengths = torch.tensor(self.lengths, dtype=torch.int64)
+        if data.device.type == "cuda":  # from pinned memory: copied without waiting for the device
+            lengths = lengths.pin_memory()
+        lengths = lengths.to(data.device, non_blocking=True)
+        # ``unsafe``: the lengths are not checked against the data, a check that waits for the device
+        batch = torch.stack([torch.segment_reduce(values, how, lengths=lengths, unsafe=True)
+                             for values, how in ((data, "min"), (data, "max"), (data, "sum"), (data * data, "sum"))])
+        for index, member in enumerate(self.members):
+            member.batch, member.index = batch, index
+        self.members, self.lengths, self.used = [], [], 0
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _read_back(tensors: list) -> list[float]:
+    """Device tensors of any float dtypes and shapes, as one flat list of Python floats (each tensor's elements in
+    order, one tensor after the other): one concatenation a dtype, one transfer. Why: converting each statistic
+    first cost a kernel a statistic (four a tensor: 9,300 launches in five traced steps of the toy on an H200, a
+    third of the traced step)."""
     groups: dict[Any, list[int]] = {}
-    for i, v in enumerate(scalars):
+    for i, v in enumerate(tensors):
         groups.setdefault(v.dtype, []).append(i)
-    order = [i for members in groups.values() for i in members]
-    stacked = [torch.stack([scalars[i] for i in members]) for members in groups.values()]
-    joined = torch.cat([s.to(torch.float64) for s in stacked])
-    out = [0.0] * len(scalars)
-    for i, v in zip(order, joined.cpu().tolist()):
-        out[i] = v
-    return out
+    joined = torch.cat([torch.cat([tensors[i].reshape(-1) for i in members]).to(torch.float64)
+                        for members in groups.values()]).cpu().tolist()
+    by_tensor: list[list[float]] = [[] for _ in tensors]
+    at = 0
+    for members in groups.values():
+        for i in members:
+            n = tensors[i].numel()
+            by_tensor[i] = joined[at:at + n]
+            at += n
+    return [v for values in by_tensor for v in values]
 
 
 class DeviceDeferral:
@@ -308,8 +385,14 @@ class DeviceDeferral:
 
     Why: on a GPU, each statistic reduced where the tensor lives and read back at once costs a dozen small kernels
     launched from Python (~10 us each) and a synchronization: several times the model's own step on a small model
-    (measured on an H200, tools/bench_gpu.py). Here a tensor costs three kernels, queued at once (so they see its
-    values as they are now, whatever runs after), and a batch's results cross to the host together."""
+    (measured on an H200, tools/bench_gpu.py). Here a small tensor costs one kernel (a copy into a staging buffer,
+    ``StagedStats``) and a larger one three (``DeviceStats``), queued at once (so they see its values as they are
+    now, whatever runs after); a batch's results cross to the host together. Autograd calls back from threads of
+    its own: staging is locked."""
+
+    def __init__(self) -> None:
+        self.staging: dict[torch.device, StagingBuffer] = {}
+        self.lock = threading.Lock()
 
     def add(self, t: torch.Tensor) -> DeferredStats | None:
         """The tensor's statistics, deferred; None for what is summarized otherwise (the host's tensors)."""
@@ -319,31 +402,57 @@ class DeviceDeferral:
         if shard is None or shard.numel() == 0 or not bytes_present(shard):
             return None
         try:
+            if shard.numel() <= STAGED_MAX and shard.device.type != "mps":  # MPS has no float64
+                with self.lock:
+                    staging = self.staging.get(shard.device)
+                    if staging is None:
+                        staging = self.staging[shard.device] = StagingBuffer(shard.device)
+                    return staging.stage(shard)
             return DeviceStats(shard)
-        except (RuntimeError, TypeError, NotImplementedError):  # no kernel or dtype used here (MPS: no float64)
+        except (RuntimeError, TypeError, NotImplementedError):  # no kernel or dtype used here
             return None
 
     def read(self, pending: list) -> None:
         """Every pending statistic read back: one transfer for the whole batch."""
-        stats = [p for p in pending if isinstance(p, DeviceStats)]
-        if not stats:
+        with self.lock:
+            for staging in self.staging.values():
+                staging.reduce()
+        direct = [p for p in pending if isinstance(p, DeviceStats)]
+        staged = [p for p in pending if isinstance(p, StagedStats) and p.batch is not None]
+        batches = list({id(p.batch): p.batch for p in staged}.values())
+        if not direct and not batches:
             return
-        values = iter(_read_back([v for p in stats for part in p.parts for v in part]))
-        for p in stats:
+        values = iter(_read_back([v for p in direct for part in p.parts for v in part] + batches))
+        for p in direct:
             parts = [[next(values) for _ in range(4)] for _ in p.parts]
-            lo, hi = min(r[0] for r in parts), max(r[1] for r in parts)
-            total, square = sum(r[2] for r in parts), sum(r[3] ** 2 for r in parts)
-            source = p.source()
-            if all(math.isfinite(v) for v in (lo, hi, total, square)):
-                p.result = {"numel": p.numel, "min": lo, "max": hi, "mean": total / p.numel, "l2": math.sqrt(square),
-                            "nan": 0, "inf": 0}
-            elif source is not None and source._version == p.version:  # still as it was: its finite values
-                p.result = _stats_skipping_nonfinite(local(source).detach().reshape(-1), _DEVICE_CHUNK)
-            else:  # changed or gone since: at least one NaN (or Inf), nothing more is known
-                nan = any(math.isnan(v) for v in (lo, hi, total, square))
-                p.result = {"numel": p.numel, "min": None, "max": None, "mean": None, "l2": None,
-                            "nan": int(nan), "inf": int(not nan)}
             p.parts = []
+            lo, hi = min(r[0] for r in parts), max(r[1] for r in parts)
+            _settle(p, lo, hi, sum(r[2] for r in parts), sum(r[3] ** 2 for r in parts))
+        rows: dict[int, list[float]] = {}
+        for batch in batches:
+            rows[id(batch)] = [next(values) for _ in range(batch.numel())]
+        for p in staged:
+            flat, k, i = rows[id(p.batch)], p.batch.shape[1], p.index
+            lo, hi, total, square = flat[i], flat[k + i], flat[2 * k + i], flat[3 * k + i]
+            p.batch = None
+            _settle(p, lo, hi, total, square)
+
+
+def _settle(p: Any, lo: float, hi: float, total: float, square: float) -> None:
+    """A deferred statistic's result from its reductions: summarized over its finite values where they were not all
+    finite and the tensor is still as it was (its version counter); else a count of one NaN or Inf (a lower bound)
+    and no min, max, mean or norm."""
+    if all(math.isfinite(v) for v in (lo, hi, total, square)):
+        p.result = {"numel": p.numel, "min": lo, "max": hi, "mean": total / p.numel, "l2": math.sqrt(square),
+                    "nan": 0, "inf": 0}
+        return
+    source = p.source()
+    if source is not None and source._version == p.version:  # still as it was: its finite values
+        p.result = _stats_skipping_nonfinite(local(source).detach().reshape(-1), _DEVICE_CHUNK)
+    else:  # changed or gone since: at least one NaN (or Inf), nothing more is known
+        nan = any(math.isnan(v) for v in (lo, hi, total, square))
+        p.result = {"numel": p.numel, "min": None, "max": None, "mean": None, "l2": None,
+                    "nan": int(nan), "inf": int(not nan)}
 
 
 # the child of a module that only wraps it to change how it runs (torch's activation checkpointing and CPU offload

@@ -393,3 +393,55 @@ def test_a_tensor_whose_storage_was_freed_is_never_read(tmp_path):
         call = next(r for r in trace.records if r.kind == "call" and r.phase == "forward")
         keys = {t.key for t in call.tensors}
     assert keys == {"args.0", "out"}  # the freed tensor (args.1) left out
+
+
+def test_small_tensors_staged_in_one_buffer_and_reduced_in_batches_equal_numpys():
+    """An accelerator's small tensors (``StagingBuffer``: each copied into a float64 buffer at once, the buffer
+    reduced a batch at a time), run here on CPU tensors: the same torch code. The buffer fills up three times (a
+    batch is reduced and the buffer reused); values changed after staging do not count; every dtype, a transpose, a 0-d
+    tensor, and tensors read back together with a large one's (``DeviceStats``) keep their order."""
+    from layerdiff.adapters import torch_adapter
+
+    staging = torch_adapter.StagingBuffer(torch.device("cpu"), capacity=2000)
+    tensors = [(torch.randn(n, generator=torch.Generator().manual_seed(n)) * (i + 1)).to(dtype)
+               for i, (n, dtype) in enumerate([(500, torch.float32), (900, torch.bfloat16), (300, torch.float64),
+                                               (700, torch.float16), (64, torch.float32), (1999, torch.float32)])]
+    tensors += [torch.randn(8, 16, generator=torch.Generator().manual_seed(3)).t(), torch.tensor(2.5)]
+    if hasattr(torch, "float8_e4m3fn"):
+        tensors.append(torch.randn(40, generator=torch.Generator().manual_seed(4)).to(torch.float8_e4m3fn))
+    pending: list = []
+    expected: list = []
+    for t in tensors:
+        pending.append(staging.stage(t))
+        expected.append(_reference(t.float()))
+        if len(pending) == 3:  # a large tensor's, reduced alone
+            pending.append(torch_adapter.DeviceStats(torch.arange(10.0)))
+            expected.append(_reference(torch.arange(10.0)))
+    batches = {id(p.batch) for p in pending if isinstance(p, torch_adapter.StagedStats) and p.batch is not None}
+    assert len(batches) == 3  # three full buffers reduced so far; the rest is reduced when read
+    for t in tensors:
+        if t.element_size() > 1:  # no in-place arithmetic on 8-bit floats
+            t.mul_(3)
+    deferral = torch_adapter.DeviceDeferral()
+    deferral.staging[torch.device("cpu")] = staging
+    deferral.read(pending)
+    for p, want in zip(pending, expected):
+        _close(p.result, want, rel=1e-5)
+
+
+def test_a_staged_tensor_with_nan_read_back_later():
+    from layerdiff.adapters import torch_adapter
+
+    staging = torch_adapter.StagingBuffer(torch.device("cpu"))
+    kept, changed = torch.arange(10.0), torch.arange(10.0)
+    for t in (kept, changed):
+        t[3], t[5] = float("nan"), float("inf")
+    fine = torch.ones(4)
+    pending = [staging.stage(t) for t in (kept, changed, fine)]
+    changed.add_(1)
+    deferral = torch_adapter.DeviceDeferral()
+    deferral.staging[torch.device("cpu")] = staging
+    deferral.read(pending)
+    _close(pending[0].result, _reference(kept))
+    assert pending[1].result == {"numel": 10, "min": None, "max": None, "mean": None, "l2": None, "nan": 1, "inf": 0}
+    _close(pending[2].result, _reference(fine))
