@@ -419,23 +419,27 @@ class DeviceDeferral:
                 staging.reduce()
         direct = [p for p in pending if isinstance(p, DeviceStats)]
         staged = [p for p in pending if isinstance(p, StagedStats) and p.batch is not None]
-        batches = list({id(p.batch): p.batch for p in staged}.values())
+        by_id: dict[int, torch.Tensor] = {}
+        for member in staged:
+            if member.batch is not None:
+                by_id[id(member.batch)] = member.batch
+        batches = list(by_id.values())
         if not direct and not batches:
             return
         values = iter(_read_back([v for p in direct for part in p.parts for v in part] + batches))
-        for p in direct:
-            parts = [[next(values) for _ in range(4)] for _ in p.parts]
-            p.parts = []
+        for alone in direct:
+            parts = [[next(values) for _ in range(4)] for _ in alone.parts]
+            alone.parts = []
             lo, hi = min(r[0] for r in parts), max(r[1] for r in parts)
-            _settle(p, lo, hi, sum(r[2] for r in parts), sum(r[3] ** 2 for r in parts))
-        rows: dict[int, list[float]] = {}
+            _settle(alone, lo, hi, sum(r[2] for r in parts), sum(r[3] ** 2 for r in parts))
+        rows: dict[int, tuple[list[float], int]] = {}  # id(batch) -> (its values, row by row; its members)
         for batch in batches:
-            rows[id(batch)] = [next(values) for _ in range(batch.numel())]
-        for p in staged:
-            flat, k, i = rows[id(p.batch)], p.batch.shape[1], p.index
+            rows[id(batch)] = ([next(values) for _ in range(batch.numel())], batch.shape[1])
+        for member in staged:
+            (flat, k), i = rows[id(member.batch)], member.index
             lo, hi, total, square = flat[i], flat[k + i], flat[2 * k + i], flat[3 * k + i]
-            p.batch = None
-            _settle(p, lo, hi, total, square)
+            member.batch = None
+            _settle(member, lo, hi, total, square)
 
 
 def _settle(p: Any, lo: float, hi: float, total: float, square: float) -> None:
