@@ -314,10 +314,12 @@ class StagedStats(DeferredStats):
 class StagingBuffer:
     """One device's staging buffer and the tensors copied into it since it was last reduced. A copy and the
     reductions after it run in the order they were queued (the calling thread's stream), so the buffer is reused
-    at once; results stay on the device until read back."""
+    at once; results stay on the device until read back. ``segments``: whether the device has segment reductions;
+    where a backend has none (found at the first batch, or told), each member is reduced alone, as its slice."""
 
-    def __init__(self, device: torch.device, capacity: int = STAGING):
+    def __init__(self, device: torch.device, capacity: int = STAGING, segments: bool = True):
         self.buffer = torch.empty(capacity, dtype=torch.float64, device=device)
+        self.segments = segments
         self.used = 0
         self.members: list[StagedStats] = []
         self.lengths: list[int] = []
@@ -336,20 +338,37 @@ class StagingBuffer:
         return stats
 
     def reduce(self) -> None:
-        """The batch's segment reductions queued (five kernels, whatever its size); its members point at them."""
+        """The batch's reductions queued (five kernels, whatever its size); its members point at them."""
         if not self.members:
             return
         data = self.buffer[:self.used]
+        batch = None
+        if self.segments:
+            try:
+                batch = self._segment_reductions(data)
+            except (RuntimeError, NotImplementedError):  # a backend without them
+                self.segments = False
+        if batch is None:
+            batch = self._reductions_one_by_one(data)
+        for index, member in enumerate(self.members):
+            member.batch, member.index = batch, index
+        self.members, self.lengths, self.used = [], [], 0
+
+    def _segment_reductions(self, data: torch.Tensor) -> torch.Tensor:
         lengths = torch.tensor(self.lengths, dtype=torch.int64)
         if data.device.type == "cuda":  # from pinned memory: copied without waiting for the device
             lengths = lengths.pin_memory()
         lengths = lengths.to(data.device, non_blocking=True)
         # ``unsafe``: the lengths are not checked against the data, a check that waits for the device
-        batch = torch.stack([torch.segment_reduce(values, how, lengths=lengths, unsafe=True)
-                             for values, how in ((data, "min"), (data, "max"), (data, "sum"), (data * data, "sum"))])
-        for index, member in enumerate(self.members):
-            member.batch, member.index = batch, index
-        self.members, self.lengths, self.used = [], [], 0
+        return torch.stack([torch.segment_reduce(values, how, lengths=lengths, unsafe=True)
+                            for values, how in ((data, "min"), (data, "max"), (data, "sum"), (data * data, "sum"))])
+
+    def _reductions_one_by_one(self, data: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for part in data.split(self.lengths):
+            lo, hi = torch.aminmax(part)
+            rows.append(torch.stack([lo, hi, part.sum(), part.dot(part)]))
+        return torch.stack(rows, dim=1)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -391,7 +410,7 @@ class DeviceDeferral:
     its own: staging is locked."""
 
     def __init__(self) -> None:
-        self.staging: dict[torch.device, StagingBuffer] = {}
+        self.staging: dict[torch.device, StagingBuffer | None] = {}  # None: that device stages nothing
         self.lock = threading.Lock()
 
     def add(self, t: torch.Tensor) -> DeferredStats | None:
@@ -401,22 +420,40 @@ class DeviceDeferral:
         shard = local(t)
         if shard is None or shard.numel() == 0 or not bytes_present(shard):
             return None
+        if shard.numel() <= STAGED_MAX:
+            with self.lock:
+                staged = self._staged(shard)
+            if staged is not None:
+                return staged
         try:
-            if shard.numel() <= STAGED_MAX and shard.device.type != "mps":  # MPS has no float64
-                with self.lock:
-                    staging = self.staging.get(shard.device)
-                    if staging is None:
-                        staging = self.staging[shard.device] = StagingBuffer(shard.device)
-                    return staging.stage(shard)
             return DeviceStats(shard)
         except (RuntimeError, TypeError, NotImplementedError):  # no kernel or dtype used here
+            return None
+
+    def _staged(self, t: torch.Tensor) -> StagedStats | None:
+        """``t`` staged on its device; None where that device stages nothing (no float64, as on MPS, or a copy
+        into the buffer failed there once: it is not tried again)."""
+        if t.device not in self.staging:
+            try:
+                self.staging[t.device] = StagingBuffer(t.device) if t.device.type != "mps" else None
+            except (RuntimeError, TypeError, NotImplementedError):
+                self.staging[t.device] = None
+        staging = self.staging[t.device]
+        if staging is None:
+            return None
+        try:
+            return staging.stage(t)
+        except (RuntimeError, TypeError, NotImplementedError):
+            staging.reduce()  # what it holds is read as usual
+            self.staging[t.device] = None
             return None
 
     def read(self, pending: list) -> None:
         """Every pending statistic read back: one transfer for the whole batch."""
         with self.lock:
             for staging in self.staging.values():
-                staging.reduce()
+                if staging is not None:
+                    staging.reduce()
         direct = [p for p in pending if isinstance(p, DeviceStats)]
         staged = [p for p in pending if isinstance(p, StagedStats) and p.batch is not None]
         by_id: dict[int, torch.Tensor] = {}

@@ -395,14 +395,16 @@ def test_a_tensor_whose_storage_was_freed_is_never_read(tmp_path):
     assert keys == {"args.0", "out"}  # the freed tensor (args.1) left out
 
 
-def test_small_tensors_staged_in_one_buffer_and_reduced_in_batches_equal_numpys():
+@pytest.mark.parametrize("segments", [True, False], ids=["segment reductions", "one by one"])
+def test_small_tensors_staged_in_one_buffer_and_reduced_in_batches_equal_numpys(segments):
     """An accelerator's small tensors (``StagingBuffer``: each copied into a float64 buffer at once, the buffer
-    reduced a batch at a time), run here on CPU tensors: the same torch code. The buffer fills up three times (a
-    batch is reduced and the buffer reused); values changed after staging do not count; every dtype, a transpose, a 0-d
-    tensor, and tensors read back together with a large one's (``DeviceStats``) keep their order."""
+    reduced a batch at a time: by segment reductions, or member by member where a backend has none), run here on
+    CPU tensors: the same torch code. The buffer fills up three times (a batch is reduced and the buffer reused);
+    values changed after staging do not count; every dtype, a transpose, a 0-d tensor, and tensors read back
+    together with a large one's (``DeviceStats``) keep their order."""
     from layerdiff.adapters import torch_adapter
 
-    staging = torch_adapter.StagingBuffer(torch.device("cpu"), capacity=2000)
+    staging = torch_adapter.StagingBuffer(torch.device("cpu"), capacity=2000, segments=segments)
     tensors = [(torch.randn(n, generator=torch.Generator().manual_seed(n)) * (i + 1)).to(dtype)
                for i, (n, dtype) in enumerate([(500, torch.float32), (900, torch.bfloat16), (300, torch.float64),
                                                (700, torch.float16), (64, torch.float32), (1999, torch.float32)])]
