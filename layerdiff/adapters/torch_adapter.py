@@ -314,7 +314,9 @@ class StagedStats(DeferredStats):
 class StagingBuffer:
     """One device's staging buffer and the tensors copied into it since it was last reduced. A copy and the
     reductions after it run in the order they were queued (the calling thread's stream), so the buffer is reused
-    at once; results stay on the device until read back. ``segments``: whether the device has segment reductions;
+    at once; results stay on the device until read back. Copies and reductions queued on different streams are
+    not ordered between them (as ``DeviceStats``' reductions and their read-back are not): autograd runs each
+    backward step on its forward step's stream, one stream for most models. ``segments``: whether the device has segment reductions;
     where a backend has none (found at the first batch, or told), each member is reduced alone, as its slice."""
 
     def __init__(self, device: torch.device, capacity: int = STAGING, segments: bool = True):
