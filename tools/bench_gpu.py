@@ -67,17 +67,26 @@ def cost(size: str, work: Path, steps: int, rounds: int, device: str) -> list[di
         if size == "bigger" and options["mode"] == "full":
             continue  # gigabytes a step: a full trace of the suspect window is the way there
         untraced, traced = [], []
+        collected: dict[int, list] = {}  # the collector's time in the traced steps, per generation
         for r in range(rounds):
             untraced += benchlib.timed_steps(step, steps)[0]
             with layerdiff.trace(model, work / f"{size}_{r}.h5", overwrite=True, **options) as tracer:
                 step()
-                traced += benchlib.timed_steps(step, steps)[0]
+                with benchlib.collector_time() as spent:
+                    traced += benchlib.timed_steps(step, steps)[0]
                 records = tracer.writer.records_written
+            for generation, (count, seconds) in spent.items():
+                total = collected.setdefault(generation, [0, 0.0])
+                total[0] += count
+                total[1] += seconds
             (work / f"{size}_{r}.h5").unlink()
         u, t = benchlib.med(untraced), benchlib.med(traced)
+        collector = {str(g): {"collections_per_step": c / (steps * rounds), "ms_per_step": s * 1e3 / (steps * rounds)}
+                     for g, (c, s) in sorted(collected.items())}
         rows.append({"model": size, "mode": name, "untraced_ms": u * 1e3, "traced_ms": t * 1e3, "ratio": t / u,
-                     "records": records})
-        benchlib.log(f"{size:7} {name:28} {u * 1e3:8.2f} ms {t * 1e3:8.2f} ms {t / u:6.2f}x")
+                     "records": records, "collector": collector})
+        benchlib.log(f"{size:7} {name:28} {u * 1e3:8.2f} ms {t * 1e3:8.2f} ms {t / u:6.2f}x   collector "
+                     f"{_collector_text(collector)}")
     return rows
 
 
@@ -130,6 +139,13 @@ def checks(work: Path, device: str) -> list[dict]:
     out.append({"check": "attention scaling x1.01 on the GPU, operations recorded", "verdict": report.verdict,
                 "origin": f"{op.get('name')} at {Path(op.get('source_b') or '?').name}", "expected": _scaling_line()})
     return out
+
+
+def _collector_text(collector: dict) -> str:
+    """The collector's time a traced step (a mean), by generation: young (0), middle (1), full passes (2)."""
+    names = {"0": "young", "1": "middle", "2": "full"}
+    return ", ".join(f"{names[g]} {c['ms_per_step']:.2f} ms ({c['collections_per_step']:.1f})"
+                     for g, c in collector.items()) or "none"
 
 
 def _described(metrics: dict) -> str:
@@ -189,11 +205,14 @@ def main(argv=None) -> int:
     if args.json:
         run.write(args.json, quick=args.quick, headline=headline, tables=[
             benchlib.table("Step time per mode", ["model", "mode", "untraced step", "traced step", "ratio",
-                                                  "records per step"],
+                                                  "records per step", "garbage collector per traced step"],
                            [[r["model"], r["mode"], f"{r['untraced_ms']:.2f} ms", f"{r['traced_ms']:.2f} ms",
-                             f"{r['ratio']:.2f}x", str(r["records"] // (steps + 1))] for r in rows],
+                             f"{r['ratio']:.2f}x", str(r["records"] // (steps + 1)), _collector_text(r["collector"])]
+                            for r in rows],
                            f"Medians of {rounds} round(s) x {steps} timed steps on {name}; "
-                           f"toy: {MODELS['toy']}; bigger: {MODELS['bigger']}."),
+                           f"toy: {MODELS['toy']}; bigger: {MODELS['bigger']}. The collector's time is a mean over "
+                           "the traced steps, by generation (collections a step in brackets): full passes go over "
+                           "every object of the process and fall in few steps."),
             benchlib.table("Checks on the GPU", ["check", "verdict", "named", "expected / logits"],
                            [[c["check"], c["verdict"], c["origin"], c.get("expected") or c.get("logits")]
                             for c in found])],

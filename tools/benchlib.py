@@ -3,7 +3,9 @@ runs, the printing of profiles, and the JSON document every tool writes with ``-
 which tools/bench_pages.py generates docs/benchmarks/. Standard library only at import time."""
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import importlib.metadata
 import json
 import os
@@ -105,6 +107,28 @@ def timed_steps(step, n: int):
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     return walls, cpus
+
+
+@contextlib.contextmanager
+def collector_time():
+    """Seconds the garbage collector spent, per generation (0 young, 2 full passes over every object), while the
+    block ran: ``{generation: [collections, seconds]}``, filled in as it runs."""
+    spent: dict[int, list] = {}
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            entry = spent.setdefault(info["generation"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def fmt_list(xs, unit="s"):
