@@ -316,8 +316,9 @@ class StagingBuffer:
     reductions after it run in the order they were queued (the calling thread's stream), so the buffer is reused
     at once; results stay on the device until read back. Copies and reductions queued on different streams are
     not ordered between them (as ``DeviceStats``' reductions and their read-back are not): autograd runs each
-    backward step on its forward step's stream, one stream for most models. ``segments``: whether the device has segment reductions;
-    where a backend has none (found at the first batch, or told), each member is reduced alone, as its slice."""
+    backward step on its forward step's stream, one stream for most models. ``segments``: whether the device has
+    segment reductions; where a backend has none (found at the first batch, or told), each member is reduced
+    alone, as its slice."""
 
     def __init__(self, device: torch.device, capacity: int = STAGING, segments: bool = True):
         self.buffer = torch.empty(capacity, dtype=torch.float64, device=device)
