@@ -150,7 +150,8 @@ def _collector_text(collector: dict) -> str:
 
 def _described(metrics: dict) -> str:
     """The logits' difference in words: what the comparison measured (values, or statistics only)."""
-    parts = [f"{key.replace('_', ' ')} {metrics[key]:.3g}" for key in ("max_abs", "max_rel") if metrics.get(key) is not None]
+    parts = [f"{key.replace('_', ' ')} {metrics[key]:.3g}" for key in ("max_abs", "max_rel")
+             if metrics.get(key) is not None]
     if metrics.get("cosine") is not None:
         parts.append(f"cosine {metrics['cosine']:.9f}")
     return ", ".join(parts) + f" ({metrics.get('basis')})"
