@@ -333,7 +333,7 @@ class StagingBuffer:
             raise ValueError(f"{n} elements do not fit a staging buffer of {self.buffer.numel()}")
         if self.used + n > self.buffer.numel():
             self.reduce()
-        self.buffer.as_strided(t.shape, _contiguous_strides(t.shape), self.used).copy_(t.detach())
+        self.buffer[self.used:self.used + n].view(t.shape).copy_(t.detach())
         stats = StagedStats(t)
         self.members.append(stats)
         self.lengths.append(n)
@@ -372,14 +372,6 @@ class StagingBuffer:
             lo, hi = torch.aminmax(part)
             rows.append(torch.stack([lo, hi, part.sum(), part.dot(part)]))
         return torch.stack(rows, dim=1)
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _read_back(tensors: list) -> list[float]:
@@ -436,19 +428,20 @@ class DeviceDeferral:
     def _staged(self, t: torch.Tensor) -> StagedStats | None:
         """``t`` staged on its device; None where that device stages nothing (no float64, as on MPS, or a copy
         into the buffer failed there once: it is not tried again)."""
-        if t.device not in self.staging:
+        device = t.device
+        if device not in self.staging:
             try:
-                self.staging[t.device] = StagingBuffer(t.device) if t.device.type != "mps" else None
+                self.staging[device] = StagingBuffer(device) if device.type != "mps" else None
             except (RuntimeError, TypeError, NotImplementedError):
-                self.staging[t.device] = None
-        staging = self.staging[t.device]
+                self.staging[device] = None
+        staging = self.staging[device]
         if staging is None:
             return None
         try:
             return staging.stage(t)
         except (RuntimeError, TypeError, NotImplementedError):
             staging.reduce()  # what it holds is read as usual
-            self.staging[t.device] = None
+            self.staging[device] = None
             return None
 
     def read(self, pending: list) -> None:
@@ -459,11 +452,7 @@ class DeviceDeferral:
                     staging.reduce()
         direct = [p for p in pending if isinstance(p, DeviceStats)]
         staged = [p for p in pending if isinstance(p, StagedStats) and p.batch is not None]
-        by_id: dict[int, torch.Tensor] = {}
-        for member in staged:
-            if member.batch is not None:
-                by_id[id(member.batch)] = member.batch
-        batches = list(by_id.values())
+        batches = list({id(m.batch): m.batch for m in staged if m.batch is not None}.values())
         if not direct and not batches:
             return
         values = iter(_read_back([v for p in direct for part in p.parts for v in part] + batches))

@@ -11,6 +11,7 @@ import math
 from typing import Any, Iterator, Mapping
 
 from layerdiff import schema
+from layerdiff.compare.metrics import relative_error
 from layerdiff.compare.replayed import REPLAYED
 from layerdiff.judge.inherited import computes_as_replayed
 from layerdiff.judge.tree import DISCRETE_HINT, Judged, Node
@@ -430,10 +431,9 @@ def _moved(node: Node) -> tuple[float, Judged] | None:
     """(how many times more than its inputs, the output) where a call's output moved far more than its inputs,
     though within tolerance; None otherwise. Relative to each tensor's magnitude (max abs difference over the
     reference's max abs), so a statistics trace's min/max/mean/RMS are weighed as values are."""
-    def relative(t: Judged) -> float:
+    def relative(t: Judged) -> float:  # 0 where the reference is all zeros: no magnitude to weigh a move by
         m = t.get("metrics") or {}
-        diff, scale = m.get("max_abs"), m.get("ref_max_abs")
-        return diff / scale if diff is not None and scale else 0.0
+        return relative_error(m) if m.get("ref_max_abs") else 0.0
 
     moved = [(relative(t), t) for t in node.outs]
     if not moved:
