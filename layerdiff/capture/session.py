@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from layerdiff.capture.ops import OpFrame, OpName
 from layerdiff.capture.options import MODES
@@ -105,6 +106,7 @@ class TensorAccess(Protocol):
     def gradients_keep_identity(self) -> bool: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # an adapter's own kind (a compiled build: layerdiff/native.py)
 class DeferredStats:
     """Statistics a framework has started to reduce on its device (an accelerator), read back later together with
     the others of a batch: one synchronization per batch instead of one per tensor. The reductions are queued on
