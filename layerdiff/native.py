@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-NATIVE = ("capture.session", "capture.ops", "capture.structure", "tracefile.index", "tracefile.checksums",
+NATIVE = ("capture.session", "capture.ops", "capture.hooks", "capture.structure", "tracefile.index", "tracefile.checksums",
           "tracefile.writer", "tracefile.tensors")  # under ``layerdiff``
 SOURCES_FILE = "native.json"  # in the package: {module: sha256 of the source compiled}
 PACKAGE = Path(__file__).resolve().parent

@@ -69,4 +69,28 @@ def test_the_sources_are_found_by_the_finder_it_installs(tmp_path):
     finder = native.FromSources(_package(tmp_path))
     spec = finder.find_spec("layerdiff.capture.session")
     assert spec is not None and spec.origin == str(tmp_path / "layerdiff" / "capture" / "session.py")
-    assert finder.find_spec("layerdiff.capture.hooks") is None  # not compiled: found as usual
+    assert finder.find_spec("layerdiff.capture.filters") is None  # not compiled: found as usual
+
+
+@pytest.mark.torch
+def test_what_an_adapter_overrides_holds_in_the_compiled_hooks(tmp_path):
+    """A compiled class calls its own static methods and reads its own class attributes directly unless they are
+    declared overridable: torch's ``Hooks`` must still decide what is differentiable (a gradient recorded) and say
+    its own consequence of an input modified in place."""
+    torch = pytest.importorskip("torch")
+    import layerdiff
+    from layerdiff.tracefile.reader import open_trace
+
+    class Sneaky(torch.nn.Module):
+        def forward(self, x):
+            x.mul_(2)
+            return x * 3
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Sneaky())
+    with layerdiff.trace(model, tmp_path / "t.h5"):
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    with open_trace(tmp_path / "t.h5") as trace:
+        assert trace.end is not None
+        assert ["1 modifies its input in place: input gradients of its first call may be misattributed; its later "
+                "calls record no grad_input"] == trace.end.warnings
+        assert any(r.phase == "backward" and r.path == "0" for r in trace.records)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ClassVar, ContextManager, Iterable
+
+from mypy_extensions import mypyc_attr
 
 from layerdiff.capture.filters import PathFilter
 from layerdiff.capture.hparams import extra_repr_values, hyper_parameters, safe_extra_repr
@@ -49,6 +51,7 @@ class DeclaredStep:
 RECOMPUTATION_STOPS = frozenset({"_StopRecomputationError"})
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # each adapter's ``Hooks`` (a compiled build: layerdiff/native.py)
 class ModuleHooks:
     """The framework-independent half of an adapter's ``Hooks``: what a traced module call records, and when.
 
@@ -60,7 +63,7 @@ class ModuleHooks:
     """
 
     #: what the in-place warning says happens next (the torch and paddle taps have different consequences)
-    in_place_consequence = "its later calls record no grad_input"
+    in_place_consequence: ClassVar[str] = "its later calls record no grad_input"
 
     def __init__(self, adapter, model, session, options: TraceOptions, path_filter: PathFilter, forcer=None):
         self.adapter = adapter  # the framework's ``FrameworkAdapter``: tensors, modules, parameters
@@ -137,9 +140,9 @@ class ModuleHooks:
         self.param_stages = {key: stages[id(part)] for key, part in self.param_part.items() if id(part) in stages}
 
     # -- framework-specific: subclasses override these -------------------------------------------------------
-    @staticmethod
-    def differentiable(t) -> bool:
-        """Whether a gradient can reach ``t`` (worth tapping)."""
+    def differentiable(self, t) -> bool:
+        """Whether a gradient can reach ``t`` (worth tapping). A method here, a static one in the subclasses: a
+        compiled build calls a static method of its own class directly, whatever a subclass put in its place."""
         raise NotImplementedError
 
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
