@@ -29,7 +29,7 @@ REGENERATE = ("re-running the tool with `--json docs/benchmarks/data/{tool}.json
 QUIET_CORES = 0.3  # as tools/benchlib.py: a run is quiet when other processes kept fewer cores busy
 MACHINE_LABELS = {"cores": "CPU cores", "memory_gb": "memory (GB)", "cpu": "CPU", "python": "Python",
                   "threads_per_core": "threads per core", "l2_per_core": "L2 cache per core",
-                  "stats_kernel": "layerdiff's statistics kernel"}
+                  "stats_kernel": "layerdiff's statistics kernel", "recorder": "layerdiff's recording modules"}
 
 
 class DataError(ValueError):

@@ -278,6 +278,7 @@ def machine(packages=("numpy", "torch")) -> dict:
         pass
     info.update(_topology())
     info["stats_kernel"] = _stats_kernel()
+    info["recorder"] = _recorder_build()
     for name in packages:
         version = package_version(name)
         if version:
@@ -295,6 +296,21 @@ def _stats_kernel() -> str:
     except ImportError:  # layerdiff itself is not importable here
         return "layerdiff not importable"
     return "built" if found else "not built (numpy's path)"
+
+
+def _recorder_build() -> str:
+    """Whether the recording's hot modules run compiled (mypyc, at install where a compiler was present) or from
+    their sources (none compiled, one changed since, or ``LAYERDIFF_NATIVE=0``: ``layerdiff/native.py``); the
+    modes run in subprocesses that inherit this process's environment."""
+    try:
+        from layerdiff import native
+    except ImportError:
+        return "layerdiff not importable"
+    if os.environ.get("LAYERDIFF_NATIVE") == "0":
+        return "sources (LAYERDIFF_NATIVE=0)"
+    if all(native.compiled(m) is None for m in native.NATIVE):
+        return "sources (not compiled)"
+    return "sources (a module changed since compiled)" if native.stale() else "compiled (mypyc)"
 
 
 def _topology() -> dict:
