@@ -45,8 +45,8 @@ class BuildExt(build_ext):
                 extension.extra_compile_args = ["-O3", "-fopenmp-simd", "-ffinite-math-only", "-fno-signed-zeros"]
         self.extensions = kernel
         super().build_extensions()
-        if native and self._build_native(native):
-            self.extensions = kernel + native
+        built = bool(native) and self._build_native(native)
+        self.extensions = kernel + (native if built else [])  # what is copied beside the sources, and installed
 
     def _build_native(self, native: list) -> bool:
         """mypyc's extensions, and the digests of the sources they were compiled from; False where one failed."""
@@ -72,8 +72,13 @@ class BuildExt(build_ext):
         built = os.path.join(self.build_lib, SOURCES_FILE)
         if os.path.exists(built):
             self.copy_file(built, SOURCES_FILE, level=self.verbose)
-        elif os.path.exists(SOURCES_FILE):
-            os.remove(SOURCES_FILE)  # nothing compiled this time: no digests that vouch for an older build
+        else:  # nothing compiled this time: an older build's modules and digests go, and the sources run
+            for module in NATIVE_INFO["NATIVE"]:
+                older = NATIVE_INFO["compiled"](module, Path("layerdiff"))
+                if older is not None:
+                    os.remove(older)
+            if os.path.exists(SOURCES_FILE):
+                os.remove(SOURCES_FILE)
 
     def get_outputs(self):
         return super().get_outputs() + ([] if self.inplace else [os.path.join(self.build_lib, SOURCES_FILE)])
