@@ -94,3 +94,18 @@ def test_what_an_adapter_overrides_holds_in_the_compiled_hooks(tmp_path):
         assert ["1 modifies its input in place: input gradients of its first call may be misattributed; its later "
                 "calls record no grad_input"] == trace.end.warnings
         assert any(r.phase == "backward" and r.path == "0" for r in trace.records)
+
+
+@pytest.mark.slow
+def test_a_build_whose_compiler_fails_still_succeeds_and_leaves_the_sources_to_run(tmp_path):
+    """No C compiler (``CC`` a command that fails): the build goes on, with neither the kernel nor the compiled
+    modules nor their digests, so nothing stale can shadow a source."""
+    pytest.importorskip("mypyc")
+    if not (ROOT / "setup.py").exists():
+        pytest.skip("layerdiff is not installed from its sources")
+    build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                            "--build-temp", str(tmp_path / "temp")], cwd=ROOT,
+                           env={**os.environ, "CC": "false", "LAYERDIFF_NATIVE": "1"}, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    assert "the recording's modules were not compiled" in build.stdout
+    assert not list((tmp_path / "lib").rglob("*.so")) and not list((tmp_path / "lib").rglob(native.SOURCES_FILE))
