@@ -18,7 +18,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 NATIVE_INFO = runpy.run_path(str(Path(__file__).resolve().parent / "layerdiff" / "native.py"))  # standard library only
-NATIVE = [f"layerdiff/{module.replace('.', '/')}.py" for module in NATIVE_INFO["NATIVE"]]
+NATIVE = [str(NATIVE_INFO["source"](module, Path("layerdiff"))) for module in NATIVE_INFO["NATIVE"]]
+KERNEL = "layerdiff.tracefile.fastmoments"
 SOURCES_FILE = f"layerdiff/{NATIVE_INFO['SOURCES_FILE']}"  # written by the build: the digests of the sources compiled
 
 
@@ -33,12 +34,12 @@ class BuildExt(build_ext):
     and the digests of their sources are written only when every one was built."""
 
     def finalize_options(self):
-        if len(self.distribution.ext_modules) == 1:  # mypyc's extensions made only where they are built
+        if all(e.name == KERNEL for e in self.distribution.ext_modules):  # mypyc's made only where they are built
             self.distribution.ext_modules += native_extensions()
         super().finalize_options()
 
     def build_extensions(self):
-        kernel = [e for e in self.extensions if e.name == "layerdiff.tracefile.fastmoments"]
+        kernel = [e for e in self.extensions if e.name == KERNEL]
         native = [e for e in self.extensions if e not in kernel]
         if self.compiler.compiler_type == "unix":
             for extension in kernel:
@@ -81,7 +82,9 @@ class BuildExt(build_ext):
                 os.remove(SOURCES_FILE)
 
     def get_outputs(self):
-        return super().get_outputs() + ([] if self.inplace else [os.path.join(self.build_lib, SOURCES_FILE)])
+        compiling = any(e.name != KERNEL for e in self.extensions)  # the digests come with the compiled modules
+        digests = [os.path.join(self.build_lib, SOURCES_FILE)] if compiling and not self.inplace else []
+        return super().get_outputs() + digests
 
 
 def native_extensions() -> list:
@@ -99,6 +102,6 @@ def native_extensions() -> list:
         return []
 
 
-setup(ext_modules=[Extension("layerdiff.tracefile.fastmoments", ["layerdiff/tracefile/fastmoments.c"],
+setup(ext_modules=[Extension(KERNEL, ["layerdiff/tracefile/fastmoments.c"],
                              optional=True)],
       cmdclass={"build_ext": BuildExt})

@@ -26,23 +26,29 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-NATIVE = ("capture.session", "capture.ops", "capture.hooks", "capture.structure", "tracefile.index", "tracefile.checksums",
-          "tracefile.writer", "tracefile.tensors")  # under ``layerdiff``
+NATIVE = ("capture.session", "capture.ops", "capture.hooks", "capture.structure", "tracefile.index",
+          "tracefile.checksums", "tracefile.writer", "tracefile.tensors")  # under ``layerdiff``
 SOURCES_FILE = "native.json"  # in the package: {module: sha256 of the source compiled}
 PACKAGE = Path(__file__).resolve().parent
+ASKED = "LAYERDIFF_NATIVE=0"  # ``why_sources``: the environment asks for the sources
+NOT_COMPILED = "not compiled"  # ``why_sources``: nothing was compiled (no mypyc or no compiler at install)
+
+
+def source(module: str, package: Path = PACKAGE) -> Path:
+    """The source file of a ``NATIVE`` module (``capture.session`` -> ``<package>/capture/session.py``)."""
+    return package / f"{module.replace('.', '/')}.py"
 
 
 def source_digests(package: Path = PACKAGE) -> dict[str, str]:
     """The sha256 of each ``NATIVE`` source as it is now (keyed as ``SOURCES_FILE`` keys them)."""
-    return {module: hashlib.sha256((package / f"{module.replace('.', '/')}.py").read_bytes()).hexdigest()
-            for module in NATIVE}
+    return {module: hashlib.sha256(source(module, package).read_bytes()).hexdigest() for module in NATIVE}
 
 
 def compiled(module: str, package: Path = PACKAGE) -> Optional[Path]:
     """The compiled module beside ``module``'s source, if one was built."""
-    source = package / f"{module.replace('.', '/')}.py"
+    path = source(module, package)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        built = source.with_name(source.stem + suffix)
+        built = path.with_name(path.stem + suffix)
         if built.exists():
             return built
     return None
@@ -62,28 +68,37 @@ def stale(package: Path = PACKAGE) -> list[str]:
     return [module for module in NATIVE if recorded.get(module) != current[module]]
 
 
+def why_sources(package: Path = PACKAGE) -> Optional[str]:
+    """Why this process runs the ``NATIVE`` modules from their sources (``ASKED``, ``NOT_COMPILED``, or the
+    modules changed since they were compiled); None where it runs them compiled."""
+    if os.environ.get("LAYERDIFF_NATIVE") == "0":
+        return ASKED
+    changed = stale(package)
+    if changed:
+        return f"{', '.join(changed)} changed since compiled"
+    return NOT_COMPILED if all(compiled(m, package) is None for m in NATIVE) else None
+
+
 class FromSources(importlib.abc.MetaPathFinder):
     """Finds the ``NATIVE`` modules at their sources (and nothing else)."""
 
     def __init__(self, package: Path):
-        self.sources = {f"layerdiff.{m}": package / f"{m.replace('.', '/')}.py" for m in NATIVE}
+        self.sources = {f"layerdiff.{m}": source(m, package) for m in NATIVE}
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None, target: object = None):
-        source = self.sources.get(fullname)
-        return importlib.util.spec_from_file_location(fullname, source) if source is not None else None
+        found = self.sources.get(fullname)
+        return importlib.util.spec_from_file_location(fullname, found) if found is not None else None
 
 
 def use_current_sources() -> bool:
     """Where a compiled module is stale (``stale``), or the environment says ``LAYERDIFF_NATIVE=0`` (to step
     through them in a debugger, or trace their lines), the ``NATIVE`` modules are imported from their sources from
     now on in this process; True if so. Called once, by the package's ``__init__``, before any of them is imported."""
-    asked = os.environ.get("LAYERDIFF_NATIVE") == "0"
-    changed = [] if asked else stale()
-    if not asked and not changed:
+    why = why_sources()
+    if why is None or why == NOT_COMPILED:  # the compiled modules, or the sources as Python finds them anyway
         return False
     if not any(isinstance(finder, FromSources) for finder in sys.meta_path):
         sys.meta_path.insert(0, FromSources(PACKAGE))
-        if changed:
-            print(f"layerdiff: {', '.join(changed)} changed since compiled; running the sources "
-                  f"(pip install -e . compiles them again)", file=sys.stderr)
+        if why != ASKED:
+            print(f"layerdiff: {why}; running the sources (pip install -e . compiles them again)", file=sys.stderr)
     return True

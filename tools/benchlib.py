@@ -300,17 +300,14 @@ def _stats_kernel() -> str:
 
 def _recorder_build() -> str:
     """Whether the recording's hot modules run compiled (mypyc, at install where a compiler was present) or from
-    their sources (none compiled, one changed since, or ``LAYERDIFF_NATIVE=0``: ``layerdiff/native.py``); the
-    modes run in subprocesses that inherit this process's environment."""
+    their sources, and why (``layerdiff/native.py``); the modes run in subprocesses that inherit this process's
+    environment."""
     try:
         from layerdiff import native
     except ImportError:
         return "layerdiff not importable"
-    if os.environ.get("LAYERDIFF_NATIVE") == "0":
-        return "sources (LAYERDIFF_NATIVE=0)"
-    if all(native.compiled(m) is None for m in native.NATIVE):
-        return "sources (not compiled)"
-    return "sources (a module changed since compiled)" if native.stale() else "compiled (mypyc)"
+    why = native.why_sources()
+    return "compiled (mypyc)" if why is None else f"sources ({why})"
 
 
 def _topology() -> dict:
