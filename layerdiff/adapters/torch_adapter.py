@@ -136,10 +136,12 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 
 
 def identify(t: torch.Tensor):
-    """Equal for two tensors only while they show the same bytes (in-place ops bump ``_version``)."""
+    """Equal for two tensors only while they show the same bytes (in-place ops bump ``_version``). One flat tuple
+    (sizes, then strides: as many of each): a trace keeps one a tensor for the step, and nested tuples were two more
+    objects each for the garbage collector to visit."""
     if t.layout != torch.strided or t.is_meta or type(t) not in _PLAIN:
         return None
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, t.device
+    return (t.data_ptr(), t._version, t.dtype, t.device, *t.shape, *t.stride())
 
 
 def plus_bias(output: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None:

@@ -531,6 +531,8 @@ class TraceSession:
                     entry["undefined"] = True
                 entries.append({**entry, "role": "output", "key": key})
         self._write(self._op_record(op, "forward", op.begin, op.inputs + entries))
+        # what only the forward record holds is let go: the operation waits for its backward, and so would they
+        op.inputs, op.args, op.producers = [], {}, {}
         return entries
 
     def op_grads(self, op: OpFrame, grad_outputs, grad_inputs, same_values: bool = False):
