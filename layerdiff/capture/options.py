@@ -10,7 +10,7 @@ from layerdiff.errors import LayerdiffError
 
 MODES = ("full", "stats")
 WRITE_BEHIND_MB = 256  # tensor data a full trace may hold in memory while the disk catches up
-HELD_RECORDS = 256  # records the writer may hold to encode and write together (``TraceWriter``'s held_records)
+HELD_RECORDS = 256  # records whose lines the writer may hold to write together (``TraceWriter``'s held_records)
 Patterns = Union[str, Sequence[str], None]  # one regular expression or several, as given
 
 

@@ -88,10 +88,6 @@ class _AppendOnlyBytes:
 # grew 16 times in its first 11 steps, 1.5 ms a step. Doubling grows it 5 times. Nothing is lost on disk: the
 # unused tail is given back when the trace closes (``finish``).
 _DOUBLE_UP_TO = 16 << 20
-# The index's first reserve: room for the first steps of a trace with operations (~0.45 MB of lines a step of the
-# benchmark toy) without a growth (a resize and a flush of HDF5's metadata, ~1 ms each: from one chunk, 4 of the 5
-# growths of an 11-step trace). Its unused tail costs no disk blocks once the trace is closed (``finish``).
-INDEX_RESERVE = 16 * INDEX_CHUNK
 
 
 class _ReservedBytes:
@@ -275,7 +271,7 @@ class TraceWriter:
                 data = self._file.create_dataset("data", shape=(0,), maxshape=(None,), dtype="u1",
                                                  chunks=(DATA_CHUNK,), compression=compression)
                 self._data = _AppendOnlyBytes(self._file, data, buffer_bytes, self._fd)
-            self._index = _ReservedBytes(self._file, "index", self._fd, INDEX_CHUNK, INDEX_RESERVE)
+            self._index = _ReservedBytes(self._file, "index", self._fd, INDEX_CHUNK, INDEX_CHUNK)
             self._file.flush()
             _publish(partial, self.path, replacing)  # the trace's name appears once it names a whole HDF5 file
         except BaseException as exc:
