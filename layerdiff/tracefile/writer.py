@@ -425,7 +425,7 @@ class TraceWriter:
 
     def _flush_at_exit(self):
         """``flush`` as the interpreter exits, in the process that opened the trace only: a child forked while it was
-        open holds a copy of the records held, and of HDF5's state, that are not its own to write."""
+        open holds a copy of the lines held, and of HDF5's state, that are not its own to write."""
         if os.getpid() == self._pid:
             self.flush()
 
@@ -482,8 +482,8 @@ class TraceWriter:
 
 
 class _HeldTimer:
-    """A thread that wakes when the oldest record held has waited ``flush_interval`` seconds (every interval when
-    none is held) and has the writer write the records held that long: a program that stops handing records over
+    """A thread that wakes when the oldest line held has waited ``flush_interval`` seconds (every interval when
+    none is held) and has the writer write the lines held that long: a program that stops handing records over
     (a hang in a collective, a long evaluation) keeps none in memory only."""
 
     def __init__(self, writer: TraceWriter):

@@ -170,9 +170,10 @@ def test_every_trace_is_written_in_one_format_version_with_or_without_operations
 
 
 def test_records_held_and_written_together_are_those_written_one_at_a_time(tmp_path, whole):
-    """The writer holds records and encodes them later (``held_records``): nothing the tracer hands over changes
-    after it is handed (entries shared between records, producers, arguments), so the index is the one written
-    record by record (``write_behind=0``)."""
+    """The writer holds the lines of records handed over (``held_records``), each encoded as it is handed: what the
+    tracer changes afterwards (an operation lets go of its forward record's inputs, arguments and producers once it
+    is written; entries shared between records) is not in them, so the index is the one written record by record
+    (``write_behind=0``)."""
     built = recipe.build()
     with layerdiff.trace(built["model"], tmp_path / "each.h5", ops=True, write_behind=0) as tracer:
         built["step"]()
