@@ -172,10 +172,11 @@ class ModuleHooks:
 
     def apply_tap(self, tensors, report, frame, outputs: bool, plan: ForcePlan | None = None):
         """Route ``tensors`` through the framework's gradient tap (identity forward); return their aliases, one per
-        tensor (None for one that could not be tapped: it is then left in place). ``report(grads)`` must be
-        called in backward with the gradients, aligned with ``tensors`` (None where none arrived). ``frame`` and
-        ``outputs`` are for frameworks that gather per-tensor hooks themselves (MindSpore). With a ``plan``, the
-        aliases show the plan's values and the gradient passed on is the plan's (after ``report`` saw the own)."""
+        tensor (None for one left in place: not tapped, or its gradient reported from the autograd node that made
+        it). ``report(grads)`` must be called in backward with the gradients, aligned with ``tensors`` (None where
+        none arrived). ``frame`` and ``outputs`` are for frameworks that gather per-tensor hooks themselves
+        (MindSpore). With a ``plan``, the aliases show the plan's values and the gradient passed on is the plan's
+        (after ``report`` saw the own)."""
         raise NotImplementedError
 
     def sync(self):

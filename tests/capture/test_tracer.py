@@ -69,6 +69,76 @@ def test_inplace_ops_trace_and_gradients_are_unchanged(tmp_path):
         assert np.array_equal(tensor(r, fwd, "input", "args.0"), tensor(r, calls(r, "1")[0], "output", "out"))
 
 
+class _Triple(nn.Module):
+    def forward(self, x):
+        return x * 3
+
+
+class _Wrapper(nn.Module):
+    """Returns its child's output itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Triple()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _Caller(nn.Module):
+    """Modifies a call's output in place after it returned; calls a module that hands its input back; uses values
+    both through calls and beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.ident, self.wrap = _Triple(), nn.Identity(), _Wrapper()
+
+    def forward(self, x):
+        y = self.a(x)
+        y.mul_(2)
+        z = self.ident(y)
+        return self.wrap(z) + z + y
+
+
+def test_each_call_records_the_gradient_of_the_value_it_returned(tmp_path):
+    """grad_output is the gradient w.r.t. the value a call returned, however its caller goes on: modified in place
+    after it (``a``: twice the gradient of the modified value), handed back from the call's input (``ident``), the
+    output of a child returned as it is (``wrap`` and ``wrap.inner``)."""
+    weights = torch.arange(6.0).reshape(3, 2)
+    model = _Caller()
+    x = torch.randn(3, 2, requires_grad=True)
+    with layerdiff.trace(model, tmp_path / "t.h5"):
+        (model(x) * weights).sum().backward()
+    assert torch.equal(x.grad, 3 * 2 * 5 * weights)
+    # ``ident``'s value is used twice (4x), ``y`` once more beside it (5x in all), ``a``'s before it was doubled
+    expected = {"a": 10 * weights, "ident": 4 * weights, "wrap": weights, "wrap.inner": weights}
+    with open_trace(tmp_path / "t.h5") as r:
+        for path, grad in expected.items():
+            (back,) = calls(r, path, "backward")
+            assert np.array_equal(tensor(r, back, "grad_output", "out"), grad.numpy()), path
+        (ident,) = calls(r, "ident", "backward")
+        assert np.array_equal(tensor(r, ident, "grad_input", "args.0"), (4 * weights).numpy())
+
+    # a call that works in place hands its input back as it came (dropout, in eval): its value's gradient is that of
+    # the caller's use of what it returned, not of the other uses of the same tensor
+    skip = _Skip().eval()
+    with layerdiff.trace(skip, tmp_path / "s.h5"):
+        (skip(x) * weights).sum().backward()
+    with open_trace(tmp_path / "s.h5") as r:
+        (back,) = calls(r, "drop", "backward")
+        assert np.array_equal(tensor(r, back, "grad_output", "out"), weights.numpy())
+
+
+class _Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5, inplace=True)
+
+    def forward(self, x):
+        h = x * 2
+        return self.drop(h) + h
+
+
 def test_module_called_twice_gives_two_records(tmp_path):
     lin = nn.Linear(3, 3)
 
