@@ -830,8 +830,8 @@ class Hooks(ModuleHooks):
         if any(torch_data_parallel.fsdp_model(part) for part in parts_of(self.model)):
             self.held_dtypes = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
         owners = tuple(f"{path}." if path else "" for path in self.tied_in_module)
-        self.output_taps = frozenset(path for path, module in self.named_modules() if (
-            owners and path.startswith(owners)) or getattr(module, "inplace", False) is True)
+        self.output_taps = frozenset(path for path, module in self.named_modules()
+                                     if path.startswith(owners) or getattr(module, "inplace", False) is True)
         super().install()
 
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
