@@ -14,7 +14,9 @@ median over the untraced median of the same process. The modes the targets compa
 fresh interpreter per round, and their rounds are pooled (``interleaved``). Modes: layerdiff's module-level `stats`
 trace, the same with every operation recorded (``ops=True``), with the operations of one decoder block recorded
 (``ops=[block]``), and msprobe (mindstudio-probe) `statistics` dumps at level L0 (modules) and L1 (APIs).
-Per-operation cost = (operations trace - module trace) / operation records per step.
+Per-operation cost = (operations trace - module trace) / operation records per step. The target's share (the
+operations trace's ratio over msprobe L1's) is also given round by round: each round's two processes met the same
+stretch of the machine, so the spread of those shares is how far one run's verdict can be trusted.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ METHOD = ("transformers LlamaForCausalLM from a config (4 layers, hidden 256, 8 
           "around each step as its documentation shows. The paddle and mindspore modes run the same toy "
           "written in that framework (recipes/paddle_llama.py, recipes/mindspore_llama.py: same sizes, weights and "
           "inputs; MindSpore in PyNative mode). Per-operation cost = (step with operations - step with "
-          "modules only) / operation records per step.")
+          "modules only) / operation records per step. The target's share (ops ratio over msprobe L1's) is also "
+          "given per round, each round's two processes having met the same stretch of the machine.")
 MODES = ("layerdiff modules", "layerdiff ops (whole model)", "layerdiff ops (one block)", "msprobe L0", "msprobe L1",
          "floor: function mode", "floor: function mode + stats", "floor: + module hooks + stats",
          "paddle modules", "paddle ops (whole model)", "paddle ops (one block)",
@@ -240,11 +243,12 @@ def interleaved(steps: int, rounds: int) -> dict:
             if "error" in r:  # the mode reports its error, not the rounds before
                 pooled[mode] = r
                 continue
-            kept = pooled.setdefault(mode, {**r, "untraced": [], "traced": [], "processes": 0})
+            kept = pooled.setdefault(mode, {**r, "untraced": [], "traced": [], "processes": 0, "round_ratios": []})
             kept.update({k: v for k, v in r.items() if k not in ("untraced", "traced")})
             kept["untraced"] += r["untraced"]
             kept["traced"] += r["traced"]
             kept["processes"] += 1
+            kept["round_ratios"].append(benchlib.med(r["traced"]) / benchlib.med(r["untraced"]))
     return pooled
 
 
@@ -333,6 +337,14 @@ def _derived(results: dict) -> dict:
         targets.append(["whole-model `ops=True` stats trace / untraced step", f"{whole['ratio']:.2f}x",
                         f"<= half msprobe L1's ratio ({limit:.2f}x)", "yes" if met else "no"])
         headline.append(f"ops=True {whole['ratio']:.2f}x the untraced step, msprobe L1 {l1['ratio']:.2f}x")
+        shares = _round_shares(whole, l1)
+        if shares:
+            met_in = sum(share <= 0.5 for share in shares)
+            text = ", ".join(f"{share:.2f}" for share in shares)
+            lines.append(f"per round, ops ratio / msprobe L1 ratio (goal <= 0.5): {text}; median "
+                         f"{benchlib.med(shares):.2f}, met in {met_in} of {len(shares)}")
+            targets.append(["the same, round by round: ops ratio / msprobe L1 ratio", text,
+                            "<= 0.5 in each", f"{met_in} of {len(shares)}"])
     elif whole:
         headline.append(f"ops=True {whole['ratio']:.2f}x the untraced step (msprobe did not run)")
     floor = ok.get("floor: + module hooks + stats")
@@ -367,6 +379,13 @@ def _derived(results: dict) -> dict:
                         "stated (issue 29)", "-"])
     out.update(lines=lines, targets=targets, headline="; ".join(headline) or "no figures")
     return out
+
+
+def _round_shares(whole: dict, l1: dict) -> list[float]:
+    """The target's share (ops ratio over msprobe L1's) in each interleaved round, where both ran every round: the
+    rounds met the same stretch of the machine's drift, so their spread is the verdict's uncertainty."""
+    ours, theirs = whole.get("round_ratios") or [], l1.get("round_ratios") or []
+    return [a / b for a, b in zip(ours, theirs)] if len(ours) == len(theirs) else []
 
 
 if __name__ == "__main__":
