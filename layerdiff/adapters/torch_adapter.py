@@ -758,8 +758,7 @@ class Hooks(ModuleHooks):
     grad_handles: list | tuple = ()  # the hooks that record the parameters' gradients
     fsdp1_root: Any = None  # an FSDP1 root traced whole: its parameters and gradients are read gathered
     # the modules whose outputs keep their gradient taps (set at install): those inside one that owns a tied weight
-    # (the taps are the walls at which ``watch_param_uses`` stops its walk through that module's graph), and those
-    # that work in place (``inplace=True``: their inputs are not tapped)
+    # (the taps are the walls at which ``watch_param_uses`` stops its walk through that module's graph)
     output_taps: frozenset[str] = frozenset()
 
     def named_parameters(self):
@@ -830,8 +829,7 @@ class Hooks(ModuleHooks):
         if any(torch_data_parallel.fsdp_model(part) for part in parts_of(self.model)):
             self.held_dtypes = {name for _, p in self.params if (name := _DTYPE_NAMES.get(p.dtype)) is not None}
         owners = tuple(f"{path}." if path else "" for path in self.tied_in_module)
-        self.output_taps = frozenset(path for path, module in self.named_modules()
-                                     if path.startswith(owners) or getattr(module, "inplace", False) is True)
+        self.output_taps = frozenset(path for path, _ in self.named_modules() if path.startswith(owners))
         super().install()
 
     def register_forward_hooks(self, module, pre_hook, post_hook) -> list:
@@ -912,11 +910,11 @@ class Hooks(ModuleHooks):
 
     def apply_tap(self, tensors, report, frame, outputs, plan=None):
         """A call's one differentiable output is hooked on the autograd node that made it (``_hook_output``) rather
-        than routed through a tap, where that node is the call's own: its inputs were tapped (a call that modifies
-        its input in place, whose inputs are not, may hand one back as it came: the node is then its caller's).
-        Anything else goes through ``_GradTap``."""
-        if outputs and plan is None and len(tensors) == 1 and frame.path not in self.output_taps and \
-                frame.path not in self.no_input_taps and _hook_output(tensors[0], report):
+        than routed through a tap, where that node is the call's own: not where its inputs reached it as they came
+        (``frame.inputs_as_given``: it may hand one back, whose node is its caller's). Anything else goes through
+        ``_GradTap``."""
+        if outputs and plan is None and len(tensors) == 1 and not frame.inputs_as_given and \
+                frame.path not in self.output_taps and _hook_output(tensors[0], report):
             return [None]
         return _GradTap.apply(report, plan, *tensors)
 

@@ -175,7 +175,7 @@ class ModuleHooks:
         tensor (None for one left in place: not tapped, or its gradient reported from the autograd node that made
         it). ``report(grads)`` must be called in backward with the gradients, aligned with ``tensors`` (None where
         none arrived). ``frame`` and ``outputs`` are for frameworks that gather per-tensor hooks themselves
-        (MindSpore). With a ``plan``, the aliases show the plan's values and the gradient passed on is the plan's
+        (MindSpore) or hook an output on the node that made it (torch: not where ``frame.inputs_as_given``). With a ``plan``, the aliases show the plan's values and the gradient passed on is the plan's
         (after ``report`` saw the own)."""
         raise NotImplementedError
 
@@ -402,13 +402,16 @@ class ModuleHooks:
                     self.resumed_ops[id(frame)] = resumed
             forced = self._forced(frame, "input", tensors, frame.inputs)
             swap = {}
-            if self._taps_enabled() and getattr(module, "inplace", False) is not True and path not in self.no_input_taps:
-                needs = [(k, t) for k, t in tensors if self.differentiable(t)]
-                if needs:
-                    frame.tapped_inputs = True
-                    swap = self._tap(needs, session.grad_inputs, frame, outputs=False, forced=forced)
-                    if not forced:
-                        self.watch_inputs(frame, needs, swap)
+            if self._taps_enabled():
+                if getattr(module, "inplace", False) is True or path in self.no_input_taps:
+                    frame.inputs_as_given = True  # the module may write them: a tap's alias would hide it
+                else:
+                    needs = [(k, t) for k, t in tensors if self.differentiable(t)]
+                    if needs:
+                        frame.tapped_inputs = True
+                        swap = self._tap(needs, session.grad_inputs, frame, outputs=False, forced=forced)
+                        if not forced:
+                            self.watch_inputs(frame, needs, swap)
             self._swap_untapped(tensors, forced, swap)
             if ops is not None and frame.ops is not None:  # what the module's code receives: its inputs
                 for key, t in tensors:

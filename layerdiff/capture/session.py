@@ -55,6 +55,9 @@ class CallFrame:
     inputs: list = field(default_factory=list)
     scalars: dict = field(default_factory=dict)
     tapped_inputs: bool = False
+    # its differentiable inputs reach its code as they came, untapped (a module that works in place, or one seen
+    # writing its input): an output may be one of them, made by its caller's autograd node
+    inputs_as_given: bool = False
     full: bool = True  # store tensor values (False: statistics only, e.g. the root outside a --layers window)
     arg_names: tuple = ()  # the forward's positional parameter names: "args.0" is "hidden_states"
     versions: list = field(default_factory=list)  # adapter's in-place detection: (tensor, version)

@@ -129,6 +129,46 @@ def test_each_call_records_the_gradient_of_the_value_it_returned(tmp_path):
         assert np.array_equal(tensor(r, back, "grad_output", "out"), weights.numpy())
 
 
+class _Doubler(nn.Module):
+    """Writes its input in place and hands it back, though nothing says it works in place (no ``inplace``); or hands
+    it back as it came."""
+
+    def forward(self, x, write: bool):
+        return x.mul_(2) if write else x
+
+
+class _DoubledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.doubler = _Doubler()
+
+    def forward(self, x, weights):
+        first = self.doubler(x * 1.0, True)  # its inputs tapped: the write is seen after the call
+        kept = x * 1.0
+        second = self.doubler(kept, False)  # its inputs reach it as they came, and it hands one back
+        return (first * weights).sum() + (second * 3 * weights).sum() + (kept * 5 * weights).sum()
+
+
+def test_a_module_that_writes_its_input_records_the_gradient_of_what_it_returned(tmp_path):
+    """A module seen writing its input in place has its later calls' inputs left untapped (a tap's alias would hide
+    the write): each call's grad_output is still that of the caller's use of the value it returned, the first
+    (inputs tapped, the write seen only after it) and the next (inputs as given; it hands one back, whose autograd
+    node is the caller's: ``kept``'s gradient is 8x, the call's value's 3x)."""
+    weights = torch.arange(6.0).reshape(3, 2)
+    model = _DoubledTwice()
+    x = torch.randn(3, 2, requires_grad=True)
+    with layerdiff.trace(model, tmp_path / "t.h5"):
+        model(x, weights).backward()
+    assert torch.equal(x.grad, 2 * weights + 3 * weights + 5 * weights)
+    with open_trace(tmp_path / "t.h5") as r:
+        assert any("doubler modifies its input in place" in w for w in r.end.warnings), r.end.warnings
+        first, second = sorted(calls(r, "doubler", "backward"), key=lambda record: record.call)
+        assert np.array_equal(tensor(r, first, "grad_output", "out"), weights.numpy())
+        assert np.array_equal(tensor(r, second, "grad_output", "out"), (3 * weights).numpy())
+        assert {t.role for t in first.tensors} == {"grad_output", "grad_input"}  # its inputs were tapped
+        assert {t.role for t in second.tensors} == {"grad_output"}  # they were not
+
+
 class _Skip(nn.Module):
     def __init__(self):
         super().__init__()
