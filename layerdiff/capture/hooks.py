@@ -175,8 +175,9 @@ class ModuleHooks:
         tensor (None for one left in place: not tapped, or its gradient reported from the autograd node that made
         it). ``report(grads)`` must be called in backward with the gradients, aligned with ``tensors`` (None where
         none arrived). ``frame`` and ``outputs`` are for frameworks that gather per-tensor hooks themselves
-        (MindSpore) or hook an output on the node that made it (torch: not where ``frame.inputs_as_given``). With a ``plan``, the aliases show the plan's values and the gradient passed on is the plan's
-        (after ``report`` saw the own)."""
+        (MindSpore) or hook an output on the node that made it (torch: not where ``frame.inputs_as_given``). With a
+        ``plan``, the aliases show the plan's values and the gradient passed on is the plan's (after ``report`` saw
+        the own)."""
         raise NotImplementedError
 
     def sync(self):
