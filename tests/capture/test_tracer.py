@@ -100,6 +100,16 @@ class _Caller(nn.Module):
         return self.wrap(z) + z + y
 
 
+class _Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5, inplace=True)
+
+    def forward(self, x):
+        h = x * 2
+        return self.drop(h) + h
+
+
 def test_each_call_records_the_gradient_of_the_value_it_returned(tmp_path):
     """grad_output is the gradient w.r.t. the value a call returned, however its caller goes on: modified in place
     after it (``a``: twice the gradient of the modified value), handed back from the call's input (``ident``), the
@@ -167,16 +177,6 @@ def test_a_module_that_writes_its_input_records_the_gradient_of_what_it_returned
         assert np.array_equal(tensor(r, second, "grad_output", "out"), (3 * weights).numpy())
         assert {t.role for t in first.tensors} == {"grad_output", "grad_input"}  # its inputs were tapped
         assert {t.role for t in second.tensors} == {"grad_output"}  # they were not
-
-
-class _Skip(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.drop = nn.Dropout(0.5, inplace=True)
-
-    def forward(self, x):
-        h = x * 2
-        return self.drop(h) + h
 
 
 def test_module_called_twice_gives_two_records(tmp_path):
