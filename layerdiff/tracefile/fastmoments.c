@@ -86,16 +86,30 @@ static inline float bfloat16_value(uint16_t bits) {
     return v;
 }
 
+static inline double bfloat16_wide(uint16_t bits) { return (double)bfloat16_value(bits); }
+
 MOMENTS(moments_float32, float, float, AS_IS)
 MOMENTS(moments_float64, double, double, AS_IS)
 MOMENTS(moments_bfloat16, uint16_t, float, bfloat16_value)
+/* The same summed in double: for a tensor whose float32 sums overflowed though every value is finite. Why: an
+ * attention score masked with the dtype's lowest value (-3.4e38, what transformers' eager attention adds) makes a
+ * block's float32 sum and every square overflow; numpy's path then took 0.5 ms for a 256K-element tensor (2 to 4 ms
+ * in a traced step), where this pass takes a kernel's time. */
+MOMENTS(moments_float32_wide, float, double, AS_IS)
+MOMENTS(moments_bfloat16_wide, uint16_t, double, bfloat16_wide)
 
-enum { AT_FLOAT32, AT_FLOAT64, AT_BFLOAT16 };
+enum { AT_FLOAT32, AT_FLOAT64, AT_BFLOAT16, AT_FLOAT32_WIDE, AT_BFLOAT16_WIDE, AT_KINDS };
+
+static size_t itemsize_of(int kind) {
+    return kind == AT_FLOAT64 ? 8 : kind == AT_FLOAT32 || kind == AT_FLOAT32_WIDE ? 4 : 2;
+}
 
 static void moments_of(int kind, const char *address, Py_ssize_t start, Py_ssize_t n, double *out) {
     if (kind == AT_FLOAT32) moments_float32((const float *)address + start, n, out);
     else if (kind == AT_FLOAT64) moments_float64((const double *)address + start, n, out);
-    else moments_bfloat16((const uint16_t *)address + start, n, out);
+    else if (kind == AT_BFLOAT16) moments_bfloat16((const uint16_t *)address + start, n, out);
+    else if (kind == AT_FLOAT32_WIDE) moments_float32_wide((const float *)address + start, n, out);
+    else moments_bfloat16_wide((const uint16_t *)address + start, n, out);
 }
 
 #ifdef SHARES_THREADS
@@ -270,7 +284,7 @@ static PyObject *moments_at(PyObject *module, PyObject *const *args, Py_ssize_t 
     int share = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
     if (PyErr_Occurred())
         return NULL;
-    if (address == NULL || n <= 0 || kind < AT_FLOAT32 || kind > AT_BFLOAT16)
+    if (address == NULL || n <= 0 || kind < AT_FLOAT32 || kind >= AT_KINDS)
         Py_RETURN_NONE;
     double out[4];
     int threads = 1;
@@ -386,7 +400,7 @@ static PyObject *moments_strided(PyObject *module, PyObject *const *args, Py_ssi
     int ndim = 0, nstrides = 0;
     if (PyErr_Occurred() || as_sizes(args[2], sizes, &ndim) < 0 || as_sizes(args[3], strides, &nstrides) < 0)
         return NULL;
-    if (address == NULL || kind < AT_FLOAT32 || kind > AT_BFLOAT16 || ndim < 0 || ndim != nstrides)
+    if (address == NULL || kind < AT_FLOAT32 || kind >= AT_KINDS || ndim < 0 || ndim != nstrides)
         Py_RETURN_NONE;
     /* dims of size 1 dropped; the rest ordered by stride, largest first (statistics do not depend on the order); a
      * dim merged into the one before it where it continues it; a stride of 0 (an expanded tensor) or below is not
@@ -427,7 +441,7 @@ static PyObject *moments_strided(PyObject *module, PyObject *const *args, Py_ssi
         strides[0] = 1;
         merged = 1;
     }
-    Gathered g = {.kind = (int)kind, .itemsize = kind == AT_FLOAT32 ? 4 : kind == AT_FLOAT64 ? 8 : 2};
+    Gathered g = {.kind = (int)kind, .itemsize = itemsize_of((int)kind)};
     int release = n >= RELEASE_GIL_FROM;
     PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
     gather_all(&g, address, merged, sizes, strides);
@@ -453,7 +467,8 @@ static PyMethodDef methods[] = {
      "another type or no elements. A NaN or infinity makes the sums non-finite (min and max are then not to be used)."},
     {"moments_at", (PyCFunction)(void (*)(void))moments_at, METH_FASTCALL,
      "moments_at(address, count, kind, share_threads=False) -> the same of count elements at address: kind 0 float32, "
-     "1 float64, 2 bfloat16; None for no elements or another kind. The caller vouches for the memory. share_threads: "
+     "1 float64, 2 bfloat16, 3 float32 and 4 bfloat16 summed in double (where their own sums overflowed); None for no "
+     "elements or another kind. The caller vouches for the memory. share_threads: "
      "a large tensor is read by the threads of the OpenMP runtime already loaded in the process, if any."},
     {"moments_strided", (PyCFunction)(void (*)(void))moments_strided, METH_FASTCALL,
      "moments_strided(address, kind, sizes, strides) -> the same of a tensor laid out with those sizes and strides (in "

@@ -189,6 +189,32 @@ def test_the_kernel_gathers_a_slice_where_it_lies(dtype, layout):
     assert cpu_route(torch.randn(4, 1).expand(4, 6)) is None  # elements shared: numpy reads the view
 
 
+MASKED = {"dense": lambda t: t, "a slice": lambda t: t[..., 1:], "large, shared threads": lambda t: t.repeat(2, 2, 1, 1)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", list(MASKED))
+def test_attention_scores_masked_with_the_lowest_value_are_summarized_by_the_kernel(dtype, layout):
+    """Eager attention adds the dtype's lowest finite value (-3.4e38 in float32) where a position is masked: the
+    float32 sums of such a tensor overflow though every value is finite. The kernel reads it again summed in double
+    (numpy's path took 20x as long): the statistics of its values, none counted as NaN or Inf. A real infinity
+    among them still goes to numpy's path, which counts it; so does numpy's own array of such values."""
+    scores = torch.randn(2, 4, 64, 64, generator=torch.Generator().manual_seed(9)).to(dtype)
+    mask = torch.full((64, 64), torch.finfo(dtype).min, dtype=dtype).triu(1)
+    t = MASKED[layout](scores + mask)
+    assert float(t.min()) == torch.finfo(dtype).min and bool(torch.isfinite(t).all())
+    got = fast_stats(t)
+    assert got is not None and got["nan"] == got["inf"] == 0
+    _close(got, _reference(t), rel=1e-12)
+    _close(summarize(*to_stored(t)), _reference(t), rel=1e-12)
+    t[(0,) * (t.ndim - 1) + (5,)] = float("-inf")
+    assert fast_stats(t) is None
+    stats = summarize(*to_stored(t))
+    assert stats["inf"] == 1
+    _close(stats, _reference(t), rel=1e-12)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_a_large_tensor_read_by_torchs_threads_has_the_statistics_one_thread_gives(dtype):
