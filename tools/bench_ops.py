@@ -13,7 +13,9 @@ untraced step is timed first in that process, then the traced one, alternating b
 median over the untraced median of the same process. The modes the targets compare run a round each in turn, in a
 fresh interpreter per round, and their rounds are pooled (``interleaved``). Modes: layerdiff's module-level `stats`
 trace, the same with every operation recorded (``ops=True``), with the operations of one decoder block recorded
-(``ops=[block]``), and msprobe (mindstudio-probe) `statistics` dumps at level L0 (modules) and L1 (APIs).
+(``ops=[block]``), and msprobe (mindstudio-probe) `statistics` dumps at level L0 (modules) and L1 (APIs); and
+the whole-model operations trace and msprobe L1 again on the same toy with eager attention (transformers' own
+attention code: its scores masked with float32's lowest value, a softmax and two matmuls instead of SDPA).
 Per-operation cost = (operations trace - module trace) / operation records per step. The target's share (the
 operations trace's ratio over msprobe L1's) is also given round by round: each round's two processes met the same
 stretch of the machine, so the spread of those shares is how far one run's verdict can be trusted.
@@ -45,27 +47,30 @@ METHOD = ("transformers LlamaForCausalLM from a config (4 layers, hidden 256, 8 
           "written in that framework (recipes/paddle_llama.py, recipes/mindspore_llama.py: same sizes, weights and "
           "inputs; MindSpore in PyNative mode). Per-operation cost = (step with operations - step with "
           "modules only) / operation records per step. The target's share (ops ratio over msprobe L1's) is also "
-          "given per round, each round's two processes having met the same stretch of the machine.")
+          "given per round, each round's two processes having met the same stretch of the machine. The modes "
+          "marked 'eager attention' run the same toy with transformers' eager attention instead of SDPA.")
 MODES = ("layerdiff modules", "layerdiff ops (whole model)", "layerdiff ops (one block)", "msprobe L0", "msprobe L1",
          "floor: function mode", "floor: function mode + stats", "floor: + module hooks + stats",
          "paddle modules", "paddle ops (whole model)", "paddle ops (one block)",
-         "mindspore modules", "mindspore ops (whole model)", "mindspore ops (one block)")
+         "mindspore modules", "mindspore ops (whole model)", "mindspore ops (one block)",
+         "layerdiff ops (whole model), eager attention", "msprobe L1, eager attention")
 # the modes the targets compare: run in turn, a round each (``interleaved``)
 TARGET_MODES = ("layerdiff modules", "layerdiff ops (whole model)", "layerdiff ops (one block)", "msprobe L1")
 PORTS = {"paddle": "paddle_llama", "mindspore": "mindspore_llama"}  # the same toy, written in that framework
 STEPS, ROUNDS, WARMUP = 10, 3, 3
 BLOCK = r"^model\.layers\.1(\.|$)"
 TARGET_SHARE = 0.5  # issue 28: the whole-model ops trace's ratio at most this share of msprobe L1's
+EAGER = ", eager attention"  # a mode's suffix: the toy with transformers' eager attention instead of SDPA
 
 
-def toy():
+def toy(attention: str = "sdpa"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
 
@@ -105,8 +110,9 @@ def worker(mode: str, steps: int, rounds: int, out: Path) -> None:
 
 
 def _measured(mode: str, steps: int, rounds: int, work: Path) -> dict:
-    framework = mode.partition(" ")[0]
-    model, step = port_toy(framework) if framework in PORTS else toy()
+    base = mode.removesuffix(EAGER)
+    framework = base.partition(" ")[0]
+    model, step = port_toy(framework) if framework in PORTS else toy("eager" if base != mode else "sdpa")
     for _ in range(WARMUP):
         step()
     untraced, traced = [], []
@@ -121,7 +127,7 @@ def _measured(mode: str, steps: int, rounds: int, work: Path) -> dict:
         import layerdiff
         from layerdiff.tracefile.reader import open_trace
 
-        ops = {"modules": False, "ops (whole model)": True, "ops (one block)": [BLOCK]}[mode.partition(" ")[2]]
+        ops = {"modules": False, "ops (whole model)": True, "ops (one block)": [BLOCK]}[base.partition(" ")[2]]
         for r in range(rounds):
             untraced += _timed(step, steps)
             path = work / f"t{r}.h5"
@@ -139,7 +145,7 @@ def _measured(mode: str, steps: int, rounds: int, work: Path) -> dict:
         config = work / "config.json"
         config.write_text(json.dumps({
             "task": "statistics", "dump_path": str(work / "dump"), "rank": [], "step": [],
-            "level": mode.split()[-1], "statistics": {"scope": [], "list": [], "data_mode": ["all"],
+            "level": base.split()[-1], "statistics": {"scope": [], "list": [], "data_mode": ["all"],
                                                      "summary_mode": "statistics"}}))
         debugger = PrecisionDebugger(config_path=str(config))
 
@@ -271,12 +277,12 @@ def main(argv=None) -> int:
                                                                    "mindstudio-probe", "paddlepaddle", "mindspore"))
     pooled = interleaved(steps, rounds)
     results = {}
-    print(f"{'mode':30} {'untraced':>10} {'traced':>10} {'ratio':>7}  notes")
+    print(f"{'mode':44} {'untraced':>10} {'traced':>10} {'ratio':>7}  notes")
     for mode in MODES:
         r = pooled[mode] if mode in pooled else run_mode(mode, steps, rounds)
         results[mode] = r
         if "error" in r:
-            print(f"{mode:30} could not run: {r['error']}")
+            print(f"{mode:44} could not run: {r['error']}")
             continue
         r["untraced_median"], r["traced_median"] = benchlib.med(r["untraced"]), benchlib.med(r["traced"])
         r["ratio"] = r["traced_median"] / r["untraced_median"]
@@ -284,7 +290,7 @@ def main(argv=None) -> int:
                  else f"{r.get('records_per_step')} records per step, dump {r['dump_mb']:.1f} MB"
                  if "dump_mb" in r else f"{r['summarized_per_step']:.0f} tensors summarized per step, nothing "
                  "recorded" if r.get("summarized_per_step") else "")
-        print(f"{mode:30} {r['untraced_median'] * 1e3:8.1f}ms {r['traced_median'] * 1e3:8.1f}ms "
+        print(f"{mode:44} {r['untraced_median'] * 1e3:8.1f}ms {r['traced_median'] * 1e3:8.1f}ms "
               f"{r['ratio']:6.2f}x  {notes}")
     derived = _derived(results)
     for line in derived["lines"]:
@@ -366,6 +372,14 @@ def _derived(results: dict) -> dict:
         targets.append(["one-block window / module-level stats trace", f"{ratio:.2f}x", "<= 1.3x",
                         "yes" if met else "no"])
         headline.append(f"one-block window {ratio:.2f}x the module trace")
+    eager, eager_l1 = ok.get(MODES[1] + EAGER), ok.get(f"msprobe L1{EAGER}")
+    if eager and eager_l1:
+        share = eager["ratio"] / eager_l1["ratio"]
+        lines.append(f"eager attention: ops=True {eager['ratio']:.2f}x the untraced step, msprobe L1 "
+                     f"{eager_l1['ratio']:.2f}x (share {share:.2f})")
+        targets.append(["eager attention: whole-model `ops=True` stats trace / untraced step",
+                        f"{eager['ratio']:.2f}x (msprobe L1 {eager_l1['ratio']:.2f}x, share {share:.2f})", "stated",
+                        "-"])
     for framework, label in (("paddle", "Paddle"), ("mindspore", "MindSpore")):
         p_modules, p_whole, p_block = (ok.get(f"{framework} {m}") for m in
                                        ("modules", "ops (whole model)", "ops (one block)"))
