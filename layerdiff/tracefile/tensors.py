@@ -198,11 +198,18 @@ def stats_at(address: int, count: int, dtype: str, share_threads: bool = False) 
     if kind is None or moments_at is None or count <= 0:
         return None
     share = share_threads and SHARES_THREADS
-    stats = _stats(moments_at(address, count, kind, True) if share else moments_at(address, count, kind), count)
+    stats = _stats(_read_at(address, count, kind, share), count)
     wide = _WIDE_KINDS.get(kind) if stats is None else None
     if wide is not None:  # a NaN or infinity, or finite values whose float32 sums overflowed: only the latter pass
-        stats = _stats(moments_at(address, count, wide, True) if share else moments_at(address, count, wide), count)
+        stats = _stats(_read_at(address, count, wide, share), count)
     return stats
+
+
+def _read_at(address: int, count: int, kind: int, share: bool) -> tuple[float, float, float, float] | None:
+    """The kernel's moments of a dense tensor (``share`` asked only of a kernel that takes it: one built before
+    it takes three arguments)."""
+    assert moments_at is not None
+    return moments_at(address, count, kind, True) if share else moments_at(address, count, kind)
 
 
 def stats_strided(address: int, dtype: str, sizes: tuple[int, ...], strides: tuple[int, ...]) -> dict[str, Any] | None:
