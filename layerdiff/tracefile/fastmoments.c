@@ -25,7 +25,9 @@
  * NaN and infinity are not counted here: they make the sums non-finite, and the caller then takes numpy's path,
  * which counts them. So the file is built as if no value were NaN, infinite or a negative zero (setup.py): min and
  * max are then free to be vectorized (Clang vectorizes those reductions only so: 9x slower without), and where a
- * value is not finite they are not used. */
+ * value is not finite they are not used. Finite float32 or bfloat16 values too large for float32's sums (squares
+ * beyond 3.4e38) are read again summed in double (``widened``): only a NaN or an infinity leaves the sums
+ * non-finite. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #if defined(__linux__)
@@ -98,7 +100,19 @@ MOMENTS(moments_bfloat16, uint16_t, float, bfloat16_value)
 MOMENTS(moments_float32_wide, float, double, AS_IS)
 MOMENTS(moments_bfloat16_wide, uint16_t, double, bfloat16_wide)
 
-enum { AT_FLOAT32, AT_FLOAT64, AT_BFLOAT16, AT_FLOAT32_WIDE, AT_BFLOAT16_WIDE, AT_KINDS };
+/* The kinds a caller names (0 to 2), then the wide ones the kernel takes itself (``widened``). */
+enum { AT_FLOAT32, AT_FLOAT64, AT_BFLOAT16, AT_FLOAT32_WIDE, AT_BFLOAT16_WIDE };
+
+/* The kind to read again where a read of ``kind`` gave a sum of squares that is not finite, or -1: float32 and
+ * bfloat16 summed in double. A NaN or an infinity leaves the wide sums non-finite too (the caller's numpy path then
+ * counts them); values that are only large give their statistics. */
+static int widened(int kind, double squares) {
+    uint64_t bits; /* read from the bits: the file is built as if no value were infinite, so isfinite() may fold */
+    memcpy(&bits, &squares, sizeof bits);
+    if (((bits >> 52) & 0x7ff) != 0x7ff)
+        return -1;
+    return kind == AT_FLOAT32 ? AT_FLOAT32_WIDE : kind == AT_BFLOAT16 ? AT_BFLOAT16_WIDE : -1;
+}
 
 static size_t itemsize_of(int kind) {
     return kind == AT_FLOAT64 ? 8 : kind == AT_FLOAT32 || kind == AT_FLOAT32_WIDE ? 4 : 2;
@@ -243,6 +257,11 @@ static void read_moments(int kind, const char *address, Py_ssize_t n, int thread
         moments_chunked(kind, address, n, threads, out);
     else
         moments_of(kind, address, 0, n, out);
+    int wide = widened(kind, out[3]);
+    if (wide >= 0 && n >= SHARE_FROM)
+        moments_chunked(wide, address, n, threads, out);
+    else if (wide >= 0)
+        moments_of(wide, address, 0, n, out);
     if (release)
         PyEval_RestoreThread(saved);
 }
@@ -284,7 +303,7 @@ static PyObject *moments_at(PyObject *module, PyObject *const *args, Py_ssize_t 
     int share = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
     if (PyErr_Occurred())
         return NULL;
-    if (address == NULL || n <= 0 || kind < AT_FLOAT32 || kind >= AT_KINDS)
+    if (address == NULL || n <= 0 || kind < AT_FLOAT32 || kind > AT_BFLOAT16)
         Py_RETURN_NONE;
     double out[4];
     int threads = 1;
@@ -400,7 +419,7 @@ static PyObject *moments_strided(PyObject *module, PyObject *const *args, Py_ssi
     int ndim = 0, nstrides = 0;
     if (PyErr_Occurred() || as_sizes(args[2], sizes, &ndim) < 0 || as_sizes(args[3], strides, &nstrides) < 0)
         return NULL;
-    if (address == NULL || kind < AT_FLOAT32 || kind >= AT_KINDS || ndim < 0 || ndim != nstrides)
+    if (address == NULL || kind < AT_FLOAT32 || kind > AT_BFLOAT16 || ndim < 0 || ndim != nstrides)
         Py_RETURN_NONE;
     /* dims of size 1 dropped; the rest ordered by stride, largest first (statistics do not depend on the order); a
      * dim merged into the one before it where it continues it; a stride of 0 (an expanded tensor) or below is not
@@ -445,6 +464,12 @@ static PyObject *moments_strided(PyObject *module, PyObject *const *args, Py_ssi
     int release = n >= RELEASE_GIL_FROM;
     PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
     gather_all(&g, address, merged, sizes, strides);
+    int wide = widened((int)kind, g.out[3]);
+    if (wide >= 0) {
+        g.kind = wide;
+        g.filled = g.blocks = 0;
+        gather_all(&g, address, merged, sizes, strides);
+    }
     if (release)
         PyEval_RestoreThread(saved);
     return Py_BuildValue("(dddd)", g.out[0], g.out[1], g.out[2], g.out[3]);
@@ -467,8 +492,7 @@ static PyMethodDef methods[] = {
      "another type or no elements. A NaN or infinity makes the sums non-finite (min and max are then not to be used)."},
     {"moments_at", (PyCFunction)(void (*)(void))moments_at, METH_FASTCALL,
      "moments_at(address, count, kind, share_threads=False) -> the same of count elements at address: kind 0 float32, "
-     "1 float64, 2 bfloat16, 3 float32 and 4 bfloat16 summed in double (where their own sums overflowed); None for no "
-     "elements or another kind. The caller vouches for the memory. share_threads: "
+     "1 float64, 2 bfloat16; None for no elements or another kind. The caller vouches for the memory. share_threads: "
      "a large tensor is read by the threads of the OpenMP runtime already loaded in the process, if any."},
     {"moments_strided", (PyCFunction)(void (*)(void))moments_strided, METH_FASTCALL,
      "moments_strided(address, kind, sizes, strides) -> the same of a tensor laid out with those sizes and strides (in "

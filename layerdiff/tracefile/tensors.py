@@ -172,9 +172,6 @@ def _finite(moments: tuple[float, float, float, float] | None) -> tuple[float, f
 
 
 _KERNEL_KINDS = {"float32": 0, "float64": 1, "bfloat16": 2}  # what ``moments_at`` reads where it lies
-# the same read again, summed in double, where the first read's sums overflowed (a kernel built before it has none:
-# it answers None, and numpy's path takes the tensor)
-_WIDE_KINDS = {0: 3, 2: 4}
 # the kernel is built and takes ``share_threads`` (a framework's threads read a large tensor with it)
 SHARES_THREADS = moments_at is not None and hasattr(fastmoments, "threads_shared")
 READS_SLICES = moments_strided is not None  # the kernel is built with ``moments_strided`` (``stats_strided``)
@@ -197,19 +194,8 @@ def stats_at(address: int, count: int, dtype: str, share_threads: bool = False) 
     kind = _KERNEL_KINDS.get(dtype)
     if kind is None or moments_at is None or count <= 0:
         return None
-    share = share_threads and SHARES_THREADS
-    stats = _stats(_read_at(address, count, kind, share), count)
-    wide = _WIDE_KINDS.get(kind) if stats is None else None
-    if wide is not None:  # a NaN or infinity, or finite values whose float32 sums overflowed: only the latter pass
-        stats = _stats(_read_at(address, count, wide, share), count)
-    return stats
-
-
-def _read_at(address: int, count: int, kind: int, share: bool) -> tuple[float, float, float, float] | None:
-    """The kernel's moments of a dense tensor (``share`` asked only of a kernel that takes it: one built before
-    it takes three arguments)."""
-    assert moments_at is not None
-    return moments_at(address, count, kind, True) if share else moments_at(address, count, kind)
+    return _stats(moments_at(address, count, kind, True) if share_threads and SHARES_THREADS else
+                  moments_at(address, count, kind), count)
 
 
 def stats_strided(address: int, dtype: str, sizes: tuple[int, ...], strides: tuple[int, ...]) -> dict[str, Any] | None:
@@ -223,9 +209,7 @@ def stats_strided(address: int, dtype: str, sizes: tuple[int, ...], strides: tup
     count = math.prod(sizes)
     if count <= 0:
         return None
-    stats = _stats(moments_strided(address, kind, sizes, strides), count)
-    wide = _WIDE_KINDS.get(kind) if stats is None else None
-    return _stats(moments_strided(address, wide, sizes, strides), count) if wide is not None else stats
+    return _stats(moments_strided(address, kind, sizes, strides), count)
 
 
 def _stats(moments: tuple[float, float, float, float] | None, count: int) -> dict[str, Any] | None:
@@ -267,8 +251,6 @@ def summarize(stored: np.ndarray, dtype: str) -> dict[str, Any]:
     if x.dtype not in _REDUCED:
         x = x.astype(np.float64)
     moments = _native(x)  # None: not built, or not all finite
-    if moments is None and moments_at is not None and x.dtype == np.float32:  # float32 sums that overflowed?
-        moments = _finite(moments_at(x.ctypes.data, n, _WIDE_KINDS[_KERNEL_KINDS["float32"]]))
     if moments is None and n <= _PIECE and one_pass_moments is None:
         moments = _one_piece(x)  # None: not all finite (the kernel, where built, has already said so)
     if moments is None:
