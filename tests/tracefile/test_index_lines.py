@@ -67,11 +67,13 @@ def test_what_orjson_refuses_or_writes_differently_is_written_as_json_writes_it(
     assert json.loads(encode_line(record)) == json.loads(_json_line(record))
 
 
-def test_index_lines_land_where_the_reader_finds_them_across_reserve_growth(tmp_path):
-    """Lines written straight into the last run of reserved chunks (one pwrite each), lines that cross into a new
-    reserve, lines longer than a chunk, tensor bytes between them: all read back, in order."""
+@pytest.mark.parametrize("held", [0, 256])
+def test_index_lines_land_where_the_reader_finds_them_across_reserve_growth(tmp_path, held):
+    """Lines written straight into the last run of reserved chunks, lines that cross into a new reserve, lines
+    longer than a chunk, lines held and written together in pieces (``_WRITE_PIECE``), tensor bytes between them:
+    all read back, in order."""
     rng = np.random.default_rng(3)
-    writer = TraceWriter(tmp_path / "t.h5", {"case": "index"})
+    writer = TraceWriter(tmp_path / "t.h5", {"case": "index"}, held_records=held)
     expected = []
     for i in range(6000):  # ~2.5 MB of lines: the 256 KB reserve grows several times
         tensors = []
