@@ -268,22 +268,22 @@ def bench_steps(cfg, tmp: Path, res: dict, model, step):
 # 2. writer throughput vs raw sequential write
 # ---------------------------------------------------------------------------------------------------------
 def collect_step_tensors(model, step, path):
-    """The (array, dtype) pairs the writer receives during the first step of a full trace."""
+    """The (array, dtype) pairs the writer received during the first step of a full trace: each tensor it stored,
+    read back from the trace (the writer's methods cannot be replaced on a build that compiled it)."""
     import numpy as np
 
     import layerdiff
+    from layerdiff.tracefile.reader import open_trace
 
-    collected = []
-    with layerdiff.trace(model, path, mode="full", overwrite=True) as tracer:
-        writer = tracer.session.writer
-        original = writer.write_tensor
-
-        def collecting(stored, dtype, *, store_data, stats=None):
-            collected.append((np.array(stored, copy=True, order="K"), dtype))
-            return original(stored, dtype, store_data=store_data, stats=stats)
-
-        writer.write_tensor = collecting
+    with layerdiff.trace(model, path, mode="full", overwrite=True):
         step()
+    collected, stored = [], set()
+    with open_trace(path) as trace:
+        for record in (*trace.records, *trace.ops, *trace.recomputed):
+            for entry in record.tensors:
+                if entry.offset is not None and entry.offset not in stored:
+                    stored.add(entry.offset)
+                    collected.append((np.array(trace.tensor(entry), copy=True), entry.dtype))
     os.remove(path)
     return collected
 

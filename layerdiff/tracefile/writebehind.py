@@ -9,10 +9,11 @@ the stream sits at ``p % capacity``), so the writer sends whole aligned blocks s
 waits for the disk while the model computes. The ring bounds the memory (backpressure: the step waits when it
 is full) and is allocated once.
 
-Where it costs more than it saves: on a machine whose every core runs one of the framework's threads, the writer
-takes a core from them, and since the trace writes its bytes in 64 KB pieces, inline writes cost far less than
-the figure above: the toy of ``tools/bench_ops.py`` traced in full mode on 2 cores, 3.04x to 3.08x the untraced
-step with write-behind, 1.72x to 1.98x without (``--write-behind 0``); docs/limits.md has the measurements.
+Where it costs more than it saves: a small model on a machine whose every core runs one of the framework's
+threads. The writer takes a core from them, and since buffered writes go out in 64 KB pieces, inline writes
+cost far less than the figure above: the toy of ``tools/bench_ops.py`` traced in full mode on 2 cores, 2.37x to
+2.41x the untraced step with write-behind, 1.85x to 1.94x without (``--write-behind 0``); docs/limits.md has
+the measurements.
 
 What a crash costs: an exception in the model, Ctrl-C or a normal exit drains the queue (the trace is closed
 by its context manager). A process killed outright (SIGKILL, a segfault, the OOM killer) loses the records

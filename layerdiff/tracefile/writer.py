@@ -93,19 +93,22 @@ _DOUBLE_UP_TO = 16 << 20
 # with operations (stats mode, 460 KB of index lines a step), one pwrite of the 256 lines held together (about
 # 220 KB, into the file's fresh end) took 1.25 ms; the same bytes in pieces of 64 KB (or 128 KB) took 0.13 ms in
 # all: the writes went from 1.4 to 0.3 ms a step (the same write outside a traced step: 0.03 to 0.3 ms either
-# way). A piece costs a system call more than a whole write would, a microsecond, anywhere else.
+# way). A piece costs a system call more than a whole write would, a microsecond, anywhere else. Writes with
+# O_DIRECT (write-behind) stay whole: each waits for the device, and in 64 KB pieces a full trace of a 0.5B
+# model (``tools/bench_scale.py``) took 4.47x its untraced step, whole 1.86x (one run each).
 _WRITE_PIECE = 64 << 10
 
 
-def _write_fully(fd: int, data, address: int) -> None:
-    """``data`` (a byte buffer) at ``address`` through ``fd``, in pieces of at most ``_WRITE_PIECE`` (short writes
-    continued; OSError as raised)."""
-    done = os.pwrite(fd, data, address) if len(data) <= _WRITE_PIECE else 0  # most lines: one call, no view
+def _write_fully(fd: int, data, address: int, piece: int = _WRITE_PIECE) -> None:
+    """``data`` (a byte buffer) at ``address`` through ``fd``, in pieces of at most ``piece`` bytes (0: whole;
+    short writes continued; OSError as raised)."""
+    piece = piece or len(data)
+    done = os.pwrite(fd, data, address) if len(data) <= piece else 0  # most lines: one call, no view
     if done == len(data):
         return
     view = memoryview(data).cast("B")
     while done < len(view):
-        done += os.pwrite(fd, view[done:done + _WRITE_PIECE], address + done)
+        done += os.pwrite(fd, view[done:done + piece], address + done)
 
 
 class _ReservedBytes:
@@ -186,8 +189,9 @@ class _ReservedBytes:
         self.size = start + sum(len(v) for v in views)
         return start
 
-    def write_at(self, start: int, views, fd: int):
-        """Write byte views back to back from logical offset ``start`` through ``fd`` (OSError as raised)."""
+    def write_at(self, start: int, views, fd: int, piece: int = _WRITE_PIECE):
+        """Write byte views back to back from logical offset ``start`` through ``fd``, ``piece`` bytes a write at
+        most (0: as much as a run of chunks takes; OSError as raised)."""
         self._reserve(start + sum(len(v) for v in views))
         position = start
         for view in views:
@@ -195,7 +199,7 @@ class _ReservedBytes:
             while done < len(view):
                 address, room = self._address(position + done)
                 n = min(room, len(view) - done)
-                _write_fully(fd, view[done:done + n], address)
+                _write_fully(fd, view[done:done + n], address, piece)
                 done += n
             position += len(view)
 
@@ -350,7 +354,7 @@ class TraceWriter:
             raise TraceFormatError("internal: write-behind without reserved data")
         if self._direct_fd is not None and data.aligned(BLOCK):
             try:
-                data.write_at(start, [view], self._direct_fd)
+                data.write_at(start, [view], self._direct_fd, piece=0)  # whole: each write waits for the device
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no direct I/O after all
