@@ -248,20 +248,23 @@ static void moments_chunked(int kind, const char *address, Py_ssize_t n, int thr
         add_moments(out, chunked.out[c]);
 }
 
-/* The moments of n elements of ``kind`` at address (with the GIL released for large ones), ``threads`` reading a
- * large one; ``chunked`` or not, by size alone, so that every path gives a tensor the same statistics. */
-static void read_moments(int kind, const char *address, Py_ssize_t n, int threads, double *out) {
-    int release = n >= RELEASE_GIL_FROM;
-    PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
+/* ``chunked`` or not, by size alone, so that every path gives a tensor the same statistics. */
+static void read_sized(int kind, const char *address, Py_ssize_t n, int threads, double *out) {
     if (n >= SHARE_FROM)
         moments_chunked(kind, address, n, threads, out);
     else
         moments_of(kind, address, 0, n, out);
+}
+
+/* The moments of n elements of ``kind`` at address (with the GIL released for large ones), ``threads`` reading a
+ * large one; read again summed in double where float32's sums overflowed (``widened``). */
+static void read_moments(int kind, const char *address, Py_ssize_t n, int threads, double *out) {
+    int release = n >= RELEASE_GIL_FROM;
+    PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
+    read_sized(kind, address, n, threads, out);
     int wide = widened(kind, out[3]);
-    if (wide >= 0 && n >= SHARE_FROM)
-        moments_chunked(wide, address, n, threads, out);
-    else if (wide >= 0)
-        moments_of(wide, address, 0, n, out);
+    if (wide >= 0)
+        read_sized(wide, address, n, threads, out);
     if (release)
         PyEval_RestoreThread(saved);
 }

@@ -254,8 +254,9 @@ class TraceWriter:
     the file). Why lines, not records (held and encoded together, before): a record encoded at once is still in
     the caches, and a line is bytes, which the garbage collector never visits (256 records held kept ~4,000 objects
     alive, 0.8 ms of its collections a step); on ``tools/bench_ops.py``'s toy, ``ops=True`` went from 1.73x to
-    1.66x the untraced step (medians of five processes each). A line a write (``held_records=0``) costs a ``pwrite`` a record. A process killed
-    outright (SIGKILL, a segfault) loses the lines still held, an exception, Ctrl-C or a normal exit none.
+    1.66x the untraced step (medians of five processes each). A line a write (``held_records=0``) costs a
+    ``pwrite`` a record. A process killed outright (SIGKILL, a segfault) loses the lines still held, an exception,
+    Ctrl-C or a normal exit none.
 
     The file is created exclusively and locked for the whole run: a second writer on the same path is refused
     before it writes anything. Thread-safe: autograd may call back from its own thread.

@@ -189,7 +189,8 @@ def test_the_kernel_gathers_a_slice_where_it_lies(dtype, layout):
     assert cpu_route(torch.randn(4, 1).expand(4, 6)) is None  # elements shared: numpy reads the view
 
 
-MASKED = {"dense": lambda t: t, "a slice": lambda t: t[..., 1:], "large, shared threads": lambda t: t.repeat(2, 2, 1, 1)}
+MASKED = {"dense": lambda t: t, "a slice": lambda t: t[..., 1:],
+          "large, shared threads": lambda t: t.repeat(2, 2, 1, 1)}
 
 
 @needs_kernel
