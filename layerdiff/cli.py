@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the longest a record waits in memory before it is written (compressed traces: their data "
                         "too); 0: every record is written before the step goes on; a crash keeps what was written")
     t.add_argument("--write-behind", type=float, metavar="MB",
-                   help="full mode: tensor bytes go through a ring of this size to a writer thread (O_DIRECT where "
-                        "the filesystem allows), so the disk works while the model computes (default 256); a process "
+                   help="full mode: tensor bytes go through a ring of at most this size to a writer thread (O_DIRECT "
+                        "where the filesystem allows), so the disk works while the model computes (default 256; the "
+                        "ring starts at 8 and grows while the disk falls behind); a process "
                         "killed outright loses what is queued, and the records held to be written together (at most "
                         "256, none older than --flush-interval): 0 writes every record before the step goes on")
     t.add_argument("--steps", type=int, default=1, help="call the step function this many times")

@@ -200,8 +200,9 @@ def trace(model, path, *, forcer=None, **options) -> Tracer:
     compression=None|"gzip"|"lzf", flush_interval=1.0 (seconds a record may wait in memory, held to be encoded and
     written with others: at most 256 are; 0 writes every record before the step goes on),
     params=True (parameter values and gradients), meta={...} (your own notes, stored in the trace),
-    write_behind=MB (full mode: tensor bytes are written by a thread of their own through a ring of this size,
-    256 by default, so the disk works while the model computes; 0, in either mode, writes every record before the
+    write_behind=MB (full mode: tensor bytes are written by a thread of their own through a ring of at most this
+    size, 256 by default, which starts at 8 MB and grows while the disk falls behind, so the disk works while the
+    model computes; 0, in either mode, writes every record before the
     step goes on, for hunting a crash that kills the process outright), ops=True (also every operation that the
     modules' own code runs: torch functions, tensor methods and operators, custom autograd functions, with their
     source line and where each input came from) or ops=["REGEX", ...] (only inside the modules whose path

@@ -7,13 +7,12 @@ system time per GB), time taken from the model. Here the ring mirrors the trace'
 the stream sits at ``p % capacity``), so the writer sends whole aligned blocks straight from it with
 ``O_DIRECT`` where the filesystem allows: no page-cache copy, a fraction of the kernel's CPU, and the writer
 waits for the disk while the model computes. The ring bounds the memory (backpressure: the step waits when it
-is full) and is allocated once.
+is full) and grows only as far as the writes fall behind (below).
 
-Where it costs more than it saves: a small model on a machine whose every core runs one of the framework's
-threads. The writer takes a core from them, and since buffered writes go out in 64 KB pieces, inline writes
-cost far less than the figure above: the toy of ``tools/bench_ops.py`` traced in full mode on 2 cores, 2.37x to
-2.41x the untraced step with write-behind, 1.85x to 1.94x without (``--write-behind 0``); docs/limits.md has
-the measurements.
+On a small model it costs what writing inline costs (since buffered writes go out in 64 KB pieces, inline
+writes cost far less than the figure above): the toy of ``tools/bench_ops.py`` traced in full mode on 2 cores,
+1.85x to 2.01x the untraced step with write-behind, 1.87x to 1.97x without (``--write-behind 0``); a step that
+writes 438 MB, 1.48x against 2.14x. docs/limits.md has the measurements.
 
 What a crash costs: an exception in the model, Ctrl-C or a normal exit drains the queue (the trace is closed
 by its context manager). A process killed outright (SIGKILL, a segfault, the OOM killer) loses the records
@@ -31,6 +30,7 @@ import numpy as np
 
 BLOCK = 4096  # O_DIRECT's alignment of memory, file offsets and lengths (safe for every common device)
 BATCH = 1 << 20  # with no index line waiting, the writer waits for this much data before a write
+FIRST_RING = 8 << 20  # the ring's size at first; it doubles, up to the capacity asked for, when the step waits
 
 
 class WriteBehind:
@@ -40,13 +40,22 @@ class WriteBehind:
     is ``len(view)``; the last block of a batch may run past the stream's end (its tail is not data yet and is
     written again, complete, later). ``write_lines(lines)`` receives the lines put since the last call, after
     every byte put before them is written. One producer at a time (the trace writer's lock).
+
+    The ring starts at ``FIRST_RING`` bytes and doubles, up to ``capacity``, each time the step finds it full.
+    Why: a ring's pages are touched (faulted in and zeroed by the kernel) the first time the stream passes over
+    them, and a ring of the whole capacity was passed over whole in a trace's first steps. The benchmark toy's
+    full trace (77 MB a step) took 3.01x its untraced step with a 256 MB ring, 1.91x with that ring's pages
+    touched beforehand, 1.98x with no write-behind at all (measured 2026-12-05, docs/limits.md). Where the disk
+    keeps up, the ring stays small and its pages are reused; where it falls behind, the ring grows to absorb it.
     """
 
     def __init__(self, capacity: int, write_data: Callable[[int, memoryview], None],
                  write_lines: Callable[[list], None]):
-        self.capacity = max(capacity // BLOCK, 2 * BATCH // BLOCK + 2) * BLOCK
+        self.max_capacity = max(capacity // BLOCK, 2 * BATCH // BLOCK + 2) * BLOCK
+        self.capacity = min(self.max_capacity, FIRST_RING)
         self._map = mmap.mmap(-1, self.capacity)  # page-aligned, as O_DIRECT needs; touched on first use
         self.ring = np.frombuffer(self._map, dtype=np.uint8)
+        self.waiting_for_room = False  # the step waits for the writer to free some of the ring
         self.write_data, self.write_lines = write_data, write_lines
         self.produced = 0  # the stream's end: bytes copied into the ring
         self.done = 0  # bytes written to the file
@@ -70,7 +79,9 @@ class WriteBehind:
                     room = released + self.capacity - self.produced
                     if room > 0:
                         break
+                    self.waiting_for_room = True  # the writer grows the ring after its write (``_grow``)
                     self.cond.wait()
+                self.waiting_for_room = False
                 start = self.produced % self.capacity
                 n = min(flat.size - copied, room, self.capacity - start)
             self.ring[start:start + n] = flat[copied:copied + n]  # outside the lock: the writer works meanwhile
@@ -81,9 +92,13 @@ class WriteBehind:
 
     def put_line(self, line: bytes):
         """Queue a line; it is written after every byte put so far."""
+        self.put_lines([line])
+
+    def put_lines(self, lines: list):
+        """Queue lines, in order; they are written after every byte put so far (one wake of the writer for all)."""
         with self.cond:
             self._raise_error()
-            self.lines.append(line)
+            self.lines += lines
             self.cond.notify_all()
 
     def drain(self):
@@ -132,7 +147,24 @@ class WriteBehind:
             with self.cond:
                 self.done = max(self.done, target) if self.error is None else self.produced
                 self.busy = False
+                if self.waiting_for_room and self.capacity < self.max_capacity and self.error is None:
+                    self._grow()
                 self.cond.notify_all()
+
+    def _grow(self):
+        """The ring twice as large (at most ``max_capacity``), holding the bytes not yet written where the new size
+        puts them. Run by the writer with the lock held, between its writes, while the step waits for room: neither
+        thread is reading or copying into the ring then."""
+        capacity = min(2 * self.capacity, self.max_capacity)
+        grown = mmap.mmap(-1, capacity)
+        ring = np.frombuffer(grown, dtype=np.uint8)
+        position = self.done // BLOCK * BLOCK  # the partial block the writer has not finished is kept too
+        while position < self.produced:
+            at = position % self.capacity
+            n = min(self.produced - position, self.capacity - at, capacity - position % capacity)
+            ring[position % capacity:position % capacity + n] = self.ring[at:at + n]
+            position += n
+        self.ring, self._map, self.capacity = ring, grown, capacity
 
     def _work_ready(self) -> bool:
         if self.error is not None:

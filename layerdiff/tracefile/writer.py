@@ -421,8 +421,7 @@ class TraceWriter:
                 self.flush()
             return
         if self._behind is not None:
-            for line in lines:
-                self._behind.put_line(line)
+            self._behind.put_lines(lines)
             return
         self._index.append([lines[0] if len(lines) == 1 else b"".join(lines)])
         self.records_written += len(lines)  # counted once their lines are in the file

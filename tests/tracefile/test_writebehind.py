@@ -16,7 +16,7 @@ import pytest
 
 from layerdiff.tracefile.writer import TraceWriter
 from layerdiff.tracefile.reader import open_trace
-from layerdiff.tracefile.writebehind import BATCH, WriteBehind
+from layerdiff.tracefile.writebehind import BATCH, FIRST_RING, WriteBehind
 
 
 def _arrays():
@@ -173,6 +173,46 @@ def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
     assert len(lines_seen) == 37
     image = bytearray(-(-stream.size // 4096) * 4096)
     for start, raw in written:  # later writes of a block replace the partial earlier ones
+        image[start:start + len(raw)] = raw
+    assert bytes(image[:stream.size]) == stream.tobytes()
+
+
+def test_the_ring_grows_while_the_disk_falls_behind_and_keeps_every_byte():
+    """A sink slower than the step: the ring, small at first (its pages are touched only as the stream passes
+    over them), doubles while the step waits for room, never past the capacity asked for, and the bytes not yet
+    written when it grows (a partial block among them) land where the stream puts them; lines still follow their
+    bytes."""
+    import time
+
+    written: list = []
+    data_end = [0]
+
+    def slow_write(start, view):
+        time.sleep(0.005)
+        written.append((start, bytes(view)))
+        data_end[0] = max(data_end[0], start + len(view))
+
+    def write_lines(lines):
+        for line in lines:
+            assert data_end[0] >= int(line), "a line was written before its bytes"
+        lines_seen.extend(lines)
+
+    lines_seen: list = []
+    behind = WriteBehind(4 * FIRST_RING, slow_write, write_lines)
+    assert behind.capacity == FIRST_RING < behind.max_capacity
+    stream = np.random.default_rng(2).integers(0, 256, 6 * FIRST_RING + 4321, dtype=np.uint8)
+    put, sizes = 0, set()
+    for piece in np.array_split(stream, 61):  # pieces that end mid-block
+        behind.put_bytes(piece)
+        put += piece.size
+        behind.put_line(str(put).encode())
+        sizes.add(behind.capacity)
+    behind.drain()
+    behind.close()
+    assert len(sizes) > 1 and max(sizes) <= 4 * FIRST_RING  # it grew, within the capacity asked for
+    assert len(lines_seen) == 61
+    image = bytearray(-(-stream.size // 4096) * 4096)
+    for start, raw in written:
         image[start:start + len(raw)] = raw
     assert bytes(image[:stream.size]) == stream.tobytes()
 
