@@ -148,7 +148,10 @@ class WriteBehind:
                 self.done = max(self.done, target) if self.error is None else self.produced
                 self.busy = False
                 if self.waiting_for_room and self.capacity < self.max_capacity and self.error is None:
-                    self._grow()
+                    try:
+                        self._grow()
+                    except (OSError, MemoryError):  # no memory for a larger ring: the step waits for the disk
+                        self.max_capacity = self.capacity
                 self.cond.notify_all()
 
     def _grow(self):

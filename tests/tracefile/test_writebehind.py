@@ -217,6 +217,50 @@ def test_the_ring_grows_while_the_disk_falls_behind_and_keeps_every_byte():
     assert bytes(image[:stream.size]) == stream.tobytes()
 
 
+def test_no_memory_for_a_larger_ring_leaves_the_step_waiting_for_the_disk(monkeypatch):
+    """A larger ring that cannot be mapped: the ring keeps its size, the step waits for the disk instead, and the
+    stream is whole (the writer thread does not die with the step waiting on it)."""
+    import mmap as mmap_module
+    import time
+
+    from layerdiff.tracefile import writebehind
+
+    real_mmap = mmap_module.mmap
+
+    def small_maps_only(fileno, length, *args, **kwargs):
+        if length > FIRST_RING:
+            raise OSError(12, "Cannot allocate memory")
+        return real_mmap(fileno, length, *args, **kwargs)
+
+    monkeypatch.setattr(writebehind.mmap, "mmap", small_maps_only)
+    written: list = []
+
+    def slow_write(start, view):
+        time.sleep(0.005)
+        written.append((start, bytes(view)))
+
+    behind = WriteBehind(4 * FIRST_RING, slow_write, lambda lines: None)
+    stream = np.random.default_rng(3).integers(0, 256, 3 * FIRST_RING + 99, dtype=np.uint8)
+
+    def step():
+        for piece in np.array_split(stream, 23):
+            behind.put_bytes(piece)
+        behind.drain()
+
+    import threading
+
+    stepping = threading.Thread(target=step, daemon=True)
+    stepping.start()
+    stepping.join(60)
+    assert not stepping.is_alive(), "the step waits for a writer thread that died"
+    behind.close()
+    assert behind.capacity == behind.max_capacity == FIRST_RING
+    image = bytearray(-(-stream.size // 4096) * 4096)
+    for start, raw in written:
+        image[start:start + len(raw)] = raw
+    assert bytes(image[:stream.size]) == stream.tobytes()
+
+
 def test_an_error_in_the_writer_thread_reaches_the_step():
     def failing(start, view):
         raise OSError(28, "No space left on device")
