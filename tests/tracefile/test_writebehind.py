@@ -2,12 +2,15 @@
 the arrays' sizes and layouts; errors of the writer thread reach the caller as one line."""
 from __future__ import annotations
 
+import mmap
 import os
 import resource
 import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import h5py
@@ -16,6 +19,7 @@ import pytest
 
 from layerdiff.tracefile.writer import TraceWriter
 from layerdiff.tracefile.reader import open_trace
+from layerdiff.tracefile import writebehind
 from layerdiff.tracefile.writebehind import BATCH, FIRST_RING, WriteBehind
 
 
@@ -143,24 +147,39 @@ def test_a_trace_whose_file_outgrew_its_recorded_end_is_read_whole(tmp_path):
     assert path.read_bytes() == before  # read, never repaired in place
 
 
+class _Sink:
+    """A writer's file, in memory: the blocks written (whole blocks, at block offsets) and the lines, each of which
+    names how many stream bytes were put before it and must come after them. ``delay``: seconds a write takes (a
+    disk slower than the step)."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay, self.written, self.lines, self.data_end = delay, [], [], 0
+
+    def write_data(self, start, view):
+        assert start % 4096 == 0 and len(view) % 4096 == 0
+        if self.delay:
+            time.sleep(self.delay)
+        self.written.append((start, bytes(view)))
+        self.data_end = max(self.data_end, start + len(view))
+
+    def write_lines(self, lines):
+        for line in lines:
+            assert self.data_end >= int(line), "a line was written before its bytes"
+        self.lines.extend(lines)
+
+    def assert_holds(self, stream: np.ndarray):
+        """The file holds the stream: later writes of a block replace the partial earlier ones."""
+        image = bytearray(-(-stream.size // 4096) * 4096)
+        for start, raw in self.written:
+            image[start:start + len(raw)] = raw
+        assert bytes(image[:stream.size]) == stream.tobytes()
+
+
 def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
     """The writer hands lines over only after every byte put before them, and the step never gets more than the
     ring's size ahead of the disk (a slow sink makes the step wait)."""
-    written: list = []
-    data_end = [0]
-
-    def write_data(start, view):
-        assert start % 4096 == 0 and len(view) % 4096 == 0
-        written.append((start, bytes(view)))
-        data_end[0] = max(data_end[0], start + len(view))
-
-    def write_lines(lines):  # each line names how many stream bytes were put before it
-        for line in lines:
-            assert data_end[0] >= int(line), "a line was written before its bytes"
-        lines_seen.extend(lines)
-
-    lines_seen: list = []
-    behind = WriteBehind(0, write_data, write_lines)  # the smallest ring
+    sink = _Sink()
+    behind = WriteBehind(0, sink.write_data, sink.write_lines)  # the smallest ring
     stream = np.random.default_rng(1).integers(0, 256, 5 * behind.capacity + 123, dtype=np.uint8)
     put = 0
     for piece in np.array_split(stream, 37):
@@ -170,11 +189,8 @@ def test_lines_wait_for_their_bytes_and_the_ring_bounds_memory():
         behind.put_line(str(put).encode())
     behind.drain()  # raises an assertion the writer thread met
     behind.close()
-    assert len(lines_seen) == 37
-    image = bytearray(-(-stream.size // 4096) * 4096)
-    for start, raw in written:  # later writes of a block replace the partial earlier ones
-        image[start:start + len(raw)] = raw
-    assert bytes(image[:stream.size]) == stream.tobytes()
+    assert len(sink.lines) == 37
+    sink.assert_holds(stream)
 
 
 def test_the_ring_grows_while_the_disk_falls_behind_and_keeps_every_byte():
@@ -182,23 +198,8 @@ def test_the_ring_grows_while_the_disk_falls_behind_and_keeps_every_byte():
     over them), doubles while the step waits for room, never past the capacity asked for, and the bytes not yet
     written when it grows (a partial block among them) land where the stream puts them; lines still follow their
     bytes."""
-    import time
-
-    written: list = []
-    data_end = [0]
-
-    def slow_write(start, view):
-        time.sleep(0.005)
-        written.append((start, bytes(view)))
-        data_end[0] = max(data_end[0], start + len(view))
-
-    def write_lines(lines):
-        for line in lines:
-            assert data_end[0] >= int(line), "a line was written before its bytes"
-        lines_seen.extend(lines)
-
-    lines_seen: list = []
-    behind = WriteBehind(4 * FIRST_RING, slow_write, write_lines)
+    sink = _Sink(delay=0.005)
+    behind = WriteBehind(4 * FIRST_RING, sink.write_data, sink.write_lines)
     assert behind.capacity == FIRST_RING < behind.max_capacity
     stream = np.random.default_rng(2).integers(0, 256, 6 * FIRST_RING + 4321, dtype=np.uint8)
     put, sizes = 0, set()
@@ -210,22 +211,14 @@ def test_the_ring_grows_while_the_disk_falls_behind_and_keeps_every_byte():
     behind.drain()
     behind.close()
     assert len(sizes) > 1 and max(sizes) <= 4 * FIRST_RING  # it grew, within the capacity asked for
-    assert len(lines_seen) == 61
-    image = bytearray(-(-stream.size // 4096) * 4096)
-    for start, raw in written:
-        image[start:start + len(raw)] = raw
-    assert bytes(image[:stream.size]) == stream.tobytes()
+    assert len(sink.lines) == 61
+    sink.assert_holds(stream)
 
 
 def test_no_memory_for_a_larger_ring_leaves_the_step_waiting_for_the_disk(monkeypatch):
     """A larger ring that cannot be mapped: the ring keeps its size, the step waits for the disk instead, and the
     stream is whole (the writer thread does not die with the step waiting on it)."""
-    import mmap as mmap_module
-    import time
-
-    from layerdiff.tracefile import writebehind
-
-    real_mmap = mmap_module.mmap
+    real_mmap = mmap.mmap
 
     def small_maps_only(fileno, length, *args, **kwargs):
         if length > FIRST_RING:
@@ -233,13 +226,8 @@ def test_no_memory_for_a_larger_ring_leaves_the_step_waiting_for_the_disk(monkey
         return real_mmap(fileno, length, *args, **kwargs)
 
     monkeypatch.setattr(writebehind.mmap, "mmap", small_maps_only)
-    written: list = []
-
-    def slow_write(start, view):
-        time.sleep(0.005)
-        written.append((start, bytes(view)))
-
-    behind = WriteBehind(4 * FIRST_RING, slow_write, lambda lines: None)
+    sink = _Sink(delay=0.005)
+    behind = WriteBehind(4 * FIRST_RING, sink.write_data, sink.write_lines)
     stream = np.random.default_rng(3).integers(0, 256, 3 * FIRST_RING + 99, dtype=np.uint8)
 
     def step():
@@ -247,18 +235,13 @@ def test_no_memory_for_a_larger_ring_leaves_the_step_waiting_for_the_disk(monkey
             behind.put_bytes(piece)
         behind.drain()
 
-    import threading
-
     stepping = threading.Thread(target=step, daemon=True)
     stepping.start()
     stepping.join(60)
     assert not stepping.is_alive(), "the step waits for a writer thread that died"
     behind.close()
     assert behind.capacity == behind.max_capacity == FIRST_RING
-    image = bytearray(-(-stream.size // 4096) * 4096)
-    for start, raw in written:
-        image[start:start + len(raw)] = raw
-    assert bytes(image[:stream.size]) == stream.tobytes()
+    sink.assert_holds(stream)
 
 
 def test_an_error_in_the_writer_thread_reaches_the_step():
