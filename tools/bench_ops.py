@@ -11,13 +11,14 @@ The model is the benchmark toy of issue 28: transformers' LlamaForCausalLM from 
 of 2 x 128 tokens. Each mode runs in a fresh interpreter of its own (msprobe's debugger is one per process): the
 untraced step is timed first in that process, then the traced one, alternating blocks; the ratio is the traced
 median over the untraced median of the same process. The modes the targets compare run a round each in turn, in a
-fresh interpreter per round (``interleaved``), untraced and traced blocks alternating in it (``--pairs``); a
-mode's ratio is the median of its rounds' ratios, each taken within one interpreter (the ratio of the medians of
-all its rounds' steps pooled, which mixes interpreters that met the machine at different speeds, is also given). Modes: layerdiff's module-level `stats`
-trace, the same with every operation recorded (``ops=True``), with the operations of one decoder block recorded
-(``ops=[block]``), and msprobe (mindstudio-probe) `statistics` dumps at level L0 (modules) and L1 (APIs); and
-the whole-model operations trace and msprobe L1 again on the same toy with eager attention (transformers' own
-attention code: its scores masked with float32's lowest value, a softmax and two matmuls instead of SDPA).
+fresh interpreter per round (``interleaved``), untraced and traced blocks alternating in it (``--pairs``); a mode's
+ratio is the median of its rounds' ratios, each taken within one interpreter (the ratio of the medians of all its
+rounds' steps pooled, which mixes interpreters that met the machine at different speeds, is also given). Modes:
+layerdiff's module-level `stats` trace, the same with every operation recorded (``ops=True``), with the operations
+of one decoder block recorded (``ops=[block]``), and msprobe (mindstudio-probe) `statistics` dumps at level L0
+(modules) and L1 (APIs); and the whole-model operations trace and msprobe L1 again on the same toy with eager
+attention (transformers' own attention code: its scores masked with float32's lowest value, a softmax and two
+matmuls instead of SDPA).
 Per-operation cost = (operations trace - module trace) / operation records per step. The target's share (the
 operations trace's ratio over msprobe L1's) is also given round by round: each round's two processes met the same
 stretch of the machine, so the spread of those shares is how far one run's verdict can be trusted.
@@ -271,7 +272,8 @@ def interleaved(steps: int, rounds: int, pairs: int = PAIRS) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, help=f"timed steps per block (default {STEPS}; --quick 3)")
-    p.add_argument("--rounds", type=int, help=f"untraced/traced block pairs (default {ROUNDS}; --quick 1)")
+    p.add_argument("--rounds", type=int, help=f"interpreters of each mode the targets compare, in turn; "
+                   f"untraced/traced block pairs of the other modes (default {ROUNDS}; --quick 1)")
     p.add_argument("--pairs", type=int, help=f"untraced/traced block pairs in each interpreter of the modes the "
                    f"targets compare (default {PAIRS}; --quick 1)")
     p.add_argument("--quick", action="store_true", help="1 round of 3 steps: checks the tool")
